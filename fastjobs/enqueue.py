@@ -1,0 +1,218 @@
+"""Enqueueing: one job (INSERT), many (binary COPY), in fastjobs' transaction or the caller's."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import pq
+
+from . import sql
+from .impl import core
+from .types import MAX_ATTEMPTS_LIMIT, PRIORITY_MAX, PRIORITY_MIN, JobSpec
+
+# Rows encoded per write to the COPY stream: bounded memory for any iterable,
+# large enough that the per-write cost vanishes.
+COPY_CHUNK = 8192
+
+_COPY_HEADER = b"PGCOPY\n\xff\r\n\x00" + bytes(8)  # signature, flags, extension length
+_COPY_TRAILER = b"\xff\xff"
+_PG_EPOCH = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """Validated per-call options of an enqueue, with the spec's defaults applied."""
+
+    kind: str
+    queue: str
+    priority: int
+    max_attempts: int
+    run_at: dt.datetime | None
+    delay: float | None
+    params: frozenset[str] | None
+    required: frozenset[str]
+
+
+def options(
+    kind: str,
+    spec: JobSpec | None,
+    *,
+    queue: str | None = None,
+    priority: int | None = None,
+    max_attempts: int | None = None,
+    run_at: dt.datetime | None = None,
+    delay: float | dt.timedelta | None = None,
+) -> Options:
+    """Validate everything but the arguments; each bad value raises with its reason."""
+    if not isinstance(kind, str) or not kind:
+        raise ValueError(f"job kind must be a non-empty string, not {kind!r}")
+    queue = queue if queue is not None else (spec.queue if spec else "default")
+    priority = priority if priority is not None else (spec.priority if spec else 0)
+    max_attempts = max_attempts if max_attempts is not None else (spec.max_attempts if spec else 25)
+    check_queue(queue)
+    check_priority(priority)
+    check_max_attempts(max_attempts)
+    if run_at is not None and delay is not None:
+        raise ValueError("pass run_at or delay, not both")
+    if run_at is not None:
+        if not isinstance(run_at, dt.datetime):
+            raise ValueError(f"run_at must be a datetime, not {type(run_at).__name__}")
+        if run_at.tzinfo is None or run_at.utcoffset() is None:
+            raise ValueError("run_at must carry a timezone (a naive datetime is ambiguous)")
+    seconds: float | None = None
+    if delay is not None:
+        seconds = delay.total_seconds() if isinstance(delay, dt.timedelta) else delay
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+            raise ValueError(f"delay must be seconds or a timedelta, not {type(delay).__name__}")
+        if not math.isfinite(seconds) or seconds < 0:
+            raise ValueError(f"delay must be a finite number of seconds >= 0, not {seconds!r}")
+        seconds = float(seconds)
+    return Options(
+        kind,
+        queue,
+        priority,
+        max_attempts,
+        run_at,
+        seconds,
+        spec.params if spec else None,
+        spec.required if spec else frozenset(),
+    )
+
+
+def check_queue(queue: object) -> None:
+    if not isinstance(queue, str) or not queue:
+        raise ValueError(f"queue must be a non-empty string, not {queue!r}")
+    if len(queue) > 128:
+        raise ValueError(f"queue names are at most 128 characters, this one has {len(queue)}")
+
+
+def check_priority(priority: object) -> None:
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority must be an integer, not {type(priority).__name__}")
+    if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise ValueError(f"priority must be between {PRIORITY_MIN} and {PRIORITY_MAX}, not {priority}")
+
+
+def check_max_attempts(max_attempts: object) -> None:
+    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int):
+        raise ValueError(f"max_attempts must be an integer, not {type(max_attempts).__name__}")
+    if not 1 <= max_attempts <= MAX_ATTEMPTS_LIMIT:
+        raise ValueError(f"max_attempts must be between 1 and {MAX_ATTEMPTS_LIMIT}, not {max_attempts}")
+
+
+def insert_params(opts: Options, args: Any) -> tuple[Any, ...]:
+    """Parameters of sql.job_insert; raises TypeError for arguments that cannot be stored."""
+    data = core.dump_args(opts.kind, {} if args is None else args, opts.params, opts.required)
+    return (opts.queue, opts.kind, data.decode(), opts.priority, opts.max_attempts, opts.run_at, opts.delay)
+
+
+def insert(conn: psycopg.Connection[Any], opts: Options, args: Any) -> int:
+    params = insert_params(opts, args)
+    with psycopg.RawCursor(conn) as cur:
+        row = cur.execute(sql.job_insert, params).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def insert_async(conn: psycopg.AsyncConnection[Any], opts: Options, args: Any) -> int:
+    params = insert_params(opts, args)
+    async with psycopg.AsyncRawCursor(conn) as cur:
+        await cur.execute(sql.job_insert, params)
+        row = await cur.fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _field(data: bytes) -> bytes:
+    return len(data).to_bytes(4, "big") + data
+
+
+def copy_layout(opts: Options, now: dt.datetime) -> tuple[str, bytes, bytes]:
+    """The COPY statement and the bytes before and after each row's args.
+
+    A delayed bulk enqueue is computed against the client's clock; the claim
+    also requires run_at <= now(), so a skewed clock can only delay a job.
+    """
+    run_at = opts.run_at
+    if run_at is None and opts.delay:
+        run_at = now + dt.timedelta(seconds=opts.delay)
+    fields = 5 if run_at is None else 7
+    prefix = fields.to_bytes(2, "big") + _field(opts.queue.encode()) + _field(opts.kind.encode())
+    suffix = _field(opts.priority.to_bytes(2, "big", signed=True)) + _field(
+        opts.max_attempts.to_bytes(2, "big")
+    )
+    if run_at is None:
+        return sql.job_copy, prefix, suffix
+    state = b"scheduled" if run_at > now else b"available"
+    micros = (run_at - _PG_EPOCH) // dt.timedelta(microseconds=1)
+    suffix += _field(state) + _field(micros.to_bytes(8, "big", signed=True))
+    return sql.job_copy_at, prefix, suffix
+
+
+def _chunks(opts: Options, rows: Iterable[Any], prefix: bytes, suffix: bytes) -> Iterator[tuple[bytes, int]]:
+    it = iter(rows)
+    while True:
+        data, count = core.encode_copy_rows(opts.kind, it, prefix, suffix, COPY_CHUNK, opts.params, opts.required)
+        if not count:
+            return
+        yield data, count
+
+
+def _atomic(conn: psycopg.Connection[Any]) -> contextlib.AbstractContextManager[Any]:
+    """A savepoint inside the caller's transaction, a transaction in autocommit.
+
+    On an idle non-autocommit connection the COPY simply opens the caller's
+    transaction: a `conn.transaction()` there would commit it behind their back.
+    """
+    if conn.autocommit or conn.info.transaction_status == pq.TransactionStatus.INTRANS:
+        return conn.transaction()
+    return contextlib.nullcontext()
+
+
+def copy_many(conn: psycopg.Connection[Any], opts: Options, rows: Iterable[Any]) -> int:
+    statement, prefix, suffix = copy_layout(opts, dt.datetime.now(dt.UTC))
+    chunks = _chunks(opts, rows, prefix, suffix)
+    first = next(chunks, None)  # bad args in the first chunk fail before the COPY starts
+    if first is None:
+        return 0
+    total = 0
+    with _atomic(conn), conn.cursor() as cur, cur.copy(statement) as copy:
+        copy.write(_COPY_HEADER)
+        for data, count in _prepend(first, chunks):
+            copy.write(data)
+            total += count
+        copy.write(_COPY_TRAILER)
+    return total
+
+
+def _atomic_async(conn: psycopg.AsyncConnection[Any]) -> contextlib.AbstractAsyncContextManager[Any]:
+    if conn.autocommit or conn.info.transaction_status == pq.TransactionStatus.INTRANS:
+        return conn.transaction()
+    return contextlib.nullcontext()
+
+
+async def copy_many_async(conn: psycopg.AsyncConnection[Any], opts: Options, rows: Iterable[Any]) -> int:
+    statement, prefix, suffix = copy_layout(opts, dt.datetime.now(dt.UTC))
+    chunks = _chunks(opts, rows, prefix, suffix)
+    first = next(chunks, None)
+    if first is None:
+        return 0
+    total = 0
+    async with _atomic_async(conn), conn.cursor() as cur, cur.copy(statement) as copy:
+        await copy.write(_COPY_HEADER)
+        for data, count in _prepend(first, chunks):
+            await copy.write(data)
+            total += count
+        await copy.write(_COPY_TRAILER)
+    return total
+
+
+def _prepend(first: tuple[bytes, int], rest: Iterator[tuple[bytes, int]]) -> Iterator[tuple[bytes, int]]:
+    yield first
+    yield from rest

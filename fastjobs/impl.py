@@ -1,0 +1,47 @@
+"""The hot-path implementation, chosen once at import: C (`_core`) or the Python reference.
+
+The C module drives psycopg's connection through libpq directly, which is only
+sound when psycopg uses the same system libpq: its `c` or `python`
+implementation, not `binary` (which bundles its own). FASTJOBS_IMPL=c|python
+forces one; forcing `c` where it cannot run is an error, not a fallback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import ModuleType
+
+import psycopg
+
+from .errors import ConfigurationError
+
+
+def _choose() -> ModuleType:
+    forced = os.environ.get("FASTJOBS_IMPL", "").strip().lower()
+    if forced not in ("", "c", "python"):
+        raise ConfigurationError(f"FASTJOBS_IMPL must be 'c' or 'python', not {forced!r}")
+    if forced == "python":
+        from . import _core_py
+
+        return _core_py
+    reason = None
+    if psycopg.pq.__impl__ == "binary":
+        reason = "psycopg's binary implementation bundles its own libpq"
+    else:
+        try:
+            from . import _core
+
+            return _core
+        except ImportError as exc:
+            reason = f"the C extension is not built ({exc})"
+    if forced == "c":
+        raise ConfigurationError(f"FASTJOBS_IMPL=c, but {reason}")
+    print(f"fastjobs: running the Python reference hot path: {reason}", file=sys.stderr)
+    from . import _core_py
+
+    return _core_py
+
+
+core = _choose()
+IMPLEMENTATION: str = core.IMPLEMENTATION

@@ -1,0 +1,80 @@
+"""Migrations: numbered, forward-only SQL files applied under an advisory lock."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import psycopg
+
+from . import sql
+from .errors import FastjobsError, SchemaMissing
+
+_FILE = re.compile(r"^(\d{3})_([a-z0-9_]+)\.sql$")
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    version: int
+    name: str
+    sql: str
+
+
+def migrations() -> list[Migration]:
+    """Every migration shipped in the package (`migrations/` of the source tree), in order."""
+    found = []
+    for entry in resources.files("fastjobs.migrations").iterdir():
+        match = _FILE.match(entry.name)
+        if match:
+            found.append(Migration(int(match[1]), match[2], entry.read_text(encoding="utf-8")))
+    found.sort(key=lambda m: m.version)
+    versions = [m.version for m in found]
+    if versions != list(range(1, len(found) + 1)):
+        raise FastjobsError(f"migrations are not numbered 001.. without gaps: {versions}")
+    return found
+
+
+def migrate(conn: psycopg.Connection[Any]) -> list[Migration]:
+    """Apply the pending migrations in one transaction; return those applied.
+
+    The advisory lock makes concurrent migrators queue up: the second one
+    finds everything applied and does nothing.
+    """
+    with conn.transaction(), psycopg.RawCursor(conn) as cur:
+        cur.execute(sql.migration_lock, (sql.MIGRATION_LOCK_KEY,))
+        cur.execute(sql.migration_table_create)
+        applied = {row[0] for row in cur.execute(sql.migration_applied_list)}
+        pending = [m for m in migrations() if m.version not in applied]
+        for migration in pending:
+            cur.execute(migration.sql.encode())
+            cur.execute(sql.migration_record, (migration.version, migration.name))
+    return pending
+
+
+def script() -> str:
+    """All migrations as one SQL script, for DBAs who apply by hand (`fastjobs migrate --sql`)."""
+    parts = ["BEGIN;", f"SELECT pg_advisory_xact_lock({sql.MIGRATION_LOCK_KEY});"]
+    parts.append(sql.migration_table_create.strip() + ";")
+    for m in migrations():
+        parts.append(f"-- {m.version:03d}_{m.name}")
+        parts.append(m.sql.strip())
+        parts.append(
+            f"INSERT INTO fastjobs_migrations (version, name) VALUES ({m.version}, '{m.name}')"
+            " ON CONFLICT DO NOTHING;"
+        )
+    parts.append("COMMIT;")
+    return "\n".join(parts) + "\n"
+
+
+def check(conn: psycopg.Connection[Any]) -> None:
+    """Raise SchemaMissing unless every shipped migration is applied."""
+    with psycopg.RawCursor(conn) as cur:
+        row = cur.execute(sql.schema_version).fetchone()
+    latest = migrations()[-1].version
+    if row is None or row[0] is None or row[0] < latest:
+        have = "none" if row is None or row[0] is None else f"{row[0]:03d}"
+        raise SchemaMissing(
+            f"the fastjobs schema is at {have}, this fastjobs needs {latest:03d}: run `fastjobs migrate`"
+        )

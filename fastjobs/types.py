@@ -1,0 +1,42 @@
+"""Plain types shared by every module: job states and the registered job spec."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+PRIORITY_MIN = -32768  # the column is a smallint
+PRIORITY_MAX = 32767
+MAX_ATTEMPTS_LIMIT = 32767
+DEFAULT_MAX_ATTEMPTS = 25  # Sidekiq's and River's default: about three weeks of backoff
+DEFAULT_QUEUE = "default"
+
+
+class JobState(enum.StrEnum):
+    """The `fastjobs_state` enum of the jobs table."""
+
+    AVAILABLE = "available"
+    SCHEDULED = "scheduled"
+    RUNNING = "running"
+    RETRYABLE = "retryable"
+    COMPLETED = "completed"
+    DISCARDED = "discarded"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """A handler registered with `@app.job`, and the defaults of its jobs."""
+
+    kind: str
+    func: Callable[..., Any]
+    queue: str = DEFAULT_QUEUE
+    priority: int = 0
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    timeout: float | None = None
+    is_async: bool = False
+    # Argument names the handler accepts; None when it takes **kwargs.
+    params: frozenset[str] | None = None
+    required: frozenset[str] = field(default_factory=frozenset)
