@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import inspect
+import select
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import orjson
+from psycopg import pq
 
+from . import handlers, sql
 from .errors import args_error
+from .handlers import Executor, Outcome
+from .types import JobSpec
 
 IMPLEMENTATION = "python"
 
@@ -62,3 +68,198 @@ def encode_copy_rows(
         if count == limit:
             break
     return b"".join(parts), count
+
+
+class LoopError(Exception):
+    """A statement of the hot loop failed; its message is PostgreSQL's."""
+
+
+def _wait(pgconn: Any, write: bool = False) -> None:
+    fd = pgconn.socket
+    if write:
+        select.select([fd], [fd], [])
+    else:
+        select.select([fd], [], [])
+
+
+class BatchLoop:
+    """Claims, runs and completes batches on one connection, one statement per batch.
+
+    With `overlap`, the statement that completes batch k-1 and claims batch
+    k+1 is sent before batch k's handlers run, so PostgreSQL works while
+    Python does: on two cores a strictly sequential loop leaves each side
+    idle half the time. The price is one batch claimed ahead, given back
+    (uncounted) by `finish`.
+
+    The batch size adapts: twice what the last claim found, between
+    `batch_min` and `batch_max`, so a shallow queue is claimed a few jobs at
+    a time (latency) and a deep one in large batches (throughput).
+    """
+
+    def __init__(
+        self,
+        conn: Any,
+        specs: dict[str, JobSpec],
+        executor: Executor,
+        worker_id: str,
+        queues: list[str],
+        keep_completed: bool = False,
+        batch_min: int = 1,
+        batch_max: int = 1000,
+        overlap: bool = True,
+    ) -> None:
+        self._pgconn = conn.pgconn
+        self._specs = specs
+        self._executor = executor
+        self._worker_id = worker_id.encode()
+        self._queues = [q.encode() for q in queues]
+        self._turn = 0
+        self._statement = b"job_finish_claim_many_keep" if keep_completed else b"job_finish_claim_many"
+        self._sql = sql.job_finish_claim_many_keep if keep_completed else sql.job_finish_claim_many
+        self.batch_min = batch_min
+        self.batch_max = batch_max
+        self.size = batch_min
+        self.overlap = overlap
+        self.stopping = False
+        self.claimed = 0
+        self.completed = 0
+        self.failed = 0
+        self._in_flight = False
+        self._rows: list[tuple[int, str, bytes, int, int]] = []
+        self._done: list[int] = []
+        self._failures: list[Outcome] = []
+
+    def prepare(self) -> None:
+        res = self._pgconn.prepare(self._statement, self._sql.encode())
+        if res.status != pq.ExecStatus.COMMAND_OK:
+            raise LoopError(res.error_message.decode(errors="replace"))
+
+    def _send(self, limit: int) -> None:
+        """Send the outcomes gathered so far and a claim of `limit` jobs."""
+        done = ("{" + ",".join(map(str, self._done)) + "}").encode()
+        failures = orjson.dumps(self._failures)
+        queue = self._queues[self._turn % len(self._queues)]
+        self._turn += 1
+        self.completed += len(self._done)
+        self.failed += len(self._failures)
+        self._done = []
+        self._failures = []
+        params = [done, failures, queue, str(limit).encode(), self._worker_id]
+        self._pgconn.send_query_prepared(self._statement, params, result_format=1)
+        while self._pgconn.flush():
+            _wait(self._pgconn, write=True)
+        self._in_flight = True
+        self._limit = limit
+
+    def _receive(self) -> list[tuple[int, str, bytes, int, int]]:
+        pgconn = self._pgconn
+        rows: list[tuple[int, str, bytes, int, int]] = []
+        error = None
+        pgconn.consume_input()
+        while True:
+            while pgconn.is_busy():
+                _wait(pgconn)
+                pgconn.consume_input()
+            res = pgconn.get_result()
+            if res is None:
+                break
+            if res.status == pq.ExecStatus.TUPLES_OK:
+                for i in range(res.ntuples):
+                    rows.append(
+                        (
+                            int.from_bytes(res.get_value(i, 0), "big", signed=True),
+                            res.get_value(i, 1).decode(),
+                            res.get_value(i, 2),
+                            int.from_bytes(res.get_value(i, 3), "big", signed=True),
+                            int.from_bytes(res.get_value(i, 4), "big", signed=True),
+                        )
+                    )
+            else:
+                error = res.error_message.decode(errors="replace")
+        self._in_flight = False
+        if error is not None:
+            raise LoopError(error)
+        self.claimed += len(rows)
+        self.size = min(self.batch_max, max(self.batch_min, 2 * len(rows)))
+        return rows
+
+    def _claim(self) -> list[tuple[int, str, bytes, int, int]]:
+        """Claim synchronously, trying each queue once before giving up."""
+        for _ in range(len(self._queues)):
+            self._send(self.size)
+            rows = self._receive()
+            if rows:
+                return rows
+        return []
+
+    def step(self) -> int:
+        """Run one batch; 0 when there was nothing to claim (outcomes are flushed then)."""
+        rows = self._rows or self._claim()
+        self._rows = []
+        if not rows:
+            return 0
+        if self.overlap and not self.stopping:
+            self._send(self.size)
+        self._run(rows)
+        if self._in_flight:
+            self._rows = self._receive()
+        return len(rows)
+
+    def finish(self) -> None:
+        """Give back the batch claimed ahead and write every outcome still held."""
+        if self._in_flight:
+            self._rows = self._receive()
+        self._failures.extend(handlers.release(row[0]) for row in self._rows)
+        self._rows = []
+        if self._done or self._failures:
+            self._send(0)
+            self._receive()
+
+    def _run(self, rows: list[tuple[int, str, bytes, int, int]]) -> None:
+        done = self._done
+        failures = self._failures
+        specs = self._specs
+        slow: list[handlers.SlowJob] = []
+        for index, (job_id, kind, raw, attempt, max_attempts) in enumerate(rows):
+            if self.stopping:
+                failures.extend(handlers.release(row[0]) for row in rows[index:])
+                break
+            spec = specs.get(kind)
+            if spec is None:
+                failures.append(handlers.unknown_kind(job_id, kind, attempt, max_attempts))
+                continue
+            try:
+                args = orjson.loads(raw[1:])
+            except orjson.JSONDecodeError as exc:
+                failures.append(handlers.discard(job_id, attempt, f"args do not decode: {exc}"))
+                continue
+            if type(args) is not dict:
+                reason = f"args must be a JSON object, not {type(args).__name__}"
+                failures.append(handlers.discard(job_id, attempt, reason))
+                continue
+            if spec.is_async or spec.timeout is not None:
+                slow.append((spec, job_id, args, attempt, max_attempts))
+                continue
+            try:
+                result = spec.func(**args)
+            except Exception as exc:
+                failures.append(handlers.failure(spec, job_id, attempt, max_attempts, exc))
+                continue
+            except BaseException as exc:
+                # SystemExit, KeyboardInterrupt: record this job, give the rest
+                # back, write it all, then let the exception stop the worker.
+                failures.append(handlers.failure(spec, job_id, attempt, max_attempts, exc))
+                failures.extend(handlers.release(row[0]) for row in rows[index + 1 :])
+                failures.extend(handlers.release(job[1]) for job in slow)
+                self.stopping = True
+                self.finish()
+                raise
+            if result is not None and inspect.iscoroutine(result):
+                result.close()
+                failures.append(
+                    handlers.failure(spec, job_id, attempt, max_attempts, handlers.returned_coroutine(spec))
+                )
+                continue
+            done.append(job_id)
+        if slow:
+            self._executor.run(slow, done, failures)

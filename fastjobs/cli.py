@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
 import sys
 from pathlib import Path
 
 from . import bench, database, schema
-from .errors import FastjobsError
+from .app import App
+from .errors import ConfigurationError, FastjobsError
+from .impl import IMPLEMENTATION
+from .worker import Worker
 
 DEFAULT_RESULTS = Path("bench") / "results.jsonl"
 
@@ -19,6 +24,13 @@ def _parser() -> argparse.ArgumentParser:
 
     migrate = commands.add_parser("migrate", help="create or upgrade the schema")
     migrate.add_argument("--sql", action="store_true", help="print the migrations' SQL instead of applying it")
+
+    run = commands.add_parser("run", help="run workers for the jobs of MODULE")
+    run.add_argument("module", help="module holding a fastjobs.App, or module:attribute")
+    run.add_argument("--processes", type=int, default=1, help="worker processes (this version: 1)")
+    run.add_argument("--queues", help="comma-separated queues to serve (default: every registered queue)")
+    run.add_argument("--batch-max", type=int, default=1000, help="largest batch one claim takes")
+    run.add_argument("--keep-completed", action="store_true", help="keep completed jobs instead of deleting")
 
     run_bench = commands.add_parser("bench", help="measure fastjobs beside the raw-SQL limit")
     run_bench.add_argument("--jobs", type=int, default=100_000)
@@ -33,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "migrate":
             return _migrate(args)
+        if args.command == "run":
+            return _run(args)
         if args.command == "bench":
             dsn = database.resolve_dsn(args.dsn)
             bench.run_enqueue(dsn, args.jobs, args.repeat, args.results, bench.echo)
@@ -41,6 +55,48 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fastjobs: {exc}", file=sys.stderr)
         return 1
     return 2
+
+
+def load_app(target: str, dsn: str | None = None) -> App:
+    """Import `module` or `module:attr` and return its App; a clear error otherwise."""
+    module_name, _, attr = target.partition(":")
+    sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ConfigurationError(f"cannot import {module_name!r}: {type(exc).__name__}: {exc}") from exc
+    if attr:
+        app = getattr(module, attr, None)
+        if not isinstance(app, App):
+            raise ConfigurationError(f"{target!r} is not a fastjobs.App")
+    else:
+        apps = [v for v in vars(module).values() if isinstance(v, App)]
+        if len(apps) != 1:
+            raise ConfigurationError(
+                f"module {module_name!r} holds {len(apps)} fastjobs.App instances; name one as {module_name}:attr"
+            )
+        app = apps[0]
+    if dsn:
+        app._dsn = dsn
+    return app
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.processes != 1:
+        raise ConfigurationError("this version runs one worker process: --processes 1")
+    app = load_app(args.module, args.dsn)
+    queues = [q.strip() for q in args.queues.split(",") if q.strip()] if args.queues else None
+    worker = Worker(app, queues, batch_max=args.batch_max, keep_completed=args.keep_completed)
+    worker.install_signals()
+    print(
+        f"fastjobs: worker {worker.worker_id} serving {','.join(worker.queues)} "
+        f"({len(app.jobs)} job kinds, {IMPLEMENTATION} implementation)",
+        file=sys.stderr,
+        flush=True,
+    )
+    worker.run()
+    print("fastjobs: worker stopped", file=sys.stderr, flush=True)
+    return 0
 
 
 def _migrate(args: argparse.Namespace) -> int:

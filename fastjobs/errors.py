@@ -26,3 +26,31 @@ class SchemaMissing(FastjobsError):
 def args_error(kind: str, detail: str) -> TypeError:
     """The TypeError every enqueue path raises for arguments it cannot store."""
     return TypeError(f"arguments of job kind {kind!r} cannot be enqueued: {detail}")
+
+
+class JobTimeout(FastjobsError):
+    """The job ran longer than its timeout."""
+
+
+class Retry(FastjobsError):
+    """Raised by a handler: fail this attempt and run the job again after `delay` seconds."""
+
+    def __init__(self, delay: float = 0.0, reason: str | None = None) -> None:
+        super().__init__(reason or f"retry requested in {delay:g}s")
+        self.delay = float(delay)
+
+
+class Snooze(FastjobsError):
+    """Raised by a handler: run the job again after `delay` seconds; the attempt does not count."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        super().__init__(f"snoozed for {delay:g}s")
+        self.delay = float(delay)
+
+
+class Cancel(FastjobsError):
+    """Raised by a handler: stop this job for good, recording `reason`; it is not retried."""
+
+    def __init__(self, reason: str = "cancelled by its handler") -> None:
+        super().__init__(reason)
+        self.reason = reason

@@ -73,6 +73,82 @@ UPDATE fastjobs_jobs j
  WHERE j.id = c.id
 RETURNING j.id, j.kind, j.args, j.attempt, j.max_attempts"""
 
+# The outcomes of a batch ($2, a JSON array written by fastjobs.handlers):
+# {id, state, delay (seconds, null keeps run_at), uncount (1 gives the attempt
+# back: snoozed and released jobs), error (appended to errors, or null)}.
+_FINISH_FAILED = """
+    UPDATE fastjobs_jobs j
+       SET state = f.state,
+           run_at = CASE WHEN f.delay IS NULL THEN j.run_at
+                         ELSE now() + make_interval(secs => f.delay) END,
+           attempt = j.attempt - f.uncount,
+           finalized_at = CASE WHEN f.state IN ('discarded', 'cancelled') THEN now() END,
+           errors = CASE WHEN f.error IS NULL THEN j.errors
+                         ELSE coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(f.error) END
+      FROM jsonb_to_recordset($2::jsonb)
+           AS f(id bigint, state fastjobs_state, delay float8, uncount smallint, error jsonb)
+     WHERE j.id = f.id AND j.state = 'running'"""
+
+_CLAIM = """
+    UPDATE fastjobs_jobs j
+       SET state = 'running', attempt = j.attempt + 1,
+           attempted_at = now(), attempted_by = $5
+      FROM (SELECT id FROM fastjobs_jobs
+             WHERE state = 'available' AND queue = $3 AND run_at <= now()
+             ORDER BY priority DESC, run_at, id
+             LIMIT $4
+               FOR UPDATE SKIP LOCKED) c
+     WHERE j.id = c.id
+    RETURNING j.id, j.kind, j.args, j.attempt, j.max_attempts"""
+
+# job_finish_claim_many: the hot loop's one statement, one round trip per batch.
+# Deletes the completed jobs ($1, an int8 array), records the other outcomes
+# ($2), and claims up to $4 jobs of queue $3 for worker $5 (LIMIT 0: none).
+job_finish_claim_many: Final = f"""
+WITH completed AS (
+    DELETE FROM fastjobs_jobs WHERE id = ANY($1::bigint[]) AND state = 'running'
+), failed AS ({_FINISH_FAILED}
+), claimed AS ({_CLAIM}
+)
+SELECT id, kind, args, attempt, max_attempts FROM claimed"""
+
+# job_finish_claim_many_keep: the same, keeping completed jobs as 'completed'
+# rows for the cleaner to remove after the retention period.
+job_finish_claim_many_keep: Final = f"""
+WITH completed AS (
+    UPDATE fastjobs_jobs SET state = 'completed', finalized_at = now()
+     WHERE id = ANY($1::bigint[]) AND state = 'running'
+), failed AS ({_FINISH_FAILED}
+), claimed AS ({_CLAIM}
+)
+SELECT id, kind, args, attempt, max_attempts FROM claimed"""
+
+# job_schedule_many: scheduled and retryable jobs whose time has come become
+# available, at most $1 per statement, oldest first; returns their queues so
+# waiting workers can be woken.
+job_schedule_many: Final = """
+WITH due AS (
+    SELECT id FROM fastjobs_jobs
+     WHERE state IN ('scheduled', 'retryable') AND run_at <= coalesce($2::timestamptz, now())
+     ORDER BY run_at
+     LIMIT $1
+       FOR UPDATE SKIP LOCKED
+), promoted AS (
+    UPDATE fastjobs_jobs j SET state = 'available' FROM due WHERE j.id = due.id RETURNING j.queue
+)
+SELECT queue, count(*), pg_notify('fastjobs', queue) FROM promoted GROUP BY queue"""
+
+# worker_register: a worker process announces itself (or re-announces after a reconnect).
+worker_register: Final = """
+INSERT INTO fastjobs_workers (id, host, pid, queues) VALUES ($1, $2, $3, $4::text[])
+ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), queues = excluded.queues"""
+
+# worker_heartbeat: one write per interval, never one per job.
+worker_heartbeat: Final = "UPDATE fastjobs_workers SET heartbeat_at = now() WHERE id = $1"
+
+# worker_delete: a worker that stops cleanly removes its row.
+worker_delete: Final = "DELETE FROM fastjobs_workers WHERE id = $1"
+
 # job_get: one job's row, for inspection and tests.
 job_get: Final = """
 SELECT id, queue, kind, args, priority, state, run_at, attempt, max_attempts,
@@ -88,5 +164,5 @@ def statements() -> dict[str, str]:
     return {
         name: value
         for name, value in globals().items()
-        if name[0].islower() and isinstance(value, str) and name not in {"annotations"}
+        if name[0].islower() and isinstance(value, str)
     }

@@ -40,3 +40,5 @@ class JobSpec:
     # Argument names the handler accepts; None when it takes **kwargs.
     params: frozenset[str] | None = None
     required: frozenset[str] = field(default_factory=frozenset)
+    # Seconds to wait after failed attempt n, given a uniform random number in [0, 1).
+    retry: Callable[[int, float], float] | None = None

@@ -1,0 +1,160 @@
+"""Running handlers off the hot path, and turning what they raise into outcome records.
+
+The hot loop calls plain `def` handlers inline. Everything slower goes
+through here: async handlers (run concurrently on the worker's event loop),
+handlers with a timeout, and every exception, which becomes the record the
+batch statement (sql.job_finish_claim_many) writes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import inspect
+import random
+import signal
+import threading
+import traceback
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+from .errors import Cancel, JobTimeout, Retry, Snooze
+from .retry import default_backoff
+from .types import JobSpec
+
+Outcome = dict[str, Any]
+
+# One job handed to the slow path: (spec, id, args, attempt, max_attempts).
+SlowJob = tuple[JobSpec, int, dict[str, Any], int, int]
+
+
+def _error(attempt: int, exc: BaseException | str, with_traceback: bool = True) -> dict[str, Any]:
+    if isinstance(exc, str):
+        text, trace = exc, None
+    else:
+        text = f"{type(exc).__name__}: {exc}"
+        trace = "".join(traceback.format_exception(exc)) if with_traceback else None
+    return {
+        "at": dt.datetime.now(dt.UTC).isoformat(),
+        "attempt": attempt,
+        "error": text,
+        "traceback": trace,
+    }
+
+
+def failure(
+    spec: JobSpec | None, job_id: int, attempt: int, max_attempts: int, exc: BaseException | str
+) -> Outcome:
+    """The outcome of an attempt that raised `exc` (or failed for the reason `exc`)."""
+    if isinstance(exc, Snooze):
+        state = "scheduled" if exc.delay > 0 else "available"
+        return {"id": job_id, "state": state, "delay": exc.delay, "uncount": 1, "error": None}
+    if isinstance(exc, Cancel):
+        return {"id": job_id, "state": "cancelled", "delay": None, "uncount": 0,
+                "error": _error(attempt, f"Cancel: {exc.reason}")}
+    error = _error(attempt, exc, with_traceback=not isinstance(exc, Retry))
+    if attempt >= max_attempts:
+        return {"id": job_id, "state": "discarded", "delay": None, "uncount": 0, "error": error}
+    if isinstance(exc, Retry):
+        delay = max(exc.delay, 0.0)
+    else:
+        policy = spec.retry if spec is not None and spec.retry is not None else default_backoff
+        delay = max(float(policy(attempt, random.random())), 0.0)
+    state = "retryable" if delay > 0 else "available"
+    return {"id": job_id, "state": state, "delay": delay, "uncount": 0, "error": error}
+
+
+def discard(job_id: int, attempt: int, reason: str) -> Outcome:
+    """A job that can never succeed (its args do not decode): discarded at once."""
+    return {"id": job_id, "state": "discarded", "delay": None, "uncount": 0, "error": _error(attempt, reason)}
+
+
+def unknown_kind(job_id: int, kind: str, attempt: int, max_attempts: int) -> Outcome:
+    """A kind this worker has no handler for: retried, since another deploy may have it."""
+    return failure(None, job_id, attempt, max_attempts, f"no handler registered for job kind {kind!r}")
+
+
+def release(job_id: int) -> Outcome:
+    """A claimed job that never started (shutdown, or the batch was aborted): available again, uncounted."""
+    return {"id": job_id, "state": "available", "delay": None, "uncount": 1, "error": None}
+
+
+def returned_coroutine(spec: JobSpec) -> str:
+    return f"handler {spec.kind!r} is a plain def that returned a coroutine: declare it `async def`"
+
+
+class Executor:
+    """The slow path of one worker: async handlers, timeouts, and their outcomes."""
+
+    def __init__(self, concurrency: int = 100) -> None:
+        self.concurrency = concurrency
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def run(self, jobs: list[SlowJob], completed: list[int], failures: list[Outcome]) -> None:
+        """Run the slow jobs of a batch: sync ones in order, then async ones concurrently."""
+        pending_async = []
+        for job in jobs:
+            spec, job_id, args, attempt, max_attempts = job
+            if spec.is_async:
+                pending_async.append(job)
+                continue
+            try:
+                result = _call_with_timeout(spec.func, args, spec.timeout)
+                if inspect.iscoroutine(result):
+                    result.close()
+                    failures.append(failure(spec, job_id, attempt, max_attempts, returned_coroutine(spec)))
+                    continue
+            except Exception as exc:
+                failures.append(failure(spec, job_id, attempt, max_attempts, exc))
+            else:
+                completed.append(job_id)
+        if pending_async:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+            self._loop.run_until_complete(self._gather(pending_async, completed, failures))
+
+    async def _gather(self, jobs: list[SlowJob], completed: list[int], failures: list[Outcome]) -> None:
+        limit = asyncio.Semaphore(self.concurrency)
+
+        async def one(job: SlowJob) -> None:
+            spec, job_id, args, attempt, max_attempts = job
+            async with limit:
+                try:
+                    async with asyncio.timeout(spec.timeout):
+                        await spec.func(**args)
+                except TimeoutError:
+                    exc = JobTimeout(f"job ran longer than its timeout of {spec.timeout:g}s")
+                    failures.append(failure(spec, job_id, attempt, max_attempts, exc))
+                except Exception as exc:
+                    failures.append(failure(spec, job_id, attempt, max_attempts, exc))
+                else:
+                    completed.append(job_id)
+
+        await asyncio.gather(*(one(job) for job in jobs))
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
+
+
+def _call_with_timeout(func: Callable[..., Any], args: dict[str, Any], timeout: float | None) -> Any:
+    """Call a sync handler; past `timeout` seconds, JobTimeout is raised inside it.
+
+    SIGALRM interrupts Python code, not a call blocked in C: the master's
+    heartbeat watchdog replaces a worker stuck there.
+    """
+    if timeout is None or threading.current_thread() is not threading.main_thread():
+        return func(**args)
+
+    def on_alarm(signum: int, frame: FrameType | None) -> None:
+        raise JobTimeout(f"job ran longer than its timeout of {timeout:g}s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        return func(**args)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -1,0 +1,230 @@
+"""A worker process: its connections, LISTEN wake-ups, heartbeat, and the hot loop."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import sys
+import time
+import uuid
+from typing import Any
+
+import psycopg
+
+from . import database, leader, schema, sql
+from .app import App
+from .handlers import Executor
+from .impl import core
+
+HEARTBEAT_INTERVAL = 5.0
+LISTENER_CHECK_INTERVAL = 30.0
+
+
+class Listener:
+    """The worker's dedicated LISTEN connection.
+
+    Health is checked by a self-notification round trip; a dead listener is
+    reconnected, and while it is down the worker simply polls.
+    """
+
+    def __init__(self, dsn: str, queues: list[str], wake_fd: int | None = None) -> None:
+        self.dsn = dsn
+        self.queues = set(queues)
+        self.wake_fd = wake_fd
+        self.conn: psycopg.Connection[Any] | None = None
+        self.ping = f"fastjobs-ping-{uuid.uuid4().hex[:12]}"
+        self.last_check = 0.0
+        self.reconnects = 0
+
+    def connect(self) -> bool:
+        try:
+            self.conn = database.connect(self.dsn, autocommit=True)
+            self.conn.execute(f"LISTEN {sql.NOTIFY_CHANNEL}")
+            self.last_check = time.monotonic()
+            return True
+        except (psycopg.Error, database.DatabaseUnavailable) as exc:
+            print(f"fastjobs: listener connection failed, polling meanwhile: {exc}", file=sys.stderr)
+            self.conn = None
+            return False
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep until a notification for one of our queues, a wake-up, or `timeout`; True if woken."""
+        deadline = time.monotonic() + timeout
+        if self.conn is None and not self.connect():
+            self.reconnects += 1
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            fds = [self.wake_fd] if self.wake_fd is not None else []
+            if self.conn is not None:
+                fds.append(self.conn.pgconn.socket)
+            readable, _, _ = select.select(fds, [], [], left)
+            if self.wake_fd is not None and self.wake_fd in readable:
+                return True
+            if self.conn is not None and readable:
+                try:
+                    if self._drain():
+                        return True
+                except psycopg.Error:
+                    self._lost()
+
+    def _drain(self) -> bool:
+        """Read what arrived; True when it concerns our queues."""
+        assert self.conn is not None
+        pgconn = self.conn.pgconn
+        pgconn.consume_input()
+        if pgconn.status != psycopg.pq.ConnStatus.OK:
+            raise psycopg.OperationalError("listener connection lost")
+        hit = False
+        while (n := pgconn.notifies()) is not None:
+            if n.extra.decode() in self.queues:
+                hit = True
+        return hit
+
+    def check(self) -> bool:
+        """Self-notification round trip; reconnect when it does not come back."""
+        self.last_check = time.monotonic()
+        if self.conn is None:
+            return self.connect()
+        try:
+            self.conn.execute(f"LISTEN \"{self.ping}\"; NOTIFY \"{self.ping}\"")
+            for _ in self.conn.notifies(timeout=5.0, stop_after=1):
+                self.conn.execute(f"UNLISTEN \"{self.ping}\"")
+                return True
+        except psycopg.Error:
+            pass
+        self._lost()
+        return self.connect()
+
+    def _lost(self) -> None:
+        print("fastjobs: listener connection lost; reconnecting, polling meanwhile", file=sys.stderr)
+        self.reconnects += 1
+        if self.conn is not None:
+            try:
+                self.conn.close()
+            except psycopg.Error:
+                pass
+        self.conn = None
+
+
+class Worker:
+    """One worker: claims from `queues` until stopped.
+
+    Stopping (SIGTERM, SIGINT, or `stop()`) makes no new claims: the running
+    batch finishes its started job, the jobs claimed but not started go back
+    uncounted, and every outcome is written before `run` returns.
+    """
+
+    def __init__(
+        self,
+        app: App,
+        queues: list[str] | None = None,
+        *,
+        worker_id: str | None = None,
+        batch_max: int = 1000,
+        poll_interval: float = 1.0,
+        concurrency: int = 100,
+        keep_completed: bool = False,
+        overlap: bool = True,
+        exit_when_empty: bool = False,
+    ) -> None:
+        self.app = app
+        self.queues = queues or sorted({spec.queue for spec in app.jobs.values()}) or ["default"]
+        self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.batch_max = batch_max
+        self.poll_interval = poll_interval
+        self.executor = Executor(concurrency)
+        self.keep_completed = keep_completed
+        self.overlap = overlap
+        self.exit_when_empty = exit_when_empty
+        self.loop: Any = None
+        self._stop = False
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+
+    def stop(self) -> None:
+        """Stop claiming; safe from a signal handler and idempotent."""
+        self._stop = True
+        if self.loop is not None:
+            self.loop.stopping = True
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    def install_signals(self) -> None:
+        """First SIGTERM/SIGINT: graceful stop. Second: stop now (KeyboardInterrupt)."""
+
+        def handle(signum: int, frame: object) -> None:
+            if self._stop:
+                raise KeyboardInterrupt
+            self.stop()
+
+        signal.signal(signal.SIGTERM, handle)
+        signal.signal(signal.SIGINT, handle)
+
+    def run(self) -> None:
+        dsn = self.app.dsn
+        conn = database.connect(dsn, autocommit=True)
+        listener = Listener(dsn, self.queues, self._wake_r)
+        try:
+            schema.check(conn)
+            listener.connect()
+            with psycopg.RawCursor(conn) as cur:
+                cur.execute(
+                    sql.worker_register, (self.worker_id, socket.gethostname(), os.getpid(), self.queues)
+                )
+            self.loop = core.BatchLoop(
+                conn,
+                dict(self.app.jobs),
+                self.executor,
+                self.worker_id,
+                self.queues,
+                keep_completed=self.keep_completed,
+                batch_max=self.batch_max,
+                overlap=self.overlap,
+            )
+            self.loop.stopping = self._stop
+            self.loop.prepare()
+            self._loop(conn, listener)
+            with psycopg.RawCursor(conn) as cur:
+                cur.execute(sql.worker_delete, (self.worker_id,))
+        finally:
+            listener.close()
+            conn.close()
+            self.executor.close()
+
+    def _loop(self, conn: psycopg.Connection[Any], listener: Listener) -> None:
+        loop = self.loop
+        next_beat = time.monotonic() + HEARTBEAT_INTERVAL
+        next_schedule = 0.0
+        try:
+            while not self._stop:
+                ran = loop.step()
+                now = time.monotonic()
+                if now >= next_beat:
+                    next_beat = now + HEARTBEAT_INTERVAL
+                    with psycopg.RawCursor(conn) as cur:
+                        cur.execute(sql.worker_heartbeat, (self.worker_id,))
+                if ran:
+                    continue
+                if now >= next_schedule:
+                    next_schedule = now + self.poll_interval
+                    if leader.schedule_once(conn):
+                        continue
+                if self.exit_when_empty:
+                    break
+                if now - listener.last_check >= LISTENER_CHECK_INTERVAL:
+                    listener.check()
+                listener.wait(self.poll_interval)
+        finally:
+            loop.stopping = True
+            loop.finish()
