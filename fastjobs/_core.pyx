@@ -1,17 +1,81 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""The hot path in C: `_core_py.py` is its readable reference, name for name."""
+"""The hot path in C: `_core_py.py` is its readable reference, name for name.
+
+BatchLoop drives the connection psycopg opened through libpq directly
+(`conn.pgconn.pgconn_ptr`, psycopg's documented seam): sound only because
+psycopg uses this same system libpq, which fastjobs.impl checks at import.
+"""
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE, PyBytes_FromStringAndSize
+from cpython.object cimport PyObject_Call
+from cpython.unicode cimport PyUnicode_DecodeUTF8
+from libc.stdint cimport int16_t, int64_t, uint16_t, uint32_t, uint64_t
+from libc.stdio cimport snprintf
 from libc.stdlib cimport free, realloc
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy
+
+import inspect
 
 import orjson
 
+from fastjobs import handlers, sql
+from fastjobs._core_py import LoopError
 from fastjobs._core_py import dump_args as _dump_args_py
+
+
+cdef extern from "libpq-fe.h" nogil:
+    ctypedef struct PGconn:
+        pass
+    ctypedef struct PGresult:
+        pass
+    ctypedef enum ExecStatusType:
+        PGRES_COMMAND_OK
+        PGRES_TUPLES_OK
+    PGresult *PQprepare(PGconn *conn, const char *name, const char *query, int nParams, const unsigned int *types)
+    int PQsendQueryPrepared(PGconn *conn, const char *name, int nParams, const char * const *values,
+                            const int *lengths, const int *formats, int resultFormat)
+    int PQflush(PGconn *conn)
+    int PQconsumeInput(PGconn *conn)
+    int PQisBusy(PGconn *conn)
+    PGresult *PQgetResult(PGconn *conn)
+    ExecStatusType PQresultStatus(const PGresult *res)
+    char *PQresultErrorMessage(const PGresult *res)
+    char *PQerrorMessage(const PGconn *conn)
+    int PQntuples(const PGresult *res)
+    char *PQgetvalue(const PGresult *res, int row, int column)
+    int PQgetlength(const PGresult *res, int row, int column)
+    void PQclear(PGresult *res)
+    int PQsocket(const PGconn *conn)
+
+
+cdef extern from "<poll.h>" nogil:
+    struct pollfd:
+        int fd
+        short events
+        short revents
+    int poll(pollfd *fds, unsigned long nfds, int timeout)
+    enum:
+        POLLIN
+        POLLOUT
+
+
+cdef extern from "<endian.h>" nogil:
+    uint64_t be64toh(uint64_t)
+    uint16_t be16toh(uint16_t)
+
 
 IMPLEMENTATION = "c"
 
 cdef object _dumps = orjson.dumps
+cdef object _loads = orjson.loads
+cdef object _JSONDecodeError = orjson.JSONDecodeError
+cdef tuple _NO_ARGS = ()
+cdef object _iscoroutine = inspect.iscoroutine
+cdef object _release = handlers.release
+cdef object _failure = handlers.failure
+cdef object _discard = handlers.discard
+cdef object _unknown_kind = handlers.unknown_kind
+cdef object _returned_coroutine = handlers.returned_coroutine
 
 
 cdef struct Buffer:
@@ -92,3 +156,346 @@ def encode_copy_rows(str kind, rows, bytes prefix, bytes suffix, Py_ssize_t limi
         return PyBytes_FromStringAndSize(buf.data, buf.size), count
     finally:
         free(buf.data)
+
+
+cdef inline int64_t _int8(const char *p) noexcept nogil:
+    cdef uint64_t raw
+    memcpy(&raw, p, 8)
+    return <int64_t>be64toh(raw)
+
+
+cdef inline int16_t _int2(const char *p) noexcept nogil:
+    cdef uint16_t raw
+    memcpy(&raw, p, 2)
+    return <int16_t>be16toh(raw)
+
+
+cdef int _wait(PGconn *conn, short events) except -1:
+    cdef pollfd pfd
+    cdef int rc
+    pfd.fd = PQsocket(conn)
+    pfd.events = events
+    pfd.revents = 0
+    with nogil:
+        rc = poll(&pfd, 1, -1)
+    if rc < 0:
+        from os import strerror
+        from ctypes import get_errno
+        raise LoopError(f"poll failed: {strerror(get_errno())}")
+    return 0
+
+
+cdef str _conn_error(PGconn *conn):
+    return PQerrorMessage(conn).decode("utf-8", "replace")
+
+
+cdef class BatchLoop:
+    """Claims, runs and completes batches on one connection, one statement per batch.
+
+    See the reference in _core_py.py for the overlap and the adaptive batch size.
+    """
+
+    cdef PGconn *_pgconn
+    cdef object _conn  # keeps psycopg's connection (owner of the PGconn) alive
+    cdef dict _specs
+    cdef object _executor
+    cdef bytes _worker_id
+    cdef list _queues
+    cdef Py_ssize_t _turn
+    cdef bytes _statement
+    cdef bytes _sql
+    cdef public Py_ssize_t batch_min, batch_max, size
+    cdef public bint overlap, stopping
+    cdef public Py_ssize_t claimed, completed, failed
+    cdef bint _in_flight
+    cdef PGresult *_rows
+    cdef int _nrows
+    cdef int64_t *_done
+    cdef Py_ssize_t _ndone, _done_cap
+    cdef list _failures
+    cdef char *_text
+    cdef Py_ssize_t _text_cap
+    # Cache of the last kind seen: batches are mostly one kind, and a memcmp
+    # beats building a str and a dict lookup per job.
+    cdef bytes _last_kind
+    cdef object _last_spec
+    cdef object _last_func
+    cdef bint _last_fast
+
+    def __cinit__(self):
+        self._pgconn = NULL
+        self._rows = NULL
+        self._done = NULL
+        self._text = NULL
+
+    def __init__(self, conn, dict specs, executor, str worker_id, list queues, bint keep_completed=False,
+                 Py_ssize_t batch_min=1, Py_ssize_t batch_max=1000, bint overlap=True):
+        self._conn = conn
+        self._pgconn = <PGconn *><size_t>conn.pgconn.pgconn_ptr
+        self._specs = {k.encode(): v for k, v in specs.items()}
+        self._executor = executor
+        self._worker_id = worker_id.encode()
+        self._queues = [q.encode() for q in queues]
+        self._turn = 0
+        self._statement = b"job_finish_claim_many_keep" if keep_completed else b"job_finish_claim_many"
+        self._sql = (sql.job_finish_claim_many_keep if keep_completed else sql.job_finish_claim_many).encode()
+        self.batch_min = batch_min
+        self.batch_max = batch_max
+        self.size = batch_min
+        self.overlap = overlap
+        self.stopping = False
+        self.claimed = self.completed = self.failed = 0
+        self._in_flight = False
+        self._nrows = 0
+        self._ndone = 0
+        self._done_cap = 0
+        self._failures = []
+        self._text_cap = 0
+        self._last_kind = None
+
+    def __dealloc__(self):
+        if self._rows != NULL:
+            PQclear(self._rows)
+        free(self._done)
+        free(self._text)
+
+    def prepare(self):
+        cdef PGresult *res = PQprepare(self._pgconn, self._statement, self._sql, 0, NULL)
+        if res == NULL:
+            raise LoopError(_conn_error(self._pgconn))
+        try:
+            if PQresultStatus(res) != PGRES_COMMAND_OK:
+                raise LoopError(PQresultErrorMessage(res).decode("utf-8", "replace"))
+        finally:
+            PQclear(res)
+
+    cdef int _add_done(self, int64_t job_id) except -1:
+        cdef int64_t *grown
+        if self._ndone == self._done_cap:
+            self._done_cap = self._done_cap * 2 if self._done_cap else 1024
+            grown = <int64_t *>realloc(self._done, self._done_cap * sizeof(int64_t))
+            if grown == NULL:
+                raise MemoryError()
+            self._done = grown
+        self._done[self._ndone] = job_id
+        self._ndone += 1
+        return 0
+
+    cdef int _send(self, Py_ssize_t limit) except -1:
+        """Send the outcomes gathered so far and a claim of `limit` jobs."""
+        cdef Py_ssize_t i, pos = 0
+        cdef Py_ssize_t need = 2 + self._ndone * 21
+        cdef char *grown
+        cdef char limit_text[24]
+        cdef const char *values[5]
+        cdef bytes failures
+        cdef bytes queue
+        cdef int rc
+        if need > self._text_cap:
+            grown = <char *>realloc(self._text, need + 1)
+            if grown == NULL:
+                raise MemoryError()
+            self._text = grown
+            self._text_cap = need
+        # The completed ids as an int8[] literal: {1,2,3}; 21 bytes bound each.
+        self._text[pos] = b"{"
+        pos += 1
+        for i in range(self._ndone):
+            if i:
+                self._text[pos] = b","
+                pos += 1
+            pos += snprintf(self._text + pos, 21, "%lld", <long long>self._done[i])
+        self._text[pos] = b"}"
+        self._text[pos + 1] = 0
+        failures = _dumps(self._failures)
+        queue = self._queues[self._turn % len(self._queues)]
+        self._turn += 1
+        snprintf(limit_text, sizeof(limit_text), "%zd", limit)
+        self.completed += self._ndone
+        self.failed += len(self._failures)
+        self._ndone = 0
+        self._failures = []
+        values[0] = self._text
+        values[1] = PyBytes_AS_STRING(failures)
+        values[2] = PyBytes_AS_STRING(queue)
+        values[3] = limit_text
+        values[4] = PyBytes_AS_STRING(self._worker_id)
+        if not PQsendQueryPrepared(self._pgconn, self._statement, 5, values, NULL, NULL, 1):
+            raise LoopError(_conn_error(self._pgconn))
+        while True:
+            rc = PQflush(self._pgconn)
+            if rc == 0:
+                break
+            if rc < 0:
+                raise LoopError(_conn_error(self._pgconn))
+            _wait(self._pgconn, POLLIN | POLLOUT)
+            if not PQconsumeInput(self._pgconn):
+                raise LoopError(_conn_error(self._pgconn))
+        self._in_flight = True
+        return 0
+
+    cdef int _receive(self) except -1:
+        """Collect the in-flight statement's result: the claimed rows go to self._rows."""
+        cdef PGresult *res
+        cdef object error = None
+        cdef int n
+        if self._rows != NULL:
+            PQclear(self._rows)
+            self._rows = NULL
+        self._nrows = 0
+        if not PQconsumeInput(self._pgconn):
+            self._in_flight = False
+            raise LoopError(_conn_error(self._pgconn))
+        while True:
+            while PQisBusy(self._pgconn):
+                _wait(self._pgconn, POLLIN)
+                if not PQconsumeInput(self._pgconn):
+                    self._in_flight = False
+                    raise LoopError(_conn_error(self._pgconn))
+            res = PQgetResult(self._pgconn)
+            if res == NULL:
+                break
+            if PQresultStatus(res) == PGRES_TUPLES_OK and error is None:
+                if self._rows != NULL:
+                    PQclear(self._rows)
+                self._rows = res
+                self._nrows = PQntuples(res)
+            else:
+                if error is None:
+                    error = PQresultErrorMessage(res).decode("utf-8", "replace")
+                PQclear(res)
+        self._in_flight = False
+        if error is not None:
+            if self._rows != NULL:
+                PQclear(self._rows)
+                self._rows = NULL
+            self._nrows = 0
+            raise LoopError(error)
+        n = self._nrows
+        self.claimed += n
+        self.size = min(self.batch_max, max(self.batch_min, 2 * n))
+        return 0
+
+    cdef int _claim(self) except -1:
+        """Claim synchronously, trying each queue once before giving up."""
+        cdef Py_ssize_t i
+        for i in range(len(self._queues)):
+            self._send(self.size)
+            self._receive()
+            if self._nrows:
+                return 0
+        return 0
+
+    def step(self):
+        """Run one batch; 0 when there was nothing to claim (outcomes are flushed then)."""
+        cdef PGresult *batch
+        cdef int n
+        if self._nrows == 0:
+            self._claim()
+            if self._nrows == 0:
+                return 0
+        # Take ownership of the claimed rows: _receive below fills self._rows anew.
+        batch = self._rows
+        n = self._nrows
+        self._rows = NULL
+        self._nrows = 0
+        try:
+            if self.overlap and not self.stopping:
+                self._send(self.size)
+            self._run(batch, n)
+        finally:
+            PQclear(batch)
+        if self._in_flight:
+            self._receive()
+        return n
+
+    def finish(self):
+        """Give back the batch claimed ahead and write every outcome still held."""
+        cdef int i
+        if self._in_flight:
+            self._receive()
+        for i in range(self._nrows):
+            self._failures.append(_release(_int8(PQgetvalue(self._rows, i, 0))))
+        if self._rows != NULL:
+            PQclear(self._rows)
+            self._rows = NULL
+        self._nrows = 0
+        if self._ndone or self._failures:
+            self._send(0)
+            self._receive()
+
+    cdef int _run(self, PGresult *rows, int n) except -1:
+        cdef int i, j
+        cdef int64_t job_id
+        cdef int attempt, max_attempts
+        cdef const char *kind
+        cdef int kind_len
+        cdef const char *raw
+        cdef int raw_len
+        cdef object spec, args, result
+        cdef list failures = self._failures
+        cdef list slow = []
+        for i in range(n):
+            job_id = _int8(PQgetvalue(rows, i, 0))
+            if self.stopping:
+                for j in range(i, n):
+                    failures.append(_release(_int8(PQgetvalue(rows, j, 0))))
+                break
+            kind = PQgetvalue(rows, i, 1)
+            kind_len = PQgetlength(rows, i, 1)
+            attempt = _int2(PQgetvalue(rows, i, 3))
+            max_attempts = _int2(PQgetvalue(rows, i, 4))
+            if (self._last_kind is None or PyBytes_GET_SIZE(self._last_kind) != kind_len
+                    or memcmp(PyBytes_AS_STRING(self._last_kind), kind, kind_len) != 0):
+                self._last_kind = PyBytes_FromStringAndSize(kind, kind_len)
+                self._last_spec = self._specs.get(self._last_kind)
+                if self._last_spec is not None:
+                    self._last_func = self._last_spec.func
+                    self._last_fast = not self._last_spec.is_async and self._last_spec.timeout is None
+            spec = self._last_spec
+            if spec is None:
+                failures.append(_unknown_kind(job_id, PyUnicode_DecodeUTF8(kind, kind_len, "replace"),
+                                              attempt, max_attempts))
+                continue
+            # jsonb's binary format: a version byte, then the JSON text.
+            raw = PQgetvalue(rows, i, 2)
+            raw_len = PQgetlength(rows, i, 2)
+            try:
+                args = _loads(PyBytes_FromStringAndSize(raw + 1, raw_len - 1))
+            except _JSONDecodeError as exc:
+                failures.append(_discard(job_id, attempt, f"args do not decode: {exc}"))
+                continue
+            if type(args) is not dict:
+                failures.append(_discard(job_id, attempt,
+                                         f"args must be a JSON object, not {type(args).__name__}"))
+                continue
+            if not self._last_fast:
+                slow.append((spec, job_id, args, attempt, max_attempts))
+                continue
+            try:
+                # The dict is ours (fresh from orjson): pass it as the kwargs
+                # as is, where func(**args) would copy it.
+                result = PyObject_Call(self._last_func, _NO_ARGS, args)
+            except Exception as exc:
+                failures.append(_failure(spec, job_id, attempt, max_attempts, exc))
+                continue
+            except BaseException as exc:
+                failures.append(_failure(spec, job_id, attempt, max_attempts, exc))
+                for j in range(i + 1, n):
+                    failures.append(_release(_int8(PQgetvalue(rows, j, 0))))
+                for job in slow:
+                    failures.append(_release(job[1]))
+                self.stopping = True
+                self.finish()
+                raise
+            if result is not None and _iscoroutine(result):
+                result.close()
+                failures.append(_failure(spec, job_id, attempt, max_attempts, _returned_coroutine(spec)))
+                continue
+            self._add_done(job_id)
+        if slow:
+            done = []
+            self._executor.run(slow, done, failures)
+            for job_id in done:
+                self._add_done(job_id)
+        return 0

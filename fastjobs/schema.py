@@ -71,10 +71,11 @@ def script() -> str:
 def check(conn: psycopg.Connection[Any]) -> None:
     """Raise SchemaMissing unless every shipped migration is applied."""
     with psycopg.RawCursor(conn) as cur:
-        row = cur.execute(sql.schema_version).fetchone()
+        exists = cur.execute(sql.schema_exists).fetchone()
+        version = cur.execute(sql.schema_version).fetchone()[0] if exists and exists[0] else None  # type: ignore[index]
     latest = migrations()[-1].version
-    if row is None or row[0] is None or row[0] < latest:
-        have = "none" if row is None or row[0] is None else f"{row[0]:03d}"
+    if version is None or version < latest:
+        have = "none" if version is None else f"{version:03d}"
         raise SchemaMissing(
             f"the fastjobs schema is at {have}, this fastjobs needs {latest:03d}: run `fastjobs migrate`"
         )

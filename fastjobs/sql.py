@@ -33,10 +33,11 @@ migration_applied_list: Final = "SELECT version FROM fastjobs_migrations ORDER B
 # migration_record: mark one migration applied.
 migration_record: Final = "INSERT INTO fastjobs_migrations (version, name) VALUES ($1, $2)"
 
-# schema_version: the newest applied migration, or NULL when there is no schema.
-schema_version: Final = """
-SELECT CASE WHEN to_regclass('fastjobs_migrations') IS NULL THEN NULL
-            ELSE (SELECT max(version) FROM fastjobs_migrations) END"""
+# schema_exists: whether the migrations table exists (schema_version would fail without it).
+schema_exists: Final = "SELECT to_regclass('fastjobs_migrations') IS NOT NULL"
+
+# schema_version: the newest applied migration.
+schema_version: Final = "SELECT max(version) FROM fastjobs_migrations"
 
 # job_insert: one job; scheduled when its run_at ($6, or now + $7 seconds) is in the future.
 job_insert: Final = """
