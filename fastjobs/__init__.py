@@ -1,11 +1,28 @@
 """fastjobs: a PostgreSQL-backed background job queue built for throughput."""
 
 from .app import App, Job
-from .errors import ConfigurationError, DatabaseUnavailable, FastjobsError, SchemaMissing
+from .errors import (
+    Cancel,
+    ConfigurationError,
+    DatabaseUnavailable,
+    FastjobsError,
+    JobTimeout,
+    Retry,
+    SchemaMissing,
+    Snooze,
+)
+from .retry import default_backoff
 from .types import JobSpec, JobState
+from .worker import Worker
 
 __all__ = [
     "App",
+    "Cancel",
+    "JobTimeout",
+    "Retry",
+    "Snooze",
+    "Worker",
+    "default_backoff",
     "ConfigurationError",
     "DatabaseUnavailable",
     "FastjobsError",

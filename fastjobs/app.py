@@ -16,6 +16,7 @@ import psycopg
 
 from . import database, enqueue
 from .enqueue import check_max_attempts, check_priority, check_queue
+from .retry import RetryPolicy
 from .types import DEFAULT_MAX_ATTEMPTS, DEFAULT_QUEUE, JobSpec
 
 P = ParamSpec("P")
@@ -54,12 +55,15 @@ class App:
         priority: int = 0,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         timeout: float | None = None,
+        retry: RetryPolicy | None = None,
     ) -> Callable[[Callable[P, R]], Job[P, R]]:
         """Register a handler (`def` or `async def`).
 
         `kind`, the name stored on each job row, defaults to the function's
         `module.qualname`: renaming or moving the function changes it, so pass
-        an explicit kind for jobs that must outlive a refactor.
+        an explicit kind for jobs that must outlive a refactor. `retry(attempt,
+        rand)` returns the seconds to wait after a failed attempt (default:
+        fastjobs.retry.default_backoff).
         """
         check_queue(queue)
         check_priority(priority)
@@ -82,6 +86,7 @@ class App:
                 is_async=inspect.iscoroutinefunction(func),
                 params=params,
                 required=required,
+                retry=retry,
             )
             self.jobs[name] = spec
             return Job(self, spec)
