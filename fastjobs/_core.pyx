@@ -208,6 +208,8 @@ cdef class BatchLoop:
     cdef public bint overlap, stopping
     cdef public Py_ssize_t claimed, completed, failed
     cdef bint _in_flight
+    cdef Py_ssize_t _limit
+    cdef bint _full
     cdef PGresult *_rows
     cdef int _nrows
     cdef int64_t *_done
@@ -246,6 +248,8 @@ cdef class BatchLoop:
         self.stopping = False
         self.claimed = self.completed = self.failed = 0
         self._in_flight = False
+        self._limit = 0
+        self._full = False
         self._nrows = 0
         self._ndone = 0
         self._done_cap = 0
@@ -332,6 +336,7 @@ cdef class BatchLoop:
             if not PQconsumeInput(self._pgconn):
                 raise LoopError(_conn_error(self._pgconn))
         self._in_flight = True
+        self._limit = limit
         return 0
 
     cdef int _receive(self) except -1:
@@ -373,6 +378,7 @@ cdef class BatchLoop:
             raise LoopError(error)
         n = self._nrows
         self.claimed += n
+        self._full = self._limit > 0 and n >= self._limit
         self.size = min(self.batch_max, max(self.batch_min, 2 * n))
         return 0
 
@@ -400,7 +406,8 @@ cdef class BatchLoop:
         self._rows = NULL
         self._nrows = 0
         try:
-            if self.overlap and not self.stopping:
+            # Claim ahead only from a deep queue: see the reference.
+            if self.overlap and self._full and not self.stopping:
                 self._send(self.size)
             self._run(batch, n)
         finally:

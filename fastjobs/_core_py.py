@@ -125,6 +125,8 @@ class BatchLoop:
         self.completed = 0
         self.failed = 0
         self._in_flight = False
+        self._limit = 0
+        self._full = False
         self._rows: list[tuple[int, str, bytes, int, int]] = []
         self._done: list[int] = []
         self._failures: list[Outcome] = []
@@ -180,6 +182,7 @@ class BatchLoop:
         if error is not None:
             raise LoopError(error)
         self.claimed += len(rows)
+        self._full = len(rows) >= self._limit > 0
         self.size = min(self.batch_max, max(self.batch_min, 2 * len(rows)))
         return rows
 
@@ -198,7 +201,10 @@ class BatchLoop:
         self._rows = []
         if not rows:
             return 0
-        if self.overlap and not self.stopping:
+        # Claim ahead only from a deep queue (the last claim came back full):
+        # on a shallow one it would mostly return nothing, one more round trip
+        # per wake-up.
+        if self.overlap and self._full and not self.stopping:
             self._send(self.size)
         self._run(rows)
         if self._in_flight:

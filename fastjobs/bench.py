@@ -4,19 +4,26 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import multiprocessing
+import os
+import signal
 import statistics
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import make_conninfo
 
-from . import database, enqueue, schema
+from . import database, enqueue, schema, sql
 from .app import App
+from .errors import FastjobsError
 from .impl import IMPLEMENTATION
+from .worker import Worker
 
 BENCH_DB = "fastjobs_bench"
 BENCH_KIND = "fastjobs.bench.noop"
@@ -80,32 +87,44 @@ def run_enqueue(dsn: str, jobs: int, repeat: int, results: Path | None, echo: Ca
             _reset(target)
             seconds = fn(target, rows)
             times[name].append(seconds)
-            echo(f"  run {run + 1}/{repeat} {name:8s} {jobs / seconds:>10,.0f} jobs/s")
+            echo(f"  run {run + 1}/{repeat} {name:8s} {jobs / seconds:>10,.0f} jobs/s\n")
     fast = jobs / statistics.median(times["fastjobs"])
     raw = jobs / statistics.median(times["raw"])
-    record = {
-        "bench": "enqueue",
+    record = _record(
+        "enqueue",
+        target,
+        jobs=jobs,
+        repeat=repeat,
+        fastjobs_jobs_per_s=round(fast),
+        raw_copy_jobs_per_s=round(raw),
+        ratio=round(fast / raw, 3),
+    )
+    echo(f"\n{'enqueue':<28}{'jobs/s':>12}{'ratio':>8}\n")
+    echo(f"{'raw binary COPY':<28}{raw:>12,.0f}{1.0:>8.2f}\n")
+    echo(f"{'fastjobs enqueue_many':<28}{fast:>12,.0f}{fast / raw:>8.2f}\n")
+    _write(results, record, echo)
+    return record
+
+
+def _record(bench: str, dsn: str, **figures: Any) -> dict[str, Any]:
+    """One JSON line: what ran, where, on which commit, and its figures."""
+    return {
+        "bench": bench,
         "at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "implementation": IMPLEMENTATION,
-        "jobs": jobs,
-        "repeat": repeat,
-        "fastjobs_jobs_per_s": round(fast),
-        "raw_copy_jobs_per_s": round(raw),
-        "ratio": round(fast / raw, 3),
-        "postgres": _server_version(target),
+        "postgres": _server_version(dsn),
         "commit": _git_commit(),
-        "host": conninfo_to_dict(target).get("host"),
+        **figures,
     }
-    echo("")
-    echo(f"{'enqueue':<24}{'jobs/s':>12}{'ratio':>8}")
-    echo(f"{'raw binary COPY':<24}{raw:>12,.0f}{1.0:>8.2f}")
-    echo(f"{'fastjobs enqueue_many':<24}{fast:>12,.0f}{fast / raw:>8.2f}   ({IMPLEMENTATION} implementation)")
-    if results is not None:
-        results.parent.mkdir(parents=True, exist_ok=True)
-        with results.open("a") as fh:
-            fh.write(json.dumps(record) + "\n")
-        echo(f"result appended to {results}")
-    return record
+
+
+def _write(results: Path | None, record: dict[str, Any], echo: Callable[[str], None]) -> None:
+    if results is None:
+        return
+    results.parent.mkdir(parents=True, exist_ok=True)
+    with results.open("a") as fh:
+        fh.write(json.dumps(record) + "\n")
+    echo(f"result appended to {results}\n")
 
 
 def _server_version(dsn: str) -> str:
@@ -127,6 +146,228 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
-def echo(line: str) -> None:
-    print(line, flush=True)
+def echo(text: str) -> None:
+    """Progress and tables on stdout; a leading \\r rewrites the progress line."""
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
+
+
+# --- drain: fastjobs workers against the leanest psycopg loop -------------------------------
+
+
+def _noop(**_: Any) -> None:
+    return None
+
+
+def _bench_app(dsn: str) -> App:
+    app = App(dsn)
+    app.job(kind=BENCH_KIND)(_noop)
+    return app
+
+
+def _fastjobs_drainer(dsn: str, batch: int, overlap: bool, ready: Any, start: Any) -> None:
+    app = _bench_app(dsn)
+
+    def on_ready() -> None:
+        ready.wait()
+        start.wait()
+
+    Worker(app, batch_max=batch, overlap=overlap, exit_when_empty=True, on_ready=on_ready).run()
+
+
+def _raw_drainer(dsn: str, batch: int, ready: Any, start: Any) -> None:
+    """The limit: the same claim, then DELETE by id array; no fastjobs code in the loop."""
+    with psycopg.connect(dsn, autocommit=True, prepare_threshold=0) as conn:
+        cur = psycopg.RawCursor(conn)
+        worker = f"raw:{os.getpid()}"
+        ready.wait()
+        start.wait()
+        while True:
+            ids = [row[0] for row in cur.execute(sql.job_claim_many, ("default", batch, worker))]
+            if not ids:
+                return
+            cur.execute("DELETE FROM fastjobs_jobs WHERE id = ANY($1)", (ids,))
+
+
+def _child(target: Callable[..., None], *args: Any) -> None:
+    try:
+        target(*args)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)
+
+
+def _drain_once(
+    dsn: str, jobs: int, processes: int, target: Callable[..., None], args: tuple[Any, ...], echo: Callable[[str], None]
+) -> tuple[float, float]:
+    """Fork `processes` drainers, start them together; (seconds, their CPU seconds)."""
+    _reset(dsn)
+    App(dsn).enqueue_many(BENCH_KIND, ({"i": i} for i in range(jobs)))
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("VACUUM ANALYZE fastjobs_jobs")
+    ctx = multiprocessing.get_context("fork")
+    ready, start = ctx.Barrier(processes + 1), ctx.Barrier(processes + 1)
+    pids = []
+    for _ in range(processes):
+        pid = os.fork()
+        if pid == 0:
+            _child(target, dsn, *args, ready, start)
+        pids.append(pid)
+    ready.wait()
+    began = time.perf_counter()
+    start.wait()
+    cpu = 0.0
+    left = set(pids)
+    with psycopg.connect(dsn, autocommit=True) as watch:
+        while left:
+            for pid in list(left):
+                done, status, usage = os.wait4(pid, os.WNOHANG)
+                if done:
+                    left.discard(pid)
+                    cpu += usage.ru_utime + usage.ru_stime
+                    if status != 0:
+                        raise FastjobsError(f"a benchmark process failed (status {status})")
+            if left:
+                remaining = watch.execute(sql.bench_available_count).fetchone()[0]  # type: ignore[index]
+                echo(f"\r    {jobs - remaining:>10,} / {jobs:,} jobs done")
+                time.sleep(0.5)
+    seconds = time.perf_counter() - began
+    return seconds, cpu
+
+
+def run_drain(
+    dsn: str,
+    jobs: int,
+    processes: int,
+    batch: int,
+    repeat: int,
+    overlap: bool,
+    results: Path | None,
+    echo: Callable[[str], None],
+) -> dict[str, Any]:
+    """Drain `jobs` no-op jobs with fastjobs workers and with the raw loop, alternating; medians."""
+    target = bench_dsn(dsn)
+    runs: dict[str, list[tuple[float, float]]] = {"fastjobs": [], "raw": []}
+    for run in range(repeat):
+        for name in ("fastjobs", "raw"):
+            if name == "fastjobs":
+                measured = _drain_once(target, jobs, processes, _fastjobs_drainer, (batch, overlap), echo)
+            else:
+                measured = _drain_once(target, jobs, processes, _raw_drainer, (batch,), echo)
+            runs[name].append(measured)
+            echo(f"\r  run {run + 1}/{repeat} {name:8s} {jobs / measured[0]:>10,.0f} jobs/s"
+                 f"   worker CPU {measured[1] / jobs * 1e6:6.1f} us/job\n")
+    med = {name: statistics.median(jobs / s for s, _ in r) for name, r in runs.items()}
+    cpu = {name: statistics.median(c / jobs * 1e6 for _, c in r) for name, r in runs.items()}
+    record = _record(
+        "drain",
+        target,
+        jobs=jobs,
+        processes=processes,
+        batch=batch,
+        overlap=overlap,
+        repeat=repeat,
+        fastjobs_jobs_per_s=round(med["fastjobs"]),
+        raw_jobs_per_s=round(med["raw"]),
+        ratio=round(med["fastjobs"] / med["raw"], 3),
+        fastjobs_cpu_us_per_job=round(cpu["fastjobs"], 2),
+        raw_cpu_us_per_job=round(cpu["raw"], 2),
+    )
+    echo(f"\n{'drain (' + str(processes) + ' processes)':<28}{'jobs/s':>12}{'ratio':>8}{'CPU us/job':>12}\n")
+    echo(f"{'raw SQL limit':<28}{med['raw']:>12,.0f}{1.0:>8.2f}{cpu['raw']:>12.1f}\n")
+    echo(f"{'fastjobs (' + IMPLEMENTATION + ')':<28}{med['fastjobs']:>12,.0f}"
+         f"{med['fastjobs'] / med['raw']:>8.2f}{cpu['fastjobs']:>12.1f}\n")
+    _write(results, record, echo)
+    return record
+
+
+# --- latency: pickup time at a steady offered rate -------------------------------------------
+
+
+def _latency_worker(dsn: str, batch: int, out: Any, ready: Any, start: Any) -> None:
+    app = App(dsn)
+    seen: list[float] = []
+
+    @app.job(kind=BENCH_KIND)
+    def stamp(t: float, **_: Any) -> None:
+        seen.append(time.time() - t)
+
+    worker = Worker(app, batch_max=batch, on_ready=lambda: (ready.wait(), start.wait()) and None)
+    worker.install_signals()
+    worker.run()
+    out.put(seen)
+
+
+def run_latency(
+    dsn: str, rate: float, seconds: float, processes: int, batch: int, results: Path | None, echo: Callable[[str], None]
+) -> dict[str, Any]:
+    """Offer `rate` single enqueues per second for `seconds`; pickup latency percentiles."""
+    target = bench_dsn(dsn)
+    _reset(target)
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    ready, start = ctx.Barrier(processes + 1), ctx.Barrier(processes + 1)
+    procs = [ctx.Process(target=_latency_worker, args=(target, batch, out, ready, start)) for _ in range(processes)]
+    for p in procs:
+        p.start()
+    ready.wait()
+    start.wait()
+    total = int(rate * seconds)
+    # Each enqueue is a commit (about a millisecond with fsync): several
+    # producers, each offering its share of the rate, keep the rate offered.
+    producers = 4
+    began = time.perf_counter()
+
+    def produce(index: int) -> None:
+        app = App(target)
+        with psycopg.connect(target, autocommit=True) as conn:
+            for i in range(index, total, producers):
+                pause = began + i / rate - time.perf_counter()
+                if pause > 0:
+                    time.sleep(pause)
+                app.enqueue(BENCH_KIND, {"t": time.time()}, conn=conn)
+
+    threads = [threading.Thread(target=produce, args=(i,)) for i in range(producers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    achieved = total / (time.perf_counter() - began)
+    with psycopg.connect(target, autocommit=True) as conn:
+        while conn.execute(sql.bench_available_count).fetchone()[0]:  # type: ignore[index]
+            time.sleep(0.05)
+    for p in procs:
+        os.kill(p.pid, signal.SIGTERM)
+    samples: list[float] = []
+    for _ in procs:
+        samples.extend(out.get(timeout=60))
+    for p in procs:
+        p.join()
+    samples.sort()
+    if not samples:
+        raise FastjobsError("no job ran during the latency benchmark")
+
+    def pct(q: float) -> float:
+        return samples[min(len(samples) - 1, int(q * len(samples)))] * 1000
+
+    record = _record(
+        "latency",
+        target,
+        rate=rate,
+        achieved_rate=round(achieved),
+        jobs=len(samples),
+        processes=processes,
+        batch=batch,
+        p50_ms=round(pct(0.50), 3),
+        p90_ms=round(pct(0.90), 3),
+        p99_ms=round(pct(0.99), 3),
+        max_ms=round(samples[-1] * 1000, 3),
+    )
+    echo(f"\npickup latency at {achieved:,.0f} jobs/s offered ({processes} processes, {IMPLEMENTATION}):"
+         f"  p50 {record['p50_ms']} ms   p90 {record['p90_ms']} ms   p99 {record['p99_ms']} ms\n")
+    _write(results, record, echo)
+    return record

@@ -34,8 +34,16 @@ def _parser() -> argparse.ArgumentParser:
 
     run_bench = commands.add_parser("bench", help="measure fastjobs beside the raw-SQL limit")
     run_bench.add_argument("--jobs", type=int, default=100_000)
+    run_bench.add_argument("--processes", type=int, default=2, help="worker processes draining")
+    run_bench.add_argument("--batch", type=int, default=1000, help="largest batch per claim")
     run_bench.add_argument("--repeat", type=int, default=3, help="runs per measurement; medians are reported")
-    run_bench.add_argument("--enqueue-only", action="store_true", help="measure enqueue_many against COPY")
+    run_bench.add_argument("--no-overlap", action="store_true", help="strictly sequential claim/run/complete")
+    run_bench.add_argument("--rate", type=float, default=1000.0, help="jobs/s offered in the latency run")
+    run_bench.add_argument("--latency-seconds", type=float, default=5.0, help="length of the latency run")
+    only = run_bench.add_mutually_exclusive_group()
+    only.add_argument("--enqueue-only", action="store_true", help="only enqueue_many against COPY")
+    only.add_argument("--drain-only", action="store_true", help="only the drain against the raw-SQL loop")
+    only.add_argument("--latency-only", action="store_true", help="only pickup latency at --rate")
     run_bench.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="JSON lines file to append to")
     return parser
 
@@ -48,9 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             return _run(args)
         if args.command == "bench":
-            dsn = database.resolve_dsn(args.dsn)
-            bench.run_enqueue(dsn, args.jobs, args.repeat, args.results, bench.echo)
-            return 0
+            return _bench(args)
     except FastjobsError as exc:
         print(f"fastjobs: {exc}", file=sys.stderr)
         return 1
@@ -96,6 +102,22 @@ def _run(args: argparse.Namespace) -> int:
     )
     worker.run()
     print("fastjobs: worker stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    dsn = database.resolve_dsn(args.dsn)
+    every = not (args.enqueue_only or args.drain_only or args.latency_only)
+    echo = bench.echo
+    echo(f"fastjobs bench: {args.jobs:,} jobs, {args.processes} processes, batch {args.batch}, "
+         f"{IMPLEMENTATION} implementation, medians of {args.repeat}\n")
+    if every or args.enqueue_only:
+        bench.run_enqueue(dsn, args.jobs, args.repeat, args.results, echo)
+    if every or args.drain_only:
+        bench.run_drain(dsn, args.jobs, args.processes, args.batch, args.repeat, not args.no_overlap,
+                        args.results, echo)
+    if every or args.latency_only:
+        bench.run_latency(dsn, args.rate, args.latency_seconds, args.processes, args.batch, args.results, echo)
     return 0
 
 

@@ -156,6 +156,9 @@ SELECT id, queue, kind, args, priority, state, run_at, attempt, max_attempts,
        created_at, attempted_at, finalized_at, attempted_by, errors, unique_key, meta
   FROM fastjobs_jobs WHERE id = $1"""
 
+# bench_available_count: progress of a benchmark drain (reads only the claim index).
+bench_available_count: Final = "SELECT count(*) FROM fastjobs_jobs WHERE state = 'available'"
+
 # Statements that PREPARE cannot take (COPY); the test of every statement skips them.
 NOT_PREPARABLE: Final = frozenset({"job_copy", "job_copy_at", "migration_table_create"})
 

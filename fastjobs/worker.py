@@ -9,6 +9,7 @@ import socket
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -135,6 +136,7 @@ class Worker:
         keep_completed: bool = False,
         overlap: bool = True,
         exit_when_empty: bool = False,
+        on_ready: Callable[[], None] | None = None,
     ) -> None:
         self.app = app
         self.queues = queues or sorted({spec.queue for spec in app.jobs.values()}) or ["default"]
@@ -145,6 +147,7 @@ class Worker:
         self.keep_completed = keep_completed
         self.overlap = overlap
         self.exit_when_empty = exit_when_empty
+        self.on_ready = on_ready
         self.loop: Any = None
         self._stop = False
         self._wake_r, self._wake_w = os.pipe()
@@ -194,6 +197,8 @@ class Worker:
             )
             self.loop.stopping = self._stop
             self.loop.prepare()
+            if self.on_ready is not None:
+                self.on_ready()
             self._loop(conn, listener)
             with psycopg.RawCursor(conn) as cur:
                 cur.execute(sql.worker_delete, (self.worker_id,))
