@@ -7,12 +7,14 @@ psycopg uses this same system libpq, which fastjobs.impl checks at import.
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE, PyBytes_FromStringAndSize
+from cpython.exc cimport PyErr_CheckSignals
+from libc.errno cimport EINTR, errno
 from cpython.object cimport PyObject_Call
 from cpython.unicode cimport PyUnicode_DecodeUTF8
-from libc.stdint cimport int16_t, int64_t, uint16_t, uint32_t, uint64_t
+from libc.stdint cimport int16_t, int64_t, uint16_t, uint64_t
 from libc.stdio cimport snprintf
 from libc.stdlib cimport free, realloc
-from libc.string cimport memcmp, memcpy
+from libc.string cimport memcmp, memcpy, strerror
 
 import inspect
 
@@ -31,7 +33,8 @@ cdef extern from "libpq-fe.h" nogil:
     ctypedef enum ExecStatusType:
         PGRES_COMMAND_OK
         PGRES_TUPLES_OK
-    PGresult *PQprepare(PGconn *conn, const char *name, const char *query, int nParams, const unsigned int *types)
+    PGresult *PQprepare(PGconn *conn, const char *name, const char *query, int nParams,
+                        const unsigned int *types)
     int PQsendQueryPrepared(PGconn *conn, const char *name, int nParams, const char * const *values,
                             const int *lengths, const int *formats, int resultFormat)
     int PQflush(PGconn *conn)
@@ -126,7 +129,8 @@ def dump_args(kind, args, params, required):
     return _dump_args_py(kind, args, params, required)
 
 
-def encode_copy_rows(str kind, rows, bytes prefix, bytes suffix, Py_ssize_t limit, params, frozenset required):
+def encode_copy_rows(str kind, rows, bytes prefix, bytes suffix, Py_ssize_t limit, params,
+                     frozenset required):
     """Encode up to `limit` rows of binary COPY data: prefix, the args as jsonb, suffix."""
     cdef Buffer buf
     cdef Py_ssize_t count = 0
@@ -175,14 +179,16 @@ cdef int _wait(PGconn *conn, short events) except -1:
     cdef int rc
     pfd.fd = PQsocket(conn)
     pfd.events = events
-    pfd.revents = 0
-    with nogil:
-        rc = poll(&pfd, 1, -1)
-    if rc < 0:
-        from os import strerror
-        from ctypes import get_errno
-        raise LoopError(f"poll failed: {strerror(get_errno())}")
-    return 0
+    while True:
+        pfd.revents = 0
+        with nogil:
+            rc = poll(&pfd, 1, -1)
+        if rc >= 0:
+            return 0
+        if errno != EINTR:
+            raise OSError(errno, strerror(errno).decode())
+        # A signal arrived: run its Python handler (which may raise), then wait on.
+        PyErr_CheckSignals()
 
 
 cdef str _conn_error(PGconn *conn):
@@ -384,8 +390,7 @@ cdef class BatchLoop:
 
     cdef int _claim(self) except -1:
         """Claim synchronously, trying each queue once before giving up."""
-        cdef Py_ssize_t i
-        for i in range(len(self._queues)):
+        for _ in range(len(self._queues)):
             self._send(self.size)
             self._receive()
             if self._nrows:

@@ -20,9 +20,7 @@ IMPLEMENTATION = "python"
 _JSONB_VERSION = b"\x01"
 
 
-def dump_args(
-    kind: str, args: Any, params: frozenset[str] | None, required: frozenset[str]
-) -> bytes:
+def dump_args(kind: str, args: Any, params: frozenset[str] | None, required: frozenset[str]) -> bytes:
     """Check one job's arguments against its handler and serialise them with orjson."""
     if type(args) is not dict:
         if not isinstance(args, Mapping):

@@ -242,6 +242,7 @@ class Job(Generic[P, R]):
     """What `@app.job` returns: call it to run the handler inline, `.enqueue` to queue it."""
 
     def __init__(self, app: App, spec: JobSpec, **defaults: Any) -> None:
+        self._func: Callable[P, R] = spec.func
         self.app = app
         self.spec = spec
         self.kind = spec.kind
@@ -250,7 +251,7 @@ class Job(Generic[P, R]):
         self.__doc__ = spec.func.__doc__
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        return self.spec.func(*args, **kwargs)
+        return self._func(*args, **kwargs)
 
     def options(
         self,
@@ -262,7 +263,13 @@ class Job(Generic[P, R]):
         max_attempts: int | None = None,
     ) -> Job[P, R]:
         """A handle whose enqueues use these options (they would clash with argument names)."""
-        given = {"queue": queue, "priority": priority, "run_at": run_at, "delay": delay, "max_attempts": max_attempts}
+        given = {
+            "queue": queue,
+            "priority": priority,
+            "run_at": run_at,
+            "delay": delay,
+            "max_attempts": max_attempts,
+        }
         merged = {**self._defaults, **{k: v for k, v in given.items() if v is not None}}
         enqueue.options(self.kind, self.spec, **merged)  # bad options fail here, not at enqueue
         return Job(self.app, self.spec, **merged)
@@ -305,7 +312,9 @@ def _signature(func: Callable[..., Any]) -> tuple[frozenset[str] | None, frozens
             continue
         elif p.kind is p.POSITIONAL_ONLY:
             if p.default is p.empty:
-                raise TypeError(f"{func.__qualname__}: positional-only parameter {p.name!r} cannot be a job argument")
+                raise TypeError(
+                    f"{func.__qualname__}: positional-only parameter {p.name!r} cannot be a job argument"
+                )
         else:
             params.add(p.name)
             if p.default is p.empty:

@@ -6,7 +6,6 @@ import datetime as dt
 import json
 import multiprocessing
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -77,7 +76,9 @@ def _fastjobs_copy(dsn: str, rows: list[dict[str, Any]]) -> float:
         return time.perf_counter() - start
 
 
-def run_enqueue(dsn: str, jobs: int, repeat: int, results: Path | None, echo: Callable[[str], None]) -> dict[str, Any]:
+def run_enqueue(
+    dsn: str, jobs: int, repeat: int, results: Path | None, echo: Callable[[str], None]
+) -> dict[str, Any]:
     """Enqueue `jobs` rows with enqueue_many and with a bare COPY, alternating; medians."""
     target = bench_dsn(dsn)
     rows = [{"i": i, "email": f"user{i}@example.com"} for i in range(jobs)]
@@ -152,7 +153,6 @@ def echo(text: str) -> None:
     sys.stdout.flush()
 
 
-
 # --- drain: fastjobs workers against the leanest psycopg loop -------------------------------
 
 
@@ -202,7 +202,12 @@ def _child(target: Callable[..., None], *args: Any) -> None:
 
 
 def _drain_once(
-    dsn: str, jobs: int, processes: int, target: Callable[..., None], args: tuple[Any, ...], echo: Callable[[str], None]
+    dsn: str,
+    jobs: int,
+    processes: int,
+    target: Callable[..., None],
+    args: tuple[Any, ...],
+    echo: Callable[[str], None],
 ) -> tuple[float, float]:
     """Fork `processes` drainers, start them together; (seconds, their CPU seconds)."""
     _reset(dsn)
@@ -259,8 +264,10 @@ def run_drain(
             else:
                 measured = _drain_once(target, jobs, processes, _raw_drainer, (batch,), echo)
             runs[name].append(measured)
-            echo(f"\r  run {run + 1}/{repeat} {name:8s} {jobs / measured[0]:>10,.0f} jobs/s"
-                 f"   worker CPU {measured[1] / jobs * 1e6:6.1f} us/job\n")
+            echo(
+                f"\r  run {run + 1}/{repeat} {name:8s} {jobs / measured[0]:>10,.0f} jobs/s"
+                f"   worker CPU {measured[1] / jobs * 1e6:6.1f} us/job\n"
+            )
     med = {name: statistics.median(jobs / s for s, _ in r) for name, r in runs.items()}
     cpu = {name: statistics.median(c / jobs * 1e6 for _, c in r) for name, r in runs.items()}
     record = _record(
@@ -279,8 +286,10 @@ def run_drain(
     )
     echo(f"\n{'drain (' + str(processes) + ' processes)':<28}{'jobs/s':>12}{'ratio':>8}{'CPU us/job':>12}\n")
     echo(f"{'raw SQL limit':<28}{med['raw']:>12,.0f}{1.0:>8.2f}{cpu['raw']:>12.1f}\n")
-    echo(f"{'fastjobs (' + IMPLEMENTATION + ')':<28}{med['fastjobs']:>12,.0f}"
-         f"{med['fastjobs'] / med['raw']:>8.2f}{cpu['fastjobs']:>12.1f}\n")
+    echo(
+        f"{'fastjobs (' + IMPLEMENTATION + ')':<28}{med['fastjobs']:>12,.0f}"
+        f"{med['fastjobs'] / med['raw']:>8.2f}{cpu['fastjobs']:>12.1f}\n"
+    )
     _write(results, record, echo)
     return record
 
@@ -296,14 +305,20 @@ def _latency_worker(dsn: str, batch: int, out: Any, ready: Any, start: Any) -> N
     def stamp(t: float, **_: Any) -> None:
         seen.append(time.time() - t)
 
-    worker = Worker(app, batch_max=batch, on_ready=lambda: (ready.wait(), start.wait()) and None)
+    worker = Worker(app, batch_max=batch, on_ready=lambda: None)
     worker.install_signals()
     worker.run()
     out.put(seen)
 
 
 def run_latency(
-    dsn: str, rate: float, seconds: float, processes: int, batch: int, results: Path | None, echo: Callable[[str], None]
+    dsn: str,
+    rate: float,
+    seconds: float,
+    processes: int,
+    batch: int,
+    results: Path | None,
+    echo: Callable[[str], None],
 ) -> dict[str, Any]:
     """Offer `rate` single enqueues per second for `seconds`; pickup latency percentiles."""
     target = bench_dsn(dsn)
@@ -311,7 +326,9 @@ def run_latency(
     ctx = multiprocessing.get_context("fork")
     out = ctx.Queue()
     ready, start = ctx.Barrier(processes + 1), ctx.Barrier(processes + 1)
-    procs = [ctx.Process(target=_latency_worker, args=(target, batch, out, ready, start)) for _ in range(processes)]
+    procs = [
+        ctx.Process(target=_latency_worker, args=(target, batch, out, ready, start)) for _ in range(processes)
+    ]
     for p in procs:
         p.start()
     ready.wait()
@@ -341,7 +358,7 @@ def run_latency(
         while conn.execute(sql.bench_available_count).fetchone()[0]:  # type: ignore[index]
             time.sleep(0.05)
     for p in procs:
-        os.kill(p.pid, signal.SIGTERM)
+        p.terminate()  # SIGTERM: the graceful stop
     samples: list[float] = []
     for _ in procs:
         samples.extend(out.get(timeout=60))
@@ -367,7 +384,9 @@ def run_latency(
         p99_ms=round(pct(0.99), 3),
         max_ms=round(samples[-1] * 1000, 3),
     )
-    echo(f"\npickup latency at {achieved:,.0f} jobs/s offered ({processes} processes, {IMPLEMENTATION}):"
-         f"  p50 {record['p50_ms']} ms   p90 {record['p90_ms']} ms   p99 {record['p99_ms']} ms\n")
+    echo(
+        f"\npickup latency at {achieved:,.0f} jobs/s offered ({processes} processes, {IMPLEMENTATION}):"
+        f"  p50 {record['p50_ms']} ms   p90 {record['p90_ms']} ms   p99 {record['p99_ms']} ms\n"
+    )
     _write(results, record, echo)
     return record

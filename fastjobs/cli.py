@@ -23,7 +23,9 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     migrate = commands.add_parser("migrate", help="create or upgrade the schema")
-    migrate.add_argument("--sql", action="store_true", help="print the migrations' SQL instead of applying it")
+    migrate.add_argument(
+        "--sql", action="store_true", help="print the migrations' SQL instead of applying it"
+    )
 
     run = commands.add_parser("run", help="run workers for the jobs of MODULE")
     run.add_argument("module", help="module holding a fastjobs.App, or module:attribute")
@@ -44,7 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     only.add_argument("--enqueue-only", action="store_true", help="only enqueue_many against COPY")
     only.add_argument("--drain-only", action="store_true", help="only the drain against the raw-SQL loop")
     only.add_argument("--latency-only", action="store_true", help="only pickup latency at --rate")
-    run_bench.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="JSON lines file to append to")
+    run_bench.add_argument(
+        "--results", type=Path, default=DEFAULT_RESULTS, help="JSON lines file to append to"
+    )
     return parser
 
 
@@ -79,7 +83,8 @@ def load_app(target: str, dsn: str | None = None) -> App:
         apps = [v for v in vars(module).values() if isinstance(v, App)]
         if len(apps) != 1:
             raise ConfigurationError(
-                f"module {module_name!r} holds {len(apps)} fastjobs.App instances; name one as {module_name}:attr"
+                f"module {module_name!r} holds {len(apps)} fastjobs.App instances;"
+                f" name one as {module_name}:attribute"
             )
         app = apps[0]
     if dsn:
@@ -109,15 +114,20 @@ def _bench(args: argparse.Namespace) -> int:
     dsn = database.resolve_dsn(args.dsn)
     every = not (args.enqueue_only or args.drain_only or args.latency_only)
     echo = bench.echo
-    echo(f"fastjobs bench: {args.jobs:,} jobs, {args.processes} processes, batch {args.batch}, "
-         f"{IMPLEMENTATION} implementation, medians of {args.repeat}\n")
+    echo(
+        f"fastjobs bench: {args.jobs:,} jobs, {args.processes} processes, batch {args.batch}, "
+        f"{IMPLEMENTATION} implementation, medians of {args.repeat}\n"
+    )
     if every or args.enqueue_only:
         bench.run_enqueue(dsn, args.jobs, args.repeat, args.results, echo)
     if every or args.drain_only:
-        bench.run_drain(dsn, args.jobs, args.processes, args.batch, args.repeat, not args.no_overlap,
-                        args.results, echo)
+        bench.run_drain(
+            dsn, args.jobs, args.processes, args.batch, args.repeat, not args.no_overlap, args.results, echo
+        )
     if every or args.latency_only:
-        bench.run_latency(dsn, args.rate, args.latency_seconds, args.processes, args.batch, args.results, echo)
+        bench.run_latency(
+            dsn, args.rate, args.latency_seconds, args.processes, args.batch, args.results, echo
+        )
     return 0
 
 

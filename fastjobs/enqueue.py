@@ -158,7 +158,9 @@ def copy_layout(opts: Options, now: dt.datetime) -> tuple[str, bytes, bytes]:
 def _chunks(opts: Options, rows: Iterable[Any], prefix: bytes, suffix: bytes) -> Iterator[tuple[bytes, int]]:
     it = iter(rows)
     while True:
-        data, count = core.encode_copy_rows(opts.kind, it, prefix, suffix, COPY_CHUNK, opts.params, opts.required)
+        data, count = core.encode_copy_rows(
+            opts.kind, it, prefix, suffix, COPY_CHUNK, opts.params, opts.required
+        )
         if not count:
             return
         yield data, count

@@ -51,8 +51,13 @@ def failure(
         state = "scheduled" if exc.delay > 0 else "available"
         return {"id": job_id, "state": state, "delay": exc.delay, "uncount": 1, "error": None}
     if isinstance(exc, Cancel):
-        return {"id": job_id, "state": "cancelled", "delay": None, "uncount": 0,
-                "error": _error(attempt, f"Cancel: {exc.reason}")}
+        return {
+            "id": job_id,
+            "state": "cancelled",
+            "delay": None,
+            "uncount": 0,
+            "error": _error(attempt, f"Cancel: {exc.reason}"),
+        }
     error = _error(attempt, exc, with_traceback=not isinstance(exc, Retry))
     if attempt >= max_attempts:
         return {"id": job_id, "state": "discarded", "delay": None, "uncount": 0, "error": error}

@@ -50,14 +50,11 @@ SELECT $1, $2, $3::jsonb, $4, $5,
 RETURNING id"""
 
 # job_copy: bulk insert, binary COPY; rows are encoded by fastjobs._core.encode_copy_rows.
-job_copy: Final = (
-    "COPY fastjobs_jobs (queue, kind, args, priority, max_attempts) FROM STDIN (FORMAT BINARY)"
-)
+job_copy: Final = "COPY fastjobs_jobs (queue, kind, args, priority, max_attempts) FROM STDIN (FORMAT BINARY)"
 
 # job_copy_at: bulk insert of jobs that all share one run_at (and state).
 job_copy_at: Final = (
-    "COPY fastjobs_jobs (queue, kind, args, priority, max_attempts, state, run_at)"
-    " FROM STDIN (FORMAT BINARY)"
+    "COPY fastjobs_jobs (queue, kind, args, priority, max_attempts, state, run_at) FROM STDIN (FORMAT BINARY)"
 )
 
 # job_claim_many: take up to $2 available jobs of queue $1 for worker $3, in
@@ -165,8 +162,4 @@ NOT_PREPARABLE: Final = frozenset({"job_copy", "job_copy_at", "migration_table_c
 
 def statements() -> dict[str, str]:
     """Every named statement of this module, by name."""
-    return {
-        name: value
-        for name, value in globals().items()
-        if name[0].islower() and isinstance(value, str)
-    }
+    return {name: value for name, value in globals().items() if name[0].islower() and isinstance(value, str)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -16,6 +17,7 @@ import psycopg
 
 from . import database, leader, schema, sql
 from .app import App
+from .errors import DatabaseUnavailable
 from .handlers import Executor
 from .impl import core
 
@@ -45,7 +47,7 @@ class Listener:
             self.conn.execute(f"LISTEN {sql.NOTIFY_CHANNEL}")
             self.last_check = time.monotonic()
             return True
-        except (psycopg.Error, database.DatabaseUnavailable) as exc:
+        except (psycopg.Error, DatabaseUnavailable) as exc:
             print(f"fastjobs: listener connection failed, polling meanwhile: {exc}", file=sys.stderr)
             self.conn = None
             return False
@@ -96,9 +98,9 @@ class Listener:
         if self.conn is None:
             return self.connect()
         try:
-            self.conn.execute(f"LISTEN \"{self.ping}\"; NOTIFY \"{self.ping}\"")
+            self.conn.execute(f'LISTEN "{self.ping}"; NOTIFY "{self.ping}"')
             for _ in self.conn.notifies(timeout=5.0, stop_after=1):
-                self.conn.execute(f"UNLISTEN \"{self.ping}\"")
+                self.conn.execute(f'UNLISTEN "{self.ping}"')
                 return True
         except psycopg.Error:
             pass
@@ -109,10 +111,8 @@ class Listener:
         print("fastjobs: listener connection lost; reconnecting, polling meanwhile", file=sys.stderr)
         self.reconnects += 1
         if self.conn is not None:
-            try:
+            with contextlib.suppress(psycopg.Error):
                 self.conn.close()
-            except psycopg.Error:
-                pass
         self.conn = None
 
 
@@ -158,10 +158,8 @@ class Worker:
         self._stop = True
         if self.loop is not None:
             self.loop.stopping = True
-        try:
+        with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass
 
     def install_signals(self) -> None:
         """First SIGTERM/SIGINT: graceful stop. Second: stop now (KeyboardInterrupt)."""
