@@ -166,18 +166,22 @@ def _bench_app(dsn: str) -> App:
     return app
 
 
-def _fastjobs_drainer(dsn: str, batch: int, overlap: bool, ready: Any, start: Any) -> None:
+def _fastjobs_drainer(dsn: str, batch: int, overlap: bool, keep: bool, ready: Any, start: Any) -> None:
     app = _bench_app(dsn)
 
     def on_ready() -> None:
         ready.wait()
         start.wait()
 
-    Worker(app, batch_max=batch, overlap=overlap, exit_when_empty=True, on_ready=on_ready).run()
+    worker = Worker(
+        app, batch_max=batch, overlap=overlap, keep_completed=keep, exit_when_empty=True, on_ready=on_ready
+    )
+    worker.run()
 
 
-def _raw_drainer(dsn: str, batch: int, ready: Any, start: Any) -> None:
-    """The limit: the same claim, then DELETE by id array; no fastjobs code in the loop."""
+def _raw_drainer(dsn: str, batch: int, keep: bool, ready: Any, start: Any) -> None:
+    """The limit: the same claim, then DELETE (or mark completed) by id array; no fastjobs code."""
+    complete = sql.bench_raw_complete_keep if keep else sql.bench_raw_complete
     with psycopg.connect(dsn, autocommit=True, prepare_threshold=0) as conn:
         cur = psycopg.RawCursor(conn)
         worker = f"raw:{os.getpid()}"
@@ -187,7 +191,7 @@ def _raw_drainer(dsn: str, batch: int, ready: Any, start: Any) -> None:
             ids = [row[0] for row in cur.execute(sql.job_claim_many, ("default", batch, worker))]
             if not ids:
                 return
-            cur.execute("DELETE FROM fastjobs_jobs WHERE id = ANY($1)", (ids,))
+            cur.execute(complete, (ids,))
 
 
 def _child(target: Callable[..., None], *args: Any) -> None:
@@ -251,6 +255,7 @@ def run_drain(
     batch: int,
     repeat: int,
     overlap: bool,
+    keep: bool,
     results: Path | None,
     echo: Callable[[str], None],
 ) -> dict[str, Any]:
@@ -260,9 +265,11 @@ def run_drain(
     for run in range(repeat):
         for name in ("fastjobs", "raw"):
             if name == "fastjobs":
-                measured = _drain_once(target, jobs, processes, _fastjobs_drainer, (batch, overlap), echo)
+                measured = _drain_once(
+                    target, jobs, processes, _fastjobs_drainer, (batch, overlap, keep), echo
+                )
             else:
-                measured = _drain_once(target, jobs, processes, _raw_drainer, (batch,), echo)
+                measured = _drain_once(target, jobs, processes, _raw_drainer, (batch, keep), echo)
             runs[name].append(measured)
             echo(
                 f"\r  run {run + 1}/{repeat} {name:8s} {jobs / measured[0]:>10,.0f} jobs/s"
@@ -277,6 +284,7 @@ def run_drain(
         processes=processes,
         batch=batch,
         overlap=overlap,
+        keep_completed=keep,
         repeat=repeat,
         fastjobs_jobs_per_s=round(med["fastjobs"]),
         raw_jobs_per_s=round(med["raw"]),

@@ -40,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     run_bench.add_argument("--batch", type=int, default=1000, help="largest batch per claim")
     run_bench.add_argument("--repeat", type=int, default=3, help="runs per measurement; medians are reported")
     run_bench.add_argument("--no-overlap", action="store_true", help="strictly sequential claim/run/complete")
+    run_bench.add_argument(
+        "--keep-completed", action="store_true", help="keep completed rows (retention mode)"
+    )
     run_bench.add_argument("--rate", type=float, default=1000.0, help="jobs/s offered in the latency run")
     run_bench.add_argument("--latency-seconds", type=float, default=5.0, help="length of the latency run")
     only = run_bench.add_mutually_exclusive_group()
@@ -122,7 +125,15 @@ def _bench(args: argparse.Namespace) -> int:
         bench.run_enqueue(dsn, args.jobs, args.repeat, args.results, echo)
     if every or args.drain_only:
         bench.run_drain(
-            dsn, args.jobs, args.processes, args.batch, args.repeat, not args.no_overlap, args.results, echo
+            dsn,
+            args.jobs,
+            args.processes,
+            args.batch,
+            args.repeat,
+            not args.no_overlap,
+            args.keep_completed,
+            args.results,
+            echo,
         )
     if every or args.latency_only:
         bench.run_latency(

@@ -156,6 +156,14 @@ SELECT id, queue, kind, args, priority, state, run_at, attempt, max_attempts,
 # bench_available_count: progress of a benchmark drain (reads only the claim index).
 bench_available_count: Final = "SELECT count(*) FROM fastjobs_jobs WHERE state = 'available'"
 
+# bench_raw_complete: the raw-SQL limit's completion, DELETE by id array.
+bench_raw_complete: Final = "DELETE FROM fastjobs_jobs WHERE id = ANY($1::bigint[])"
+
+# bench_raw_complete_keep: the raw-SQL limit's completion when completed jobs are kept.
+bench_raw_complete_keep: Final = (
+    "UPDATE fastjobs_jobs SET state = 'completed', finalized_at = now() WHERE id = ANY($1::bigint[])"
+)
+
 # Statements that PREPARE cannot take (COPY); the test of every statement skips them.
 NOT_PREPARABLE: Final = frozenset({"job_copy", "job_copy_at", "migration_table_create"})
 
