@@ -79,6 +79,7 @@ cdef object _failure = handlers.failure
 cdef object _discard = handlers.discard
 cdef object _unknown_kind = handlers.unknown_kind
 cdef object _returned_coroutine = handlers.returned_coroutine
+cdef object _tally = handlers.tally
 
 
 cdef struct Buffer:
@@ -212,7 +213,7 @@ cdef class BatchLoop:
     cdef bytes _sql
     cdef public Py_ssize_t batch_min, batch_max, size
     cdef public bint overlap, stopping
-    cdef public Py_ssize_t claimed, completed, failed
+    cdef public Py_ssize_t claimed, completed, failed, retried, discarded
     cdef bint _in_flight
     cdef Py_ssize_t _limit
     cdef bint _full
@@ -229,15 +230,20 @@ cdef class BatchLoop:
     cdef object _last_spec
     cdef object _last_func
     cdef bint _last_fast
+    # A float64 in shared memory bumped per job started (plain store, no
+    # syscall), so the master can tell a long batch from a hung one.
+    cdef double[::1] _progress_view
+    cdef double *_progress
 
     def __cinit__(self):
         self._pgconn = NULL
+        self._progress = NULL
         self._rows = NULL
         self._done = NULL
         self._text = NULL
 
     def __init__(self, conn, dict specs, executor, str worker_id, list queues, bint keep_completed=False,
-                 Py_ssize_t batch_min=1, Py_ssize_t batch_max=1000, bint overlap=True):
+                 Py_ssize_t batch_min=1, Py_ssize_t batch_max=1000, bint overlap=True, progress=None):
         self._conn = conn
         self._pgconn = <PGconn *><size_t>conn.pgconn.pgconn_ptr
         self._specs = {k.encode(): v for k, v in specs.items()}
@@ -252,7 +258,7 @@ cdef class BatchLoop:
         self.size = batch_min
         self.overlap = overlap
         self.stopping = False
-        self.claimed = self.completed = self.failed = 0
+        self.claimed = self.completed = self.failed = self.retried = self.discarded = 0
         self._in_flight = False
         self._limit = 0
         self._full = False
@@ -262,6 +268,9 @@ cdef class BatchLoop:
         self._failures = []
         self._text_cap = 0
         self._last_kind = None
+        if progress is not None:
+            self._progress_view = progress
+            self._progress = &self._progress_view[0]
 
     def __dealloc__(self):
         if self._rows != NULL:
@@ -322,7 +331,11 @@ cdef class BatchLoop:
         self._turn += 1
         snprintf(limit_text, sizeof(limit_text), "%zd", limit)
         self.completed += self._ndone
-        self.failed += len(self._failures)
+        if self._failures:
+            failed, retried, discarded = _tally(self._failures)
+            self.failed += failed
+            self.retried += retried
+            self.discarded += discarded
         self._ndone = 0
         self._failures = []
         values[0] = self._text
@@ -453,6 +466,8 @@ cdef class BatchLoop:
                 for j in range(i, n):
                     failures.append(_release(_int8(PQgetvalue(rows, j, 0))))
                 break
+            if self._progress != NULL:
+                self._progress[0] += 1
             kind = PQgetvalue(rows, i, 1)
             kind_len = PQgetlength(rows, i, 1)
             attempt = _int2(PQgetvalue(rows, i, 3))

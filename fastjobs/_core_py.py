@@ -105,8 +105,12 @@ class BatchLoop:
         batch_min: int = 1,
         batch_max: int = 1000,
         overlap: bool = True,
+        progress: Any = None,
     ) -> None:
         self._pgconn = conn.pgconn
+        # A one-float shared-memory window bumped per job started, so the
+        # master can tell a long batch from a hung one.
+        self._progress = progress
         self._specs = specs
         self._executor = executor
         self._worker_id = worker_id.encode()
@@ -122,6 +126,8 @@ class BatchLoop:
         self.claimed = 0
         self.completed = 0
         self.failed = 0
+        self.retried = 0
+        self.discarded = 0
         self._in_flight = False
         self._limit = 0
         self._full = False
@@ -141,7 +147,11 @@ class BatchLoop:
         queue = self._queues[self._turn % len(self._queues)]
         self._turn += 1
         self.completed += len(self._done)
-        self.failed += len(self._failures)
+        if self._failures:
+            failed, retried, discarded = handlers.tally(self._failures)
+            self.failed += failed
+            self.retried += retried
+            self.discarded += discarded
         self._done = []
         self._failures = []
         params = [done, failures, queue, str(limit).encode(), self._worker_id]
@@ -228,6 +238,8 @@ class BatchLoop:
             if self.stopping:
                 failures.extend(handlers.release(row[0]) for row in rows[index:])
                 break
+            if self._progress is not None:
+                self._progress[0] += 1
             spec = specs.get(kind)
             if spec is None:
                 failures.append(handlers.unknown_kind(job_id, kind, attempt, max_attempts))

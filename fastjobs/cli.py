@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
+import json
 import os
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
-from . import bench, database, schema
+from . import bench, database, schema, stats
 from .app import App
 from .errors import ConfigurationError, FastjobsError
 from .impl import IMPLEMENTATION
-from .worker import Worker
+from .master import Master, parse_queues
 
 DEFAULT_RESULTS = Path("bench") / "results.jsonl"
 
@@ -29,10 +33,25 @@ def _parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="run workers for the jobs of MODULE")
     run.add_argument("module", help="module holding a fastjobs.App, or module:attribute")
-    run.add_argument("--processes", type=int, default=1, help="worker processes (this version: 1)")
-    run.add_argument("--queues", help="comma-separated queues to serve (default: every registered queue)")
+    run.add_argument("--processes", type=int, default=1, help="worker processes (besides master and leader)")
+    run.add_argument(
+        "--queues",
+        help="queues and their concurrency, e.g. default:8,emails:2 (default: every registered queue,"
+        " concurrency 10 per process)",
+    )
+    run.add_argument("--grace", type=float, default=30.0, help="seconds to finish in-flight jobs on stop")
+    run.add_argument(
+        "--worker-timeout",
+        type=float,
+        help="kill a worker that makes no progress this long (default: max(300, 2 x longest job timeout))",
+    )
+    run.add_argument("--metrics-port", type=int, help="serve Prometheus text on this port")
+    run.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
     run.add_argument("--batch-max", type=int, default=1000, help="largest batch one claim takes")
     run.add_argument("--keep-completed", action="store_true", help="keep completed jobs instead of deleting")
+
+    stats = commands.add_parser("stats", help="queue depths, and live rates of masters on this host")
+    stats.add_argument("--json", action="store_true", help="one JSON document for machines")
 
     run_bench = commands.add_parser("bench", help="measure fastjobs beside the raw-SQL limit")
     run_bench.add_argument("--jobs", type=int, default=100_000)
@@ -62,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             return _migrate(args)
         if args.command == "run":
             return _run(args)
+        if args.command == "stats":
+            return _stats(args)
         if args.command == "bench":
             return _bench(args)
     except FastjobsError as exc:
@@ -96,20 +117,61 @@ def load_app(target: str, dsn: str | None = None) -> App:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.processes != 1:
-        raise ConfigurationError("this version runs one worker process: --processes 1")
     app = load_app(args.module, args.dsn)
-    queues = [q.strip() for q in args.queues.split(",") if q.strip()] if args.queues else None
-    worker = Worker(app, queues, batch_max=args.batch_max, keep_completed=args.keep_completed)
-    worker.install_signals()
-    print(
-        f"fastjobs: worker {worker.worker_id} serving {','.join(worker.queues)} "
-        f"({len(app.jobs)} job kinds, {IMPLEMENTATION} implementation)",
-        file=sys.stderr,
-        flush=True,
+    registered = sorted({spec.queue for spec in app.jobs.values()})
+    queues = parse_queues(args.queues, registered, args.processes)
+    metrics = (args.metrics_host, args.metrics_port) if args.metrics_port is not None else None
+    master = Master(
+        app,
+        args.processes,
+        queues,
+        grace=args.grace,
+        worker_timeout=args.worker_timeout,
+        batch_max=args.batch_max,
+        keep_completed=args.keep_completed,
+        metrics=metrics,
     )
-    worker.run()
-    print("fastjobs: worker stopped", file=sys.stderr, flush=True)
+    code = master.run()
+    print("fastjobs: stopped", file=sys.stderr, flush=True)
+    return code
+
+
+def _stats(args: argparse.Namespace) -> int:
+    dsn = database.resolve_dsn(args.dsn)
+    with database.connect(dsn, autocommit=True) as conn:
+        schema.check(conn)
+        depths = stats.queue_depths(conn)
+    masters: list[dict[str, Any]] = []
+    for slots in stats.live_masters():
+        procs = [s.as_dict() for s in slots if s["role"]]
+        masters.append({"master_pid": slots.master_pid, "processes": procs})
+        slots.close()
+    if args.json:
+        doc = {
+            "queues": [dataclasses.asdict(d) for d in depths],
+            "masters": masters,
+        }
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(f"{'queue':<24}{'state':<12}{'jobs':>10}{'oldest':>12}")
+    for d in depths:
+        oldest = "" if d.oldest_seconds is None else f"{d.oldest_seconds:,.1f}s"
+        print(f"{d.queue:<24}{d.state:<12}{d.count:>10,}{oldest:>12}")
+    if not depths:
+        print("(no jobs)")
+    now = time.time()
+    for m in masters:
+        print(f"\nmaster pid {m['master_pid']} on this host")
+        print(
+            f"{'process':<12}{'pid':>8}{'jobs/s':>10}{'completed':>12}{'failed':>9}{'retried':>9}{'discarded':>10}"
+            f"{'beat':>8}"
+        )
+        for p in m["processes"]:
+            name = f"{stats.ROLES.get(int(p['role']), '?')} {int(p['index']) + 1}"
+            print(
+                f"{name:<12}{int(p['pid']):>8}{p['rate']:>10,.0f}{int(p['completed']):>12,}{int(p['failed']):>9,}"
+                f"{int(p['retried']):>9,}{int(p['discarded']):>10,}{now - p['heartbeat']:>7.1f}s"
+            )
     return 0
 
 

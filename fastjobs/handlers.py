@@ -85,6 +85,20 @@ def release(job_id: int) -> Outcome:
     return {"id": job_id, "state": "available", "delay": None, "uncount": 1, "error": None}
 
 
+def tally(outcomes: list[Outcome]) -> tuple[int, int, int]:
+    """(failed, retried, discarded) among outcomes: failed attempts are those with an error."""
+    failed = retried = discarded = 0
+    for outcome in outcomes:
+        if outcome["error"] is None:
+            continue
+        failed += 1
+        if outcome["state"] == "discarded":
+            discarded += 1
+        elif outcome["state"] in ("retryable", "available"):
+            retried += 1
+    return failed, retried, discarded
+
+
 def returned_coroutine(spec: JobSpec) -> str:
     return f"handler {spec.kind!r} is a plain def that returned a coroutine: declare it `async def`"
 

@@ -13,6 +13,10 @@ from typing import Final
 # concurrent migrations apply each file once. ("fastjobs" in ASCII, truncated.)
 MIGRATION_LOCK_KEY: Final = 0x66_61_73_74_6A_6F_62
 
+# Default key of the session-level advisory lock the leader holds; the
+# application can choose another so it cannot collide with its own locks.
+LEADER_LOCK_KEY: Final = 0x66_6A_6C_65_61_64  # "fjlead"
+
 # Channel every wake-up is sent on; the payload is the queue name.
 NOTIFY_CHANNEL: Final = "fastjobs"
 
@@ -136,6 +140,12 @@ WITH due AS (
 )
 SELECT queue, count(*), pg_notify('fastjobs', queue) FROM promoted GROUP BY queue"""
 
+# leader_try_lock: become the leader if nobody is (session level: released when the session dies).
+leader_try_lock: Final = "SELECT pg_try_advisory_lock($1)"
+
+# leader_unlock: step down cleanly.
+leader_unlock: Final = "SELECT pg_advisory_unlock($1)"
+
 # worker_register: a worker process announces itself (or re-announces after a reconnect).
 worker_register: Final = """
 INSERT INTO fastjobs_workers (id, host, pid, queues) VALUES ($1, $2, $3, $4::text[])
@@ -152,6 +162,18 @@ job_get: Final = """
 SELECT id, queue, kind, args, priority, state, run_at, attempt, max_attempts,
        created_at, attempted_at, finalized_at, attempted_by, errors, unique_key, meta
   FROM fastjobs_jobs WHERE id = $1"""
+
+# job_stats_by_queue: depth and oldest age (seconds) per queue and state, for
+# `fastjobs stats` and the metrics endpoint. Ages: available since run_at,
+# running since attempted_at, the rest since created_at.
+job_stats_by_queue: Final = """
+SELECT queue, state::text, count(*),
+       extract(epoch FROM now() - min(CASE state WHEN 'available' THEN run_at
+                                                 WHEN 'running' THEN attempted_at
+                                                 ELSE created_at END))::float8
+  FROM fastjobs_jobs
+ GROUP BY queue, state
+ ORDER BY queue, state"""
 
 # bench_available_count: progress of a benchmark drain (reads only the claim index).
 bench_available_count: Final = "SELECT count(*) FROM fastjobs_jobs WHERE state = 'available'"

@@ -14,12 +14,14 @@ from collections.abc import Callable
 from typing import Any
 
 import psycopg
+from setproctitle import setproctitle
 
 from . import database, leader, schema, sql
 from .app import App
 from .errors import DatabaseUnavailable
 from .handlers import Executor
 from .impl import core
+from .stats import Slot
 
 HEARTBEAT_INTERVAL = 5.0
 LISTENER_CHECK_INTERVAL = 30.0
@@ -137,6 +139,9 @@ class Worker:
         overlap: bool = True,
         exit_when_empty: bool = False,
         on_ready: Callable[[], None] | None = None,
+        schedule: bool = True,
+        slot: Slot | None = None,
+        title: str | None = None,
     ) -> None:
         self.app = app
         self.queues = queues or sorted({spec.queue for spec in app.jobs.values()}) or ["default"]
@@ -148,6 +153,10 @@ class Worker:
         self.overlap = overlap
         self.exit_when_empty = exit_when_empty
         self.on_ready = on_ready
+        # Standalone workers promote due jobs when idle; under a master the leader does.
+        self.schedule = schedule
+        self.slot = slot
+        self.title = title  # process title prefix; the live rate is appended each second
         self.loop: Any = None
         self._stop = False
         self._wake_r, self._wake_w = os.pipe()
@@ -192,6 +201,7 @@ class Worker:
                 keep_completed=self.keep_completed,
                 batch_max=self.batch_max,
                 overlap=self.overlap,
+                progress=self.slot.progress_view() if self.slot is not None else None,
             )
             self.loop.stopping = self._stop
             self.loop.prepare()
@@ -207,12 +217,21 @@ class Worker:
 
     def _loop(self, conn: psycopg.Connection[Any], listener: Listener) -> None:
         loop = self.loop
+        slot = self.slot
         next_beat = time.monotonic() + HEARTBEAT_INTERVAL
-        next_schedule = 0.0
+        next_schedule = 0.0 if self.schedule else float("inf")
+        next_title, titled = time.monotonic() + 1.0, (time.monotonic(), 0)
         try:
             while not self._stop:
+                began = time.monotonic()
                 ran = loop.step()
                 now = time.monotonic()
+                if slot is not None:
+                    slot.record(loop, now - began if ran else 0.0)
+                if self.title is not None and now >= next_title:
+                    rate = (loop.completed - titled[1]) / (now - titled[0])
+                    setproctitle(f"{self.title} {rate:,.0f} jobs/s")
+                    next_title, titled = now + 1.0, (now, loop.completed)
                 if now >= next_beat:
                     next_beat = now + HEARTBEAT_INTERVAL
                     with psycopg.RawCursor(conn) as cur:
@@ -228,6 +247,10 @@ class Worker:
                 if now - listener.last_check >= LISTENER_CHECK_INTERVAL:
                     listener.check()
                 listener.wait(self.poll_interval)
+                if slot is not None:
+                    slot.beat()
         finally:
             loop.stopping = True
             loop.finish()
+            if slot is not None:
+                slot.record(loop, 0.0)

@@ -1,0 +1,387 @@
+"""The master: imports the app once, forks workers and the leader, supervises them.
+
+It is gunicorn's arbiter: signal handlers only queue the signal and wake the
+loop; one loop turns each into an action, reaps children with
+waitpid(WNOHANG), restarts what died (with backoff), kills what stopped
+making progress, and on shutdown waits for in-flight work up to a grace
+period. It runs no jobs and holds no database connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from .app import App
+from .errors import ConfigurationError, FastjobsError, SchemaMissing
+from .impl import IMPLEMENTATION
+from .leader import Leader
+from .stats import LEADER, WORKER, Slot, Slots, serve
+from .worker import Worker
+
+# Exit codes of a child. BOOT_ERROR means "could not start, do not restart":
+# the whole master stops with it rather than restart-looping.
+EXIT_OK = 0
+EXIT_CRASH = 1
+EXIT_BOOT_ERROR = 3
+
+RESTART_BACKOFF_MAX = 30.0
+# A queue named without `:n` gets this much concurrency per worker process
+# (its async jobs in flight at once; sync jobs run one at a time per worker).
+DEFAULT_CONCURRENCY = 10
+STABLE_AFTER = 30.0  # a child that lived this long resets its backoff
+
+
+def parse_queues(spec: str | None, registered: list[str], processes: int) -> dict[str, int]:
+    """`default:8,emails:2` -> {queue: concurrency}; a queue without `:n` gets DEFAULT_CONCURRENCY per process."""
+    if not spec:
+        return {q: processes * DEFAULT_CONCURRENCY for q in (registered or ["default"])}
+    queues: dict[str, int] = {}
+    for part in spec.split(","):
+        name, _, count = part.strip().partition(":")
+        if not name:
+            raise ConfigurationError(f"--queues: empty queue name in {spec!r}")
+        if count:
+            if not count.isdigit() or int(count) < 1:
+                raise ConfigurationError(f"--queues: concurrency of {name!r} must be a positive integer")
+            queues[name] = int(count)
+        else:
+            queues[name] = processes * DEFAULT_CONCURRENCY
+    return queues
+
+
+def shard(queues: dict[str, int], processes: int) -> list[dict[str, int]]:
+    """Assign queues to worker processes: the rule `fastjobs run` documents and prints.
+
+    Queues are placed largest concurrency first (ties by name). A queue of
+    concurrency c is served by min(c, processes) workers, the least loaded
+    ones (load = concurrency already assigned; ties by lower index), and its
+    concurrency is split evenly among them, the remainder going one each to
+    the lowest indexes. A worker's share bounds how many of that queue's
+    async jobs it runs at once; sync jobs run one at a time per worker.
+    """
+    load = [0] * processes
+    plan: list[dict[str, int]] = [{} for _ in range(processes)]
+    for queue, concurrency in sorted(queues.items(), key=lambda kv: (-kv[1], kv[0])):
+        k = min(concurrency, processes)
+        chosen = sorted(sorted(range(processes), key=lambda i: (load[i], i))[:k])
+        base, extra = divmod(concurrency, k)
+        for n, index in enumerate(chosen):
+            share = base + (1 if n < extra else 0)
+            plan[index][queue] = share
+            load[index] += share
+    return plan
+
+
+@dataclass
+class Child:
+    index: int  # 0..N-1 workers, N the leader
+    role: int
+    pid: int = 0
+    started: float = 0.0
+    failures: int = 0
+    restart_at: float | None = None
+    last_progress: float = 0.0
+    seen_progress: float = -1.0
+    killed: bool = False
+
+
+class Master:
+    """`fastjobs run`: N workers and one leader under supervision."""
+
+    def __init__(
+        self,
+        app: App,
+        processes: int,
+        queues: dict[str, int],
+        *,
+        grace: float = 30.0,
+        worker_timeout: float | None = None,
+        batch_max: int = 1000,
+        keep_completed: bool = False,
+        metrics: tuple[str, int] | None = None,
+    ) -> None:
+        if processes < 1:
+            raise ConfigurationError("--processes must be at least 1")
+        self.app = app
+        self.plan = shard(queues, processes)
+        longest = max((s.timeout or 0.0 for s in app.jobs.values()), default=0.0)
+        self.worker_timeout = worker_timeout or max(300.0, 2 * longest)
+        self.grace = grace
+        self.batch_max = batch_max
+        self.keep_completed = keep_completed
+        self.metrics = metrics
+        self.children = [Child(i, WORKER) for i in range(processes)] + [Child(processes, LEADER)]
+        self.slots: Slots | None = None
+        self.stopping = False
+        self.deadline = 0.0
+        self.exit_code = EXIT_OK
+        self._signals: list[int] = []
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._rates: dict[int, tuple[float, float]] = {}
+
+    # --- the arbiter loop ----------------------------------------------------------------
+
+    def run(self) -> int:
+        dsn = self.app.dsn  # resolved (an embedded server started) once, before forking
+        assert dsn
+        self.slots = Slots.create(len(self.children))
+        self._install_signals()
+        self._print_plan()
+        server = self._start_metrics() if self.metrics else None
+        try:
+            for child in self.children:
+                if child.role == LEADER or self.plan[child.index]:
+                    self._spawn(child)
+            while True:
+                self._handle_signals()
+                self._reap()
+                now = time.monotonic()
+                if self.stopping:
+                    if not any(c.pid for c in self.children):
+                        break
+                    if now >= self.deadline:
+                        self._kill_all(signal.SIGKILL, "grace period over")
+                else:
+                    self._watchdog(now)
+                    self._restart_due(now)
+                self._titles(now)
+                self._sleep(0.25)
+        finally:
+            if server is not None:
+                server.shutdown()
+            self.slots.close(unlink=True)
+        return self.exit_code
+
+    def _install_signals(self) -> None:
+        def queue_signal(signum: int, frame: object) -> None:
+            self._signals.append(signum)
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, b"x")
+
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGCHLD):
+            signal.signal(sig, queue_signal)
+
+    def _handle_signals(self) -> None:
+        while self._signals:
+            signum = self._signals.pop(0)
+            if signum == signal.SIGCHLD:
+                continue  # the reap that follows handles it
+            self.handle_stop(signum)
+
+    def handle_stop(self, signum: int) -> None:
+        """First SIGTERM/SIGINT: graceful stop within the grace period. Second: stop now.
+
+        Stopping twice is stopping now, never an error; SIGQUIT is always now.
+        """
+        if not self.stopping and signum != signal.SIGQUIT:
+            self.stopping = True
+            self.deadline = time.monotonic() + self.grace
+            print(f"fastjobs: stopping (grace {self.grace:g}s)", file=sys.stderr, flush=True)
+            self._kill_all(signal.SIGTERM, None)
+            return
+        self.stopping = True
+        # The workers' second signal: they record the running job and give the rest back.
+        self.deadline = min(self.deadline or float("inf"), time.monotonic() + 2.0)
+        print("fastjobs: stopping now", file=sys.stderr, flush=True)
+        self._kill_all(signal.SIGINT, None)
+
+    def _sleep(self, timeout: float) -> None:
+        with contextlib.suppress(InterruptedError):
+            select.select([self._wake_r], [], [], timeout)
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._wake_r, 4096):
+                pass
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            child = next((c for c in self.children if c.pid == pid), None)
+            if child is None:
+                continue
+            self._exited(child, status)
+
+    def _exited(self, child: Child, status: int) -> None:
+        code = os.waitstatus_to_exitcode(status)
+        name = self._name(child)
+        child.pid = 0
+        assert self.slots is not None
+        if self.stopping:
+            if code not in (EXIT_OK, -signal.SIGTERM):
+                print(f"fastjobs: {name} exited with {code} while stopping", file=sys.stderr, flush=True)
+            return
+        if code == EXIT_BOOT_ERROR:
+            print(
+                f"fastjobs: {name} could not start; stopping (see its error above)",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.exit_code = EXIT_BOOT_ERROR
+            self.handle_stop(signal.SIGTERM)
+            return
+        lived = time.monotonic() - child.started
+        child.failures = 0 if lived >= STABLE_AFTER else child.failures + 1
+        delay = min(RESTART_BACKOFF_MAX, 0.5 * 2 ** max(child.failures - 1, 0)) if child.failures else 0.0
+        how = "was killed by signal " + str(-code) if code < 0 else f"exited with {code}"
+        print(f"fastjobs: {name} {how}; restarting in {delay:g}s", file=sys.stderr, flush=True)
+        child.restart_at = time.monotonic() + delay
+
+    def _restart_due(self, now: float) -> None:
+        for child in self.children:
+            if child.pid == 0 and child.restart_at is not None and now >= child.restart_at:
+                child.restart_at = None
+                self._spawn(child)
+
+    def _watchdog(self, now: float) -> None:
+        """Kill a child whose heartbeat and progress both stopped (a handler hung in C, say).
+
+        Its jobs stay 'running' for the rescuer; the reap restarts it.
+        """
+        assert self.slots is not None
+        for child in self.children:
+            if not child.pid or child.killed:
+                continue
+            slot = self.slots[child.index]
+            progress = slot["progress"] + slot["heartbeat"]
+            if progress != child.seen_progress:
+                child.seen_progress = progress
+                child.last_progress = now
+            elif now - child.last_progress > self.worker_timeout:
+                print(
+                    f"fastjobs: {self._name(child)} made no progress for {self.worker_timeout:g}s;"
+                    " killing it",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                child.killed = True
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.pid, signal.SIGKILL)
+
+    def _kill_all(self, sig: int, reason: str | None) -> None:
+        if reason:
+            print(f"fastjobs: {reason}: sending {signal.Signals(sig).name}", file=sys.stderr, flush=True)
+        for child in self.children:
+            if child.pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.pid, sig)
+
+    # --- children -------------------------------------------------------------------------
+
+    def _spawn(self, child: Child) -> None:
+        assert self.slots is not None
+        pid = os.fork()
+        if pid:
+            child.pid = pid
+            child.started = child.last_progress = time.monotonic()
+            child.seen_progress = -1.0
+            child.killed = False
+            return
+        code = EXIT_CRASH
+        try:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGCHLD):
+                signal.signal(sig, signal.SIG_DFL)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            slot = self.slots[child.index]
+            slot.claim(child.role, child.index)
+            code = self._child_main(child, slot)
+        except (ConfigurationError, SchemaMissing) as exc:
+            print(f"fastjobs: {self._name(child)}: {exc}", file=sys.stderr, flush=True)
+            code = EXIT_BOOT_ERROR
+        except BaseException:
+            traceback.print_exc()
+            code = EXIT_CRASH
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    def _child_main(self, child: Child, slot: Slot) -> int:
+        from setproctitle import setproctitle
+
+        if child.role == LEADER:
+            setproctitle("fastjobs: leader")
+            leader = Leader(self.app, slot=slot)
+            leader.install_signals()
+            leader.run()
+            return EXIT_OK
+        share = self.plan[child.index]
+        queues = sorted(share)
+        title = f"fastjobs: worker {child.index + 1} [{','.join(queues)}]"
+        setproctitle(title)
+        worker = Worker(
+            self.app,
+            queues,
+            batch_max=self.batch_max,
+            concurrency=max(1, sum(share.values())),
+            keep_completed=self.keep_completed,
+            schedule=False,
+            slot=slot,
+            title=title,
+        )
+        worker.install_signals()
+        worker.run()
+        return EXIT_OK
+
+    def _name(self, child: Child) -> str:
+        if child.role == LEADER:
+            return f"leader (pid {child.pid})" if child.pid else "leader"
+        return f"worker {child.index + 1}" + (f" (pid {child.pid})" if child.pid else "")
+
+    # --- reporting ------------------------------------------------------------------------
+
+    def _print_plan(self) -> None:
+        print(
+            f"fastjobs: master pid {os.getpid()}, {len(self.plan)} workers + leader, "
+            f"{len(self.app.jobs)} job kinds, {IMPLEMENTATION} implementation",
+            file=sys.stderr,
+        )
+        for index, share in enumerate(self.plan):
+            shown = ", ".join(f"{q}:{n}" for q, n in sorted(share.items())) or "(no queue: not started)"
+            print(f"fastjobs:   worker {index + 1}: {shown}", file=sys.stderr)
+        sys.stderr.flush()
+
+    def _titles(self, now: float) -> None:
+        """Write each worker's rate to its slot once a second, and the master's title."""
+        assert self.slots is not None
+        last = self._rates.get(-1)
+        if last is not None and now - last[0] < 1.0:
+            return
+        total = 0.0
+        for child in self.children:
+            slot = self.slots[child.index]
+            done = slot["completed"] + slot["failed"]
+            before = self._rates.get(child.index)
+            rate = (done - before[1]) / (now - before[0]) if before and now > before[0] else 0.0
+            self._rates[child.index] = (now, done)
+            slot["rate"] = max(rate, 0.0)
+            total += max(rate, 0.0)
+        self._rates[-1] = (now, 0.0)
+        from setproctitle import setproctitle
+
+        state = "stopping" if self.stopping else f"{total:,.0f} jobs/s"
+        setproctitle(f"fastjobs: master [{len(self.plan)} workers] {state}")
+
+    def _start_metrics(self) -> Any:
+        assert self.metrics is not None and self.slots is not None
+        host, port = self.metrics
+        try:
+            server = serve(host, port, self.slots, self.app)
+        except OSError as exc:
+            raise FastjobsError(f"cannot serve metrics on {host}:{port}: {exc}") from None
+        print(f"fastjobs: metrics on http://{host}:{server.server_address[1]}/metrics", file=sys.stderr)
+        return server

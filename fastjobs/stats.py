@@ -1,0 +1,278 @@
+"""Per-process counters in shared memory, their aggregation, and Prometheus text.
+
+The master maps one file in /dev/shm before forking: a header, then one
+fixed slot per process. A process writes only its own slot, after each
+batch, with plain stores: no lock, no syscall (a torn read costs the master
+one slightly wrong sample, never a wrong total). `fastjobs stats` on the same
+host finds the file by the master's pid and reads the live rates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+
+from . import database, sql
+from .errors import FastjobsError
+
+if TYPE_CHECKING:
+    from .app import App
+
+MAGIC = 0x66_6A_73_74  # "fjst"
+VERSION = 1
+HEADER = struct.Struct("<IIIIdd")  # magic, version, slots, master pid, started, spare
+FIELDS = (
+    "pid",
+    "role",  # 0 empty, 1 worker, 2 leader
+    "index",
+    "claimed",
+    "completed",
+    "failed",
+    "retried",
+    "discarded",
+    "busy",  # seconds spent in batches that ran jobs
+    "heartbeat",  # time.time() of the last loop turn
+    "started",
+    "rate",  # completed jobs/s over the last second, written by the master
+    "progress",  # jobs started, bumped by the hot loop per job (the watchdog's signal)
+)
+SLOT = len(FIELDS)
+F = {name: i for i, name in enumerate(FIELDS)}
+ROLES = {1: "worker", 2: "leader"}
+WORKER, LEADER = 1, 2
+
+
+def shm_dir() -> Path:
+    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+
+
+class Slot:
+    """One process's counters: a window of float64 in the shared mapping."""
+
+    def __init__(self, view: Any) -> None:
+        self.view = view  # memoryview of float64
+
+    def __getitem__(self, name: str) -> float:
+        return float(self.view[F[name]])
+
+    def __setitem__(self, name: str, value: float) -> None:
+        self.view[F[name]] = value
+
+    def claim(self, role: int, index: int) -> None:
+        """Take this slot for the calling process, zeroing its counters."""
+        for i in range(SLOT):
+            self.view[i] = 0.0
+        self.view[F["pid"]] = os.getpid()
+        self.view[F["role"]] = role
+        self.view[F["index"]] = index
+        self.view[F["started"]] = self.view[F["heartbeat"]] = time.time()
+
+    def record(self, loop: Any, busy: float) -> None:
+        """Copy a BatchLoop's counters into the slot (after each batch)."""
+        view = self.view
+        view[3] = loop.claimed
+        view[4] = loop.completed
+        view[5] = loop.failed
+        view[6] = loop.retried
+        view[7] = loop.discarded
+        view[8] += busy
+        view[9] = time.time()
+
+    def progress_view(self) -> Any:
+        """The one-float window the hot loop bumps per job."""
+        return self.view[F["progress"] : F["progress"] + 1]
+
+    def beat(self) -> None:
+        self.view[9] = time.time()
+
+    def as_dict(self) -> dict[str, float]:
+        return {name: float(self.view[i]) for i, name in enumerate(FIELDS)}
+
+
+class Slots:
+    """The shared mapping: created by the master, inherited by its children, read by `fastjobs stats`."""
+
+    def __init__(self, path: Path, count: int, create: bool) -> None:
+        self.path = path
+        size = HEADER.size + count * SLOT * 8
+        flags = os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        if create:
+            HEADER.pack_into(self._map, 0, MAGIC, VERSION, count, os.getpid(), time.time(), 0.0)
+        self.count = count
+        self._values: Any = memoryview(self._map)[HEADER.size :].cast("d")
+
+    @classmethod
+    def create(cls, count: int) -> Slots:
+        return cls(shm_dir() / f"fastjobs-{os.getpid()}.stats", count, create=True)
+
+    @classmethod
+    def open(cls, path: Path) -> Slots | None:
+        """Open a master's file read-write; None if it is not one of ours or its master is gone."""
+        try:
+            with path.open("rb") as fh:
+                magic, version, count, pid, _, _ = HEADER.unpack(fh.read(HEADER.size))
+        except (OSError, struct.error):
+            return None
+        if magic != MAGIC or version != VERSION or not _alive(pid):
+            return None
+        return cls(path, count, create=False)
+
+    def __getitem__(self, index: int) -> Slot:
+        return Slot(self._values[index * SLOT : (index + 1) * SLOT])
+
+    def __iter__(self) -> Iterator[Slot]:
+        return (self[i] for i in range(self.count))
+
+    @property
+    def master_pid(self) -> int:
+        return int(HEADER.unpack_from(self._map, 0)[3])
+
+    def close(self, unlink: bool = False) -> None:
+        self._values.release()
+        with contextlib.suppress(BufferError):
+            self._map.close()
+        if unlink:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def live_masters() -> list[Slots]:
+    """Every running master's counters on this host."""
+    found = []
+    for path in sorted(shm_dir().glob("fastjobs-*.stats")):
+        slots = Slots.open(path)
+        if slots is not None:
+            found.append(slots)
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class QueueDepth:
+    queue: str
+    state: str
+    count: int
+    oldest_seconds: float | None
+
+
+def queue_depths(conn: psycopg.Connection[Any]) -> list[QueueDepth]:
+    with psycopg.RawCursor(conn) as cur:
+        return [QueueDepth(*row) for row in cur.execute(sql.job_stats_by_queue)]
+
+
+def prometheus(slots: Slots, depths: list[QueueDepth] | None) -> str:
+    """Prometheus text exposition of the counters (and queue depths when given)."""
+    lines = []
+    counters = (
+        ("claimed", "jobs claimed"),
+        ("completed", "jobs completed"),
+        ("failed", "attempts that failed"),
+        ("retried", "failed attempts scheduled to run again"),
+        ("discarded", "jobs discarded after their last attempt"),
+    )
+    live = [
+        (f'role="{ROLES.get(int(d["role"]), "?")}",index="{int(d["index"])}"', d)
+        for d in map(Slot.as_dict, slots)
+        if d["role"]
+    ]
+    now = time.time()
+
+    def family(name: str, kind: str, help_text: str, value: Callable[[dict[str, float]], str]) -> None:
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} {kind}")
+        lines.extend(f"{name}{{{labels}}} {value(d)}" for labels, d in live)
+
+    for field, help_text in counters:
+
+        def count(d: dict[str, float], field: str = field) -> str:
+            return str(int(d[field]))
+
+        family(f"fastjobs_jobs_{field}_total", "counter", help_text, count)
+    family(
+        "fastjobs_busy_seconds_total", "counter", "time spent running batches", lambda d: f"{d['busy']:.6f}"
+    )
+    family(
+        "fastjobs_heartbeat_age_seconds",
+        "gauge",
+        "seconds since the process last reported",
+        lambda d: f"{now - d['heartbeat']:.3f}",
+    )
+    if depths is not None:
+        lines.append("# HELP fastjobs_queue_jobs jobs in the table by queue and state")
+        lines.append("# TYPE fastjobs_queue_jobs gauge")
+        for q in depths:
+            lines.append(f'fastjobs_queue_jobs{{queue="{_escape(q.queue)}",state="{q.state}"}} {q.count}')
+        lines.append("# HELP fastjobs_queue_oldest_seconds age of the oldest job by queue and state")
+        lines.append("# TYPE fastjobs_queue_oldest_seconds gauge")
+        for q in depths:
+            if q.oldest_seconds is not None:
+                labels = f'queue="{_escape(q.queue)}",state="{q.state}"'
+                lines.append(f"fastjobs_queue_oldest_seconds{{{labels}}} {q.oldest_seconds:.3f}")
+    return "\n".join(lines) + "\n"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def serve(host: str, port: int, slots: Slots, app: App) -> ThreadingHTTPServer:
+    """Serve /metrics (Prometheus text) from a daemon thread of the master.
+
+    Each scrape opens a short connection for the queue depths; when the
+    database is down the counters are still served, with a comment saying so.
+    """
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path.split("?")[0] not in ("/metrics", "/"):
+                self.send_error(404)
+                return
+            depths: list[QueueDepth] | None = None
+            note = ""
+            try:
+                with database.connect(app.dsn, autocommit=True, connect_timeout=5) as conn:
+                    depths = queue_depths(conn)
+            except (FastjobsError, psycopg.Error) as exc:
+                note = f"# queue depths unavailable: {str(exc).splitlines()[0]}\n"
+            body = (note + prometheus(slots, depths)).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            return  # scrapes are not news
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="fastjobs-metrics", daemon=True).start()
+    return server
