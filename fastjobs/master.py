@@ -40,7 +40,7 @@ STABLE_AFTER = 30.0  # a child that lived this long resets its backoff
 
 
 def parse_queues(spec: str | None, registered: list[str], processes: int) -> dict[str, int]:
-    """`default:8,emails:2` -> {queue: concurrency}; a queue without `:n` gets DEFAULT_CONCURRENCY per process."""
+    """`default:8,emails:2` -> {queue: concurrency}; a bare name gets DEFAULT_CONCURRENCY per process."""
     if not spec:
         return {q: processes * DEFAULT_CONCURRENCY for q in (registered or ["default"])}
     queues: dict[str, int] = {}
