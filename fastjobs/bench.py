@@ -6,9 +6,11 @@ import datetime as dt
 import json
 import multiprocessing
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +24,8 @@ from . import database, enqueue, schema, sql
 from .app import App
 from .errors import FastjobsError
 from .impl import IMPLEMENTATION
+from .master import DEFAULT_CONCURRENCY, Master
+from .stats import Slots, shm_dir
 from .worker import Worker
 
 BENCH_DB = "fastjobs_bench"
@@ -213,11 +217,12 @@ def _drain_once(
     args: tuple[Any, ...],
     echo: Callable[[str], None],
 ) -> tuple[float, float]:
-    """Fork `processes` drainers, start them together; (seconds, their CPU seconds)."""
+    """Fork `processes` drainers; once they are connected, enqueue and start them together.
+
+    Every contender meets the same table: the jobs of one fresh COPY, made
+    visible by its commit just before the clock starts.
+    """
     _reset(dsn)
-    App(dsn).enqueue_many(BENCH_KIND, ({"i": i} for i in range(jobs)))
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("VACUUM ANALYZE fastjobs_jobs")
     ctx = multiprocessing.get_context("fork")
     ready, start = ctx.Barrier(processes + 1), ctx.Barrier(processes + 1)
     pids = []
@@ -227,8 +232,9 @@ def _drain_once(
             _child(target, dsn, *args, ready, start)
         pids.append(pid)
     ready.wait()
-    began = time.perf_counter()
+    App(dsn).enqueue_many(BENCH_KIND, ({"i": i} for i in range(jobs)))
     start.wait()
+    began = time.perf_counter()
     cpu = 0.0
     left = set(pids)
     with psycopg.connect(dsn, autocommit=True) as watch:
@@ -248,6 +254,79 @@ def _drain_once(
     return seconds, cpu
 
 
+def _proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system) a live process has used so far."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _master_once(
+    dsn: str, jobs: int, processes: int, batch: int, keep: bool, echo: Callable[[str], None]
+) -> tuple[float, float]:
+    """The real `fastjobs run` path: a Master with its workers and leader.
+
+    The workers start idle; one COPY makes every job visible at once (its
+    commit is the start); the end is read from the master's shared-memory
+    counters, so no query competes with the drain.
+    """
+    _reset(dsn)
+    log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in the finally below)
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(log.fileno(), 2)
+        app = _bench_app(dsn)
+        queues = {"default": processes * DEFAULT_CONCURRENCY}
+        code = Master(app, processes, queues, batch_max=batch, keep_completed=keep).run()
+        os._exit(code)
+    try:
+        slots = _await_slots(pid, processes)
+        App(dsn).enqueue_many(BENCH_KIND, ({"i": i} for i in range(jobs)))
+        began = time.perf_counter()
+        workers = [slots[i] for i in range(processes)]
+        next_echo = 0.0
+        while (done := sum(w["completed"] for w in workers)) < jobs:
+            now = time.perf_counter()
+            if now >= next_echo:
+                echo(f"\r    {int(done):>10,} / {jobs:,} jobs done")
+                next_echo = now + 0.5
+            time.sleep(0.002)
+        seconds = time.perf_counter() - began
+        cpu = sum(_proc_cpu(int(w["pid"])) for w in workers)
+        slots.close()
+    except BaseException:
+        log.seek(0)
+        sys.stderr.write(log.read().decode(errors="replace"))
+        raise
+    finally:
+        os.kill(pid, signal.SIGTERM)
+        os.waitpid(pid, 0)
+        log.close()
+    return seconds, cpu
+
+
+def _await_slots(master_pid: int, processes: int, timeout: float = 30.0) -> Slots:
+    path = shm_dir() / f"fastjobs-{master_pid}.stats"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        slots = Slots.open(path) if path.exists() else None
+        if slots is not None:
+            if all(
+                slots[i]["role"] and slots[i]["heartbeat"] > slots[i]["started"] for i in range(processes)
+            ):
+                return slots
+            slots.close()
+        if os.waitpid(master_pid, os.WNOHANG)[0]:
+            raise FastjobsError("the benchmark's master exited before its workers were ready")
+        time.sleep(0.01)
+    raise FastjobsError("the benchmark's workers did not become ready in time")
+
+
+CONTENDERS = ("raw", "worker", "master")
+
+
 def run_drain(
     dsn: str,
     jobs: int,
@@ -259,23 +338,29 @@ def run_drain(
     results: Path | None,
     echo: Callable[[str], None],
 ) -> dict[str, Any]:
-    """Drain `jobs` no-op jobs with fastjobs workers and with the raw loop, alternating; medians."""
+    """Drain `jobs` no-op jobs three ways, alternating, and report medians.
+
+    raw: the leanest psycopg loop, the same claim and completion SQL;
+    worker: fastjobs Worker processes forked directly (the hot loop alone);
+    master: the real `fastjobs run` (master, workers, leader).
+    """
     target = bench_dsn(dsn)
-    runs: dict[str, list[tuple[float, float]]] = {"fastjobs": [], "raw": []}
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in CONTENDERS}
     for run in range(repeat):
-        for name in ("fastjobs", "raw"):
-            if name == "fastjobs":
-                measured = _drain_once(
-                    target, jobs, processes, _fastjobs_drainer, (batch, overlap, keep), echo
-                )
-            else:
+        for name in CONTENDERS:
+            if name == "raw":
                 measured = _drain_once(target, jobs, processes, _raw_drainer, (batch, keep), echo)
+            elif name == "worker":
+                args = (batch, overlap, keep)
+                measured = _drain_once(target, jobs, processes, _fastjobs_drainer, args, echo)
+            else:
+                measured = _master_once(target, jobs, processes, batch, keep, echo)
             runs[name].append(measured)
             echo(
                 f"\r  run {run + 1}/{repeat} {name:8s} {jobs / measured[0]:>10,.0f} jobs/s"
                 f"   worker CPU {measured[1] / jobs * 1e6:6.1f} us/job\n"
             )
-    med = {name: statistics.median(jobs / s for s, _ in r) for name, r in runs.items()}
+    rate = {name: statistics.median(jobs / s for s, _ in r) for name, r in runs.items()}
     cpu = {name: statistics.median(c / jobs * 1e6 for _, c in r) for name, r in runs.items()}
     record = _record(
         "drain",
@@ -286,18 +371,21 @@ def run_drain(
         overlap=overlap,
         keep_completed=keep,
         repeat=repeat,
-        fastjobs_jobs_per_s=round(med["fastjobs"]),
-        raw_jobs_per_s=round(med["raw"]),
-        ratio=round(med["fastjobs"] / med["raw"], 3),
-        fastjobs_cpu_us_per_job=round(cpu["fastjobs"], 2),
-        raw_cpu_us_per_job=round(cpu["raw"], 2),
+        **{f"{name}_jobs_per_s": round(rate[name]) for name in CONTENDERS},
+        **{f"{name}_cpu_us_per_job": round(cpu[name], 2) for name in CONTENDERS},
+        ratio=round(rate["master"] / rate["raw"], 3),
+        worker_ratio=round(rate["worker"] / rate["raw"], 3),
+        master_overhead=round(1 - rate["master"] / rate["worker"], 3),
     )
-    echo(f"\n{'drain (' + str(processes) + ' processes)':<28}{'jobs/s':>12}{'ratio':>8}{'CPU us/job':>12}\n")
-    echo(f"{'raw SQL limit':<28}{med['raw']:>12,.0f}{1.0:>8.2f}{cpu['raw']:>12.1f}\n")
-    echo(
-        f"{'fastjobs (' + IMPLEMENTATION + ')':<28}{med['fastjobs']:>12,.0f}"
-        f"{med['fastjobs'] / med['raw']:>8.2f}{cpu['fastjobs']:>12.1f}\n"
-    )
+    labels = {
+        "raw": "raw SQL limit",
+        "worker": f"fastjobs workers ({IMPLEMENTATION})",
+        "master": f"fastjobs run ({IMPLEMENTATION})",
+    }
+    title = f"drain, {processes} processes"
+    echo(f"\n{title:<30}{'jobs/s':>12}{'ratio':>8}{'CPU us/job':>12}\n")
+    for name in CONTENDERS:
+        echo(f"{labels[name]:<30}{rate[name]:>12,.0f}{rate[name] / rate['raw']:>8.2f}{cpu[name]:>12.1f}\n")
     _write(results, record, echo)
     return record
 
