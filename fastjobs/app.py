@@ -7,6 +7,7 @@ import contextlib
 import datetime as dt
 import inspect
 import os
+import select
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
@@ -324,6 +325,20 @@ def _signature(func: Callable[..., Any]) -> tuple[frozenset[str] | None, frozens
     return (None if open_ended else frozenset(params)), frozenset(required)
 
 
+def _healthy(conn: psycopg.Connection[Any]) -> bool:
+    """An idle connection is dead if its socket has something to say (EOF, or an
+    error such as a terminated backend): one poll, no round trip."""
+    if conn.closed or conn.broken:
+        return False
+    try:
+        readable, _, _ = select.select([conn.fileno()], [], [], 0)
+        if readable:
+            conn.pgconn.consume_input()
+    except (OSError, psycopg.Error):
+        return False
+    return conn.pgconn.status == psycopg.pq.ConnStatus.OK
+
+
 class _Pool:
     """A few idle autocommit connections, for enqueues made without `conn`.
 
@@ -344,6 +359,9 @@ class _Pool:
             if self._pid != os.getpid():
                 self._idle, self._pid = [], os.getpid()
             conn = self._idle.pop() if self._idle else None
+        if conn is not None and not _healthy(conn):
+            conn.close()
+            conn = None
         if conn is None:
             conn = database.connect(dsn, autocommit=True)
         try:

@@ -13,6 +13,7 @@ import psycopg
 from psycopg import pq
 
 from . import sql
+from .errors import SchemaMissing
 from .impl import core
 from .types import MAX_ATTEMPTS_LIMIT, PRIORITY_MAX, PRIORITY_MIN, JobSpec
 
@@ -112,9 +113,21 @@ def insert_params(opts: Options, args: Any) -> tuple[Any, ...]:
     return (opts.queue, opts.kind, data.decode(), opts.priority, opts.max_attempts, opts.run_at, opts.delay)
 
 
+@contextlib.contextmanager
+def _schema_errors() -> Iterator[None]:
+    """A database without the jobs table raises SchemaMissing, which says to run `fastjobs migrate`."""
+    try:
+        yield
+    except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedObject) as exc:
+        raise SchemaMissing(
+            f"the fastjobs schema is missing in this database ({exc.diag.message_primary}):"
+            " run `fastjobs migrate`"
+        ) from None
+
+
 def insert(conn: psycopg.Connection[Any], opts: Options, args: Any) -> int:
     params = insert_params(opts, args)
-    with psycopg.RawCursor(conn) as cur:
+    with _schema_errors(), psycopg.RawCursor(conn) as cur:
         row = cur.execute(sql.job_insert, params).fetchone()
     assert row is not None
     return int(row[0])
@@ -122,9 +135,10 @@ def insert(conn: psycopg.Connection[Any], opts: Options, args: Any) -> int:
 
 async def insert_async(conn: psycopg.AsyncConnection[Any], opts: Options, args: Any) -> int:
     params = insert_params(opts, args)
-    async with psycopg.AsyncRawCursor(conn) as cur:
-        await cur.execute(sql.job_insert, params)
-        row = await cur.fetchone()
+    with _schema_errors():
+        async with psycopg.AsyncRawCursor(conn) as cur:
+            await cur.execute(sql.job_insert, params)
+            row = await cur.fetchone()
     assert row is not None
     return int(row[0])
 
@@ -184,7 +198,7 @@ def copy_many(conn: psycopg.Connection[Any], opts: Options, rows: Iterable[Any])
     if first is None:
         return 0
     total = 0
-    with _atomic(conn), conn.cursor() as cur, cur.copy(statement) as copy:
+    with _schema_errors(), _atomic(conn), conn.cursor() as cur, cur.copy(statement) as copy:
         copy.write(_COPY_HEADER)
         for data, count in _prepend(first, chunks):
             copy.write(data)
@@ -206,12 +220,13 @@ async def copy_many_async(conn: psycopg.AsyncConnection[Any], opts: Options, row
     if first is None:
         return 0
     total = 0
-    async with _atomic_async(conn), conn.cursor() as cur, cur.copy(statement) as copy:
-        await copy.write(_COPY_HEADER)
-        for data, count in _prepend(first, chunks):
-            await copy.write(data)
-            total += count
-        await copy.write(_COPY_TRAILER)
+    with _schema_errors():
+        async with _atomic_async(conn), conn.cursor() as cur, cur.copy(statement) as copy:
+            await copy.write(_COPY_HEADER)
+            for data, count in _prepend(first, chunks):
+                await copy.write(data)
+                total += count
+            await copy.write(_COPY_TRAILER)
     return total
 
 
