@@ -326,17 +326,15 @@ def _signature(func: Callable[..., Any]) -> tuple[frozenset[str] | None, frozens
 
 
 def _healthy(conn: psycopg.Connection[Any]) -> bool:
-    """An idle connection is dead if its socket has something to say (EOF, or an
-    error such as a terminated backend): one poll, no round trip."""
+    """One poll, no round trip: an idle pooled connection (which listens to
+    nothing) whose socket is readable has been told FATAL or closed."""
     if conn.closed or conn.broken:
         return False
     try:
         readable, _, _ = select.select([conn.fileno()], [], [], 0)
-        if readable:
-            conn.pgconn.consume_input()
-    except (OSError, psycopg.Error):
+    except (OSError, ValueError):
         return False
-    return conn.pgconn.status == psycopg.pq.ConnStatus.OK
+    return not readable and conn.pgconn.status == psycopg.pq.ConnStatus.OK
 
 
 class _Pool:
