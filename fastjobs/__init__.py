@@ -6,11 +6,13 @@ from .errors import (
     ConfigurationError,
     DatabaseUnavailable,
     FastjobsError,
+    JobNotFound,
     JobTimeout,
     Retry,
     SchemaMissing,
     Snooze,
 )
+from .handlers import JobContext, current_job
 from .retry import default_backoff
 from .types import JobSpec, JobState
 from .worker import Worker
@@ -22,6 +24,8 @@ __all__ = [
     "DatabaseUnavailable",
     "FastjobsError",
     "Job",
+    "JobContext",
+    "JobNotFound",
     "JobSpec",
     "JobState",
     "JobTimeout",
@@ -29,5 +33,6 @@ __all__ = [
     "SchemaMissing",
     "Snooze",
     "Worker",
+    "current_job",
     "default_backoff",
 ]

@@ -80,6 +80,7 @@ cdef object _discard = handlers.discard
 cdef object _unknown_kind = handlers.unknown_kind
 cdef object _returned_coroutine = handlers.returned_coroutine
 cdef object _tally = handlers.tally
+cdef object _cancelled = handlers.cancelled
 
 
 cdef struct Buffer:
@@ -229,6 +230,11 @@ cdef class BatchLoop:
     cdef bytes _last_kind
     cdef object _last_spec
     cdef object _last_func
+    cdef object _last_kind_str
+    # The executor's JobContext (updated in place per sync job) and its set of
+    # job ids whose cancellation arrived, filled by the control thread.
+    cdef object _context
+    cdef set _cancelled
     cdef bint _last_fast
     # A float64 in shared memory bumped per job started (plain store, no
     # syscall), so the master can tell a long batch from a hung one.
@@ -248,6 +254,8 @@ cdef class BatchLoop:
         self._pgconn = <PGconn *><size_t>conn.pgconn.pgconn_ptr
         self._specs = {k.encode(): v for k, v in specs.items()}
         self._executor = executor
+        self._context = executor.context
+        self._cancelled = executor.cancelled
         self._worker_id = worker_id.encode()
         self._queues = [q.encode() for q in queues]
         self._turn = 0
@@ -460,6 +468,7 @@ cdef class BatchLoop:
         cdef object spec, args, result
         cdef list failures = self._failures
         cdef list slow = []
+        cdef object context = self._context
         for i in range(n):
             job_id = _int8(PQgetvalue(rows, i, 0))
             if self.stopping:
@@ -478,6 +487,7 @@ cdef class BatchLoop:
                 self._last_spec = self._specs.get(self._last_kind)
                 if self._last_spec is not None:
                     self._last_func = self._last_spec.func
+                    self._last_kind_str = self._last_spec.kind
                     self._last_fast = not self._last_spec.is_async and self._last_spec.timeout is None
             spec = self._last_spec
             if spec is None:
@@ -499,14 +509,28 @@ cdef class BatchLoop:
             if not self._last_fast:
                 slow.append((spec, job_id, args, attempt, max_attempts))
                 continue
+            if self._cancelled and job_id in self._cancelled:
+                self._cancelled.discard(job_id)
+                failures.append(_cancelled(job_id, attempt))
+                continue
+            context.id = job_id
+            context.kind = self._last_kind_str
+            context.attempt = attempt
+            context.cancelled = False
             try:
                 # The dict is ours (fresh from orjson): pass it as the kwargs
                 # as is, where func(**args) would copy it.
                 result = PyObject_Call(self._last_func, _NO_ARGS, args)
             except Exception as exc:
-                failures.append(_failure(spec, job_id, attempt, max_attempts, exc))
+                context.id = 0
+                if context.cancelled:
+                    self._cancelled.discard(job_id)
+                    failures.append(_cancelled(job_id, attempt))
+                else:
+                    failures.append(_failure(spec, job_id, attempt, max_attempts, exc))
                 continue
             except BaseException as exc:
+                context.id = 0
                 failures.append(_failure(spec, job_id, attempt, max_attempts, exc))
                 for j in range(i + 1, n):
                     failures.append(_release(_int8(PQgetvalue(rows, j, 0))))
@@ -515,9 +539,15 @@ cdef class BatchLoop:
                 self.stopping = True
                 self.finish()
                 raise
+            context.id = 0
             if result is not None and _iscoroutine(result):
                 result.close()
                 failures.append(_failure(spec, job_id, attempt, max_attempts, _returned_coroutine(spec)))
+                continue
+            if context.cancelled:
+                # Told to stop while it ran: it finishes as cancelled, whatever it returned.
+                self._cancelled.discard(job_id)
+                failures.append(_cancelled(job_id, attempt))
                 continue
             self._add_done(job_id)
         if slow:

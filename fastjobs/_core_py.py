@@ -233,6 +233,8 @@ class BatchLoop:
         done = self._done
         failures = self._failures
         specs = self._specs
+        executor = self._executor
+        context = executor.context
         slow: list[handlers.SlowJob] = []
         for index, (job_id, kind, raw, attempt, max_attempts) in enumerate(rows):
             if self.stopping:
@@ -256,25 +258,42 @@ class BatchLoop:
             if spec.is_async or spec.timeout is not None:
                 slow.append((spec, job_id, args, attempt, max_attempts))
                 continue
+            if executor.cancelled and job_id in executor.cancelled:
+                executor.cancelled.discard(job_id)
+                failures.append(handlers.cancelled(job_id, attempt))
+                continue
+            context.id, context.kind, context.attempt, context.cancelled = job_id, kind, attempt, False
             try:
                 result = spec.func(**args)
             except Exception as exc:
-                failures.append(handlers.failure(spec, job_id, attempt, max_attempts, exc))
+                context.id = 0
+                if context.cancelled:
+                    executor.cancelled.discard(job_id)
+                    failures.append(handlers.cancelled(job_id, attempt))
+                else:
+                    failures.append(handlers.failure(spec, job_id, attempt, max_attempts, exc))
                 continue
             except BaseException as exc:
                 # SystemExit, KeyboardInterrupt: record this job, give the rest
                 # back, write it all, then let the exception stop the worker.
+                context.id = 0
                 failures.append(handlers.failure(spec, job_id, attempt, max_attempts, exc))
                 failures.extend(handlers.release(row[0]) for row in rows[index + 1 :])
                 failures.extend(handlers.release(job[1]) for job in slow)
                 self.stopping = True
                 self.finish()
                 raise
+            context.id = 0
             if result is not None and inspect.iscoroutine(result):
                 result.close()
                 failures.append(
                     handlers.failure(spec, job_id, attempt, max_attempts, handlers.returned_coroutine(spec))
                 )
+                continue
+            if context.cancelled:
+                # Told to stop while it ran: it finishes as cancelled, whatever it returned.
+                executor.cancelled.discard(job_id)
+                failures.append(handlers.cancelled(job_id, attempt))
                 continue
             done.append(job_id)
         if slow:

@@ -15,7 +15,8 @@ from typing import Any, Generic, ParamSpec, TypeVar
 
 import psycopg
 
-from . import database, enqueue
+from . import control, database, enqueue
+from .cron import Cron
 from .enqueue import check_max_attempts, check_priority, check_queue
 from .retry import RetryPolicy
 from .types import DEFAULT_MAX_ATTEMPTS, DEFAULT_QUEUE, JobSpec
@@ -57,6 +58,8 @@ class App:
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         timeout: float | None = None,
         retry: RetryPolicy | None = None,
+        unique: bool | tuple[str, ...] | list[str] = False,
+        cron: str | None = None,
     ) -> Callable[[Callable[P, R]], Job[P, R]]:
         """Register a handler (`def` or `async def`).
 
@@ -64,19 +67,34 @@ class App:
         `module.qualname`: renaming or moving the function changes it, so pass
         an explicit kind for jobs that must outlive a refactor. `retry(attempt,
         rand)` returns the seconds to wait after a failed attempt (default:
-        fastjobs.retry.default_backoff).
+        fastjobs.retry.default_backoff). `unique=True` (or a list of argument
+        names) derives a unique key from the args: a duplicate enqueued while
+        the first is pending or running returns the first's id. `cron`
+        (5 fields, UTC) makes the leader enqueue the job, without args, once
+        per tick across the cluster.
         """
         check_queue(queue)
         check_priority(priority)
         check_max_attempts(max_attempts)
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+        if cron is not None:
+            Cron(cron)  # a bad expression fails at registration, naming the field
+        unique_by: bool | tuple[str, ...] = unique if isinstance(unique, bool) else tuple(unique)
 
         def register(func: Callable[P, R]) -> Job[P, R]:
             name = kind or f"{func.__module__}.{func.__qualname__}"
             if name in self.jobs and self.jobs[name].func is not func:
                 raise ValueError(f"job kind {name!r} is already registered to {self.jobs[name].func!r}")
             params, required = _signature(func)
+            if cron is not None and required:
+                raise TypeError(
+                    f"{name}: a cron job is enqueued without args, but requires {sorted(required)}"
+                )
+            if isinstance(unique_by, tuple) and params is not None and not params.issuperset(unique_by):
+                raise TypeError(
+                    f"{name}: unique= names {sorted(set(unique_by) - params)}, not arguments of it"
+                )
             spec = JobSpec(
                 kind=name,
                 func=func,
@@ -88,6 +106,8 @@ class App:
                 params=params,
                 required=required,
                 retry=retry,
+                unique=unique_by,
+                cron=cron,
             )
             self.jobs[name] = spec
             return Job(self, spec)
@@ -105,11 +125,14 @@ class App:
         run_at: dt.datetime | None = None,
         delay: float | dt.timedelta | None = None,
         max_attempts: int | None = None,
+        unique_key: str | None = None,
     ) -> int:
         """Insert one job and return its id.
 
         With `conn`, the job joins the caller's transaction: it exists (and
-        is visible to workers) only once that transaction commits.
+        is visible to workers) only once that transaction commits. With a
+        `unique_key` (or a kind registered with `unique=`) held by a job still
+        pending or running, nothing is inserted and that job's id is returned.
         """
         opts = enqueue.options(
             kind,
@@ -119,12 +142,33 @@ class App:
             run_at=run_at,
             delay=delay,
             max_attempts=max_attempts,
+            unique_key=unique_key,
         )
         if conn is not None:
             return enqueue.insert(conn, opts, args)
         enqueue.insert_params(opts, args)  # bad args fail before a connection is taken
         with self.connection() as own:
             return enqueue.insert(own, opts, args)
+
+    def periodic(
+        self, cron: str, *, kind: str | None = None, queue: str = DEFAULT_QUEUE, **options: Any
+    ) -> Callable[[Callable[P, R]], Job[P, R]]:
+        """Register a job the leader enqueues once per tick of `cron` ("*/5 * * * *", UTC)."""
+        return self.job(kind, queue=queue, cron=cron, **options)
+
+    def cancel(self, job_id: int, *, conn: psycopg.Connection[Any] | None = None) -> str:
+        """Cancel a job; returns what became of it.
+
+        A queued job (available, scheduled, retryable) is `cancelled` at once.
+        A running one is told: an async handler is cancelled, a sync one can
+        check `fastjobs.current_job().cancelled`; it finishes as `cancelled`
+        ("cancelling" is returned). A finished job is left alone and its
+        state returned. Raises JobNotFound for an unknown id.
+        """
+        if conn is not None:
+            return control.cancel(conn, job_id)
+        with self.connection() as own:
+            return control.cancel(own, job_id)
 
     def enqueue_many(
         self,
@@ -169,6 +213,7 @@ class App:
         run_at: dt.datetime | None = None,
         delay: float | dt.timedelta | None = None,
         max_attempts: int | None = None,
+        unique_key: str | None = None,
     ) -> int:
         """`enqueue` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs')."""
         opts = enqueue.options(
@@ -179,6 +224,7 @@ class App:
             run_at=run_at,
             delay=delay,
             max_attempts=max_attempts,
+            unique_key=unique_key,
         )
         if conn is not None:
             return await enqueue.insert_async(conn, opts, args)

@@ -12,11 +12,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import bench, database, schema, stats
+from . import bench, control, database, schema, sql, stats
 from .app import App
 from .errors import ConfigurationError, FastjobsError
 from .impl import IMPLEMENTATION
+from .leader import LeaderConfig
 from .master import Master, parse_queues
+from .types import JobState
 
 DEFAULT_RESULTS = Path("bench") / "results.jsonl"
 
@@ -46,9 +48,33 @@ def _parser() -> argparse.ArgumentParser:
         help="kill a worker that makes no progress this long (default: max(300, 2 x longest job timeout))",
     )
     run.add_argument("--metrics-port", type=int, help="serve Prometheus text on this port")
+    run.add_argument(
+        "--leader-key",
+        type=int,
+        default=sql.LEADER_LOCK_KEY,
+        help="advisory lock key of the leader election (pick one your application does not use)",
+    )
     run.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
     run.add_argument("--batch-max", type=int, default=1000, help="largest batch one claim takes")
     run.add_argument("--keep-completed", action="store_true", help="keep completed jobs instead of deleting")
+
+    jobs = commands.add_parser("jobs", help="inspect and control single jobs")
+    jobs_commands = jobs.add_subparsers(dest="jobs_command", required=True)
+    listing = jobs_commands.add_parser("list", help="jobs, newest first")
+    listing.add_argument("--queue")
+    listing.add_argument("--state", choices=[s.value for s in JobState])
+    listing.add_argument("--kind")
+    listing.add_argument("--limit", type=int, default=50)
+    listing.add_argument("--json", action="store_true")
+    for name, help_text in (
+        ("show", "one job: args, attempts, error history"),
+        ("retry", "a discarded, cancelled or completed job back to available"),
+        ("cancel", "cancel a queued job, or ask a running one to stop"),
+        ("discard", "discard a job that is not running"),
+    ):
+        command = jobs_commands.add_parser(name, help=help_text)
+        command.add_argument("id", type=int)
+        command.add_argument("--json", action="store_true")
 
     stats = commands.add_parser("stats", help="queue depths, and live rates of masters on this host")
     stats.add_argument("--json", action="store_true", help="one JSON document for machines")
@@ -83,9 +109,11 @@ def main(argv: list[str] | None = None) -> int:
             return _run(args)
         if args.command == "stats":
             return _stats(args)
+        if args.command == "jobs":
+            return _jobs(args)
         if args.command == "bench":
             return _bench(args)
-    except FastjobsError as exc:
+    except (FastjobsError, ValueError) as exc:
         print(f"fastjobs: {exc}", file=sys.stderr)
         return 1
     return 2
@@ -130,10 +158,54 @@ def _run(args: argparse.Namespace) -> int:
         batch_max=args.batch_max,
         keep_completed=args.keep_completed,
         metrics=metrics,
+        leader=LeaderConfig(lock_key=args.leader_key),
     )
     code = master.run()
     print("fastjobs: stopped", file=sys.stderr, flush=True)
     return code
+
+
+def _jobs(args: argparse.Namespace) -> int:
+    dsn = database.resolve_dsn(args.dsn)
+    with database.connect(dsn, autocommit=True) as conn:
+        schema.check(conn)
+        command = args.jobs_command
+        if command == "list":
+            rows = control.list_jobs(
+                conn, queue=args.queue, state=args.state, kind=args.kind, limit=args.limit
+            )
+            if args.json:
+                print(json.dumps(rows, default=str, indent=2))
+                return 0
+            print(f"{'id':>10}  {'queue':<16}{'kind':<32}{'state':<11}{'attempt':>8}  run_at")
+            for r in rows:
+                print(
+                    f"{r['id']:>10}  {r['queue']:<16}{r['kind']:<32}{r['state']:<11}"
+                    f"{r['attempt']:>4}/{r['max_attempts']:<3}  {r['run_at']:%Y-%m-%d %H:%M:%S}"
+                )
+            return 0
+        if command == "show":
+            job = control.show(conn, args.id)
+            if args.json:
+                print(json.dumps(job, default=str, indent=2))
+                return 0
+            for key, value in job.items():
+                if key in ("errors", "args", "meta"):
+                    continue
+                print(f"{key:>16}: {value}")
+            print(f"{'args':>16}: {json.dumps(job['args'])}")
+            for error in job["errors"] or []:
+                print(f"\n--- attempt {error.get('attempt')} at {error.get('at')}: {error.get('error')}")
+                if error.get("traceback"):
+                    print(error["traceback"].rstrip())
+            return 0
+        action = {"retry": control.retry, "cancel": control.cancel, "discard": control.discard}[command]
+        state = action(conn, args.id)
+        if args.json:
+            print(json.dumps({"id": args.id, "state": state}))
+        else:
+            print(f"job {args.id}: {state}")
+        return 0
 
 
 def _stats(args: argparse.Namespace) -> int:

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import hashlib
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import psycopg
 from psycopg import pq
 
 from . import sql
-from .errors import SchemaMissing
+from .errors import FastjobsError, SchemaMissing
 from .impl import core
 from .types import MAX_ATTEMPTS_LIMIT, PRIORITY_MAX, PRIORITY_MIN, JobSpec
 
@@ -38,6 +40,18 @@ class Options:
     delay: float | None
     params: frozenset[str] | None
     required: frozenset[str]
+    unique_key: str | None = None
+    unique: bool | tuple[str, ...] = False
+
+
+def unique_key_for(opts: Options, args: dict[str, Any]) -> str | None:
+    """The job's unique key: the explicit one, or one derived from the args the kind names."""
+    if opts.unique_key is not None or not opts.unique:
+        return opts.unique_key
+    names = opts.unique
+    subset = args if isinstance(names, bool) else {name: args.get(name) for name in names}
+    digest = hashlib.sha256(orjson.dumps(subset, option=orjson.OPT_SORT_KEYS)).hexdigest()[:32]
+    return f"{opts.kind}:{digest}"
 
 
 def options(
@@ -49,8 +63,11 @@ def options(
     max_attempts: int | None = None,
     run_at: dt.datetime | None = None,
     delay: float | dt.timedelta | None = None,
+    unique_key: str | None = None,
 ) -> Options:
     """Validate everything but the arguments; each bad value raises with its reason."""
+    if unique_key is not None and (not isinstance(unique_key, str) or not unique_key):
+        raise ValueError(f"unique_key must be a non-empty string, not {unique_key!r}")
     if not isinstance(kind, str) or not kind:
         raise ValueError(f"job kind must be a non-empty string, not {kind!r}")
     queue = queue if queue is not None else (spec.queue if spec else "default")
@@ -83,6 +100,8 @@ def options(
         seconds,
         spec.params if spec else None,
         spec.required if spec else frozenset(),
+        unique_key,
+        spec.unique if spec else False,
     )
 
 
@@ -109,8 +128,24 @@ def check_max_attempts(max_attempts: object) -> None:
 
 def insert_params(opts: Options, args: Any) -> tuple[Any, ...]:
     """Parameters of sql.job_insert; raises TypeError for arguments that cannot be stored."""
-    data = core.dump_args(opts.kind, {} if args is None else args, opts.params, opts.required)
-    return (opts.queue, opts.kind, data.decode(), opts.priority, opts.max_attempts, opts.run_at, opts.delay)
+    args = {} if args is None else args
+    data = core.dump_args(opts.kind, args, opts.params, opts.required)
+    key = unique_key_for(opts, args) if opts.unique_key or opts.unique else None
+    return (
+        opts.queue,
+        opts.kind,
+        data.decode(),
+        opts.priority,
+        opts.max_attempts,
+        opts.run_at,
+        opts.delay,
+        key,
+    )
+
+
+# A unique insert that found the key taken looks the holder up; if the holder
+# finished in between, the insert is tried again.
+_UNIQUE_TRIES = 5
 
 
 @contextlib.contextmanager
@@ -128,19 +163,28 @@ def _schema_errors() -> Iterator[None]:
 def insert(conn: psycopg.Connection[Any], opts: Options, args: Any) -> int:
     params = insert_params(opts, args)
     with _schema_errors(), psycopg.RawCursor(conn) as cur:
-        row = cur.execute(sql.job_insert, params).fetchone()
-    assert row is not None
-    return int(row[0])
+        for _ in range(_UNIQUE_TRIES):
+            row = cur.execute(sql.job_insert, params).fetchone()
+            if row is None:
+                row = cur.execute(sql.job_get_unique, (params[-1],)).fetchone()
+            if row is not None:
+                return int(row[0])
+    raise FastjobsError(f"unique key {params[-1]!r} kept changing hands; enqueue not done")
 
 
 async def insert_async(conn: psycopg.AsyncConnection[Any], opts: Options, args: Any) -> int:
     params = insert_params(opts, args)
     with _schema_errors():
         async with psycopg.AsyncRawCursor(conn) as cur:
-            await cur.execute(sql.job_insert, params)
-            row = await cur.fetchone()
-    assert row is not None
-    return int(row[0])
+            for _ in range(_UNIQUE_TRIES):
+                await cur.execute(sql.job_insert, params)
+                row = await cur.fetchone()
+                if row is None:
+                    await cur.execute(sql.job_get_unique, (params[-1],))
+                    row = await cur.fetchone()
+                if row is not None:
+                    return int(row[0])
+    raise FastjobsError(f"unique key {params[-1]!r} kept changing hands; enqueue not done")
 
 
 def _field(data: bytes) -> bytes:
@@ -191,7 +235,33 @@ def _atomic(conn: psycopg.Connection[Any]) -> contextlib.AbstractContextManager[
     return contextlib.nullcontext()
 
 
+_NULL = (-1).to_bytes(4, "big", signed=True)
+
+
+def _staged_chunks(opts: Options, rows: Iterable[Any]) -> Iterator[tuple[bytes, int]]:
+    """COPY data for fastjobs_staged: like copy_layout's, plus each row's unique key."""
+    _, prefix, suffix = copy_layout(opts, dt.datetime.now(dt.UTC))
+    prefix = (8).to_bytes(2, "big") + prefix[2:]
+    if len(suffix) == 12:  # priority and max_attempts only: state and run_at are NULL (defaults)
+        suffix += _NULL + _NULL
+    parts: list[bytes] = []
+    count = 0
+    for args in rows:
+        data = core.dump_args(opts.kind, args, opts.params, opts.required)
+        key = unique_key_for(opts, dict(args))
+        key_field = _NULL if key is None else _field(key.encode())
+        parts += (prefix, (len(data) + 1).to_bytes(4, "big"), b"\x01", data, suffix, key_field)
+        count += 1
+        if count == COPY_CHUNK:
+            yield b"".join(parts), count
+            parts, count = [], 0
+    if count:
+        yield b"".join(parts), count
+
+
 def copy_many(conn: psycopg.Connection[Any], opts: Options, rows: Iterable[Any]) -> int:
+    if opts.unique:
+        return _copy_staged(conn, opts, rows)
     statement, prefix, suffix = copy_layout(opts, dt.datetime.now(dt.UTC))
     chunks = _chunks(opts, rows, prefix, suffix)
     first = next(chunks, None)  # bad args in the first chunk fail before the COPY starts
@@ -207,6 +277,46 @@ def copy_many(conn: psycopg.Connection[Any], opts: Options, rows: Iterable[Any])
     return total
 
 
+def _copy_staged(conn: psycopg.Connection[Any], opts: Options, rows: Iterable[Any]) -> int:
+    """Unique jobs in bulk: COPY into a temporary table, then one INSERT that skips taken keys.
+
+    Returns how many were inserted (duplicates, in the table or the call, are not).
+    """
+    chunks = _staged_chunks(opts, rows)
+    first = next(chunks, None)
+    if first is None:
+        return 0
+    with _schema_errors(), _atomic(conn), psycopg.RawCursor(conn) as cur:
+        cur.execute(sql.job_stage_create)
+        with cur.copy(sql.job_copy_staged) as copy:
+            copy.write(_COPY_HEADER)
+            for data, _ in _prepend(first, chunks):
+                copy.write(data)
+            copy.write(_COPY_TRAILER)
+        inserted = cur.execute(sql.job_insert_staged).rowcount
+        cur.execute(sql.job_stage_clear)
+    return inserted
+
+
+async def _copy_staged_async(conn: psycopg.AsyncConnection[Any], opts: Options, rows: Iterable[Any]) -> int:
+    chunks = _staged_chunks(opts, rows)
+    first = next(chunks, None)
+    if first is None:
+        return 0
+    with _schema_errors():
+        async with _atomic_async(conn), psycopg.AsyncRawCursor(conn) as cur:
+            await cur.execute(sql.job_stage_create)
+            async with cur.copy(sql.job_copy_staged) as copy:
+                await copy.write(_COPY_HEADER)
+                for data, _ in _prepend(first, chunks):
+                    await copy.write(data)
+                await copy.write(_COPY_TRAILER)
+            await cur.execute(sql.job_insert_staged)
+            inserted = cur.rowcount
+            await cur.execute(sql.job_stage_clear)
+    return inserted
+
+
 def _atomic_async(conn: psycopg.AsyncConnection[Any]) -> contextlib.AbstractAsyncContextManager[Any]:
     if conn.autocommit or conn.info.transaction_status == pq.TransactionStatus.INTRANS:
         return conn.transaction()
@@ -214,6 +324,8 @@ def _atomic_async(conn: psycopg.AsyncConnection[Any]) -> contextlib.AbstractAsyn
 
 
 async def copy_many_async(conn: psycopg.AsyncConnection[Any], opts: Options, rows: Iterable[Any]) -> int:
+    if opts.unique:
+        return await _copy_staged_async(conn, opts, rows)
     statement, prefix, suffix = copy_layout(opts, dt.datetime.now(dt.UTC))
     chunks = _chunks(opts, rows, prefix, suffix)
     first = next(chunks, None)

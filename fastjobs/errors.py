@@ -54,3 +54,7 @@ class Cancel(FastjobsError):
     def __init__(self, reason: str = "cancelled by its handler") -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+class JobNotFound(FastjobsError, LookupError):
+    """No job has this id."""

@@ -9,6 +9,7 @@ batch statement (sql.job_finish_claim_many) writes back.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import datetime as dt
 import inspect
 import random
@@ -85,6 +86,17 @@ def release(job_id: int) -> Outcome:
     return {"id": job_id, "state": "available", "delay": None, "uncount": 1, "error": None}
 
 
+def cancelled(job_id: int, attempt: int) -> Outcome:
+    """A job whose cancellation was requested while it was claimed or running."""
+    return {
+        "id": job_id,
+        "state": "cancelled",
+        "delay": None,
+        "uncount": 0,
+        "error": _error(attempt, "Cancel: cancellation requested while it was running"),
+    }
+
+
 def tally(outcomes: list[Outcome]) -> tuple[int, int, int]:
     """(failed, retried, discarded) among outcomes: failed attempts are those with an error."""
     failed = retried = discarded = 0
@@ -103,21 +115,78 @@ def returned_coroutine(spec: JobSpec) -> str:
     return f"handler {spec.kind!r} is a plain def that returned a coroutine: declare it `async def`"
 
 
+class JobContext:
+    """What a running handler can know about its job: `fastjobs.current_job()`.
+
+    A sync handler that may run long should check `cancelled` now and then
+    and return (or raise Cancel) when it turns true.
+    """
+
+    __slots__ = ("attempt", "cancelled", "id", "kind")
+
+    def __init__(self, job_id: int = 0, kind: str = "", attempt: int = 0) -> None:
+        self.id = job_id
+        self.kind = kind
+        self.attempt = attempt
+        self.cancelled = False
+
+    def __repr__(self) -> str:
+        return (
+            f"<JobContext id={self.id} kind={self.kind!r} attempt={self.attempt} cancelled={self.cancelled}>"
+        )
+
+
+# The sync job running in this process (the hot loop updates it in place) and,
+# for async handlers, each task's own.
+_sync_job = JobContext()
+_async_job: contextvars.ContextVar[JobContext | None] = contextvars.ContextVar("fastjobs_job", default=None)
+
+
+def current_job() -> JobContext | None:
+    """The job the calling handler is running, or None outside a handler."""
+    job = _async_job.get()
+    if job is not None:
+        return job
+    return _sync_job if _sync_job.id else None
+
+
 class Executor:
-    """The slow path of one worker: async handlers, timeouts, and their outcomes."""
+    """The slow path of one worker: async handlers, timeouts, their outcomes, and cancellation.
+
+    `cancel` is called from the worker's control thread: it marks the job
+    (the hot loop checks `cancelled` before starting a job and after it ran)
+    and cancels an async job's task on the event loop.
+    """
 
     def __init__(self, concurrency: int = 100) -> None:
         self.concurrency = concurrency
+        self.context = _sync_job
+        self.cancelled: set[int] = set()
+        self._tasks: dict[int, asyncio.Task[Any]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    def cancel(self, job_id: int) -> None:
+        self.cancelled.add(job_id)
+        if self.context.id == job_id:
+            self.context.cancelled = True
+        task = self._tasks.get(job_id)
+        if task is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(task.cancel)
 
     def run(self, jobs: list[SlowJob], completed: list[int], failures: list[Outcome]) -> None:
         """Run the slow jobs of a batch: sync ones in order, then async ones concurrently."""
         pending_async = []
+        context = self.context
         for job in jobs:
             spec, job_id, args, attempt, max_attempts = job
             if spec.is_async:
                 pending_async.append(job)
                 continue
+            if job_id in self.cancelled:
+                self.cancelled.discard(job_id)
+                failures.append(cancelled(job_id, attempt))
+                continue
+            context.id, context.kind, context.attempt, context.cancelled = job_id, spec.kind, attempt, False
             try:
                 result = _call_with_timeout(spec.func, args, spec.timeout)
                 if inspect.iscoroutine(result):
@@ -125,9 +194,19 @@ class Executor:
                     failures.append(failure(spec, job_id, attempt, max_attempts, returned_coroutine(spec)))
                     continue
             except Exception as exc:
-                failures.append(failure(spec, job_id, attempt, max_attempts, exc))
+                if context.cancelled:
+                    failures.append(cancelled(job_id, attempt))
+                else:
+                    failures.append(failure(spec, job_id, attempt, max_attempts, exc))
             else:
-                completed.append(job_id)
+                if context.cancelled:
+                    failures.append(cancelled(job_id, attempt))
+                else:
+                    completed.append(job_id)
+            finally:
+                if context.cancelled:
+                    self.cancelled.discard(job_id)
+                context.id = 0
         if pending_async:
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
@@ -139,9 +218,22 @@ class Executor:
         async def one(job: SlowJob) -> None:
             spec, job_id, args, attempt, max_attempts = job
             async with limit:
+                if job_id in self.cancelled:
+                    self.cancelled.discard(job_id)
+                    failures.append(cancelled(job_id, attempt))
+                    return
+                context = JobContext(job_id, spec.kind, attempt)
+                _async_job.set(context)
+                task = asyncio.current_task()
+                assert task is not None
+                self._tasks[job_id] = task
                 try:
                     async with asyncio.timeout(spec.timeout):
                         await spec.func(**args)
+                except asyncio.CancelledError:
+                    if job_id not in self.cancelled:
+                        raise
+                    failures.append(cancelled(job_id, attempt))
                 except TimeoutError:
                     exc = JobTimeout(f"job ran longer than its timeout of {spec.timeout:g}s")
                     failures.append(failure(spec, job_id, attempt, max_attempts, exc))
@@ -149,7 +241,11 @@ class Executor:
                     failures.append(failure(spec, job_id, attempt, max_attempts, exc))
                 else:
                     completed.append(job_id)
+                finally:
+                    self._tasks.pop(job_id, None)
+                    self.cancelled.discard(job_id)
 
+        # Each job runs in a task of its own, so each gets its own context.
         await asyncio.gather(*(one(job) for job in jobs))
 
     def close(self) -> None:

@@ -11,17 +11,22 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import os
+import random
 import select
 import signal
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import psycopg
 
 from . import database, schema, sql
+from .cron import Cron
 from .errors import DatabaseUnavailable
 from .stats import Slot
+from .types import JobSpec
 
 if TYPE_CHECKING:
     from .app import App
@@ -29,7 +34,42 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
+    """Scheduled and retryable jobs become available when due."""
+
     batch: int = 10_000
+    interval: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class RescuerConfig:
+    """Running jobs of dead workers go back to retryable.
+
+    A worker heartbeats every 2 s from a thread of its own, so 15 s of
+    silence means its process is gone (or frozen, and the master's watchdog
+    replaces it). `max_crashes` deaths of its worker quarantine a job.
+    """
+
+    stale_after: float = 15.0
+    max_crashes: int = 3
+    batch: int = 1_000
+    interval: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class CleanerConfig:
+    """Finished jobs are deleted after their retention, in batches; silent workers' rows pruned."""
+
+    completed_retention: float = 24 * 3600.0
+    discarded_retention: float = 7 * 24 * 3600.0
+    worker_retention: float = 3600.0
+    batch: int = 10_000
+    interval: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class PeriodicConfig:
+    """Cron jobs are enqueued by the leader, once per tick cluster-wide."""
+
     interval: float = 1.0
 
 
@@ -49,29 +89,115 @@ def schedule_once(
                 return counts
 
 
+def rescue_once(
+    conn: psycopg.Connection[Any], now: dt.datetime | None = None, config: RescuerConfig = RescuerConfig()
+) -> dict[str, int]:
+    """Return running jobs of dead workers; counts by new state (retryable, discarded)."""
+    now = now or _db_now(conn)
+    counts: dict[str, int] = {}
+    with psycopg.RawCursor(conn) as cur:
+        while True:
+            rows = cur.execute(
+                sql.job_rescue_many, (config.stale_after, now, config.max_crashes, config.batch)
+            ).fetchall()
+            for _, state in rows:
+                counts[state] = counts.get(state, 0) + 1
+            if len(rows) < config.batch:
+                return counts
+
+
+def clean_once(
+    conn: psycopg.Connection[Any], now: dt.datetime | None = None, config: CleanerConfig = CleanerConfig()
+) -> dict[str, int]:
+    """Delete finished jobs past their retention and prune silent workers; counts of each."""
+    now = now or _db_now(conn)
+    counts = {"completed": 0, "discarded": 0, "workers": 0}
+    passes = (
+        ("completed", sql.job_clean_completed_many, config.completed_retention),
+        ("discarded", sql.job_clean_discarded_many, config.discarded_retention),
+    )
+    with psycopg.RawCursor(conn) as cur:
+        for name, statement, retention in passes:
+            before = now - dt.timedelta(seconds=retention)
+            while True:
+                deleted = cur.execute(statement, (before, config.batch)).rowcount
+                counts[name] += deleted
+                if deleted < config.batch:
+                    break
+        before = now - dt.timedelta(seconds=config.worker_retention)
+        counts["workers"] = cur.execute(sql.worker_prune_many, (before,)).rowcount
+    return counts
+
+
+def periodic_once(
+    conn: psycopg.Connection[Any], specs: list[JobSpec], now: dt.datetime | None = None
+) -> list[tuple[str, dt.datetime]]:
+    """Enqueue each cron job whose latest tick no leader has enqueued yet; returns (kind, tick).
+
+    The tick is recorded in fastjobs_periodic in the same transaction as the
+    enqueue, so a tick is enqueued exactly once across the cluster and across
+    leader changes. Only the latest tick is caught up after downtime, never a
+    backlog; a job seen for the first time is enqueued if its tick is under a
+    minute old.
+    """
+    from . import enqueue
+
+    now = now or _db_now(conn)
+    done = []
+    for spec in specs:
+        assert spec.cron is not None
+        tick = Cron(spec.cron).latest(now)
+        if tick is None:
+            continue
+        with conn.transaction(), psycopg.RawCursor(conn) as cur:
+            taken = cur.execute(sql.periodic_advance, (spec.kind, tick)).fetchone()
+            if taken is None:
+                continue
+            first_sight = bool(taken[0])
+            if first_sight and now - tick > dt.timedelta(minutes=1):
+                continue
+            opts = enqueue.options(spec.kind, spec, unique_key=f"periodic:{spec.kind}:{tick.isoformat()}")
+            enqueue.insert(conn, opts, {})
+        done.append((spec.kind, tick))
+    return done
+
+
+def _db_now(conn: psycopg.Connection[Any]) -> dt.datetime:
+    with psycopg.RawCursor(conn) as cur:
+        row = cur.execute(sql.db_now).fetchone()
+    assert row is not None
+    return row[0]  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True, slots=True)
+class LeaderConfig:
+    """The leader's election and its services' settings."""
+
+    lock_key: int = sql.LEADER_LOCK_KEY
+    retry_interval: float = 2.0  # how often a non-leader tries the lock
+    scheduler: SchedulerConfig = SchedulerConfig()
+    rescuer: RescuerConfig = RescuerConfig()
+    cleaner: CleanerConfig = CleanerConfig()
+    periodic: PeriodicConfig = PeriodicConfig()
+
+
 class Leader:
     """The one maintenance process of a cluster, elected by a session-level advisory lock.
 
     Every host's master runs one; the one whose connection holds the lock
-    acts, the others retry. When the leader's session dies PostgreSQL
-    releases the lock and another leader takes over at its next try.
+    acts, the others retry every `retry_interval`. Every service runs on the
+    lock-holding connection, so a leader whose session died cannot act: it
+    finds out at its next statement and steps down, while PostgreSQL has
+    released the lock for another to take.
     """
 
-    def __init__(
-        self,
-        app: App,
-        *,
-        lock_key: int = sql.LEADER_LOCK_KEY,
-        scheduler: SchedulerConfig = SchedulerConfig(),
-        retry_interval: float = 2.0,
-        slot: Slot | None = None,
-    ) -> None:
+    def __init__(self, app: App, config: LeaderConfig = LeaderConfig(), slot: Slot | None = None) -> None:
         self.app = app
-        self.lock_key = lock_key
-        self.scheduler = scheduler
-        self.retry_interval = retry_interval
+        self.config = config
         self.slot = slot
         self.leading = False
+        self.periodic = [spec for spec in app.jobs.values() if spec.cron]
+        self._due: dict[str, float] = {}
         self._stop = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -90,26 +216,31 @@ class Leader:
         try:
             while not self._stop:
                 if conn is None or conn.closed or conn.broken:
-                    self.leading = False
+                    self._step_down()
                     conn = self._connect()
                 if conn is not None:
                     try:
                         self._turn(conn)
                     except psycopg.OperationalError as exc:
-                        print(f"fastjobs: leader lost its connection: {exc}", file=sys.stderr)
-                        self.leading = False
+                        print(f"fastjobs: leader lost its connection: {exc}", file=sys.stderr, flush=True)
+                        self._step_down()
                         conn.close()
                         conn = None
                 if self.slot is not None:
                     self.slot.beat()
-                interval = self.scheduler.interval if self.leading else self.retry_interval
-                select.select([self._wake_r], [], [], interval)
+                wait = self._next_due() if self.leading else self.config.retry_interval
+                select.select([self._wake_r], [], [], max(wait, 0.0))
         finally:
             if conn is not None and not conn.closed:
                 if self.leading and not conn.broken:
                     with contextlib.suppress(psycopg.Error), psycopg.RawCursor(conn) as cur:
-                        cur.execute(sql.leader_unlock, (self.lock_key,))
+                        cur.execute(sql.leader_unlock, (self.config.lock_key,))
                 conn.close()
+
+    def _step_down(self) -> None:
+        if self.leading:
+            print(f"fastjobs: leader (pid {os.getpid()}) stepped down", file=sys.stderr, flush=True)
+        self.leading = False
 
     def _connect(self) -> psycopg.Connection[Any] | None:
         try:
@@ -117,15 +248,43 @@ class Leader:
             schema.check(conn)
             return conn
         except DatabaseUnavailable as exc:
-            print(f"fastjobs: leader cannot connect, retrying: {exc}", file=sys.stderr)
+            print(f"fastjobs: leader cannot connect, retrying: {exc}", file=sys.stderr, flush=True)
             return None
+
+    def _next_due(self) -> float:
+        return min(self._due.values(), default=time.monotonic()) - time.monotonic()
 
     def _turn(self, conn: psycopg.Connection[Any]) -> None:
         if not self.leading:
             with psycopg.RawCursor(conn) as cur:
-                row = cur.execute(sql.leader_try_lock, (self.lock_key,)).fetchone()
+                row = cur.execute(sql.leader_try_lock, (self.config.lock_key,)).fetchone()
             self.leading = bool(row and row[0])
-            if self.leading:
-                print(f"fastjobs: leader elected (pid {os.getpid()})", file=sys.stderr, flush=True)
-        if self.leading:
-            schedule_once(conn, config=self.scheduler)
+            if not self.leading:
+                return
+            print(f"fastjobs: leader elected (pid {os.getpid()})", file=sys.stderr, flush=True)
+            self._due = {}
+        config = self.config
+        services: list[tuple[str, float, Callable[[], Any]]] = [
+            ("rescuer", config.rescuer.interval, lambda: rescue_once(conn, config=config.rescuer)),
+            ("scheduler", config.scheduler.interval, lambda: schedule_once(conn, config=config.scheduler)),
+            ("cleaner", config.cleaner.interval, lambda: clean_once(conn, config=config.cleaner)),
+        ]
+        if self.periodic:
+            services.append(
+                ("periodic", config.periodic.interval, lambda: periodic_once(conn, self.periodic))
+            )
+        for name, interval, run_once in services:
+            now = time.monotonic()
+            if now < self._due.get(name, 0.0):
+                continue
+            # Jitter keeps the leaders of many clusters on one server from beating in step.
+            self._due[name] = now + interval * random.uniform(0.9, 1.1)
+            result = run_once()
+            if result and (not isinstance(result, dict) or any(result.values())):
+                print(f"fastjobs: leader {name}: {_describe(result)}", file=sys.stderr, flush=True)
+
+
+def _describe(result: Any) -> str:
+    if isinstance(result, dict):
+        return ", ".join(f"{k} {v}" for k, v in result.items() if v)
+    return ", ".join(f"{kind} at {tick:%Y-%m-%d %H:%M}" for kind, tick in result)

@@ -22,7 +22,7 @@ from typing import Any
 from .app import App
 from .errors import ConfigurationError, FastjobsError, SchemaMissing
 from .impl import IMPLEMENTATION
-from .leader import Leader
+from .leader import Leader, LeaderConfig
 from .stats import LEADER, WORKER, Slot, Slots, serve
 from .worker import Worker
 
@@ -107,6 +107,7 @@ class Master:
         batch_max: int = 1000,
         keep_completed: bool = False,
         metrics: tuple[str, int] | None = None,
+        leader: LeaderConfig | None = None,
     ) -> None:
         if processes < 1:
             raise ConfigurationError("--processes must be at least 1")
@@ -118,6 +119,7 @@ class Master:
         self.batch_max = batch_max
         self.keep_completed = keep_completed
         self.metrics = metrics
+        self.leader_config = leader or LeaderConfig()
         self.children = [Child(i, WORKER) for i in range(processes)] + [Child(processes, LEADER)]
         self.slots: Slots | None = None
         self.stopping = False
@@ -315,7 +317,7 @@ class Master:
 
         if child.role == LEADER:
             setproctitle("fastjobs: leader")
-            leader = Leader(self.app, slot=slot)
+            leader = Leader(self.app, self.leader_config, slot=slot)
             leader.install_signals()
             leader.run()
             return EXIT_OK

@@ -43,15 +43,48 @@ schema_exists: Final = "SELECT to_regclass('fastjobs_migrations') IS NOT NULL"
 # schema_version: the newest applied migration.
 schema_version: Final = "SELECT max(version) FROM fastjobs_migrations"
 
-# job_insert: one job; scheduled when its run_at ($6, or now + $7 seconds) is in the future.
-job_insert: Final = """
-INSERT INTO fastjobs_jobs (queue, kind, args, priority, max_attempts, state, run_at)
+# The states in which a unique key is taken (the partial unique index's predicate).
+_UNIQUE_STATES = "state IN ('available', 'scheduled', 'running', 'retryable')"
+
+# job_insert: one job; scheduled when its run_at ($6, or now + $7 seconds) is
+# in the future. With a unique key ($8) already taken, nothing is inserted and
+# no row returned (job_get_unique then finds the holder).
+job_insert: Final = f"""
+INSERT INTO fastjobs_jobs (queue, kind, args, priority, max_attempts, state, run_at, unique_key)
 SELECT $1, $2, $3::jsonb, $4, $5,
        CASE WHEN t.run_at > now() THEN 'scheduled' ELSE 'available' END::fastjobs_state,
-       t.run_at
+       t.run_at, $8
   FROM (SELECT coalesce($6::timestamptz,
                         now() + make_interval(secs => coalesce($7::float8, 0)))) AS t(run_at)
+ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL AND {_UNIQUE_STATES} DO NOTHING
 RETURNING id"""
+
+# job_get_unique: the pending or running job holding unique key $1.
+job_get_unique: Final = f"SELECT id FROM fastjobs_jobs WHERE unique_key = $1 AND {_UNIQUE_STATES}"
+
+# job_copy_staged: bulk unique jobs go through a temporary table, since COPY cannot skip conflicts.
+job_copy_staged: Final = (
+    "COPY fastjobs_staged (queue, kind, args, priority, max_attempts, state, run_at, unique_key)"
+    " FROM STDIN (FORMAT BINARY)"
+)
+
+# job_stage_create: the session's staging table for bulk unique enqueues, emptied at commit.
+job_stage_create: Final = """
+CREATE TEMP TABLE IF NOT EXISTS fastjobs_staged (
+    queue text, kind text, args jsonb, priority smallint, max_attempts smallint,
+    state fastjobs_state, run_at timestamptz, unique_key text
+) ON COMMIT DELETE ROWS"""
+
+# job_insert_staged: move staged jobs in, skipping keys already taken; one statement, one notification.
+job_insert_staged: Final = f"""
+INSERT INTO fastjobs_jobs (queue, kind, args, priority, max_attempts, state, run_at, unique_key)
+SELECT queue, kind, args, priority, max_attempts,
+       coalesce(state, 'available'), coalesce(run_at, now()), unique_key
+  FROM fastjobs_staged
+ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL AND {_UNIQUE_STATES} DO NOTHING"""
+
+# job_stage_clear: empty the staging table (a caller's transaction may stage again before commit).
+job_stage_clear: Final = "DELETE FROM fastjobs_staged"
 
 # job_copy: bulk insert, binary COPY; rows are encoded by fastjobs._core.encode_copy_rows.
 job_copy: Final = "COPY fastjobs_jobs (queue, kind, args, priority, max_attempts) FROM STDIN (FORMAT BINARY)"
@@ -157,10 +190,124 @@ worker_heartbeat: Final = "UPDATE fastjobs_workers SET heartbeat_at = now() WHER
 # worker_delete: a worker that stops cleanly removes its row.
 worker_delete: Final = "DELETE FROM fastjobs_workers WHERE id = $1"
 
+# job_rescue_many: running jobs whose worker stopped heartbeating ($1 seconds
+# before $2, or whose row is gone) go back to retryable, due now, with a crash
+# counted; a job that has crashed $3 times, or has no attempt left, is
+# discarded instead. At most $4 per statement.
+job_rescue_many: Final = """
+WITH dead AS (
+    SELECT j.id FROM fastjobs_jobs j
+     WHERE j.state = 'running'
+       AND j.attempted_at < $2::timestamptz - make_interval(secs => $1)
+       AND NOT EXISTS (SELECT 1 FROM fastjobs_workers w
+                        WHERE w.id = j.attempted_by
+                          AND w.heartbeat_at >= $2::timestamptz - make_interval(secs => $1))
+     LIMIT $4
+       FOR UPDATE SKIP LOCKED
+)
+UPDATE fastjobs_jobs j
+   SET crashes = j.crashes + 1,
+       state = CASE WHEN j.crashes + 1 >= $3 OR j.attempt >= j.max_attempts THEN 'discarded'
+                    ELSE 'retryable' END::fastjobs_state,
+       run_at = $2::timestamptz,
+       finalized_at = CASE WHEN j.crashes + 1 >= $3 OR j.attempt >= j.max_attempts THEN $2::timestamptz END,
+       errors = coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
+           'at', $2::timestamptz, 'attempt', j.attempt, 'traceback', NULL,
+           'error', CASE WHEN j.crashes + 1 >= $3
+                         THEN format('quarantined: its worker died while running it %s times', j.crashes + 1)
+                         ELSE format('worker %s died while running the job (crash %s)',
+                                     j.attempted_by, j.crashes + 1) END))
+  FROM dead
+ WHERE j.id = dead.id
+RETURNING j.id, j.state::text"""
+
+# job_clean_completed_many: delete up to $2 completed or cancelled jobs finalized before $1.
+job_clean_completed_many: Final = """
+DELETE FROM fastjobs_jobs WHERE id IN (
+    SELECT id FROM fastjobs_jobs
+     WHERE state IN ('completed', 'cancelled') AND finalized_at < $1
+     LIMIT $2)"""
+
+# job_clean_discarded_many: delete up to $2 discarded jobs finalized before $1.
+job_clean_discarded_many: Final = """
+DELETE FROM fastjobs_jobs WHERE id IN (
+    SELECT id FROM fastjobs_jobs
+     WHERE state = 'discarded' AND finalized_at < $1
+     LIMIT $2)"""
+
+# worker_prune_many: rows of workers silent since before $1 that hold no running job.
+worker_prune_many: Final = """
+DELETE FROM fastjobs_workers w
+ WHERE w.heartbeat_at < $1
+   AND NOT EXISTS (SELECT 1 FROM fastjobs_jobs j WHERE j.state = 'running' AND j.attempted_by = w.id)"""
+
+# periodic_advance: take tick $2 of periodic kind $1 if no leader has; a row
+# back means enqueue it, and says whether the kind was seen for the first time
+# (an inserted row has xmax 0, an updated one the updater's xid).
+periodic_advance: Final = """
+INSERT INTO fastjobs_periodic (kind, last_tick) VALUES ($1, $2)
+ON CONFLICT (kind) DO UPDATE SET last_tick = excluded.last_tick
+ WHERE fastjobs_periodic.last_tick < excluded.last_tick
+RETURNING xmax = 0"""
+
+# db_now: the database's clock, which every maintenance decision uses.
+db_now: Final = "SELECT now()"
+
+# job_cancel: a queued job becomes cancelled at once; a running one gets
+# cancel_requested and its worker is told on the fastjobs_cancel channel.
+job_cancel: Final = """
+WITH target AS (
+    SELECT id, state FROM fastjobs_jobs
+     WHERE id = $1 AND state IN ('available', 'scheduled', 'retryable', 'running')
+       FOR UPDATE
+), changed AS (
+    UPDATE fastjobs_jobs j
+       SET state = CASE WHEN t.state = 'running' THEN j.state ELSE 'cancelled' END,
+           finalized_at = CASE WHEN t.state = 'running' THEN j.finalized_at ELSE now() END,
+           cancel_requested = (t.state = 'running')
+      FROM target t
+     WHERE j.id = t.id
+    RETURNING j.id, j.state
+)
+SELECT c.state::text, CASE WHEN c.state = 'running' THEN pg_notify('fastjobs_cancel', c.id::text) END
+  FROM changed c"""
+
+# job_state: the state of job $1 (NULL when there is no such job).
+job_state: Final = "SELECT state::text FROM fastjobs_jobs WHERE id = $1"
+
+# job_cancel_requested: running jobs of worker $1 whose cancellation was requested.
+job_cancel_requested: Final = """
+SELECT id FROM fastjobs_jobs WHERE state = 'running' AND attempted_by = $1 AND cancel_requested"""
+
+# job_retry: a discarded, cancelled or completed job back to available, now, with attempts to spare.
+job_retry: Final = """
+UPDATE fastjobs_jobs
+   SET state = 'available', run_at = now(), finalized_at = NULL, cancel_requested = false,
+       max_attempts = greatest(max_attempts, attempt + 1)
+ WHERE id = $1 AND state IN ('discarded', 'cancelled', 'completed')
+RETURNING state::text"""
+
+# job_discard: a job that is not running becomes discarded now.
+job_discard: Final = """
+UPDATE fastjobs_jobs SET state = 'discarded', finalized_at = now()
+ WHERE id = $1 AND state IN ('available', 'scheduled', 'retryable', 'cancelled')
+RETURNING state::text"""
+
+# job_list: jobs filtered by queue ($1), state ($2), kind ($3), newest first, up to $4.
+job_list: Final = """
+SELECT id, queue, kind, state::text, priority, attempt, max_attempts, run_at, created_at
+  FROM fastjobs_jobs
+ WHERE ($1::text IS NULL OR queue = $1)
+   AND ($2::fastjobs_state IS NULL OR state = $2)
+   AND ($3::text IS NULL OR kind = $3)
+ ORDER BY id DESC
+ LIMIT $4"""
+
 # job_get: one job's row, for inspection and tests.
 job_get: Final = """
-SELECT id, queue, kind, args, priority, state, run_at, attempt, max_attempts,
-       created_at, attempted_at, finalized_at, attempted_by, errors, unique_key, meta
+SELECT id, queue, kind, args, priority, state::text, run_at, attempt, max_attempts,
+       created_at, attempted_at, finalized_at, attempted_by, errors, unique_key, meta,
+       crashes, cancel_requested
   FROM fastjobs_jobs WHERE id = $1"""
 
 # job_stats_by_queue: depth and oldest age (seconds) per queue and state, for
@@ -187,7 +334,9 @@ bench_raw_complete_keep: Final = (
 )
 
 # Statements that PREPARE cannot take (COPY); the test of every statement skips them.
-NOT_PREPARABLE: Final = frozenset({"job_copy", "job_copy_at", "migration_table_create"})
+NOT_PREPARABLE: Final = frozenset(
+    {"job_copy", "job_copy_at", "job_copy_staged", "job_stage_create", "migration_table_create"}
+)
 
 
 def statements() -> dict[str, str]:

@@ -42,3 +42,7 @@ class JobSpec:
     required: frozenset[str] = field(default_factory=frozenset)
     # Seconds to wait after failed attempt n, given a uniform random number in [0, 1).
     retry: Callable[[int, float], float] | None = None
+    # Derive a unique key from the args: True (all of them) or these argument names.
+    unique: bool | tuple[str, ...] = False
+    # A cron expression: the leader enqueues this kind (with no args) at each tick.
+    cron: str | None = None

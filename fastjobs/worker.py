@@ -8,6 +8,7 @@ import select
 import signal
 import socket
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -23,8 +24,92 @@ from .handlers import Executor
 from .impl import core
 from .stats import Slot
 
-HEARTBEAT_INTERVAL = 5.0
+# The control thread's heartbeat; the leader's rescuer treats a worker silent
+# for leader.RescuerConfig.stale_after (15 s) as dead.
+HEARTBEAT_INTERVAL = 2.0
 LISTENER_CHECK_INTERVAL = 30.0
+CANCEL_CHANNEL = "fastjobs_cancel"
+
+
+class Control(threading.Thread):
+    """The worker's second connection, on a thread: heartbeats and cancellations.
+
+    It keeps the worker's row fresh while the main thread runs a long batch
+    (so the rescuer never takes the jobs of a live worker) and hears
+    `app.cancel` of running jobs (NOTIFY, and a poll each heartbeat in case
+    a notification was missed) and passes them to the executor.
+    """
+
+    def __init__(self, dsn: str, worker_id: str, executor: Executor) -> None:
+        super().__init__(name="fastjobs-control", daemon=True)
+        self.dsn = dsn
+        self.worker_id = worker_id
+        self.executor = executor
+        self._stop_event = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+        self.join(timeout=10)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def run(self) -> None:
+        conn: psycopg.Connection[Any] | None = None
+        next_beat = 0.0
+        while not self._stop_event.is_set():
+            try:
+                if conn is None:
+                    conn = database.connect(self.dsn, autocommit=True)
+                    conn.execute(f"LISTEN {CANCEL_CHANNEL}")
+                    next_beat = 0.0
+                now = time.monotonic()
+                if now >= next_beat:
+                    next_beat = now + HEARTBEAT_INTERVAL
+                    self._beat(conn)
+                readable, _, _ = select.select([conn.pgconn.socket, self._wake_r], [], [], next_beat - now)
+                if conn.pgconn.socket in readable:
+                    self._notified(conn)
+            except (psycopg.Error, DatabaseUnavailable, OSError) as exc:
+                if self._stop_event.is_set():
+                    break
+                print(f"fastjobs: worker control connection failed, retrying: {exc}", file=sys.stderr)
+                if conn is not None:
+                    with contextlib.suppress(psycopg.Error):
+                        conn.close()
+                conn = None
+                self._stop_event.wait(HEARTBEAT_INTERVAL)
+        if conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                conn.close()
+
+    def _beat(self, conn: psycopg.Connection[Any]) -> None:
+        with psycopg.RawCursor(conn) as cur:
+            cur.execute(sql.worker_heartbeat, (self.worker_id,))
+            requested = {row[0] for row in cur.execute(sql.job_cancel_requested, (self.worker_id,))}
+        # Ids no longer running here are dropped (in place: the hot loop holds this set).
+        self.executor.cancelled &= requested
+        for job_id in requested:
+            self.executor.cancel(job_id)
+
+    def _notified(self, conn: psycopg.Connection[Any]) -> None:
+        pgconn = conn.pgconn
+        pgconn.consume_input()
+        if pgconn.status != psycopg.pq.ConnStatus.OK:
+            raise psycopg.OperationalError("control connection lost")
+        ids = []
+        while (n := pgconn.notifies()) is not None:
+            with contextlib.suppress(ValueError):
+                ids.append(int(n.extra))
+        if ids:
+            # The notification goes to every worker; act only on our own running jobs.
+            with psycopg.RawCursor(conn) as cur:
+                mine = {row[0] for row in cur.execute(sql.job_cancel_requested, (self.worker_id,))}
+            for job_id in ids:
+                if job_id in mine:
+                    self.executor.cancel(job_id)
 
 
 class Listener:
@@ -205,9 +290,14 @@ class Worker:
             )
             self.loop.stopping = self._stop
             self.loop.prepare()
-            if self.on_ready is not None:
-                self.on_ready()
-            self._loop(conn, listener)
+            control = Control(dsn, self.worker_id, self.executor)
+            control.start()
+            try:
+                if self.on_ready is not None:
+                    self.on_ready()
+                self._loop(conn, listener)
+            finally:
+                control.stop()
             with psycopg.RawCursor(conn) as cur:
                 cur.execute(sql.worker_delete, (self.worker_id,))
         finally:
@@ -218,7 +308,6 @@ class Worker:
     def _loop(self, conn: psycopg.Connection[Any], listener: Listener) -> None:
         loop = self.loop
         slot = self.slot
-        next_beat = time.monotonic() + HEARTBEAT_INTERVAL
         next_schedule = 0.0 if self.schedule else float("inf")
         next_title, titled = time.monotonic() + 1.0, (time.monotonic(), 0)
         try:
@@ -232,10 +321,6 @@ class Worker:
                     rate = (loop.completed - titled[1]) / (now - titled[0])
                     setproctitle(f"{self.title} {rate:,.0f} jobs/s")
                     next_title, titled = now + 1.0, (now, loop.completed)
-                if now >= next_beat:
-                    next_beat = now + HEARTBEAT_INTERVAL
-                    with psycopg.RawCursor(conn) as cur:
-                        cur.execute(sql.worker_heartbeat, (self.worker_id,))
                 if ran:
                     continue
                 if now >= next_schedule:

@@ -1,0 +1,86 @@
+"""Cron expressions: five fields (minute hour day-of-month month day-of-week), in UTC.
+
+Each field takes `*`, numbers, ranges `a-b`, lists `a,b` and steps `*/n` or
+`a-b/n`; day-of-week is 0-6 from Sunday (7 is Sunday too). As in cron, when
+both day fields are restricted a day matching either one is a tick.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from .errors import ConfigurationError
+
+_FIELDS = (
+    ("minute", 0, 59),
+    ("hour", 0, 23),
+    ("day of month", 1, 31),
+    ("month", 1, 12),
+    ("day of week", 0, 7),
+)
+# Far enough back to find the last tick of any valid expression (29 February: 8 years).
+_SEARCH_DAYS = 366 * 8 + 2
+
+
+def _parse_field(text: str, name: str, low: int, high: int) -> frozenset[int]:
+    values: set[int] = set()
+    for part in text.split(","):
+        body, _, step_text = part.partition("/")
+        step = 1
+        if step_text:
+            if not step_text.isdigit() or int(step_text) < 1:
+                raise ConfigurationError(f"cron {name}: bad step {step_text!r}")
+            step = int(step_text)
+        if body == "*":
+            start, end = low, high
+        else:
+            first, _, last = body.partition("-")
+            if not first.isdigit() or (last and not last.isdigit()):
+                raise ConfigurationError(f"cron {name}: {part!r} is not a number, range or *")
+            start = int(first)
+            end = int(last) if last else (high if step_text else start)
+        if not low <= start <= end <= high:
+            raise ConfigurationError(f"cron {name}: {part!r} is outside {low}-{high}")
+        values.update(range(start, end + 1, step))
+    return frozenset(values)
+
+
+class Cron:
+    """A parsed cron expression; `latest(now)` is its last tick at or before `now`."""
+
+    def __init__(self, expression: str) -> None:
+        fields = expression.split()
+        if len(fields) != 5:
+            raise ConfigurationError(f"cron expression {expression!r} must have 5 fields, not {len(fields)}")
+        parsed = [_parse_field(text, *spec) for text, spec in zip(fields, _FIELDS, strict=True)]
+        self.expression = expression
+        self.minutes, self.hours, self.days, self.months, dow = parsed
+        self.weekdays = frozenset(d % 7 for d in dow)
+        self._any_day = fields[2] == "*"
+        self._any_weekday = fields[4] == "*"
+
+    def _day_matches(self, day: dt.date) -> bool:
+        if day.month not in self.months:
+            return False
+        by_month_day = day.day in self.days
+        by_weekday = (day.isoweekday() % 7) in self.weekdays
+        if self._any_day or self._any_weekday:
+            return by_month_day and by_weekday
+        return by_month_day or by_weekday
+
+    def latest(self, now: dt.datetime) -> dt.datetime | None:
+        """The last tick at or before `now` (UTC), or None if there is none within 8 years."""
+        now = now.astimezone(dt.UTC).replace(second=0, microsecond=0)
+        day = now.date()
+        for back in range(_SEARCH_DAYS):
+            if self._day_matches(day):
+                hours = [h for h in self.hours if back or h <= now.hour]
+                for hour in sorted(hours, reverse=True):
+                    minutes = [m for m in self.minutes if back or hour < now.hour or m <= now.minute]
+                    if minutes:
+                        return dt.datetime(day.year, day.month, day.day, hour, max(minutes), tzinfo=dt.UTC)
+            day -= dt.timedelta(days=1)
+        return None
+
+    def __repr__(self) -> str:
+        return f"Cron({self.expression!r})"
