@@ -35,7 +35,26 @@ def dump_args(kind: str, args: Any, params: frozenset[str] | None, required: fro
     try:
         return orjson.dumps(args)
     except TypeError as exc:
-        raise args_error(kind, str(exc)) from None
+        key = _non_str_key(args)
+        detail = f"dict keys must be str, not {type(key).__name__} ({key!r})" if key is not None else str(exc)
+        raise args_error(kind, detail) from None
+
+
+def _non_str_key(value: Any) -> Any:
+    """The first dict key that is not a str, anywhere in `value` (orjson's message does not name it)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return key
+            found = _non_str_key(item)
+            if found is not None:
+                return found
+    elif isinstance(value, list | tuple):
+        for item in value:
+            found = _non_str_key(item)
+            if found is not None:
+                return found
+    return None
 
 
 def encode_copy_rows(

@@ -11,7 +11,7 @@ import select
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from typing import Any, Generic, ParamSpec, TypeVar
+from typing import Any, Generic, ParamSpec, TypedDict, TypeVar, Unpack
 
 import psycopg
 
@@ -26,6 +26,20 @@ R = TypeVar("R")
 
 # Reserved for enqueue options on the job handle, so a handler cannot take it.
 _RESERVED = frozenset({"conn"})
+
+
+class BulkOptions(TypedDict, total=False):
+    """Per-call options of the enqueue methods; each defaults to the kind's registration."""
+
+    queue: str | None
+    priority: int | None
+    run_at: dt.datetime | None  # timezone-aware
+    delay: float | dt.timedelta | None  # seconds
+    max_attempts: int | None
+
+
+class EnqueueOptions(BulkOptions, total=False):
+    unique_key: str | None
 
 
 class App:
@@ -120,12 +134,7 @@ class App:
         args: dict[str, Any] | None = None,
         *,
         conn: psycopg.Connection[Any] | None = None,
-        queue: str | None = None,
-        priority: int | None = None,
-        run_at: dt.datetime | None = None,
-        delay: float | dt.timedelta | None = None,
-        max_attempts: int | None = None,
-        unique_key: str | None = None,
+        **options: Unpack[EnqueueOptions],
     ) -> int:
         """Insert one job and return its id.
 
@@ -134,21 +143,65 @@ class App:
         `unique_key` (or a kind registered with `unique=`) held by a job still
         pending or running, nothing is inserted and that job's id is returned.
         """
-        opts = enqueue.options(
-            kind,
-            self.jobs.get(kind),
-            queue=queue,
-            priority=priority,
-            run_at=run_at,
-            delay=delay,
-            max_attempts=max_attempts,
-            unique_key=unique_key,
-        )
+        opts = enqueue.options(kind, self.jobs.get(kind), **options)
         if conn is not None:
             return enqueue.insert(conn, opts, args)
         enqueue.insert_params(opts, args)  # bad args fail before a connection is taken
         with self.connection() as own:
             return enqueue.insert(own, opts, args)
+
+    def enqueue_many(
+        self,
+        kind: str,
+        args_iterable: Iterable[dict[str, Any]],
+        *,
+        conn: psycopg.Connection[Any] | None = None,
+        **options: Unpack[BulkOptions],
+    ) -> int:
+        """Insert many jobs of one kind with one binary COPY; return the count inserted.
+
+        All or nothing: arguments that cannot be stored raise TypeError and
+        none of the call's jobs is inserted. Workers are notified once. With
+        `conn`, the jobs exist only once the caller's transaction commits.
+        For a kind registered with `unique=`, jobs whose key is taken (or
+        repeated in the call) are skipped and not counted.
+        """
+        opts = enqueue.options(kind, self.jobs.get(kind), **options)
+        if conn is not None:
+            return enqueue.copy_many(conn, opts, args_iterable)
+        with self.connection() as own:
+            return enqueue.copy_many(own, opts, args_iterable)
+
+    async def enqueue_async(
+        self,
+        kind: str,
+        args: dict[str, Any] | None = None,
+        *,
+        conn: psycopg.AsyncConnection[Any] | None = None,
+        **options: Unpack[EnqueueOptions],
+    ) -> int:
+        """`enqueue` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs')."""
+        opts = enqueue.options(kind, self.jobs.get(kind), **options)
+        if conn is not None:
+            return await enqueue.insert_async(conn, opts, args)
+        enqueue.insert_params(opts, args)
+        async with self.connection_async() as own:
+            return await enqueue.insert_async(own, opts, args)
+
+    async def enqueue_many_async(
+        self,
+        kind: str,
+        args_iterable: Iterable[dict[str, Any]],
+        *,
+        conn: psycopg.AsyncConnection[Any] | None = None,
+        **options: Unpack[BulkOptions],
+    ) -> int:
+        """`enqueue_many` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs')."""
+        opts = enqueue.options(kind, self.jobs.get(kind), **options)
+        if conn is not None:
+            return await enqueue.copy_many_async(conn, opts, args_iterable)
+        async with self.connection_async() as own:
+            return await enqueue.copy_many_async(own, opts, args_iterable)
 
     def periodic(
         self, cron: str, *, kind: str | None = None, queue: str = DEFAULT_QUEUE, **options: Any
@@ -169,95 +222,6 @@ class App:
             return control.cancel(conn, job_id)
         with self.connection() as own:
             return control.cancel(own, job_id)
-
-    def enqueue_many(
-        self,
-        kind: str,
-        args_iterable: Iterable[dict[str, Any]],
-        *,
-        conn: psycopg.Connection[Any] | None = None,
-        queue: str | None = None,
-        priority: int | None = None,
-        run_at: dt.datetime | None = None,
-        delay: float | dt.timedelta | None = None,
-        max_attempts: int | None = None,
-    ) -> int:
-        """Insert many jobs of one kind with one binary COPY; return the count.
-
-        All or nothing: arguments that cannot be stored raise TypeError and
-        none of the call's jobs is inserted. Workers are notified once. With
-        `conn`, the jobs exist only once the caller's transaction commits.
-        """
-        opts = enqueue.options(
-            kind,
-            self.jobs.get(kind),
-            queue=queue,
-            priority=priority,
-            run_at=run_at,
-            delay=delay,
-            max_attempts=max_attempts,
-        )
-        if conn is not None:
-            return enqueue.copy_many(conn, opts, args_iterable)
-        with self.connection() as own:
-            return enqueue.copy_many(own, opts, args_iterable)
-
-    async def enqueue_async(
-        self,
-        kind: str,
-        args: dict[str, Any] | None = None,
-        *,
-        conn: psycopg.AsyncConnection[Any] | None = None,
-        queue: str | None = None,
-        priority: int | None = None,
-        run_at: dt.datetime | None = None,
-        delay: float | dt.timedelta | None = None,
-        max_attempts: int | None = None,
-        unique_key: str | None = None,
-    ) -> int:
-        """`enqueue` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs')."""
-        opts = enqueue.options(
-            kind,
-            self.jobs.get(kind),
-            queue=queue,
-            priority=priority,
-            run_at=run_at,
-            delay=delay,
-            max_attempts=max_attempts,
-            unique_key=unique_key,
-        )
-        if conn is not None:
-            return await enqueue.insert_async(conn, opts, args)
-        enqueue.insert_params(opts, args)
-        async with self.connection_async() as own:
-            return await enqueue.insert_async(own, opts, args)
-
-    async def enqueue_many_async(
-        self,
-        kind: str,
-        args_iterable: Iterable[dict[str, Any]],
-        *,
-        conn: psycopg.AsyncConnection[Any] | None = None,
-        queue: str | None = None,
-        priority: int | None = None,
-        run_at: dt.datetime | None = None,
-        delay: float | dt.timedelta | None = None,
-        max_attempts: int | None = None,
-    ) -> int:
-        """`enqueue_many` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs')."""
-        opts = enqueue.options(
-            kind,
-            self.jobs.get(kind),
-            queue=queue,
-            priority=priority,
-            run_at=run_at,
-            delay=delay,
-            max_attempts=max_attempts,
-        )
-        if conn is not None:
-            return await enqueue.copy_many_async(conn, opts, args_iterable)
-        async with self.connection_async() as own:
-            return await enqueue.copy_many_async(own, opts, args_iterable)
 
     @contextlib.contextmanager
     def connection(self) -> Iterator[psycopg.Connection[Any]]:
@@ -281,14 +245,29 @@ class App:
             await conn.close()
 
     def close(self) -> None:
-        """Close the pooled connections (a forked child drops its parent's without closing)."""
+        """Close the pooled connections (a forked child drops its parent's without closing).
+
+        Idle async connections are closed at the libpq level, which needs no
+        event loop; `aclose` closes them the regular way.
+        """
         self._pool.close()
+        for idle in list(self._async_pools.values()):
+            while idle:
+                conn = idle.pop()  # held: dropped before finish(), it would warn it was left open
+                conn.pgconn.finish()
+
+    async def aclose(self) -> None:
+        """Close the pooled connections, the async ones of the running loop through their loop."""
+        idle = self._async_pools.pop(asyncio.get_running_loop(), [])
+        while idle:
+            await idle.pop().close()
+        self.close()
 
 
 class Job(Generic[P, R]):
     """What `@app.job` returns: call it to run the handler inline, `.enqueue` to queue it."""
 
-    def __init__(self, app: App, spec: JobSpec, **defaults: Any) -> None:
+    def __init__(self, app: App, spec: JobSpec, **defaults: Unpack[BulkOptions]) -> None:
         self._func: Callable[P, R] = spec.func
         self.app = app
         self.spec = spec
@@ -300,24 +279,10 @@ class Job(Generic[P, R]):
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         return self._func(*args, **kwargs)
 
-    def options(
-        self,
-        *,
-        queue: str | None = None,
-        priority: int | None = None,
-        run_at: dt.datetime | None = None,
-        delay: float | dt.timedelta | None = None,
-        max_attempts: int | None = None,
-    ) -> Job[P, R]:
+    def options(self, **options: Unpack[BulkOptions]) -> Job[P, R]:
         """A handle whose enqueues use these options (they would clash with argument names)."""
-        given = {
-            "queue": queue,
-            "priority": priority,
-            "run_at": run_at,
-            "delay": delay,
-            "max_attempts": max_attempts,
-        }
-        merged = {**self._defaults, **{k: v for k, v in given.items() if v is not None}}
+        given = {k: v for k, v in options.items() if v is not None}
+        merged: BulkOptions = {**self._defaults, **given}  # type: ignore[typeddict-item]
         enqueue.options(self.kind, self.spec, **merged)  # bad options fail here, not at enqueue
         return Job(self.app, self.spec, **merged)
 

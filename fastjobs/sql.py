@@ -96,16 +96,18 @@ job_copy_at: Final = (
 
 # job_claim_many: take up to $2 available jobs of queue $1 for worker $3, in
 # claim order, skipping rows other workers hold; the attempt is counted here.
+# The ids go through ARRAY(...): joined as a subquery instead, a large batch
+# makes the planner hash-join it against a Seq Scan of the whole table.
 job_claim_many: Final = """
 UPDATE fastjobs_jobs j
    SET state = 'running', attempt = j.attempt + 1,
        attempted_at = now(), attempted_by = $3
-  FROM (SELECT id FROM fastjobs_jobs
-         WHERE state = 'available' AND queue = $1 AND run_at <= now()
-         ORDER BY priority DESC, run_at, id
-         LIMIT $2
-           FOR UPDATE SKIP LOCKED) c
- WHERE j.id = c.id
+ WHERE j.id = ANY(ARRAY(
+           SELECT id FROM fastjobs_jobs
+            WHERE state = 'available' AND queue = $1 AND run_at <= now()
+            ORDER BY priority DESC, run_at, id
+            LIMIT $2
+              FOR UPDATE SKIP LOCKED))
 RETURNING j.id, j.kind, j.args, j.attempt, j.max_attempts"""
 
 # The outcomes of a batch ($2, a JSON array written by fastjobs.handlers):
@@ -128,12 +130,12 @@ _CLAIM = """
     UPDATE fastjobs_jobs j
        SET state = 'running', attempt = j.attempt + 1,
            attempted_at = now(), attempted_by = $5
-      FROM (SELECT id FROM fastjobs_jobs
-             WHERE state = 'available' AND queue = $3 AND run_at <= now()
-             ORDER BY priority DESC, run_at, id
-             LIMIT $4
-               FOR UPDATE SKIP LOCKED) c
-     WHERE j.id = c.id
+     WHERE j.id = ANY(ARRAY(
+               SELECT id FROM fastjobs_jobs
+                WHERE state = 'available' AND queue = $3 AND run_at <= now()
+                ORDER BY priority DESC, run_at, id
+                LIMIT $4
+                  FOR UPDATE SKIP LOCKED))
     RETURNING j.id, j.kind, j.args, j.attempt, j.max_attempts"""
 
 # job_finish_claim_many: the hot loop's one statement, one round trip per batch.
@@ -162,14 +164,15 @@ SELECT id, kind, args, attempt, max_attempts FROM claimed"""
 # available, at most $1 per statement, oldest first; returns their queues so
 # waiting workers can be woken.
 job_schedule_many: Final = """
-WITH due AS (
-    SELECT id FROM fastjobs_jobs
-     WHERE state IN ('scheduled', 'retryable') AND run_at <= coalesce($2::timestamptz, now())
-     ORDER BY run_at
-     LIMIT $1
-       FOR UPDATE SKIP LOCKED
-), promoted AS (
-    UPDATE fastjobs_jobs j SET state = 'available' FROM due WHERE j.id = due.id RETURNING j.queue
+WITH promoted AS (
+    UPDATE fastjobs_jobs SET state = 'available'
+     WHERE id = ANY(ARRAY(
+               SELECT id FROM fastjobs_jobs
+                WHERE state IN ('scheduled', 'retryable') AND run_at <= coalesce($2::timestamptz, now())
+                ORDER BY run_at
+                LIMIT $1
+                  FOR UPDATE SKIP LOCKED))
+    RETURNING queue
 )
 SELECT queue, count(*), pg_notify('fastjobs', queue) FROM promoted GROUP BY queue"""
 
@@ -195,16 +198,6 @@ worker_delete: Final = "DELETE FROM fastjobs_workers WHERE id = $1"
 # counted; a job that has crashed $3 times, or has no attempt left, is
 # discarded instead. At most $4 per statement.
 job_rescue_many: Final = """
-WITH dead AS (
-    SELECT j.id FROM fastjobs_jobs j
-     WHERE j.state = 'running'
-       AND j.attempted_at < $2::timestamptz - make_interval(secs => $1)
-       AND NOT EXISTS (SELECT 1 FROM fastjobs_workers w
-                        WHERE w.id = j.attempted_by
-                          AND w.heartbeat_at >= $2::timestamptz - make_interval(secs => $1))
-     LIMIT $4
-       FOR UPDATE SKIP LOCKED
-)
 UPDATE fastjobs_jobs j
    SET crashes = j.crashes + 1,
        state = CASE WHEN j.crashes + 1 >= $3 OR j.attempt >= j.max_attempts THEN 'discarded'
@@ -217,8 +210,15 @@ UPDATE fastjobs_jobs j
                          THEN format('quarantined: its worker died while running it %s times', j.crashes + 1)
                          ELSE format('worker %s died while running the job (crash %s)',
                                      j.attempted_by, j.crashes + 1) END))
-  FROM dead
- WHERE j.id = dead.id
+ WHERE j.id = ANY(ARRAY(
+           SELECT r.id FROM fastjobs_jobs r
+            WHERE r.state = 'running'
+              AND r.attempted_at < $2::timestamptz - make_interval(secs => $1)
+              AND NOT EXISTS (SELECT 1 FROM fastjobs_workers w
+                               WHERE w.id = r.attempted_by
+                                 AND w.heartbeat_at >= $2::timestamptz - make_interval(secs => $1))
+            LIMIT $4
+              FOR UPDATE SKIP LOCKED))
 RETURNING j.id, j.state::text"""
 
 # job_clean_completed_many: delete up to $2 completed or cancelled jobs finalized before $1.
