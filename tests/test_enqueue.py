@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -321,15 +322,22 @@ async def _close_async_pool(app: App) -> None:
     await app.aclose()
 
 
-def _backends(dsn: str) -> int:
-    """Other sessions connected to this test's database."""
-    with psycopg.connect(dsn) as conn:
-        row = conn.execute(
-            """SELECT count(*) FROM pg_stat_activity
-                WHERE datname = current_database() AND pid <> pg_backend_pid()"""
-        ).fetchone()
-    assert row is not None
-    return int(row[0])
+def _backends(dsn: str, expected: int) -> int:
+    """Other sessions connected to this test's database, once there are `expected` of them.
+
+    A server process outlives its client's close() by a moment, so a count
+    that is not yet `expected` is read again, up to a deadline.
+    """
+    deadline = time.monotonic() + 10
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while True:
+            row = conn.execute(
+                """SELECT count(*) FROM pg_stat_activity
+                    WHERE datname = current_database() AND pid <> pg_backend_pid()"""
+            ).fetchone()
+            assert row is not None
+            if row[0] == expected or time.monotonic() > deadline:
+                return int(row[0])
 
 
 async def test_enqueue_async_without_conn(app: App, dsn):
@@ -385,18 +393,18 @@ async def test_job_handle_async(app: App, dsn):
 def test_close_closes_the_pooled_connections(dsn):
     app = App(dsn)
     app.enqueue("k")
-    assert _backends(dsn) == 1
+    assert _backends(dsn, 1) == 1
     app.close()
-    assert _backends(dsn) == 0
+    assert _backends(dsn, 0) == 0
 
 
 async def test_close_closes_the_async_pooled_connections(dsn):
     app = App(dsn)
     try:
         await app.enqueue_async("k")
-        assert _backends(dsn) == 1
+        assert _backends(dsn, 1) == 1
         app.close()
-        assert _backends(dsn) == 0
+        assert _backends(dsn, 0) == 0
     finally:
         await _close_async_pool(app)
 
