@@ -1,0 +1,327 @@
+"""Cron expressions (fastjobs.cron) and periodic jobs: `periodic_once` with a frozen clock.
+
+A tick is enqueued exactly once across the cluster because `periodic_once`
+records it in fastjobs_periodic in the same transaction as the enqueue; the
+tests call it from one connection, from several at once, and from a "new
+leader" (another connection) at the same frozen tick.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+from typing import Any
+
+import psycopg
+import pytest
+
+from fastjobs import App, ConfigurationError
+from fastjobs.cron import Cron
+from fastjobs.leader import periodic_once
+from fastjobs.types import JobSpec
+
+from .helpers import query
+
+UTC = dt.UTC
+
+
+def at(day: int, hour: int = 0, minute: int = 0, second: int = 0, month: int = 6) -> dt.datetime:
+    """A moment of 2030 (1 June 2030 is a Saturday)."""
+    return dt.datetime(2030, month, day, hour, minute, second, tzinfo=UTC)
+
+
+# --- parsing ---------------------------------------------------------------------------------
+
+
+def test_fields_ranges_steps_and_lists() -> None:
+    cron = Cron("*/15 9-17 1,15,31 1-3,12 1-5")
+    assert cron.minutes == {0, 15, 30, 45}
+    assert cron.hours == set(range(9, 18))
+    assert cron.days == {1, 15, 31}
+    assert cron.months == {1, 2, 3, 12}
+    assert cron.weekdays == {1, 2, 3, 4, 5}
+    assert Cron("5-20/5 * * * *").minutes == {5, 10, 15, 20}
+    assert Cron("50/3 * * * *").minutes == {50, 53, 56, 59}  # a/n: from a to the field's end
+    assert Cron("1,2,3-4,10-12/2 * * * *").minutes == {1, 2, 3, 4, 10, 12}
+    assert Cron("* * * * *").minutes == set(range(60))
+    assert Cron("0 0 * * *").hours == {0}
+    assert repr(Cron("0 0 * * *")) == "Cron('0 0 * * *')"
+
+
+def test_day_of_week_7_is_sunday() -> None:
+    assert Cron("0 0 * * 7").weekdays == {0}
+    assert Cron("0 0 * * 5-7").weekdays == {5, 6, 0}
+    sunday = at(2, 0, 0)
+    assert Cron("0 0 * * 7").latest(at(5, 12)) == sunday
+    assert Cron("0 0 * * 0").latest(at(5, 12)) == sunday
+
+
+@pytest.mark.parametrize(
+    ("expression", "field"),
+    [
+        ("60 * * * *", "minute"),
+        ("* 24 * * *", "hour"),
+        ("* * 0 * *", "day of month"),
+        ("* * 32 * *", "day of month"),
+        ("* * * 0 *", "month"),
+        ("* * * 13 *", "month"),
+        ("* * * * 8", "day of week"),
+        ("*/0 * * * *", "minute"),
+        ("*/x * * * *", "minute"),
+        ("a * * * *", "minute"),
+        ("10-5 * * * *", "minute"),
+        ("1,,2 * * * *", "minute"),
+        ("-1 * * * *", "minute"),
+        ("* * * JAN *", "month"),
+        ("* * * * MON", "day of week"),
+    ],
+)
+def test_a_bad_field_raises_naming_the_field(expression: str, field: str) -> None:
+    with pytest.raises(ConfigurationError, match=f"cron {field}:"):
+        Cron(expression)
+
+
+@pytest.mark.parametrize("expression", ["* * * *", "* * * * * *", "", "@hourly"])
+def test_an_expression_needs_five_fields(expression: str) -> None:
+    with pytest.raises(ConfigurationError, match="must have 5 fields"):
+        Cron(expression)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: fastjobs/cron.py _parse_field accepts a dangling '-' or '/' ('5-' is read as 5,"
+    " '*/' as *) and non-ASCII digits ('٣' is read as 3)",
+)
+@pytest.mark.parametrize("expression", ["5- * * * *", "*/ * * * *", "1-5/ * * * *", "\u0663 * * * *"])
+def test_a_dangling_range_or_step_is_refused(expression: str) -> None:
+    with pytest.raises(ConfigurationError, match="cron minute:"):
+        Cron(expression)
+
+
+# --- Cron.latest -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("expression", "now", "tick"),
+    [
+        pytest.param("* * * * *", at(3, 12, 7, 45), at(3, 12, 7), id="every-minute-drops-seconds"),
+        pytest.param("*/5 * * * *", at(3, 12, 7, 30), at(3, 12, 5), id="step"),
+        pytest.param("*/5 * * * *", at(3, 12, 5), at(3, 12, 5), id="now-on-a-tick-is-that-tick"),
+        pytest.param("30 * * * *", at(3, 12, 7), at(3, 11, 30), id="previous-hour"),
+        pytest.param("0 9 * * *", at(3, 8, 59), at(2, 9, 0), id="previous-day"),
+        pytest.param("0 9 * * 1-5", at(1, 12), at(31, 9, 0, month=5), id="weekdays-from-saturday"),
+        pytest.param("0 0 1 1 *", at(3), dt.datetime(2030, 1, 1, tzinfo=UTC), id="yearly"),
+        pytest.param("0 0 29 2 *", at(3), dt.datetime(2028, 2, 29, tzinfo=UTC), id="leap-day"),
+        pytest.param("0 0 31 * *", at(3), at(31, month=5), id="skips-short-months"),
+        pytest.param(
+            "59 23 31 12 *", at(3), dt.datetime(2029, 12, 31, 23, 59, tzinfo=UTC), id="new-year-eve"
+        ),
+    ],
+)
+def test_latest_is_the_last_tick_at_or_before_now(
+    expression: str, now: dt.datetime, tick: dt.datetime
+) -> None:
+    assert Cron(expression).latest(now) == tick
+
+
+def test_both_day_fields_restricted_match_either_one() -> None:
+    # The 13th, or any Friday: 7 and 14 June 2030 are Fridays, the 13th a Thursday.
+    cron = Cron("0 0 13 * 5")
+    assert cron.latest(at(10)) == at(7)
+    assert cron.latest(at(13, 12)) == at(13)
+    assert cron.latest(at(14, 12)) == at(14)
+    assert cron.latest(at(6)) == at(31, month=5)  # a Friday
+
+
+def test_one_day_field_restricted_is_the_only_condition() -> None:
+    assert Cron("0 0 13 * *").latest(at(12)) == at(13, month=5)
+    assert Cron("0 0 * * 5").latest(at(12)) == at(7)
+
+
+def test_latest_converts_to_utc() -> None:
+    paris = dt.timezone(dt.timedelta(hours=2))
+    # 12:30 in UTC+2 is 10:30 UTC: the last "0 11 * * *" tick is yesterday's.
+    now = dt.datetime(2030, 6, 3, 12, 30, tzinfo=paris)
+    assert Cron("0 11 * * *").latest(now) == at(2, 11)
+    assert Cron("0 10 * * *").latest(now) == at(3, 10)
+
+
+def test_an_impossible_date_has_no_tick() -> None:
+    assert Cron("0 0 30 2 *").latest(at(3)) is None
+    assert Cron("0 0 31 4 *").latest(at(3)) is None
+
+
+# --- registering cron jobs -------------------------------------------------------------------
+
+
+def test_registering_a_cron_job_whose_handler_requires_args_raises_type_error() -> None:
+    app = App("postgresql://unused")
+    with pytest.raises(TypeError, match="requires"):
+
+        @app.periodic("* * * * *", kind="needs_args")
+        def needs_args(user_id: int) -> None: ...
+
+    with pytest.raises(TypeError, match="requires"):
+
+        @app.job("needs_args_too", cron="*/5 * * * *")
+        def needs_args_too(user_id: int, limit: int = 1) -> None: ...
+
+    assert app.jobs == {}
+
+    @app.periodic("*/5 * * * *", kind="optional_args")
+    def optional_args(limit: int = 10) -> None: ...
+
+    assert app.jobs["optional_args"].cron == "*/5 * * * *"
+
+
+def test_a_bad_cron_fails_at_registration_naming_the_field() -> None:
+    app = App("postgresql://unused")
+    with pytest.raises(ConfigurationError, match="cron hour:"):
+
+        @app.periodic("0 25 * * *", kind="bad")
+        def bad() -> None: ...
+
+    assert "bad" not in app.jobs
+
+
+# --- periodic_once with a frozen clock -------------------------------------------------------
+
+
+def cron_app(dsn: str, **kinds: str) -> App:
+    app = App(dsn)
+    for kind, expression in kinds.items():
+        app.periodic(expression, kind=kind)(lambda: None)
+    return app
+
+
+def specs(app: App) -> list[JobSpec]:
+    return [spec for spec in app.jobs.values() if spec.cron]
+
+
+def periodic_jobs(dsn: str) -> list[tuple[str, str, str | None]]:
+    """(kind, queue, unique_key) of every job, oldest first."""
+    rows = query(dsn, "SELECT kind, queue, unique_key FROM fastjobs_jobs ORDER BY id")
+    return [(r["kind"], r["queue"], r["unique_key"]) for r in rows]
+
+
+def test_each_tick_is_enqueued_once(dsn: str) -> None:
+    app = cron_app(dsn, five="*/5 * * * *")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert periodic_once(conn, specs(app), at(3, 12, 5, 20)) == [("five", at(3, 12, 5))]
+        assert periodic_once(conn, specs(app), at(3, 12, 5, 20)) == []  # the same tick again
+        assert periodic_once(conn, specs(app), at(3, 12, 9, 59)) == []  # still the 12:05 tick
+        assert periodic_once(conn, specs(app), at(3, 12, 10)) == [("five", at(3, 12, 10))]
+        assert periodic_once(conn, specs(app), at(3, 12, 10, 1)) == []
+    assert periodic_jobs(dsn) == [
+        ("five", "default", "periodic:five:2030-06-03T12:05:00+00:00"),
+        ("five", "default", "periodic:five:2030-06-03T12:10:00+00:00"),
+    ]
+    assert query(dsn, "SELECT kind, last_tick FROM fastjobs_periodic") == [
+        {"kind": "five", "last_tick": at(3, 12, 10)}
+    ]
+
+
+def test_each_kind_has_its_own_ticks_and_queue(dsn: str) -> None:
+    app = App(dsn)
+    app.periodic("* * * * *", kind="minutely", queue="cron")(lambda: None)
+    app.periodic("0 * * * *", kind="hourly", priority=5)(lambda: None)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert periodic_once(conn, specs(app), at(3, 12, 0, 30)) == [
+            ("minutely", at(3, 12, 0)),
+            ("hourly", at(3, 12, 0)),
+        ]
+        assert periodic_once(conn, specs(app), at(3, 12, 1, 30)) == [("minutely", at(3, 12, 1))]
+    rows = query(dsn, "SELECT kind, queue, priority, state::text, args FROM fastjobs_jobs ORDER BY id")
+    assert [(r["kind"], r["queue"], r["priority"], r["state"], r["args"]) for r in rows] == [
+        ("minutely", "cron", 0, "available", {}),
+        ("hourly", "default", 5, "available", {}),
+        ("minutely", "cron", 0, "available", {}),
+    ]
+
+
+def test_first_sight_of_a_tick_older_than_a_minute_is_not_enqueued(dsn: str) -> None:
+    app = cron_app(dsn, five="*/5 * * * *")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        # Deployed at 12:07:30: the 12:05 tick is 2.5 minutes old, too late to run.
+        assert periodic_once(conn, specs(app), at(3, 12, 7, 30)) == []
+        assert periodic_jobs(dsn) == []
+        # ... but the next one runs.
+        assert periodic_once(conn, specs(app), at(3, 12, 10, 5)) == [("five", at(3, 12, 10))]
+    assert len(periodic_jobs(dsn)) == 1
+
+
+def test_first_sight_within_a_minute_of_the_tick_is_enqueued(dsn: str) -> None:
+    app = cron_app(dsn, five="*/5 * * * *")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert periodic_once(conn, specs(app), at(3, 12, 5, 59)) == [("five", at(3, 12, 5))]
+
+
+def test_after_downtime_only_the_latest_tick_is_caught_up(dsn: str) -> None:
+    app = cron_app(dsn, five="*/5 * * * *")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert periodic_once(conn, specs(app), at(3, 12, 5)) == [("five", at(3, 12, 5))]
+        # No leader for an hour: eleven ticks missed, one caught up, however old.
+        assert periodic_once(conn, specs(app), at(3, 13, 3)) == [("five", at(3, 13, 0))]
+        assert periodic_once(conn, specs(app), at(3, 13, 4)) == []
+    assert len(periodic_jobs(dsn)) == 2
+
+
+def test_a_new_leader_does_not_enqueue_a_tick_again(dsn: str) -> None:
+    app = cron_app(dsn, five="*/5 * * * *")
+    with psycopg.connect(dsn, autocommit=True) as old:
+        assert periodic_once(old, specs(app), at(3, 12, 5, 1)) == [("five", at(3, 12, 5))]
+    # The new leader is another process: another connection, another App.
+    heir = cron_app(dsn, five="*/5 * * * *")
+    with psycopg.connect(dsn, autocommit=True) as new:
+        assert periodic_once(new, specs(heir), at(3, 12, 5, 40)) == []
+        assert periodic_once(new, specs(heir), at(3, 12, 10, 0)) == [("five", at(3, 12, 10))]
+    assert len(periodic_jobs(dsn)) == 2
+
+
+def test_the_tick_and_its_job_commit_or_roll_back_together(dsn: str) -> None:
+    app = cron_app(dsn, five="*/5 * * * *")
+    with psycopg.connect(dsn) as conn:
+        conn.execute("SELECT 1")  # inside a transaction that is then rolled back
+        assert periodic_once(conn, specs(app), at(3, 12, 5, 1)) == [("five", at(3, 12, 5))]
+        conn.rollback()
+    assert query(dsn, "SELECT * FROM fastjobs_periodic") == []
+    assert periodic_jobs(dsn) == []
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert periodic_once(conn, specs(app), at(3, 12, 5, 2)) == [("five", at(3, 12, 5))]
+    assert len(periodic_jobs(dsn)) == 1
+
+
+@pytest.mark.parametrize("contenders", [2, 8])
+def test_concurrent_leaders_at_the_same_tick_enqueue_it_once(dsn: str, contenders: int) -> None:
+    """Leaders on separate connections race for each of 20 ticks, released together by a barrier."""
+    app = cron_app(dsn, every="* * * * *", other="*/2 * * * *")
+    ticks = [at(3, 12, m, 1) for m in range(20)]
+    barrier = threading.Barrier(contenders)
+    results: list[list[Any]] = [[] for _ in range(contenders)]
+    errors: list[BaseException] = []
+
+    def contend(index: int) -> None:
+        try:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                for now in ticks:
+                    barrier.wait(10)
+                    results[index].extend(periodic_once(conn, specs(app), now))
+        except BaseException as exc:
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=contend, args=(i,)) for i in range(contenders)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    enqueued = sorted(item for result in results for item in result)
+    expected = sorted(
+        [("every", now.replace(second=0)) for now in ticks]
+        + [("other", now.replace(second=0)) for now in ticks if now.minute % 2 == 0]
+    )
+    assert enqueued == expected  # each tick once, by whichever leader got there first
+    rows = periodic_jobs(dsn)
+    assert len(rows) == len(expected)
+    assert len({key for _, _, key in rows}) == len(rows)

@@ -1,0 +1,262 @@
+"""`fastjobs jobs list|show|retry|cancel|discard`, human and --json, through fastjobs.cli.main."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import pytest
+
+import fastjobs
+from fastjobs import App
+from fastjobs.cli import main
+
+from .helpers import drain, query
+
+
+def jobs_cli(dsn: str, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """Run `fastjobs --dsn DSN jobs ARGS`; (exit code, stdout, stderr)."""
+    code = main(["--dsn", dsn, "jobs", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def jobs_json(dsn: str, capsys: pytest.CaptureFixture[str], *args: str) -> Any:
+    code, out, err = jobs_cli(dsn, capsys, *args, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def state(dsn: str, job_id: int) -> str:
+    return str(query(dsn, "SELECT state::text FROM fastjobs_jobs WHERE id = %s", (job_id,))[0]["state"])
+
+
+@pytest.fixture
+def seeded(app: App, dsn: str) -> dict[str, int]:
+    """Jobs of two kinds over two queues in several states, by name."""
+    ids = {
+        "a1": app.enqueue("alpha", {"n": 1}),
+        "a2": app.enqueue("alpha", {"n": 2}, queue="mail"),
+        "b1": app.enqueue("beta", {"n": 3}, delay=3600),
+        "b2": app.enqueue("beta", {"n": 4}, queue="mail", priority=7),
+    }
+    query(dsn, "UPDATE fastjobs_jobs SET state = 'running', attempt = 1 WHERE id = %s", (ids["a1"],))
+    return ids
+
+
+# --- list ----------------------------------------------------------------------------------------
+
+
+def test_list_human(dsn: str, capsys: pytest.CaptureFixture[str], seeded: dict[str, int]) -> None:
+    code, out, err = jobs_cli(dsn, capsys, "list")
+    assert code == 0 and err == ""
+    header, *lines = out.splitlines()
+    assert header.split() == ["id", "queue", "kind", "state", "attempt", "run_at"]
+    # Newest first: id, queue, kind, state, attempt/max, run_at date and time.
+    parsed = [line.split() for line in lines]
+    assert [(int(p[0]), p[1], p[2], p[3], p[4]) for p in parsed] == [
+        (seeded["b2"], "mail", "beta", "available", "0/25"),
+        (seeded["b1"], "default", "beta", "scheduled", "0/25"),
+        (seeded["a2"], "mail", "alpha", "available", "0/25"),
+        (seeded["a1"], "default", "alpha", "running", "1/25"),
+    ]
+    assert all(
+        re.fullmatch(r"\d{4}-\d\d-\d\d", p[5]) and re.fullmatch(r"\d\d:\d\d:\d\d", p[6]) for p in parsed
+    )
+
+
+def test_list_json(dsn: str, capsys: pytest.CaptureFixture[str], seeded: dict[str, int]) -> None:
+    rows = jobs_json(dsn, capsys, "list")
+    assert [r["id"] for r in rows] == sorted(seeded.values(), reverse=True)
+    b2 = rows[0]
+    assert {k: b2[k] for k in ("queue", "kind", "state", "priority", "attempt", "max_attempts")} == {
+        "queue": "mail",
+        "kind": "beta",
+        "state": "available",
+        "priority": 7,
+        "attempt": 0,
+        "max_attempts": 25,
+    }
+    assert isinstance(b2["run_at"], str) and isinstance(b2["created_at"], str)
+
+
+@pytest.mark.parametrize(
+    ("filters", "expected"),
+    [
+        (["--queue", "mail"], ["b2", "a2"]),
+        (["--state", "available"], ["b2", "a2"]),
+        (["--state", "running"], ["a1"]),
+        (["--kind", "beta"], ["b2", "b1"]),
+        (["--queue", "default", "--kind", "alpha"], ["a1"]),
+        (["--queue", "mail", "--state", "scheduled"], []),
+        (["--queue", "nope"], []),
+        (["--limit", "2"], ["b2", "b1"]),
+    ],
+)
+def test_list_filters(
+    dsn: str,
+    capsys: pytest.CaptureFixture[str],
+    seeded: dict[str, int],
+    filters: list[str],
+    expected: list[str],
+) -> None:
+    rows = jobs_json(dsn, capsys, "list", *filters)
+    assert [r["id"] for r in rows] == [seeded[name] for name in expected]
+    code, out, _ = jobs_cli(dsn, capsys, "list", *filters)
+    assert code == 0
+    assert [int(line.split()[0]) for line in out.splitlines()[1:]] == [seeded[name] for name in expected]
+
+
+def test_list_of_an_unknown_state_is_a_usage_error(dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--dsn", dsn, "jobs", "list", "--state", "finished"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'finished'" in capsys.readouterr().err
+
+
+# --- show ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def failed_job(app: App) -> int:
+    """A job whose only attempt raised: discarded, with its error and traceback recorded."""
+
+    @app.job("fragile", max_attempts=1)
+    def fragile(n: int) -> None:
+        if fastjobs.current_job().attempt == 1:  # type: ignore[union-attr]
+            raise ValueError(f"boom {n}")
+
+    job_id = app.enqueue("fragile", {"n": 7})
+    drain(app)
+    return job_id
+
+
+def test_show_human(dsn: str, capsys: pytest.CaptureFixture[str], failed_job: int) -> None:
+    code, out, err = jobs_cli(dsn, capsys, "show", str(failed_job))
+    assert code == 0 and err == ""
+    fields = dict(line.strip().split(": ", 1) for line in out.split("\n---")[0].splitlines() if ": " in line)
+    assert fields["id"] == str(failed_job)
+    assert fields["kind"] == "fragile"
+    assert fields["state"] == "discarded"
+    assert fields["attempt"] == "1"
+    assert fields["max_attempts"] == "1"
+    assert json.loads(fields["args"]) == {"n": 7}
+    assert "--- attempt 1 at " in out
+    assert ": ValueError: boom 7" in out
+    assert "Traceback (most recent call last)" in out
+    assert 'raise ValueError(f"boom {n}")' in out
+
+
+def test_show_json(dsn: str, capsys: pytest.CaptureFixture[str], failed_job: int) -> None:
+    job = jobs_json(dsn, capsys, "show", str(failed_job))
+    assert (job["id"], job["kind"], job["state"], job["args"]) == (
+        failed_job,
+        "fragile",
+        "discarded",
+        {"n": 7},
+    )
+    assert (job["attempt"], job["max_attempts"], job["crashes"], job["cancel_requested"]) == (1, 1, 0, False)
+    [error] = job["errors"]
+    assert error["attempt"] == 1 and error["error"] == "ValueError: boom 7"
+    assert "Traceback" in error["traceback"]
+    assert job["finalized_at"] is not None
+
+
+def test_show_of_a_job_without_errors(
+    dsn: str, capsys: pytest.CaptureFixture[str], seeded: dict[str, int]
+) -> None:
+    code, out, _ = jobs_cli(dsn, capsys, "show", str(seeded["b2"]))
+    assert code == 0
+    assert "---" not in out
+    assert jobs_json(dsn, capsys, "show", str(seeded["b2"]))["errors"] is None
+
+
+# --- retry, cancel, discard ----------------------------------------------------------------------
+
+
+def test_retry_of_a_discarded_job_makes_it_available_and_it_runs(
+    app: App, dsn: str, capsys: pytest.CaptureFixture[str], failed_job: int
+) -> None:
+    code, out, err = jobs_cli(dsn, capsys, "retry", str(failed_job))
+    assert (code, out, err) == (0, f"job {failed_job}: available\n", "")
+    job = jobs_json(dsn, capsys, "show", str(failed_job))
+    assert (job["state"], job["finalized_at"], job["max_attempts"]) == ("available", None, 2)
+    drain(app, keep_completed=True)
+    job = jobs_json(dsn, capsys, "show", str(failed_job))
+    assert (job["state"], job["attempt"]) == ("completed", 2)
+    assert len(job["errors"]) == 1  # the history is kept
+
+
+def test_retry_json_and_of_a_cancelled_job(app: App, dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    job_id = app.enqueue("k", delay=3600)
+    assert app.cancel(job_id) == "cancelled"
+    assert jobs_json(dsn, capsys, "retry", str(job_id)) == {"id": job_id, "state": "available"}
+    assert state(dsn, job_id) == "available"
+
+
+@pytest.mark.parametrize("job_state", ["available", "running", "scheduled", "retryable"])
+def test_retry_of_an_unfinished_job_fails(
+    app: App, dsn: str, capsys: pytest.CaptureFixture[str], job_state: str
+) -> None:
+    job_id = app.enqueue("k")
+    query(dsn, "UPDATE fastjobs_jobs SET state = %s::fastjobs_state", (job_state,))
+    code, out, err = jobs_cli(dsn, capsys, "retry", str(job_id))
+    assert (code, out) == (1, "")
+    assert err == (
+        f"fastjobs: job {job_id} is {job_state}: only discarded, cancelled or completed jobs can be retried\n"
+    )
+    assert state(dsn, job_id) == job_state
+
+
+def test_cancel_of_queued_and_running_jobs(
+    dsn: str, capsys: pytest.CaptureFixture[str], seeded: dict[str, int]
+) -> None:
+    code, out, err = jobs_cli(dsn, capsys, "cancel", str(seeded["b1"]))
+    assert (code, out, err) == (0, f"job {seeded['b1']}: cancelled\n", "")
+    assert state(dsn, seeded["b1"]) == "cancelled"
+    # A running job is asked to stop: it stays running until its worker acts.
+    assert jobs_json(dsn, capsys, "cancel", str(seeded["a1"])) == {"id": seeded["a1"], "state": "cancelling"}
+    assert state(dsn, seeded["a1"]) == "running"
+    assert jobs_json(dsn, capsys, "show", str(seeded["a1"]))["cancel_requested"] is True
+    # A finished job is left alone.
+    assert jobs_json(dsn, capsys, "cancel", str(seeded["b1"])) == {"id": seeded["b1"], "state": "cancelled"}
+
+
+def test_discard_of_a_queued_job(
+    dsn: str, capsys: pytest.CaptureFixture[str], seeded: dict[str, int]
+) -> None:
+    code, out, err = jobs_cli(dsn, capsys, "discard", str(seeded["a2"]))
+    assert (code, out, err) == (0, f"job {seeded['a2']}: discarded\n", "")
+    assert jobs_json(dsn, capsys, "discard", str(seeded["b1"])) == {"id": seeded["b1"], "state": "discarded"}
+    job = jobs_json(dsn, capsys, "show", str(seeded["b1"]))
+    assert job["state"] == "discarded" and job["finalized_at"] is not None
+
+
+def test_discard_of_a_running_job_fails_clearly(
+    dsn: str, capsys: pytest.CaptureFixture[str], seeded: dict[str, int]
+) -> None:
+    running = seeded["a1"]
+    code, out, err = jobs_cli(dsn, capsys, "discard", str(running))
+    assert (code, out) == (1, "")
+    assert err == f"fastjobs: job {running} is running: running or finished jobs cannot be discarded\n"
+    assert state(dsn, running) == "running"
+    code, _, err = jobs_cli(dsn, capsys, "discard", str(running), "--json")
+    assert code == 1 and "is running" in err
+
+
+@pytest.mark.parametrize("command", ["show", "retry", "cancel", "discard"])
+@pytest.mark.parametrize("as_json", [False, True], ids=["human", "json"])
+def test_an_unknown_id_exits_1_with_a_clear_message(
+    dsn: str, capsys: pytest.CaptureFixture[str], command: str, as_json: bool
+) -> None:
+    code, out, err = jobs_cli(dsn, capsys, command, "424242", *(["--json"] if as_json else []))
+    assert (code, out, err) == (1, "", "fastjobs: no job with id 424242\n")
+
+
+def test_a_database_without_the_schema_says_to_migrate(
+    empty_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = jobs_cli(empty_dsn, capsys, "list")
+    assert (code, out) == (1, "")
+    assert "fastjobs migrate" in err
