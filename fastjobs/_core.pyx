@@ -21,7 +21,7 @@ import inspect
 import orjson
 
 from fastjobs import handlers, sql
-from fastjobs._core_py import LoopError
+from fastjobs._core_py import BATCH_SECONDS, LoopError
 from fastjobs._core_py import dump_args as _dump_args_py
 
 
@@ -69,6 +69,7 @@ cdef extern from "<endian.h>" nogil:
 
 IMPLEMENTATION = "c"
 
+cdef double _BATCH_SECONDS = BATCH_SECONDS
 cdef object _dumps = orjson.dumps
 cdef object _loads = orjson.loads
 cdef object _JSONDecodeError = orjson.JSONDecodeError
@@ -123,11 +124,15 @@ def dump_args(kind, args, params, required):
     """Check one job's arguments against its handler and serialise them with orjson."""
     # The slow checks only run when the fast ones fail, and then the reference
     # produces the exact error message.
+    cdef bytes data
     if type(args) is dict and (params is None or params.issuperset(args)) and required.issubset(args):
         try:
-            return _dumps(args)
+            data = _dumps(args)
         except TypeError:
             pass
+        else:
+            if b"\\u0000" not in data:
+                return data
     return _dump_args_py(kind, args, params, required)
 
 
@@ -162,6 +167,22 @@ def encode_copy_rows(str kind, rows, bytes prefix, bytes suffix, Py_ssize_t limi
         return PyBytes_FromStringAndSize(buf.data, buf.size), count
     finally:
         free(buf.data)
+
+
+cdef extern from "<time.h>" nogil:
+    ctypedef long time_t
+    struct timespec:
+        time_t tv_sec
+        long tv_nsec
+    int clock_gettime(int clock_id, timespec *tp)
+    enum:
+        CLOCK_MONOTONIC
+
+
+cdef inline double _monotonic() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
 
 
 cdef inline int64_t _int8(const char *p) noexcept nogil:
@@ -218,6 +239,7 @@ cdef class BatchLoop:
     cdef bint _in_flight
     cdef Py_ssize_t _limit
     cdef bint _full
+    cdef Py_ssize_t _cap
     cdef PGresult *_rows
     cdef int _nrows
     cdef int64_t *_done
@@ -270,6 +292,7 @@ cdef class BatchLoop:
         self._in_flight = False
         self._limit = 0
         self._full = False
+        self._cap = batch_max
         self._nrows = 0
         self._ndone = 0
         self._done_cap = 0
@@ -406,7 +429,7 @@ cdef class BatchLoop:
         n = self._nrows
         self.claimed += n
         self._full = self._limit > 0 and n >= self._limit
-        self.size = min(self.batch_max, max(self.batch_min, 2 * n))
+        self.size = min(self.batch_max, self._cap, max(self.batch_min, 2 * n))
         return 0
 
     cdef int _claim(self) except -1:
@@ -422,6 +445,7 @@ cdef class BatchLoop:
         """Run one batch; 0 when there was nothing to claim (outcomes are flushed then)."""
         cdef PGresult *batch
         cdef int n
+        cdef double began
         if self._nrows == 0:
             self._claim()
             if self._nrows == 0:
@@ -435,7 +459,11 @@ cdef class BatchLoop:
             # Claim ahead only from a deep queue: see the reference.
             if self.overlap and self._full and not self.stopping:
                 self._send(self.size)
+            began = _monotonic()
             self._run(batch, n)
+            # Slow jobs get small batches: see the reference.
+            self._cap = max(self.batch_min,
+                            <Py_ssize_t>(_BATCH_SECONDS * n / max(_monotonic() - began, 1e-9)))
         finally:
             PQclear(batch)
         if self._in_flight:
@@ -552,7 +580,15 @@ cdef class BatchLoop:
             self._add_done(job_id)
         if slow:
             done = []
-            self._executor.run(slow, done, failures)
+            try:
+                self._executor.run(slow, done, failures)
+            except BaseException:
+                # Every slow job is recorded by now: write it all, then stop.
+                for job_id in done:
+                    self._add_done(job_id)
+                self.stopping = True
+                self.finish()
+                raise
             for job_id in done:
                 self._add_done(job_id)
         return 0

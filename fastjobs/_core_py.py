@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import select
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -33,11 +34,27 @@ def dump_args(kind: str, args: Any, params: frozenset[str] | None, required: fro
         missing = sorted(required.difference(args))
         raise args_error(kind, f"missing argument(s) {', '.join(missing)}")
     try:
-        return orjson.dumps(args)
+        data = orjson.dumps(args)
     except TypeError as exc:
         key = _non_str_key(args)
         detail = f"dict keys must be str, not {type(key).__name__} ({key!r})" if key is not None else str(exc)
         raise args_error(kind, detail) from None
+    # jsonb cannot store NUL; failing here keeps the caller's transaction
+    # usable. The byte search is the fast test, `_has_nul` the exact one (an
+    # escaped backslash followed by "u0000" is no NUL).
+    if b"\\u0000" in data and _has_nul(args):
+        raise args_error(kind, "strings cannot contain NUL (\\x00): PostgreSQL's jsonb cannot store it")
+    return data
+
+
+def _has_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return any(_has_nul(v) for v in value)
+    return False
 
 
 def _non_str_key(value: Any) -> Any:
@@ -87,6 +104,10 @@ def encode_copy_rows(
     return b"".join(parts), count
 
 
+# What one batch should take at most, judged by the last batch's pace.
+BATCH_SECONDS = 0.1
+
+
 class LoopError(Exception):
     """A statement of the hot loop failed; its message is PostgreSQL's."""
 
@@ -110,7 +131,9 @@ class BatchLoop:
 
     The batch size adapts: twice what the last claim found, between
     `batch_min` and `batch_max`, so a shallow queue is claimed a few jobs at
-    a time (latency) and a deep one in large batches (throughput).
+    a time (latency) and a deep one in large batches (throughput); and no
+    more than the last batch's pace runs in BATCH_SECONDS, so a deep queue
+    of slow jobs is shared among workers instead of hoarded by one.
     """
 
     def __init__(
@@ -150,6 +173,7 @@ class BatchLoop:
         self._in_flight = False
         self._limit = 0
         self._full = False
+        self._cap = batch_max
         self._rows: list[tuple[int, str, bytes, int, int]] = []
         self._done: list[int] = []
         self._failures: list[Outcome] = []
@@ -210,7 +234,7 @@ class BatchLoop:
             raise LoopError(error)
         self.claimed += len(rows)
         self._full = len(rows) >= self._limit > 0
-        self.size = min(self.batch_max, max(self.batch_min, 2 * len(rows)))
+        self.size = min(self.batch_max, self._cap, max(self.batch_min, 2 * len(rows)))
         return rows
 
     def _claim(self) -> list[tuple[int, str, bytes, int, int]]:
@@ -233,7 +257,12 @@ class BatchLoop:
         # per wake-up.
         if self.overlap and self._full and not self.stopping:
             self._send(self.size)
+        began = time.perf_counter()
         self._run(rows)
+        # Slow jobs get small batches, so siblings share a deep queue of them.
+        self._cap = max(
+            self.batch_min, int(BATCH_SECONDS * len(rows) / max(time.perf_counter() - began, 1e-9))
+        )
         if self._in_flight:
             self._rows = self._receive()
         return len(rows)
@@ -316,4 +345,10 @@ class BatchLoop:
                 continue
             done.append(job_id)
         if slow:
-            self._executor.run(slow, done, failures)
+            try:
+                executor.run(slow, done, failures)
+            except BaseException:
+                # Every slow job is recorded by now: write it all, then stop.
+                self.stopping = True
+                self.finish()
+                raise

@@ -278,7 +278,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _migrate(args: argparse.Namespace) -> int:
     if args.sql:
-        sys.stdout.write(schema.script())
+        sys.stdout.write(schema.script(args.since))
         return 0
     dsn = database.resolve_dsn(args.dsn)
     with database.connect(dsn) as conn:

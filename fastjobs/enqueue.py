@@ -70,6 +70,8 @@ def options(
         raise ValueError(f"unique_key must be a non-empty string, not {unique_key!r}")
     if not isinstance(kind, str) or not kind:
         raise ValueError(f"job kind must be a non-empty string, not {kind!r}")
+    if len(kind) > 512:
+        raise ValueError(f"job kinds are at most 512 characters, this one has {len(kind)}")
     queue = queue if queue is not None else (spec.queue if spec else "default")
     priority = priority if priority is not None else (spec.priority if spec else 0)
     max_attempts = max_attempts if max_attempts is not None else (spec.max_attempts if spec else 25)

@@ -174,7 +174,29 @@ class Executor:
             self._loop.call_soon_threadsafe(task.cancel)
 
     def run(self, jobs: list[SlowJob], completed: list[int], failures: list[Outcome]) -> None:
-        """Run the slow jobs of a batch: sync ones in order, then async ones concurrently."""
+        """Run the slow jobs of a batch: sync ones in order, then async ones concurrently.
+
+        SystemExit or KeyboardInterrupt (a second stop signal) leaves nothing
+        unrecorded: jobs that had started fail with it, the others are given
+        back; then it propagates so the loop writes everything and stops.
+        """
+        started: set[int] = set()
+        try:
+            self._run(jobs, completed, failures, started)
+        except BaseException as exc:
+            recorded = set(completed) | {outcome["id"] for outcome in failures}
+            for spec, job_id, _, attempt, max_attempts in jobs:
+                if job_id in recorded:
+                    continue
+                if job_id in started:
+                    failures.append(failure(spec, job_id, attempt, max_attempts, exc))
+                else:
+                    failures.append(release(job_id))
+            raise
+
+    def _run(
+        self, jobs: list[SlowJob], completed: list[int], failures: list[Outcome], started: set[int]
+    ) -> None:
         pending_async = []
         context = self.context
         for job in jobs:
@@ -187,6 +209,7 @@ class Executor:
                 failures.append(cancelled(job_id, attempt))
                 continue
             context.id, context.kind, context.attempt, context.cancelled = job_id, spec.kind, attempt, False
+            started.add(job_id)
             try:
                 result = _call_with_timeout(spec.func, args, spec.timeout)
                 if inspect.iscoroutine(result):
@@ -210,9 +233,11 @@ class Executor:
         if pending_async:
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
-            self._loop.run_until_complete(self._gather(pending_async, completed, failures))
+            self._loop.run_until_complete(self._gather(pending_async, completed, failures, started))
 
-    async def _gather(self, jobs: list[SlowJob], completed: list[int], failures: list[Outcome]) -> None:
+    async def _gather(
+        self, jobs: list[SlowJob], completed: list[int], failures: list[Outcome], started: set[int]
+    ) -> None:
         limit = asyncio.Semaphore(self.concurrency)
 
         async def one(job: SlowJob) -> None:
@@ -224,6 +249,7 @@ class Executor:
                     return
                 context = JobContext(job_id, spec.kind, attempt)
                 _async_job.set(context)
+                started.add(job_id)
                 task = asyncio.current_task()
                 assert task is not None
                 self._tasks[job_id] = task

@@ -229,7 +229,9 @@ class Leader:
                 if self.slot is not None:
                     self.slot.beat()
                 wait = self._next_due() if self.leading else self.config.retry_interval
-                select.select([self._wake_r], [], [], max(wait, 0.0))
+                # At most a second between beats, whatever the intervals: the
+                # master's watchdog reads them.
+                select.select([self._wake_r], [], [], min(max(wait, 0.0), 1.0))
         finally:
             if conn is not None and not conn.closed:
                 if self.leading and not conn.broken:

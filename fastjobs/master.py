@@ -39,6 +39,20 @@ DEFAULT_CONCURRENCY = 10
 STABLE_AFTER = 30.0  # a child that lived this long resets its backoff
 
 
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGCHLD}
+
+
+def _stop_with_parent(master_pid: int) -> None:
+    """A child must not outlive its master unsupervised: SIGTERM it when the master dies."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != master_pid:  # the master died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def parse_queues(spec: str | None, registered: list[str], processes: int) -> dict[str, int]:
     """`default:8,emails:2` -> {queue: concurrency}; a bare name gets DEFAULT_CONCURRENCY per process."""
     if not spec:
@@ -48,6 +62,8 @@ def parse_queues(spec: str | None, registered: list[str], processes: int) -> dic
         name, _, count = part.strip().partition(":")
         if not name:
             raise ConfigurationError(f"--queues: empty queue name in {spec!r}")
+        if name in queues:
+            raise ConfigurationError(f"--queues: queue {name!r} is named twice in {spec!r}")
         if count:
             if not count.isdigit() or int(count) < 1:
                 raise ConfigurationError(f"--queues: concurrency of {name!r} must be a positive integer")
@@ -130,6 +146,7 @@ class Master:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._rates: dict[int, tuple[float, float]] = {}
+        self.pid = os.getpid()
 
     # --- the arbiter loop ----------------------------------------------------------------
 
@@ -170,7 +187,7 @@ class Master:
             with contextlib.suppress(OSError):
                 os.write(self._wake_w, b"x")
 
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGCHLD):
+        for sig in _STOP_SIGNALS:
             signal.signal(sig, queue_signal)
 
     def _handle_signals(self) -> None:
@@ -285,8 +302,13 @@ class Master:
 
     def _spawn(self, child: Child) -> None:
         assert self.slots is not None
+        # Signals stay blocked across the fork until the child has its own
+        # handlers: one arriving in between would reach the master's handler
+        # in the child and be lost.
+        signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
         pid = os.fork()
         if pid:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
             child.pid = pid
             child.started = child.last_progress = time.monotonic()
             child.seen_progress = -1.0
@@ -294,8 +316,9 @@ class Master:
             return
         code = EXIT_CRASH
         try:
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGCHLD):
+            for sig in _STOP_SIGNALS:
                 signal.signal(sig, signal.SIG_DFL)
+            _stop_with_parent(self.pid)
             os.close(self._wake_r)
             os.close(self._wake_w)
             slot = self.slots[child.index]
@@ -319,6 +342,7 @@ class Master:
             setproctitle("fastjobs: leader")
             leader = Leader(self.app, self.leader_config, slot=slot)
             leader.install_signals()
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
             leader.run()
             return EXIT_OK
         share = self.plan[child.index]
@@ -336,6 +360,7 @@ class Master:
             title=title,
         )
         worker.install_signals()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
         worker.run()
         return EXIT_OK
 

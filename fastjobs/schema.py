@@ -53,11 +53,17 @@ def migrate(conn: psycopg.Connection[Any]) -> list[Migration]:
     return pending
 
 
-def script() -> str:
-    """All migrations as one SQL script, for DBAs who apply by hand (`fastjobs migrate --sql`)."""
+def script(since: int = 0) -> str:
+    """The migrations after version `since` as one SQL script, for DBAs who apply by hand.
+
+    `fastjobs migrate --sql` prints them all (a new database);
+    `--sql --since 1` the upgrade of a database at 001.
+    """
     parts = ["BEGIN;", f"SELECT pg_advisory_xact_lock({sql.MIGRATION_LOCK_KEY});"]
     parts.append(sql.migration_table_create.strip() + ";")
     for m in migrations():
+        if m.version <= since:
+            continue
         parts.append(f"-- {m.version:03d}_{m.name}")
         parts.append(m.sql.strip())
         parts.append(

@@ -19,6 +19,18 @@ LEADER_LOCK_KEY: Final = 0x66_6A_6C_65_61_64  # "fjlead"
 
 # Channel every wake-up is sent on; the payload is the queue name.
 NOTIFY_CHANNEL: Final = "fastjobs"
+# Channel of the listeners' health checks; the payload is the pinging listener's id.
+PING_CHANNEL: Final = "fastjobs_ping"
+# Channel of cancellation requests for running jobs; the payload is the job id.
+CANCEL_CHANNEL: Final = "fastjobs_cancel"
+
+# listen_jobs, listen_ping, listen_cancel: subscribe a connection to a channel.
+listen_jobs: Final = "LISTEN fastjobs"
+listen_ping: Final = "LISTEN fastjobs_ping"
+listen_cancel: Final = "LISTEN fastjobs_cancel"
+
+# listener_ping: a listener's health check, answered on its own connection.
+listener_ping: Final = "SELECT pg_notify('fastjobs_ping', $1)"
 
 # migration_table_create: the table recording applied migrations.
 migration_table_create: Final = """
@@ -335,7 +347,16 @@ bench_raw_complete_keep: Final = (
 
 # Statements that PREPARE cannot take (COPY); the test of every statement skips them.
 NOT_PREPARABLE: Final = frozenset(
-    {"job_copy", "job_copy_at", "job_copy_staged", "job_stage_create", "migration_table_create"}
+    {
+        "job_copy",
+        "job_copy_at",
+        "job_copy_staged",
+        "job_stage_create",
+        "migration_table_create",
+        "listen_jobs",
+        "listen_ping",
+        "listen_cancel",
+    }
 )
 
 

@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -28,7 +28,6 @@ from .stats import Slot
 # for leader.RescuerConfig.stale_after (15 s) as dead.
 HEARTBEAT_INTERVAL = 2.0
 LISTENER_CHECK_INTERVAL = 30.0
-CANCEL_CHANNEL = "fastjobs_cancel"
 
 
 class Control(threading.Thread):
@@ -63,7 +62,7 @@ class Control(threading.Thread):
             try:
                 if conn is None:
                     conn = database.connect(self.dsn, autocommit=True)
-                    conn.execute(f"LISTEN {CANCEL_CHANNEL}")
+                    conn.execute(sql.listen_cancel)
                     next_beat = 0.0
                 now = time.monotonic()
                 if now >= next_beat:
@@ -115,7 +114,8 @@ class Control(threading.Thread):
 class Listener:
     """The worker's dedicated LISTEN connection.
 
-    Health is checked by a self-notification round trip; a dead listener is
+    Health is checked by a self-notification round trip (a ping on the
+    fastjobs_ping channel carrying this listener's id); a dead listener is
     reconnected, and while it is down the worker simply polls.
     """
 
@@ -124,14 +124,16 @@ class Listener:
         self.queues = set(queues)
         self.wake_fd = wake_fd
         self.conn: psycopg.Connection[Any] | None = None
-        self.ping = f"fastjobs-ping-{uuid.uuid4().hex[:12]}"
+        self.ping = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.last_check = 0.0
         self.reconnects = 0
+        self._woken = False  # a wake-up read while checking, for the next wait
 
     def connect(self) -> bool:
         try:
             self.conn = database.connect(self.dsn, autocommit=True)
-            self.conn.execute(f"LISTEN {sql.NOTIFY_CHANNEL}")
+            self.conn.execute(sql.listen_jobs)
+            self.conn.execute(sql.listen_ping)
             self.last_check = time.monotonic()
             return True
         except (psycopg.Error, DatabaseUnavailable) as exc:
@@ -146,6 +148,9 @@ class Listener:
 
     def wait(self, timeout: float) -> bool:
         """Sleep until a notification for one of our queues, a wake-up, or `timeout`; True if woken."""
+        if self._woken:
+            self._woken = False
+            return True
         deadline = time.monotonic() + timeout
         if self.conn is None and not self.connect():
             self.reconnects += 1
@@ -161,34 +166,43 @@ class Listener:
                 return True
             if self.conn is not None and readable:
                 try:
-                    if self._drain():
+                    if self._read()[0]:
                         return True
                 except psycopg.Error:
                     self._lost()
 
-    def _drain(self) -> bool:
-        """Read what arrived; True when it concerns our queues."""
+    def _read(self) -> tuple[bool, bool]:
+        """Read what arrived: (a wake-up for our queues, our ping came back)."""
         assert self.conn is not None
         pgconn = self.conn.pgconn
         pgconn.consume_input()
         if pgconn.status != psycopg.pq.ConnStatus.OK:
             raise psycopg.OperationalError("listener connection lost")
-        hit = False
+        hit = pinged = False
         while (n := pgconn.notifies()) is not None:
-            if n.extra.decode() in self.queues:
+            payload = n.extra.decode()
+            if n.relname == sql.PING_CHANNEL.encode():
+                pinged = pinged or payload == self.ping
+            elif payload in self.queues:
                 hit = True
-        return hit
+        return hit, pinged
 
-    def check(self) -> bool:
-        """Self-notification round trip; reconnect when it does not come back."""
+    def check(self, timeout: float = 5.0) -> bool:
+        """Self-notification round trip; reconnect when it does not come back in `timeout` seconds."""
         self.last_check = time.monotonic()
         if self.conn is None:
             return self.connect()
         try:
-            self.conn.execute(f'LISTEN "{self.ping}"; NOTIFY "{self.ping}"')
-            for _ in self.conn.notifies(timeout=5.0, stop_after=1):
-                self.conn.execute(f'UNLISTEN "{self.ping}"')
-                return True
+            with psycopg.RawCursor(self.conn) as cur:
+                cur.execute(sql.listener_ping, (self.ping,))
+            deadline = time.monotonic() + timeout
+            while (left := deadline - time.monotonic()) > 0:
+                readable, _, _ = select.select([self.conn.pgconn.socket], [], [], left)
+                if readable:
+                    hit, pinged = self._read()
+                    self._woken = self._woken or hit
+                    if pinged:
+                        return True
         except psycopg.Error:
             pass
         self._lost()
@@ -201,6 +215,20 @@ class Listener:
             with contextlib.suppress(psycopg.Error):
                 self.conn.close()
         self.conn = None
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold SIGTERM and SIGINT (delivered after the block) in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
 
 
 class Worker:
@@ -298,7 +326,7 @@ class Worker:
                 self._loop(conn, listener)
             finally:
                 control.stop()
-            with psycopg.RawCursor(conn) as cur:
+            with _signals_held(), psycopg.RawCursor(conn) as cur:
                 cur.execute(sql.worker_delete, (self.worker_id,))
         finally:
             listener.close()
@@ -336,6 +364,8 @@ class Worker:
                     slot.beat()
         finally:
             loop.stopping = True
-            loop.finish()
+            # A second stop signal must not cut the final writes short.
+            with _signals_held():
+                loop.finish()
             if slot is not None:
                 slot.record(loop, 0.0)
