@@ -32,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     migrate.add_argument(
         "--sql", action="store_true", help="print the migrations' SQL instead of applying it"
     )
+    migrate.add_argument(
+        "--since", type=int, default=0, metavar="VERSION", help="with --sql: only migrations after VERSION"
+    )
 
     run = commands.add_parser("run", help="run workers for the jobs of MODULE")
     run.add_argument("module", help="module holding a fastjobs.App, or module:attribute")
