@@ -22,23 +22,27 @@ _FIELDS = (
 _SEARCH_DAYS = 366 * 8 + 2
 
 
+def _number(text: str) -> bool:
+    return text.isascii() and text.isdigit()
+
+
 def _parse_field(text: str, name: str, low: int, high: int) -> frozenset[int]:
     values: set[int] = set()
     for part in text.split(","):
-        body, _, step_text = part.partition("/")
+        body, slash, step_text = part.partition("/")
         step = 1
-        if step_text:
-            if not step_text.isdigit() or int(step_text) < 1:
-                raise ConfigurationError(f"cron {name}: bad step {step_text!r}")
+        if slash:
+            if not _number(step_text) or int(step_text) < 1:
+                raise ConfigurationError(f"cron {name}: bad step in {part!r}")
             step = int(step_text)
         if body == "*":
             start, end = low, high
         else:
-            first, _, last = body.partition("-")
-            if not first.isdigit() or (last and not last.isdigit()):
+            first, dash, last = body.partition("-")
+            if not _number(first) or (dash and not _number(last)):
                 raise ConfigurationError(f"cron {name}: {part!r} is not a number, range or *")
             start = int(first)
-            end = int(last) if last else (high if step_text else start)
+            end = int(last) if dash else (high if slash else start)
         if not low <= start <= end <= high:
             raise ConfigurationError(f"cron {name}: {part!r} is outside {low}-{high}")
         values.update(range(start, end + 1, step))

@@ -136,9 +136,9 @@ class JobContext:
         )
 
 
-# The sync job running in this process (the hot loop updates it in place) and,
-# for async handlers, each task's own.
-_sync_job = JobContext()
+# Each worker thread's executor context (the hot loop updates it in place per
+# sync job) and, for async handlers, each task's own.
+_thread = threading.local()
 _async_job: contextvars.ContextVar[JobContext | None] = contextvars.ContextVar("fastjobs_job", default=None)
 
 
@@ -147,7 +147,8 @@ def current_job() -> JobContext | None:
     job = _async_job.get()
     if job is not None:
         return job
-    return _sync_job if _sync_job.id else None
+    job = getattr(_thread, "job", None)
+    return job if job is not None and job.id else None
 
 
 class Executor:
@@ -160,10 +161,14 @@ class Executor:
 
     def __init__(self, concurrency: int = 100) -> None:
         self.concurrency = concurrency
-        self.context = _sync_job
+        self.context = JobContext()
         self.cancelled: set[int] = set()
         self._tasks: dict[int, asyncio.Task[Any]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    def bind(self) -> None:
+        """Make this executor's context the calling thread's `current_job()`."""
+        _thread.job = self.context
 
     def cancel(self, job_id: int) -> None:
         self.cancelled.add(job_id)

@@ -32,6 +32,16 @@ if TYPE_CHECKING:
     from .app import App
 
 
+# libpq's side of the leader's keepalives (ignored on Unix sockets).
+KEEPALIVES = {
+    "keepalives": 1,
+    "keepalives_idle": 5,
+    "keepalives_interval": 2,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 10_000,
+}
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """Scheduled and retryable jobs become available when due."""
@@ -246,8 +256,12 @@ class Leader:
 
     def _connect(self) -> psycopg.Connection[Any] | None:
         try:
-            conn = database.connect(self.app.dsn, autocommit=True)
+            # Keepalives on both ends: a leader cut off by the network must lose
+            # its session (and lock) in seconds, not the kernel's two hours.
+            conn = database.connect(self.app.dsn, autocommit=True, **KEEPALIVES)
             schema.check(conn)
+            with psycopg.RawCursor(conn) as cur:
+                cur.execute(sql.leader_keepalive)
             return conn
         except DatabaseUnavailable as exc:
             print(f"fastjobs: leader cannot connect, retrying: {exc}", file=sys.stderr, flush=True)

@@ -191,6 +191,13 @@ SELECT queue, count(*), pg_notify('fastjobs', queue) FROM promoted GROUP BY queu
 # leader_try_lock: become the leader if nobody is (session level: released when the session dies).
 leader_try_lock: Final = "SELECT pg_try_advisory_lock($1)"
 
+# leader_keepalive: let the server notice within seconds that the leader's
+# client vanished (a cut network), so the lock frees for another leader.
+leader_keepalive: Final = """
+SELECT set_config('tcp_keepalives_idle', '5', false),
+       set_config('tcp_keepalives_interval', '2', false),
+       set_config('tcp_keepalives_count', '3', false)"""
+
 # leader_unlock: step down cleanly.
 leader_unlock: Final = "SELECT pg_advisory_unlock($1)"
 
@@ -208,17 +215,22 @@ worker_delete: Final = "DELETE FROM fastjobs_workers WHERE id = $1"
 # job_rescue_many: running jobs whose worker stopped heartbeating ($1 seconds
 # before $2, or whose row is gone) go back to retryable, due now, with a crash
 # counted; a job that has crashed $3 times, or has no attempt left, is
-# discarded instead. At most $4 per statement.
+# discarded instead, and one whose cancellation was requested is cancelled.
+# At most $4 per statement.
 job_rescue_many: Final = """
 UPDATE fastjobs_jobs j
    SET crashes = j.crashes + 1,
-       state = CASE WHEN j.crashes + 1 >= $3 OR j.attempt >= j.max_attempts THEN 'discarded'
+       state = CASE WHEN j.cancel_requested THEN 'cancelled'
+                    WHEN j.crashes + 1 >= $3 OR j.attempt >= j.max_attempts THEN 'discarded'
                     ELSE 'retryable' END::fastjobs_state,
        run_at = $2::timestamptz,
-       finalized_at = CASE WHEN j.crashes + 1 >= $3 OR j.attempt >= j.max_attempts THEN $2::timestamptz END,
+       finalized_at = CASE WHEN j.cancel_requested OR j.crashes + 1 >= $3 OR j.attempt >= j.max_attempts
+                           THEN $2::timestamptz END,
        errors = coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
            'at', $2::timestamptz, 'attempt', j.attempt, 'traceback', NULL,
-           'error', CASE WHEN j.crashes + 1 >= $3
+           'error', CASE WHEN j.cancel_requested
+                         THEN 'cancelled: its worker died after cancellation was requested'
+                         WHEN j.crashes + 1 >= $3
                          THEN format('quarantined: its worker died while running it %s times', j.crashes + 1)
                          ELSE format('worker %s died while running the job (crash %s)',
                                      j.attempted_by, j.crashes + 1) END))
@@ -291,11 +303,12 @@ job_state: Final = "SELECT state::text FROM fastjobs_jobs WHERE id = $1"
 job_cancel_requested: Final = """
 SELECT id FROM fastjobs_jobs WHERE state = 'running' AND attempted_by = $1 AND cancel_requested"""
 
-# job_retry: a discarded, cancelled or completed job back to available, now, with attempts to spare.
+# job_retry: a discarded, cancelled or completed job back to available, now,
+# with an attempt to spare and its crash allowance back.
 job_retry: Final = """
 UPDATE fastjobs_jobs
    SET state = 'available', run_at = now(), finalized_at = NULL, cancel_requested = false,
-       max_attempts = greatest(max_attempts, attempt + 1)
+       max_attempts = greatest(max_attempts, attempt + 1), crashes = 0
  WHERE id = $1 AND state IN ('discarded', 'cancelled', 'completed')
 RETURNING state::text"""
 

@@ -46,6 +46,7 @@ class Control(threading.Thread):
         self.executor = executor
         self._stop_event = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
+        self._heard: set[int] = set()  # job ids whose cancellation was announced
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -62,6 +63,9 @@ class Control(threading.Thread):
             try:
                 if conn is None:
                     conn = database.connect(self.dsn, autocommit=True)
+                    # Notifications psycopg reads while it executes the
+                    # heartbeat are handed here rather than lost.
+                    conn.add_notify_handler(lambda n: self._ids([n.payload]))
                     conn.execute(sql.listen_cancel)
                     next_beat = 0.0
                 now = time.monotonic()
@@ -88,7 +92,9 @@ class Control(threading.Thread):
         with psycopg.RawCursor(conn) as cur:
             cur.execute(sql.worker_heartbeat, (self.worker_id,))
             requested = {row[0] for row in cur.execute(sql.job_cancel_requested, (self.worker_id,))}
-        # Ids no longer running here are dropped (in place: the hot loop holds this set).
+        # The poll covers whatever was announced; ids no longer running here
+        # are dropped (in place: the hot loop holds this set).
+        self._heard.clear()
         self.executor.cancelled &= requested
         for job_id in requested:
             self.executor.cancel(job_id)
@@ -98,17 +104,22 @@ class Control(threading.Thread):
         pgconn.consume_input()
         if pgconn.status != psycopg.pq.ConnStatus.OK:
             raise psycopg.OperationalError("control connection lost")
-        ids = []
+        payloads = []
         while (n := pgconn.notifies()) is not None:
-            with contextlib.suppress(ValueError):
-                ids.append(int(n.extra))
-        if ids:
+            payloads.append(n.extra.decode())
+        self._ids(payloads)
+        if self._heard:
             # The notification goes to every worker; act only on our own running jobs.
+            heard, self._heard = self._heard, set()
             with psycopg.RawCursor(conn) as cur:
                 mine = {row[0] for row in cur.execute(sql.job_cancel_requested, (self.worker_id,))}
-            for job_id in ids:
-                if job_id in mine:
-                    self.executor.cancel(job_id)
+            for job_id in heard & mine:
+                self.executor.cancel(job_id)
+
+    def _ids(self, payloads: list[str]) -> None:
+        for payload in payloads:
+            with contextlib.suppress(ValueError):
+                self._heard.add(int(payload))
 
 
 class Listener:
@@ -193,16 +204,22 @@ class Listener:
         if self.conn is None:
             return self.connect()
         try:
-            with psycopg.RawCursor(self.conn) as cur:
-                cur.execute(sql.listener_ping, (self.ping,))
+            # Through libpq, not cursor.execute: psycopg would consume the
+            # notification the ping triggers before _read could see it.
+            res = self.conn.pgconn.exec_params(sql.listener_ping.encode(), [self.ping.encode()])
+            if res.status != psycopg.pq.ExecStatus.TUPLES_OK:
+                raise psycopg.OperationalError(res.error_message.decode(errors="replace"))
             deadline = time.monotonic() + timeout
-            while (left := deadline - time.monotonic()) > 0:
-                readable, _, _ = select.select([self.conn.pgconn.socket], [], [], left)
-                if readable:
-                    hit, pinged = self._read()
-                    self._woken = self._woken or hit
-                    if pinged:
-                        return True
+            while True:
+                # libpq may have queued the ping already while reading the result.
+                hit, pinged = self._read()
+                self._woken = self._woken or hit
+                if pinged:
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                select.select([self.conn.pgconn.socket], [], [], left)
         except psycopg.Error:
             pass
         self._lost()
@@ -318,6 +335,7 @@ class Worker:
             )
             self.loop.stopping = self._stop
             self.loop.prepare()
+            self.executor.bind()
             control = Control(dsn, self.worker_id, self.executor)
             control.start()
             try:

@@ -154,11 +154,6 @@ def test_a_running_sync_job_that_checks_the_flag_ends_cancelled(
     assert app.cancel(job_id) == "cancelled"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: fastjobs.current_job() called outside any handler returns the job another thread's"
-    " worker is running (handlers._sync_job is process-wide, not per thread)",
-)
 def test_current_job_is_none_outside_a_handler_while_a_worker_thread_runs_one(app: App, dsn: str) -> None:
     started, _ = register_poller(app, "poller")
     job_id = app.enqueue("poller")

@@ -419,11 +419,6 @@ def test_rescue_once_works_in_batches_until_one_comes_back_short(dsn: str) -> No
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: sql.job_rescue_many sends a running job whose cancellation was requested back to"
-    " 'retryable' (it runs again) instead of finishing it as 'cancelled'",
-)
 def test_rescue_once_finishes_a_job_whose_cancellation_was_requested_as_cancelled(dsn: str) -> None:
     add_worker(dsn, "dead-worker", ago(60))
     job_id = add_job(
@@ -439,11 +434,6 @@ def test_rescue_once_finishes_a_job_whose_cancellation_was_requested_as_cancelle
     assert row(dsn, job_id)["state"] == "cancelled"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: sql.job_retry keeps a quarantined job's crash count, so one more worker death"
-    " quarantines it again at once",
-)
 def test_a_retried_quarantined_job_gets_its_crash_allowance_back(dsn: str) -> None:
     add_worker(dsn, "dead-worker", ago(60))
     job_id = add_job(

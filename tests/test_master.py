@@ -102,7 +102,6 @@ def test_parse_queues_rejects_bad_specs(spec: str) -> None:
         parse_queues(spec, [], 2)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a queue named twice in --queues silently keeps the last count")
 def test_parse_queues_rejects_a_queue_named_twice() -> None:
     with pytest.raises(ConfigurationError, match="--queues"):
         parse_queues("default:8,emails:2,default:1", [], 2)
@@ -301,28 +300,7 @@ def test_process_titles_and_the_printed_plan(masters: procs.Masters) -> None:
     assert master.stop() == 0, master.stderr()
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [
-        "record",
-        pytest.param(
-            "record_timeout",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="bug: a second signal during a timeout= handler leaves its job 'running'"
-                " (handlers.Executor.run lets KeyboardInterrupt escape unrecorded)",
-            ),
-        ),
-        pytest.param(
-            "record_async",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="bug: a second signal during an async handler leaves its job 'running'"
-                " (handlers.Executor.run lets KeyboardInterrupt escape unrecorded)",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("kind", ["record", "record_timeout", "record_async"])
 def test_a_second_signal_stops_now_and_records_the_running_job(
     masters: procs.Masters, app: App, db: psycopg.Connection[Any], kind: str
 ) -> None:
@@ -407,11 +385,6 @@ fastjobs.worker.LISTENER_CHECK_INTERVAL = 0.2
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: worker.Listener.check runs conn.execute inside psycopg's conn.notifies() generator,"
-    " which holds conn.lock: the worker deadlocks on its first listener health check",
-)
 def test_an_idle_worker_survives_its_listener_health_check(
     masters: procs.Masters, tmp_path: Path, app: App, db: psycopg.Connection[Any]
 ) -> None:
@@ -422,7 +395,7 @@ def test_an_idle_worker_survives_its_listener_health_check(
             db,
             "SELECT count(*) FROM pg_stat_activity"
             " WHERE datname = current_database() AND pid <> pg_backend_pid()"
-            " AND query LIKE '%fastjobs-ping-%'",
+            " AND query LIKE '%pg_notify(''fastjobs_ping''%'",
         ),
         "the worker's first listener health check",
     )
@@ -431,11 +404,6 @@ def test_an_idle_worker_survives_its_listener_health_check(
     assert master.stop(10) == 0, master.stderr()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: workers and the leader never notice their master died (no parent-death check):"
-    " they run on unsupervised, orphaned",
-)
 def test_the_children_of_a_killed_master_exit(masters: procs.Masters) -> None:
     master = masters.start("--processes", "2")
     family = [
