@@ -433,8 +433,9 @@ cdef class BatchLoop:
         return 0
 
     cdef int _claim(self) except -1:
-        """Claim synchronously, trying each queue once before giving up."""
-        for _ in range(len(self._queues)):
+        """Claim synchronously, trying each queue once before giving up (see the reference)."""
+        cdef Py_ssize_t tries = len(self._queues) + (1 if self._failures else 0)
+        for _ in range(tries):
             self._send(self.size)
             self._receive()
             if self._nrows:

@@ -238,8 +238,14 @@ class BatchLoop:
         return rows
 
     def _claim(self) -> list[tuple[int, str, bytes, int, int]]:
-        """Claim synchronously, trying each queue once before giving up."""
-        for _ in range(len(self._queues)):
+        """Claim synchronously, trying each queue once before giving up.
+
+        The claim shares its statement's snapshot with the outcomes it writes,
+        so it cannot see a job those outcomes made available (Retry(0),
+        Snooze(0)): when outcomes went along, one more claim looks again.
+        """
+        tries = len(self._queues) + (1 if self._failures else 0)
+        for _ in range(tries):
             self._send(self.size)
             rows = self._receive()
             if rows:

@@ -9,12 +9,14 @@ batch statement (sql.job_finish_claim_many) writes back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import datetime as dt
 import inspect
 import random
 import signal
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from types import FrameType
@@ -161,6 +163,7 @@ class Executor:
 
     def __init__(self, concurrency: int = 100) -> None:
         self.concurrency = concurrency
+        self.stopping = False  # set by Worker.stop: jobs not yet started go back
         self.context = JobContext()
         self.cancelled: set[int] = set()
         self._tasks: dict[int, asyncio.Task[Any]] = {}
@@ -189,6 +192,7 @@ class Executor:
         try:
             self._run(jobs, completed, failures, started)
         except BaseException as exc:
+            self._abandon()
             recorded = set(completed) | {outcome["id"] for outcome in failures}
             for spec, job_id, _, attempt, max_attempts in jobs:
                 if job_id in recorded:
@@ -208,6 +212,9 @@ class Executor:
             spec, job_id, args, attempt, max_attempts = job
             if spec.is_async:
                 pending_async.append(job)
+                continue
+            if self.stopping:
+                failures.append(release(job_id))
                 continue
             if job_id in self.cancelled:
                 self.cancelled.discard(job_id)
@@ -279,6 +286,18 @@ class Executor:
         # Each job runs in a task of its own, so each gets its own context.
         await asyncio.gather(*(one(job) for job in jobs))
 
+    def _abandon(self) -> None:
+        """Cancel and settle the tasks an interrupted batch leaves on the event loop."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            with contextlib.suppress(BaseException):
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+
     def close(self) -> None:
         if self._loop is not None:
             self._loop.close()
@@ -291,16 +310,21 @@ def _call_with_timeout(func: Callable[..., Any], args: dict[str, Any], timeout: 
     SIGALRM interrupts Python code, not a call blocked in C: the master's
     heartbeat watchdog replaces a worker stuck there.
     """
-    if timeout is None or threading.current_thread() is not threading.main_thread():
+    if timeout is None:
         return func(**args)
+    if threading.current_thread() is not threading.main_thread():
+        raise JobTimeout("a timeout needs the worker on the main thread (SIGALRM); this one is not")
 
     def on_alarm(signum: int, frame: FrameType | None) -> None:
         raise JobTimeout(f"job ran longer than its timeout of {timeout:g}s")
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, timeout)
+    began = time.monotonic()
+    outer, _ = signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
         return func(**args)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        if outer:  # an outer timer (the application's, a test runner's) runs on
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - began), 1e-6))

@@ -289,16 +289,17 @@ class Worker:
         self.title = title  # process title prefix; the live rate is appended each second
         self.loop: Any = None
         self._stop = False
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_w, False)
+        self._wake_r = self._wake_w = -1  # the pipe that wakes a sleeping run(); open only during run()
 
     def stop(self) -> None:
         """Stop claiming; safe from a signal handler and idempotent."""
         self._stop = True
+        self.executor.stopping = True
         if self.loop is not None:
             self.loop.stopping = True
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self._wake_w, b"x")
+        if self._wake_w >= 0:
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, b"x")
 
     def install_signals(self) -> None:
         """First SIGTERM/SIGINT: graceful stop. Second: stop now (KeyboardInterrupt)."""
@@ -314,6 +315,8 @@ class Worker:
     def run(self) -> None:
         dsn = self.app.dsn
         conn = database.connect(dsn, autocommit=True)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
         listener = Listener(dsn, self.queues, self._wake_r)
         try:
             schema.check(conn)
@@ -350,6 +353,10 @@ class Worker:
             listener.close()
             conn.close()
             self.executor.close()
+            wake_r, wake_w = self._wake_r, self._wake_w
+            self._wake_r = self._wake_w = -1
+            os.close(wake_r)
+            os.close(wake_w)
 
     def _loop(self, conn: psycopg.Connection[Any], listener: Listener) -> None:
         loop = self.loop

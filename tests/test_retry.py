@@ -142,7 +142,7 @@ def test_every_attempt_is_recorded_until_discarded(app: App, dsn, overlap):
         raise ValueError(f"attempt {len(runs)}")
 
     fail.enqueue()
-    for _ in range(3):  # one drain per attempt: see the xfail test below
+    for _ in range(3):  # one drain per attempt
         drain(app, overlap=overlap)
 
     [row] = jobs(dsn)
@@ -157,11 +157,6 @@ def test_every_attempt_is_recorded_until_discarded(app: App, dsn, overlap):
 
 
 @OVERLAP
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a claim that comes back empty in the statement that made a job available again "
-    "(zero-delay retry, Retry(0), Snooze(0)) ends an exit_when_empty drain with that job waiting",
-)
 def test_drain_runs_jobs_its_own_outcomes_made_available(app: App, dsn, overlap):
     runs = []
 

@@ -428,11 +428,6 @@ def test_stop_from_a_handler_gives_unstarted_jobs_back(app: App, dsn, overlap):
 
 
 @OVERLAP
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: Executor.run starts every sync job of its batch after Worker.stop() "
-    "(handlers with a timeout)",
-)
 def test_stop_gives_unstarted_jobs_back_on_the_slow_path(app: App, dsn, overlap):
     _stop_after_ten(app, dsn, overlap, timeout=30.0)
 
@@ -450,10 +445,6 @@ def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: Worker.__init__ opens a wake-up pipe (worker.py, self._wake_r/_wake_w) that is never closed",
-)
 def test_a_worker_that_ran_leaves_no_file_descriptor_open(app: App):
     app.job(kind="n")(lambda: None)
     drain(app)  # the first run opens what is cached for the process (libpq, the embedded server)
