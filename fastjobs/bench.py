@@ -407,7 +407,11 @@ def _latency_worker(dsn: str, batch: int, out: Any, ready: Any, start: Any) -> N
     def stamp(t: float, **_: Any) -> None:
         seen.append(time.time() - t)
 
-    worker = Worker(app, batch_max=batch, on_ready=lambda: None)
+    def on_ready() -> None:
+        ready.wait()
+        start.wait()
+
+    worker = Worker(app, batch_max=batch, on_ready=on_ready)
     worker.install_signals()
     worker.run()
     out.put(seen)
