@@ -24,6 +24,7 @@ from . import database, enqueue, schema, sql
 from .app import App
 from .errors import FastjobsError
 from .impl import IMPLEMENTATION
+from .leader import CleanerConfig, clean_once
 from .master import DEFAULT_CONCURRENCY, Master
 from .stats import Slots, shm_dir
 from .worker import Worker
@@ -216,13 +217,15 @@ def _drain_once(
     target: Callable[..., None],
     args: tuple[Any, ...],
     echo: Callable[[str], None],
+    reset: bool = True,
 ) -> tuple[float, float]:
     """Fork `processes` drainers; once they are connected, enqueue and start them together.
 
     Every contender meets the same table: the jobs of one fresh COPY, made
     visible by its commit just before the clock starts.
     """
-    _reset(dsn)
+    if reset:
+        _reset(dsn)
     ctx = multiprocessing.get_context("fork")
     ready, start = ctx.Barrier(processes + 1), ctx.Barrier(processes + 1)
     pids = []
@@ -331,6 +334,8 @@ def _await_slots(master_pid: int, processes: int, timeout: float = 30.0) -> Slot
 
 
 CONTENDERS = ("raw", "worker", "master")
+# With --compare-sync: the overlapped loop against a strictly sequential one.
+CONTENDERS_SYNC = ("raw", "worker", "worker_sync")
 
 
 def run_drain(
@@ -339,7 +344,7 @@ def run_drain(
     processes: int,
     batch: int,
     repeat: int,
-    overlap: bool,
+    compare_sync: bool,
     keep: bool,
     results: Path | None,
     echo: Callable[[str], None],
@@ -348,22 +353,25 @@ def run_drain(
 
     raw: the leanest psycopg loop, the same claim and completion SQL;
     worker: fastjobs Worker processes forked directly (the hot loop alone);
-    master: the real `fastjobs run` (master, workers, leader).
+    master: the real `fastjobs run` (master, workers, leader);
+    worker_sync (instead of master, with `compare_sync`): the hot loop
+    without overlap, claim, run, complete strictly in turn.
     """
     target = bench_dsn(dsn)
-    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in CONTENDERS}
+    contenders = CONTENDERS_SYNC if compare_sync else CONTENDERS
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
     for run in range(repeat):
-        for name in CONTENDERS:
+        for name in contenders:
             if name == "raw":
                 measured = _drain_once(target, jobs, processes, _raw_drainer, (batch, keep), echo)
-            elif name == "worker":
-                args = (batch, overlap, keep)
+            elif name in ("worker", "worker_sync"):
+                args = (batch, name == "worker", keep)
                 measured = _drain_once(target, jobs, processes, _fastjobs_drainer, args, echo)
             else:
                 measured = _master_once(target, jobs, processes, batch, keep, echo)
             runs[name].append(measured)
             echo(
-                f"\r  run {run + 1}/{repeat} {name:8s} {jobs / measured[0]:>10,.0f} jobs/s"
+                f"\r  run {run + 1}/{repeat} {name:11s} {jobs / measured[0]:>10,.0f} jobs/s"
                 f"   worker CPU {measured[1] / jobs * 1e6:6.1f} us/job\n"
             )
     rate = {name: statistics.median(jobs / s for s, _ in r) for name, r in runs.items()}
@@ -374,24 +382,95 @@ def run_drain(
         jobs=jobs,
         processes=processes,
         batch=batch,
-        overlap=overlap,
         keep_completed=keep,
         repeat=repeat,
-        **{f"{name}_jobs_per_s": round(rate[name]) for name in CONTENDERS},
-        **{f"{name}_cpu_us_per_job": round(cpu[name], 2) for name in CONTENDERS},
-        ratio=round(rate["master"] / rate["raw"], 3),
-        worker_ratio=round(rate["worker"] / rate["raw"], 3),
-        master_overhead=round(1 - rate["master"] / rate["worker"], 3),
+        **{f"{name}_jobs_per_s": round(rate[name]) for name in contenders},
+        **{f"{name}_cpu_us_per_job": round(cpu[name], 2) for name in contenders},
+        **{f"{name}_ratio": round(rate[name] / rate["raw"], 3) for name in contenders if name != "raw"},
     )
     labels = {
         "raw": "raw SQL limit",
         "worker": f"fastjobs workers ({IMPLEMENTATION})",
+        "worker_sync": f"  without overlap ({IMPLEMENTATION})",
         "master": f"fastjobs run ({IMPLEMENTATION})",
     }
     title = f"drain, {processes} processes"
     echo(f"\n{title:<30}{'jobs/s':>12}{'ratio':>8}{'CPU us/job':>12}\n")
-    for name in CONTENDERS:
+    for name in contenders:
         echo(f"{labels[name]:<30}{rate[name]:>12,.0f}{rate[name] / rate['raw']:>8.2f}{cpu[name]:>12.1f}\n")
+    _write(results, record, echo)
+    return record
+
+
+# --- cleaner: deleting finished jobs beside a drain ----------------------------------------
+
+
+def run_cleaner(
+    dsn: str,
+    finished: int,
+    jobs: int,
+    processes: int,
+    batch: int,
+    results: Path | None,
+    echo: Callable[[str], None],
+) -> dict[str, Any]:
+    """Seed `finished` completed jobs past their retention; drain `jobs` without, then with, the cleaner.
+
+    Reports the cleaner's rows/s and the drain's rate in both runs (the
+    cleaner must not slow the drain by more than 10%).
+    """
+    target = bench_dsn(dsn)
+    _reset(target)
+    echo(f"  seeding {finished:,} completed jobs\n")
+    with psycopg.connect(target, autocommit=True) as conn, psycopg.RawCursor(conn) as cur:
+        cur.execute(sql.bench_seed_finished, (finished,))
+        cur.execute("VACUUM ANALYZE fastjobs_jobs")
+    args = (batch, True, False)
+    alone, _ = _drain_once(target, jobs, processes, _fastjobs_drainer, args, echo, reset=False)
+    echo(f"\r  drain alone            {jobs / alone:>10,.0f} jobs/s\n")
+    cleaned: dict[str, Any] = {}
+
+    def clean() -> None:
+        """The leader's pacing: turns of at most `budget` seconds, rests between them."""
+        config = CleanerConfig()
+        deleted = 0
+        with psycopg.connect(target, autocommit=True) as conn:
+            began = time.perf_counter()
+            while True:
+                turn = time.perf_counter()
+                deleted += clean_once(conn, config=config)["completed"]
+                spent = time.perf_counter() - turn
+                if spent < config.budget:
+                    break
+                time.sleep(config.rest(spent))
+            cleaned["counts"] = {"completed": deleted}
+            cleaned["seconds"] = time.perf_counter() - began
+
+    cleaner = threading.Thread(target=clean)
+    cleaner.start()
+    beside, _ = _drain_once(target, jobs, processes, _fastjobs_drainer, args, echo, reset=False)
+    echo("\r  waiting for the cleaner to finish its backlog...")
+    cleaner.join()
+    deleted = cleaned["counts"]["completed"]
+    echo(f"\r  drain beside cleaner   {jobs / beside:>10,.0f} jobs/s\n")
+    record = _record(
+        "cleaner",
+        target,
+        finished=finished,
+        deleted=deleted,
+        cleaner_seconds=round(cleaned["seconds"], 2),
+        cleaner_rows_per_s=round(deleted / cleaned["seconds"]),
+        jobs=jobs,
+        processes=processes,
+        drain_alone_jobs_per_s=round(jobs / alone),
+        drain_beside_cleaner_jobs_per_s=round(jobs / beside),
+        drain_ratio=round(alone / beside, 3),
+    )
+    echo(
+        f"\ncleaner: {deleted:,} rows in {cleaned['seconds']:.1f} s"
+        f" = {record['cleaner_rows_per_s']:,} rows/s;"
+        f" drain beside it at {record['drain_ratio']:.2f} x its rate alone\n"
+    )
     _write(results, record, echo)
     return record
 

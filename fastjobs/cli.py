@@ -87,7 +87,11 @@ def _parser() -> argparse.ArgumentParser:
     run_bench.add_argument("--processes", type=int, default=2, help="worker processes draining")
     run_bench.add_argument("--batch", type=int, default=1000, help="largest batch per claim")
     run_bench.add_argument("--repeat", type=int, default=3, help="runs per measurement; medians are reported")
-    run_bench.add_argument("--no-overlap", action="store_true", help="strictly sequential claim/run/complete")
+    run_bench.add_argument(
+        "--compare-sync",
+        action="store_true",
+        help="drain: also a strictly sequential claim/run/complete loop",
+    )
     run_bench.add_argument(
         "--keep-completed", action="store_true", help="keep completed rows (retention mode)"
     )
@@ -97,6 +101,12 @@ def _parser() -> argparse.ArgumentParser:
     only.add_argument("--enqueue-only", action="store_true", help="only enqueue_many against COPY")
     only.add_argument("--drain-only", action="store_true", help="only the drain against the raw-SQL loop")
     only.add_argument("--latency-only", action="store_true", help="only pickup latency at --rate")
+    only.add_argument(
+        "--cleaner",
+        type=int,
+        metavar="ROWS",
+        help="only: seed ROWS finished jobs, drain without and beside the cleaner",
+    )
     run_bench.add_argument(
         "--results", type=Path, default=DEFAULT_RESULTS, help="JSON lines file to append to"
     )
@@ -252,6 +262,9 @@ def _stats(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     dsn = database.resolve_dsn(args.dsn)
+    if args.cleaner:
+        bench.run_cleaner(dsn, args.cleaner, args.jobs, args.processes, args.batch, args.results, bench.echo)
+        return 0
     every = not (args.enqueue_only or args.drain_only or args.latency_only)
     echo = bench.echo
     echo(
@@ -267,7 +280,7 @@ def _bench(args: argparse.Namespace) -> int:
             args.processes,
             args.batch,
             args.repeat,
-            not args.no_overlap,
+            args.compare_sync,
             args.keep_completed,
             args.results,
             echo,
