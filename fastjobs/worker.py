@@ -320,6 +320,8 @@ class Worker:
         listener = Listener(dsn, self.queues, self._wake_r)
         try:
             schema.check(conn)
+            with psycopg.RawCursor(conn) as cur:
+                cur.execute(sql.worker_session)
             listener.connect()
             with psycopg.RawCursor(conn) as cur:
                 cur.execute(
