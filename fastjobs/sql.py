@@ -138,17 +138,8 @@ _FINISH_FAILED = """
            AS f(id bigint, state fastjobs_state, delay float8, uncount smallint, error jsonb)
      WHERE j.id = f.id AND j.state = 'running'"""
 
-_CLAIM = """
-    UPDATE fastjobs_jobs j
-       SET state = 'running', attempt = j.attempt + 1,
-           attempted_at = now(), attempted_by = $5
-     WHERE j.id = ANY(ARRAY(
-               SELECT id FROM fastjobs_jobs
-                WHERE state = 'available' AND queue = $3 AND run_at <= now()
-                ORDER BY priority DESC, run_at, id
-                LIMIT $4
-                  FOR UPDATE SKIP LOCKED))
-    RETURNING j.id, j.kind, j.args, j.attempt, j.max_attempts"""
+# The same claim inside the finish statement, its parameters renumbered.
+_CLAIM = "\n    ".join(job_claim_many.replace("$3", "$5").replace("$2", "$4").replace("$1", "$3").split("\n"))
 
 # job_finish_claim_many: the hot loop's one statement, one round trip per batch.
 # Deletes the completed jobs ($1, an int8 array), records the other outcomes
