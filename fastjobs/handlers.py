@@ -15,6 +15,7 @@ import datetime as dt
 import inspect
 import random
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -304,6 +305,19 @@ class Executor:
             self._loop = None
 
 
+_warned_thread_timeout = False
+
+
+def _warn_thread_timeout() -> None:
+    global _warned_thread_timeout
+    _warned_thread_timeout = True
+    print(
+        "fastjobs: this worker runs off the main thread, so sync handlers' timeouts cannot interrupt"
+        " them (SIGALRM); async handlers' timeouts still apply",
+        file=sys.stderr,
+    )
+
+
 def _call_with_timeout(func: Callable[..., Any], args: dict[str, Any], timeout: float | None) -> Any:
     """Call a sync handler; past `timeout` seconds, JobTimeout is raised inside it.
 
@@ -313,7 +327,11 @@ def _call_with_timeout(func: Callable[..., Any], args: dict[str, Any], timeout: 
     if timeout is None:
         return func(**args)
     if threading.current_thread() is not threading.main_thread():
-        raise JobTimeout("a timeout needs the worker on the main thread (SIGALRM); this one is not")
+        # SIGALRM reaches the main thread only: a Worker run on another thread
+        # (embedded in an application) cannot interrupt a sync handler. Say so once.
+        if not _warned_thread_timeout:
+            _warn_thread_timeout()
+        return func(**args)
 
     def on_alarm(signum: int, frame: FrameType | None) -> None:
         raise JobTimeout(f"job ran longer than its timeout of {timeout:g}s")
