@@ -136,7 +136,7 @@ _FINISH_FAILED = """
                          ELSE coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(f.error) END
       FROM jsonb_to_recordset($2::jsonb)
            AS f(id bigint, state fastjobs_state, delay float8, uncount smallint, error jsonb)
-     WHERE j.id = f.id AND j.state = 'running'"""
+     WHERE j.id = f.id AND j.state::text = 'running'"""
 
 # The same claim inside the finish statement, its parameters renumbered.
 _CLAIM = "\n    ".join(job_claim_many.replace("$3", "$5").replace("$2", "$4").replace("$1", "$3").split("\n"))
@@ -144,9 +144,15 @@ _CLAIM = "\n    ".join(job_claim_many.replace("$3", "$5").replace("$2", "$4").re
 # job_finish_claim_many: the hot loop's one statement, one round trip per batch.
 # Deletes the completed jobs ($1, an int8 array), records the other outcomes
 # ($2), and claims up to $4 jobs of queue $3 for worker $5 (LIMIT 0: none).
+# The guards read `state::text = 'running'` so no plan can answer them from
+# the partial index of running jobs: a queue table's statistics are often
+# those of a moment it was empty, and then the generic plan scanned every
+# running job per batch, filtering each against the id array (a drain at
+# 0.55 x the raw limit instead of 1.2 x, measured). Finding the rows by id is
+# the only plan left.
 job_finish_claim_many: Final = f"""
 WITH completed AS (
-    DELETE FROM fastjobs_jobs WHERE id = ANY($1::bigint[]) AND state = 'running'
+    DELETE FROM fastjobs_jobs WHERE id = ANY($1::bigint[]) AND state::text = 'running'
 ), failed AS ({_FINISH_FAILED}
 ), claimed AS ({_CLAIM}
 )
@@ -157,7 +163,7 @@ SELECT id, kind, args, attempt, max_attempts FROM claimed"""
 job_finish_claim_many_keep: Final = f"""
 WITH completed AS (
     UPDATE fastjobs_jobs SET state = 'completed', finalized_at = now()
-     WHERE id = ANY($1::bigint[]) AND state = 'running'
+     WHERE id = ANY($1::bigint[]) AND state::text = 'running'
 ), failed AS ({_FINISH_FAILED}
 ), claimed AS ({_CLAIM}
 )
@@ -192,12 +198,17 @@ SELECT set_config('tcp_keepalives_idle', '5', false),
 # leader_unlock: step down cleanly.
 leader_unlock: Final = "SELECT pg_advisory_unlock($1)"
 
-# worker_session: the hot loop's connection commits without waiting for its
-# WAL flush. Safe under at-least-once: a crash can only forget claims and
-# outcomes of the last moments, so those jobs run again; enqueues, made on
-# the application's connections, stay fully durable. It takes an fsync off
-# every claim's round trip (pickup latency) and lets commits group.
-worker_session: Final = "SELECT set_config('synchronous_commit', 'off', false)"
+# worker_session: the hot loop's connection settings.
+# synchronous_commit off: it commits without waiting for its WAL flush. Safe
+# under at-least-once: a crash can only forget claims and outcomes of the
+# last moments, so those jobs run again; enqueues, made on the application's
+# connections, stay fully durable. It takes an fsync off every claim's round
+# trip (pickup latency) and lets commits group.
+# enable_seqscan off: every statement of this connection finds its rows by
+# index; statistics taken while the queue was empty would otherwise make a
+# Seq Scan of the whole table look cheap for a batch's outcomes.
+worker_session: Final = """
+SELECT set_config('synchronous_commit', 'off', false), set_config('enable_seqscan', 'off', false)"""
 
 # worker_register: a worker process announces itself (or re-announces after a reconnect).
 worker_register: Final = """

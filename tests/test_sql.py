@@ -117,6 +117,29 @@ def test_claim_uses_the_partial_claim_index(seeded, name, batch, plan_cache_mode
     assert not [n for n in nodes if n["Node Type"] in ("Seq Scan", "Sort")], scans
 
 
+@pytest.mark.parametrize("name", ["job_finish_claim_many", "job_finish_claim_many_keep"])
+@pytest.mark.parametrize("plan_cache_mode", ["force_custom_plan", "force_generic_plan"])
+def test_outcomes_find_their_jobs_by_primary_key_whatever_the_statistics(dsn, name, plan_cache_mode):
+    """Statistics taken while the queue was empty must not send the completion
+    through the partial index of running jobs (a scan of every running job per batch)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("VACUUM ANALYZE fastjobs_jobs")  # statistics of an empty table
+        conn.execute(
+            "INSERT INTO fastjobs_jobs (kind, state, attempted_by)"
+            " SELECT 'k', 'running', 'worker-1' FROM generate_series(1, 20000)"
+        )
+    with psycopg.connect(dsn) as conn, psycopg.RawCursor(conn) as cur:
+        cur.execute(sql.worker_session)  # as the worker's connection runs it
+        cur.execute(f"PREPARE {name} AS {sql.statements()[name]}")
+        cur.execute(f"SET plan_cache_mode = {plan_cache_mode}")
+        row = cur.execute(f"EXPLAIN (FORMAT JSON) EXECUTE {name}({_claim_arguments(name, 100)})").fetchone()
+    assert row is not None
+    nodes = list(_plan_nodes(row[0][0]["Plan"]))
+    used = {n.get("Index Name") for n in nodes if n.get("Relation Name") == "fastjobs_jobs"}
+    assert "fastjobs_jobs_running_idx" not in used, used
+    assert not [n for n in nodes if n["Node Type"] == "Seq Scan"], used
+
+
 def test_notify_trigger_is_statement_level(conn):
     row = conn.execute("SELECT tgtype FROM pg_trigger WHERE tgname = 'fastjobs_jobs_notify'").fetchone()
     assert row is not None
