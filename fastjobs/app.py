@@ -144,11 +144,11 @@ class App:
         pending or running, nothing is inserted and that job's id is returned.
         """
         opts = enqueue.options(kind, self.jobs.get(kind), **options)
+        params = enqueue.insert_params(opts, args)  # bad args fail before a connection is taken
         if conn is not None:
-            return enqueue.insert(conn, opts, args)
-        enqueue.insert_params(opts, args)  # bad args fail before a connection is taken
+            return enqueue.insert(conn, params)
         with self.connection() as own:
-            return enqueue.insert(own, opts, args)
+            return enqueue.insert(own, params)
 
     def enqueue_many(
         self,
@@ -182,11 +182,11 @@ class App:
     ) -> int:
         """`enqueue` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs')."""
         opts = enqueue.options(kind, self.jobs.get(kind), **options)
+        params = enqueue.insert_params(opts, args)
         if conn is not None:
-            return await enqueue.insert_async(conn, opts, args)
-        enqueue.insert_params(opts, args)
+            return await enqueue.insert_async(conn, params)
         async with self.connection_async() as own:
-            return await enqueue.insert_async(own, opts, args)
+            return await enqueue.insert_async(own, params)
 
     async def enqueue_many_async(
         self,

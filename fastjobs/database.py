@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,24 +81,27 @@ def _scrub(message: str, dsn: str) -> str:
     return message.replace(str(password), "***") if password else message
 
 
-def connect(dsn: str, **kwargs: Any) -> psycopg.Connection[Any]:
-    """Open a connection; an unreachable server raises DatabaseUnavailable naming host and port."""
+@contextlib.contextmanager
+def _connect_errors(dsn: str) -> Iterator[None]:
+    """Unreachable server: DatabaseUnavailable naming host and port; bad DSN: ConfigurationError."""
     try:
-        return psycopg.connect(dsn, **kwargs)
+        yield
     except psycopg.OperationalError as exc:
         raise DatabaseUnavailable(unavailable_message(dsn, exc)) from None
     except psycopg.ProgrammingError as exc:
         raise ConfigurationError(f"invalid DSN: {_scrub(str(exc), dsn)}") from None
+
+
+def connect(dsn: str, **kwargs: Any) -> psycopg.Connection[Any]:
+    """Open a connection, with the errors of `_connect_errors`."""
+    with _connect_errors(dsn):
+        return psycopg.connect(dsn, **kwargs)
 
 
 async def connect_async(dsn: str, **kwargs: Any) -> psycopg.AsyncConnection[Any]:
     """The async twin of `connect`, same errors."""
-    try:
+    with _connect_errors(dsn):
         return await psycopg.AsyncConnection.connect(dsn, **kwargs)
-    except psycopg.OperationalError as exc:
-        raise DatabaseUnavailable(unavailable_message(dsn, exc)) from None
-    except psycopg.ProgrammingError as exc:
-        raise ConfigurationError(f"invalid DSN: {_scrub(str(exc), dsn)}") from None
 
 
 def unavailable_message(dsn: str, exc: BaseException) -> str:

@@ -162,8 +162,8 @@ def _schema_errors() -> Iterator[None]:
         ) from None
 
 
-def insert(conn: psycopg.Connection[Any], opts: Options, args: Any) -> int:
-    params = insert_params(opts, args)
+def insert(conn: psycopg.Connection[Any], params: tuple[Any, ...]) -> int:
+    """Run sql.job_insert with `insert_params`' parameters; the job's id (or the unique key holder's)."""
     with _schema_errors(), psycopg.RawCursor(conn) as cur:
         for _ in range(_UNIQUE_TRIES):
             row = cur.execute(sql.job_insert, params).fetchone()
@@ -174,8 +174,7 @@ def insert(conn: psycopg.Connection[Any], opts: Options, args: Any) -> int:
     raise FastjobsError(f"unique key {params[-1]!r} kept changing hands; enqueue not done")
 
 
-async def insert_async(conn: psycopg.AsyncConnection[Any], opts: Options, args: Any) -> int:
-    params = insert_params(opts, args)
+async def insert_async(conn: psycopg.AsyncConnection[Any], params: tuple[Any, ...]) -> int:
     with _schema_errors():
         async with psycopg.AsyncRawCursor(conn) as cur:
             for _ in range(_UNIQUE_TRIES):

@@ -47,36 +47,40 @@ def _error(attempt: int, exc: BaseException | str, with_traceback: bool = True) 
     }
 
 
+def _outcome(
+    job_id: int,
+    state: str,
+    *,
+    delay: float | None = None,
+    uncount: int = 0,
+    error: dict[str, Any] | None = None,
+) -> Outcome:
+    """One row of the batch statement's outcomes ($2 of sql.job_finish_claim_many)."""
+    return {"id": job_id, "state": state, "delay": delay, "uncount": uncount, "error": error}
+
+
 def failure(
     spec: JobSpec | None, job_id: int, attempt: int, max_attempts: int, exc: BaseException | str
 ) -> Outcome:
     """The outcome of an attempt that raised `exc` (or failed for the reason `exc`)."""
     if isinstance(exc, Snooze):
-        state = "scheduled" if exc.delay > 0 else "available"
-        return {"id": job_id, "state": state, "delay": exc.delay, "uncount": 1, "error": None}
+        return _outcome(job_id, "scheduled" if exc.delay > 0 else "available", delay=exc.delay, uncount=1)
     if isinstance(exc, Cancel):
-        return {
-            "id": job_id,
-            "state": "cancelled",
-            "delay": None,
-            "uncount": 0,
-            "error": _error(attempt, f"Cancel: {exc.reason}"),
-        }
+        return _outcome(job_id, "cancelled", error=_error(attempt, f"Cancel: {exc.reason}"))
     error = _error(attempt, exc, with_traceback=not isinstance(exc, Retry))
     if attempt >= max_attempts:
-        return {"id": job_id, "state": "discarded", "delay": None, "uncount": 0, "error": error}
+        return _outcome(job_id, "discarded", error=error)
     if isinstance(exc, Retry):
         delay = max(exc.delay, 0.0)
     else:
         policy = spec.retry if spec is not None and spec.retry is not None else default_backoff
         delay = max(float(policy(attempt, random.random())), 0.0)
-    state = "retryable" if delay > 0 else "available"
-    return {"id": job_id, "state": state, "delay": delay, "uncount": 0, "error": error}
+    return _outcome(job_id, "retryable" if delay > 0 else "available", delay=delay, error=error)
 
 
 def discard(job_id: int, attempt: int, reason: str) -> Outcome:
     """A job that can never succeed (its args do not decode): discarded at once."""
-    return {"id": job_id, "state": "discarded", "delay": None, "uncount": 0, "error": _error(attempt, reason)}
+    return _outcome(job_id, "discarded", error=_error(attempt, reason))
 
 
 def unknown_kind(job_id: int, kind: str, attempt: int, max_attempts: int) -> Outcome:
@@ -86,18 +90,14 @@ def unknown_kind(job_id: int, kind: str, attempt: int, max_attempts: int) -> Out
 
 def release(job_id: int) -> Outcome:
     """A claimed job that never started (shutdown, or the batch was aborted): available again, uncounted."""
-    return {"id": job_id, "state": "available", "delay": None, "uncount": 1, "error": None}
+    return _outcome(job_id, "available", uncount=1)
 
 
 def cancelled(job_id: int, attempt: int) -> Outcome:
     """A job whose cancellation was requested while it was claimed or running."""
-    return {
-        "id": job_id,
-        "state": "cancelled",
-        "delay": None,
-        "uncount": 0,
-        "error": _error(attempt, "Cancel: cancellation requested while it was running"),
-    }
+    return _outcome(
+        job_id, "cancelled", error=_error(attempt, "Cancel: cancellation requested while it was running")
+    )
 
 
 def tally(outcomes: list[Outcome]) -> tuple[int, int, int]:

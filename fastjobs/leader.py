@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from . import database, schema, sql
+from . import database, enqueue, schema, sql
 from .cron import Cron
 from .errors import DatabaseUnavailable
 from .stats import Slot
@@ -168,8 +168,6 @@ def periodic_once(
     backlog; a job seen for the first time is enqueued if its tick is under a
     minute old.
     """
-    from . import enqueue
-
     now = now or _db_now(conn)
     done = []
     for spec in specs:
@@ -185,7 +183,7 @@ def periodic_once(
             if first_sight and now - tick > dt.timedelta(minutes=1):
                 continue
             opts = enqueue.options(spec.kind, spec, unique_key=f"periodic:{spec.kind}:{tick.isoformat()}")
-            enqueue.insert(conn, opts, {})
+            enqueue.insert(conn, enqueue.insert_params(opts, {}))
         done.append((spec.kind, tick))
     return done
 

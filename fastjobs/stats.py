@@ -50,6 +50,9 @@ FIELDS = (
 )
 SLOT = len(FIELDS)
 F = {name: i for i, name in enumerate(FIELDS)}
+_CLAIMED, _COMPLETED, _FAILED, _RETRIED, _DISCARDED, _BUSY, _HEARTBEAT = (
+    F[name] for name in ("claimed", "completed", "failed", "retried", "discarded", "busy", "heartbeat")
+)
 ROLES = {1: "worker", 2: "leader"}
 WORKER, LEADER = 1, 2
 
@@ -82,20 +85,20 @@ class Slot:
     def record(self, loop: Any, busy: float) -> None:
         """Copy a BatchLoop's counters into the slot (after each batch)."""
         view = self.view
-        view[3] = loop.claimed
-        view[4] = loop.completed
-        view[5] = loop.failed
-        view[6] = loop.retried
-        view[7] = loop.discarded
-        view[8] += busy
-        view[9] = time.time()
+        view[_CLAIMED] = loop.claimed
+        view[_COMPLETED] = loop.completed
+        view[_FAILED] = loop.failed
+        view[_RETRIED] = loop.retried
+        view[_DISCARDED] = loop.discarded
+        view[_BUSY] += busy
+        view[_HEARTBEAT] = time.time()
 
     def progress_view(self) -> Any:
         """The one-float window the hot loop bumps per job."""
         return self.view[F["progress"] : F["progress"] + 1]
 
     def beat(self) -> None:
-        self.view[9] = time.time()
+        self.view[_HEARTBEAT] = time.time()
 
     def as_dict(self) -> dict[str, float]:
         return {name: float(self.view[i]) for i, name in enumerate(FIELDS)}

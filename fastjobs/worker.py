@@ -286,7 +286,7 @@ class Worker:
         # Standalone workers promote due jobs when idle; under a master the leader does.
         self.schedule = schedule
         self.slot = slot
-        self.title = title  # process title prefix; the live rate is appended each second
+        self.title = title  # process title prefix; with a slot, the live rate is appended each second
         self.loop: Any = None
         self._stop = False
         self._wake_r = self._wake_w = -1  # the pipe that wakes a sleeping run(); open only during run()
@@ -364,7 +364,7 @@ class Worker:
         loop = self.loop
         slot = self.slot
         next_schedule = 0.0 if self.schedule else float("inf")
-        next_title, titled = time.monotonic() + 1.0, (time.monotonic(), 0)
+        next_title = time.monotonic() + 1.0
         try:
             while not self._stop:
                 began = time.monotonic()
@@ -372,10 +372,10 @@ class Worker:
                 now = time.monotonic()
                 if slot is not None:
                     slot.record(loop, now - began if ran else 0.0)
-                if self.title is not None and now >= next_title:
-                    rate = (loop.completed - titled[1]) / (now - titled[0])
-                    setproctitle(f"{self.title} {rate:,.0f} jobs/s")
-                    next_title, titled = now + 1.0, (now, loop.completed)
+                if self.title is not None and slot is not None and now >= next_title:
+                    # The rate the master writes into the slot each second.
+                    setproctitle(f"{self.title} {slot['rate']:,.0f} jobs/s")
+                    next_title = now + 1.0
                 if ran:
                     continue
                 if now >= next_schedule:
