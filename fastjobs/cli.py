@@ -16,7 +16,7 @@ from . import bench, control, database, schema, sql, stats
 from .app import App
 from .errors import ConfigurationError, FastjobsError
 from .impl import IMPLEMENTATION
-from .leader import LeaderConfig
+from .leader import LeaderConfig, RescuerConfig
 from .master import Master, parse_queues
 from .types import JobState
 
@@ -60,6 +60,13 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
     run.add_argument("--batch-max", type=int, default=1000, help="largest batch one claim takes")
     run.add_argument("--keep-completed", action="store_true", help="keep completed jobs instead of deleting")
+    run.add_argument(
+        "--rescue-after",
+        type=float,
+        default=RescuerConfig().stale_after,
+        metavar="SECONDS",
+        help="rescue the running jobs of a worker silent this long (heartbeats every 2 s; at least 5)",
+    )
 
     jobs = commands.add_parser("jobs", help="inspect and control single jobs")
     jobs_commands = jobs.add_subparsers(dest="jobs_command", required=True)
@@ -171,7 +178,7 @@ def _run(args: argparse.Namespace) -> int:
         batch_max=args.batch_max,
         keep_completed=args.keep_completed,
         metrics=metrics,
-        leader=LeaderConfig(lock_key=args.leader_key),
+        leader=LeaderConfig(lock_key=args.leader_key, rescuer=RescuerConfig.after(args.rescue_after)),
     )
     code = master.run()
     print("fastjobs: stopped", file=sys.stderr, flush=True)

@@ -24,7 +24,7 @@ import psycopg
 
 from . import database, enqueue, schema, sql
 from .cron import Cron
-from .errors import DatabaseUnavailable
+from .errors import ConfigurationError, DatabaseUnavailable
 from .stats import Slot
 from .types import JobSpec
 
@@ -40,6 +40,12 @@ KEEPALIVES = {
     "keepalives_count": 3,
     "tcp_user_timeout": 10_000,
 }
+
+
+# A worker's control thread heartbeats this often; the rescuer treats a
+# worker silent for RescuerConfig.stale_after (15 s, at least MIN_STALE_AFTER) as dead.
+HEARTBEAT_INTERVAL = 2.0
+MIN_STALE_AFTER = 2.5 * HEARTBEAT_INTERVAL
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +69,16 @@ class RescuerConfig:
     max_crashes: int = 3
     batch: int = 1_000
     interval: float = 5.0
+
+    @classmethod
+    def after(cls, stale_after: float) -> RescuerConfig:
+        """Rescue after `stale_after` seconds of silence, looking three times as often (at most every 5 s)."""
+        if not stale_after >= MIN_STALE_AFTER:
+            raise ConfigurationError(
+                f"the rescue delay must be at least {MIN_STALE_AFTER:g} s (workers heartbeat every"
+                f" {HEARTBEAT_INTERVAL:g} s), not {stale_after:g}"
+            )
+        return cls(stale_after=stale_after, interval=min(cls().interval, stale_after / 3))
 
 
 @dataclass(frozen=True, slots=True)

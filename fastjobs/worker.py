@@ -24,9 +24,7 @@ from .handlers import Executor
 from .impl import core
 from .stats import Slot
 
-# The control thread's heartbeat; the leader's rescuer treats a worker silent
-# for leader.RescuerConfig.stale_after (15 s) as dead.
-HEARTBEAT_INTERVAL = 2.0
+HEARTBEAT_INTERVAL = leader.HEARTBEAT_INTERVAL
 LISTENER_CHECK_INTERVAL = 30.0
 
 
