@@ -18,6 +18,7 @@ from .errors import ConfigurationError, FastjobsError
 from .impl import IMPLEMENTATION
 from .leader import LeaderConfig, RescuerConfig
 from .master import Master, parse_queues
+from .stats import HORIZON_WARNING
 from .types import JobState
 
 DEFAULT_RESULTS = Path("bench") / "results.jsonl"
@@ -88,6 +89,13 @@ def _parser() -> argparse.ArgumentParser:
 
     stats = commands.add_parser("stats", help="queue depths, and live rates of masters on this host")
     stats.add_argument("--json", action="store_true", help="one JSON document for machines")
+    stats.add_argument(
+        "--horizon-warning",
+        type=float,
+        default=HORIZON_WARNING,
+        metavar="SECONDS",
+        help="warn when one transaction has held back cleanup this long (default %(default)g)",
+    )
 
     run_bench = commands.add_parser("bench", help="measure fastjobs beside the raw-SQL limit")
     run_bench.add_argument("--jobs", type=int, default=100_000)
@@ -233,6 +241,8 @@ def _stats(args: argparse.Namespace) -> int:
     with database.connect(dsn, autocommit=True) as conn:
         schema.check(conn)
         depths = stats.queue_depths(conn)
+        health = stats.health(conn)
+    warnings = health.warnings(args.horizon_warning)
     masters: list[dict[str, Any]] = []
     for slots in stats.live_masters():
         procs = [s.as_dict() for s in slots if s["role"]]
@@ -242,6 +252,8 @@ def _stats(args: argparse.Namespace) -> int:
         doc = {
             "queues": [dataclasses.asdict(d) for d in depths],
             "masters": masters,
+            "health": dataclasses.asdict(health),
+            "warnings": warnings,
         }
         print(json.dumps(doc, indent=2))
         return 0
@@ -256,15 +268,55 @@ def _stats(args: argparse.Namespace) -> int:
         print(f"\nmaster pid {m['master_pid']} on this host")
         print(
             f"{'process':<12}{'pid':>8}{'jobs/s':>10}{'completed':>12}{'failed':>9}{'retried':>9}{'discarded':>10}"
-            f"{'beat':>8}"
+            f"{'beat':>8}  listener"
         )
         for p in m["processes"]:
             name = f"{stats.ROLES.get(int(p['role']), '?')} {int(p['index']) + 1}"
             print(
                 f"{name:<12}{int(p['pid']):>8}{p['rate']:>10,.0f}{int(p['completed']):>12,}{int(p['failed']):>9,}"
                 f"{int(p['retried']):>9,}{int(p['discarded']):>10,}{now - p['heartbeat']:>7.1f}s"
+                f"  {_listener(p, now)}"
             )
+    _print_health(health, now)
+    for line in warnings:
+        print(f"\n{line}")
     return 0
+
+
+def _listener(p: dict[str, float], now: float) -> str:
+    if p["role"] != stats.WORKER:
+        return ""
+    state = f"up, ping ok {now - p['listener_ok']:.0f}s ago" if p["listening"] else "DOWN (polling)"
+    return f"{state}, {int(p['listener_reconnects'])} reconnects"
+
+
+def _print_health(health: stats.Health, now: float) -> None:
+    print("\nMVCC health")
+    h = health.horizon
+    if h is None:
+        print("oldest snapshot: none open")
+    else:
+        held = "" if h.seconds is None else f" open {h.seconds:,.1f}s,"
+        print(f"oldest snapshot: {h.source} {h.ident},{held} {h.xid_age or 0:,} xids old ({h.detail})")
+    print(f"NOTIFY queue: {health.notify_queue:.1%} used")
+    print(f"{'table':<22}{'live':>12}{'dead':>12}{'table':>10}{'indexes':>10}  last autovacuum")
+    for t in health.tables:
+        vacuumed = "never" if t.last_autovacuum is None else f"{now - t.last_autovacuum:,.0f}s ago"
+        print(
+            f"{t.table:<22}{t.live:>12,}{t.dead:>12,}{_size(t.table_bytes):>10}{_size(t.index_bytes):>10}"
+            f"  {vacuumed} ({t.autovacuums:,} in all)"
+        )
+
+
+def _size(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    size = float(n)
+    for unit in ("kB", "MB", "GB"):
+        size /= 1024
+        if size < 1024 or unit == "GB":
+            break
+    return f"{size:,.1f} {unit}"
 
 
 def _bench(args: argparse.Namespace) -> int:

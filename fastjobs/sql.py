@@ -356,6 +356,48 @@ SELECT queue, state::text, count(*),
  GROUP BY queue, state
  ORDER BY queue, state"""
 
+# mvcc_horizon: the oldest snapshot of this database holding back cleanup
+# (VACUUM cannot remove a dead row any snapshot may still see): a backend's
+# transaction, a prepared transaction, or a replication slot. Vacuums
+# themselves are left out (other vacuums ignore them), and so is this session.
+# Backends of other users show no xmin to a role without pg_read_all_stats.
+mvcc_horizon: Final = """
+SELECT source, ident, seconds, xid_age, detail FROM (
+  SELECT 'backend' AS source, pid::text AS ident,
+         extract(epoch FROM clock_timestamp() - coalesce(xact_start, query_start))::float8 AS seconds,
+         age(coalesce(backend_xmin, backend_xid))::int8 AS xid_age,
+         concat_ws(', ', nullif(application_name, ''), state, left(query, 100)) AS detail
+    FROM pg_stat_activity
+   WHERE pid <> pg_backend_pid() AND coalesce(backend_xmin, backend_xid) IS NOT NULL
+     AND backend_type <> 'autovacuum worker' AND (datname = current_database() OR datname IS NULL)
+  UNION ALL
+  SELECT 'prepared transaction', gid, extract(epoch FROM clock_timestamp() - prepared)::float8,
+         age(transaction)::int8, owner::text
+    FROM pg_prepared_xacts
+   WHERE database = current_database()
+  UNION ALL
+  SELECT 'replication slot', slot_name::text, NULL, age(xmin)::int8, slot_type
+    FROM pg_replication_slots
+   WHERE xmin IS NOT NULL
+) holders
+ ORDER BY xid_age DESC NULLS LAST, seconds DESC NULLS LAST
+ LIMIT 1"""
+
+# mvcc_tables: size, live and dead rows, and vacuums of fastjobs's tables
+# (the statistics collector's estimates, as autovacuum sees them).
+mvcc_tables: Final = """
+SELECT relname::text, n_live_tup, n_dead_tup, pg_table_size(relid), pg_indexes_size(relid),
+       extract(epoch FROM last_autovacuum)::float8, extract(epoch FROM last_vacuum)::float8,
+       autovacuum_count, extract(epoch FROM last_autoanalyze)::float8
+  FROM pg_stat_user_tables
+ WHERE schemaname = current_schema() AND relname LIKE 'fastjobs\\_%'
+ ORDER BY relname"""
+
+# notify_queue_usage: the fraction of the server's NOTIFY queue in use. It
+# grows when a listening session sits in a long transaction; at 100% every
+# NOTIFY (so every enqueue) fails.
+notify_queue_usage: Final = "SELECT pg_notification_queue_usage()"
+
 # bench_available_count: progress of a benchmark drain (reads only the claim index).
 bench_available_count: Final = "SELECT count(*) FROM fastjobs_jobs WHERE state = 'available'"
 

@@ -16,7 +16,7 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .app import App
 
 MAGIC = 0x66_6A_73_74  # "fjst"
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct("<IIIIdd")  # magic, version, slots, master pid, started, spare
 FIELDS = (
     "pid",
@@ -47,11 +47,17 @@ FIELDS = (
     "started",
     "rate",  # completed jobs/s over the last second, written by the master
     "progress",  # jobs started, bumped by the hot loop per job (the watchdog's signal)
+    "listening",  # 1 while the worker's LISTEN connection is up
+    "listener_ok",  # time.time() of its last connect or ping round trip that worked
+    "listener_reconnects",
 )
 SLOT = len(FIELDS)
 F = {name: i for i, name in enumerate(FIELDS)}
 _CLAIMED, _COMPLETED, _FAILED, _RETRIED, _DISCARDED, _BUSY, _HEARTBEAT = (
     F[name] for name in ("claimed", "completed", "failed", "retried", "discarded", "busy", "heartbeat")
+)
+_LISTENING, _LISTENER_OK, _LISTENER_RECONNECTS = (
+    F[name] for name in ("listening", "listener_ok", "listener_reconnects")
 )
 ROLES = {1: "worker", 2: "leader"}
 WORKER, LEADER = 1, 2
@@ -99,6 +105,12 @@ class Slot:
 
     def beat(self) -> None:
         self.view[_HEARTBEAT] = time.time()
+
+    def listener(self, up: bool, healthy_at: float, reconnects: int) -> None:
+        view = self.view
+        view[_LISTENING] = 1.0 if up else 0.0
+        view[_LISTENER_OK] = healthy_at
+        view[_LISTENER_RECONNECTS] = reconnects
 
     def as_dict(self) -> dict[str, float]:
         return {name: float(self.view[i]) for i, name in enumerate(FIELDS)}
@@ -191,8 +203,73 @@ def queue_depths(conn: psycopg.Connection[Any]) -> list[QueueDepth]:
         return [QueueDepth(*row) for row in cur.execute(sql.job_stats_by_queue)]
 
 
-def prometheus(slots: Slots, depths: list[QueueDepth] | None) -> str:
-    """Prometheus text exposition of the counters (and queue depths when given)."""
+# `fastjobs stats` warns about a transaction pinning the horizon this long:
+# at 100k jobs/s a minute leaves millions of dead rows behind the claim index.
+HORIZON_WARNING = 60.0
+NOTIFY_WARNING = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class Horizon:
+    """The oldest snapshot holding back cleanup of this database's dead rows."""
+
+    source: str  # backend, prepared transaction or replication slot
+    ident: str  # its pid, gid or slot name
+    seconds: float | None  # how long its transaction has been open (None for a slot)
+    xid_age: int | None  # transactions since its snapshot
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class TableHealth:
+    table: str
+    live: int
+    dead: int
+    table_bytes: int
+    index_bytes: int
+    last_autovacuum: float | None  # epoch seconds
+    last_vacuum: float | None
+    autovacuums: int
+    last_autoanalyze: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    """MVCC health: what keeps dead rows from being removed, and how many there are."""
+
+    horizon: Horizon | None
+    tables: list[TableHealth]
+    notify_queue: float  # fraction of the NOTIFY queue in use
+
+    def warnings(self, pinned_after: float = HORIZON_WARNING) -> list[str]:
+        """Lines for the operator: a horizon pinned longer than `pinned_after` s, a filling NOTIFY queue."""
+        lines = []
+        h = self.horizon
+        if h is not None and h.seconds is not None and h.seconds > pinned_after:
+            dead = sum(t.dead for t in self.tables)
+            lines.append(
+                f"WARNING: cleanup horizon pinned for {h.seconds:,.0f}s by {h.source} {h.ident} ({h.detail}):"
+                f" VACUUM cannot remove dead rows newer than it ({dead:,} dead in fastjobs tables)."
+                " End or kill that transaction."
+            )
+        if self.notify_queue >= NOTIFY_WARNING:
+            lines.append(
+                f"WARNING: the NOTIFY queue is {self.notify_queue:.0%} full: a listening session is stuck"
+                " in a transaction; enqueues fail when it is full."
+            )
+        return lines
+
+
+def health(conn: psycopg.Connection[Any]) -> Health:
+    with psycopg.RawCursor(conn) as cur:
+        row = cur.execute(sql.mvcc_horizon).fetchone()
+        tables = [TableHealth(*r) for r in cur.execute(sql.mvcc_tables)]
+        usage = cur.execute(sql.notify_queue_usage).fetchone()
+    return Health(Horizon(*row) if row else None, tables, float(usage[0]) if usage else 0.0)
+
+
+def prometheus(slots: Slots, depths: list[QueueDepth] | None, health: Health | None = None) -> str:
+    """Prometheus text exposition of the counters (and queue depths and MVCC health when given)."""
     lines = []
     counters = (
         ("claimed", "jobs claimed"),
@@ -228,6 +305,25 @@ def prometheus(slots: Slots, depths: list[QueueDepth] | None) -> str:
         "seconds since the process last reported",
         lambda d: f"{now - d['heartbeat']:.3f}",
     )
+    live = [(labels, d) for labels, d in live if d["role"] == WORKER]
+    family(
+        "fastjobs_listener_up",
+        "gauge",
+        "1 while the worker's LISTEN connection is up",
+        lambda d: str(int(d["listening"])),
+    )
+    family(
+        "fastjobs_listener_ok_age_seconds",
+        "gauge",
+        "seconds since the listener's last working connect or ping",
+        lambda d: f"{now - d['listener_ok']:.3f}",
+    )
+    family(
+        "fastjobs_listener_reconnects_total",
+        "counter",
+        "listener connections lost and made again",
+        lambda d: str(int(d["listener_reconnects"])),
+    )
     if depths is not None:
         lines.append("# HELP fastjobs_queue_jobs jobs in the table by queue and state")
         lines.append("# TYPE fastjobs_queue_jobs gauge")
@@ -239,7 +335,57 @@ def prometheus(slots: Slots, depths: list[QueueDepth] | None) -> str:
             if q.oldest_seconds is not None:
                 labels = f'queue="{_escape(q.queue)}",state="{q.state}"'
                 lines.append(f"fastjobs_queue_oldest_seconds{{{labels}}} {q.oldest_seconds:.3f}")
+    if health is not None:
+        lines.extend(_health_metrics(health))
     return "\n".join(lines) + "\n"
+
+
+def _health_metrics(health: Health) -> list[str]:
+    lines = []
+
+    def gauge(name: str, help_text: str, samples: Sequence[tuple[str, float]]) -> None:
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} gauge")
+        lines.extend(
+            f"{name}{{{labels}}} {value:g}" if labels else f"{name} {value:g}" for labels, value in samples
+        )
+
+    h = health.horizon
+    gauge(
+        "fastjobs_mvcc_horizon_age_seconds",
+        "how long the oldest open snapshot of this database has held back cleanup (0: none)",
+        [("", h.seconds or 0.0 if h is not None else 0.0)],
+    )
+    gauge(
+        "fastjobs_mvcc_horizon_xid_age",
+        "transactions since the oldest open snapshot (0: none)",
+        [("", float(h.xid_age or 0) if h is not None else 0.0)],
+    )
+    gauge(
+        "fastjobs_notify_queue_usage_ratio",
+        "fraction of the NOTIFY queue in use",
+        [("", health.notify_queue)],
+    )
+    tables = [(f'table="{t.table}"', t) for t in health.tables]
+    gauge("fastjobs_table_live_rows", "live rows (statistics estimate)", [(k, t.live) for k, t in tables])
+    gauge(
+        "fastjobs_table_dead_rows", "dead rows not yet vacuumed (estimate)", [(k, t.dead) for k, t in tables]
+    )
+    gauge(
+        "fastjobs_table_bytes",
+        "size of the table and of its indexes",
+        [(f'{k},part="table"', t.table_bytes) for k, t in tables]
+        + [(f'{k},part="indexes"', t.index_bytes) for k, t in tables],
+    )
+    gauge(
+        "fastjobs_table_last_autovacuum_timestamp_seconds",
+        "when autovacuum last finished on the table (0: never)",
+        [(k, t.last_autovacuum or 0.0) for k, t in tables],
+    )
+    gauge(
+        "fastjobs_table_autovacuums", "autovacuum runs on the table", [(k, t.autovacuums) for k, t in tables]
+    )
+    return lines
 
 
 def _escape(value: str) -> str:
@@ -259,13 +405,15 @@ def serve(host: str, port: int, slots: Slots, app: App) -> ThreadingHTTPServer:
                 self.send_error(404)
                 return
             depths: list[QueueDepth] | None = None
+            mvcc: Health | None = None
             note = ""
             try:
                 with database.connect(app.dsn, autocommit=True, connect_timeout=5) as conn:
                     depths = queue_depths(conn)
+                    mvcc = health(conn)
             except (FastjobsError, psycopg.Error) as exc:
-                note = f"# queue depths unavailable: {str(exc).splitlines()[0]}\n"
-            body = (note + prometheus(slots, depths)).encode()
+                note = f"# queue depths and MVCC health unavailable: {str(exc).splitlines()[0]}\n"
+            body = (note + prometheus(slots, depths, mvcc)).encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
             self.send_header("Content-Length", str(len(body)))

@@ -135,6 +135,7 @@ class Listener:
         self.conn: psycopg.Connection[Any] | None = None
         self.ping = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.last_check = 0.0
+        self.healthy_at = 0.0  # time.time() of the last connect or ping that worked (for stats)
         self.reconnects = 0
         self._woken = False  # a wake-up read while checking, for the next wait
 
@@ -144,6 +145,7 @@ class Listener:
             self.conn.execute(sql.listen_jobs)
             self.conn.execute(sql.listen_ping)
             self.last_check = time.monotonic()
+            self.healthy_at = time.time()
             return True
         except (psycopg.Error, DatabaseUnavailable) as exc:
             print(f"fastjobs: listener connection failed, polling meanwhile: {exc}", file=sys.stderr)
@@ -213,6 +215,7 @@ class Listener:
                 hit, pinged = self._read()
                 self._woken = self._woken or hit
                 if pinged:
+                    self.healthy_at = time.time()
                     return True
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -387,6 +390,7 @@ class Worker:
                 listener.wait(self.poll_interval)
                 if slot is not None:
                     slot.beat()
+                    slot.listener(listener.conn is not None, listener.healthy_at, listener.reconnects)
         finally:
             loop.stopping = True
             # A second stop signal must not cut the final writes short.

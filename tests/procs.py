@@ -129,8 +129,8 @@ def cli(dsn: str, *args: str, timeout: float = DEADLINE) -> subprocess.Completed
     )
 
 
-def stats_json(dsn: str) -> dict[str, Any]:
-    result = cli(dsn, "stats", "--json")
+def stats_json(dsn: str, *args: str) -> dict[str, Any]:
+    result = cli(dsn, "stats", "--json", *args)
     assert result.returncode == 0, result.stderr
     doc: dict[str, Any] = json.loads(result.stdout)
     return doc
@@ -271,6 +271,15 @@ def pgrp(pid: int) -> int | None:
 
 def alive(pid: int) -> bool:
     return pgrp(pid) is not None
+
+
+def group(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group `pgid`: what is left of a master's session."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and pgrp(int(entry.name)) == pgid:
+            found.append(int(entry.name))
+    return sorted(found)
 
 
 class Masters:

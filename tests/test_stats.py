@@ -180,3 +180,101 @@ def test_metrics_endpoint_serves_prometheus_text_of_what_ran(
     assert missing.value.code == 404
     missing.value.close()
     assert master.stop() == 0, master.stderr()
+
+
+def test_a_transaction_holding_back_cleanup_is_named_and_warned_about(
+    app: App, db: psycopg.Connection[Any]
+) -> None:
+    quiet = procs.stats_json(app.dsn)
+    assert quiet["warnings"] == []
+    assert quiet["health"]["horizon"] is None
+    with psycopg.connect(app.dsn, application_name="long-report") as holder:
+        holder.execute("SELECT txid_current()")  # a snapshot and an xid, kept until the rollback
+        holder_pid = holder.info.backend_pid
+        doc = procs.stats_json(app.dsn, "--horizon-warning", "0")
+        horizon = doc["health"]["horizon"]
+        assert (horizon["source"], horizon["ident"]) == ("backend", str(holder_pid))
+        assert horizon["seconds"] > 0 and horizon["xid_age"] >= 1
+        assert "long-report" in horizon["detail"] and "idle in transaction" in horizon["detail"]
+        [warning] = doc["warnings"]
+        assert re.search(rf"pinned for \d+s by backend {holder_pid} \(long-report, idle in tr", warning)
+        human = procs.cli(app.dsn, "stats", "--horizon-warning", "0")
+        assert human.returncode == 0, human.stderr
+        assert re.search(
+            rf"oldest snapshot: backend {holder_pid}, open [\d.,]+s, [\d,]+ xids old", human.stdout
+        ), human.stdout
+        assert re.search(rf"\nWARNING: cleanup horizon pinned for \d+s by backend {holder_pid}", human.stdout)
+        # Under the default threshold (60 s) a young transaction is no news.
+        assert procs.stats_json(app.dsn)["warnings"] == []
+        holder.rollback()
+    assert procs.stats_json(app.dsn, "--horizon-warning", "0")["health"]["horizon"] is None
+
+
+def test_dead_rows_and_vacuums_of_the_fastjobs_tables(app: App, db: psycopg.Connection[Any]) -> None:
+    db.execute("ALTER TABLE fastjobs_jobs SET (autovacuum_enabled = off)")
+    # One session for both, so its counts reach the statistics in order (the
+    # estimate of live rows is inserts minus deletes as they arrive).
+    app.enqueue_many("record", ({"n": n} for n in range(500)), conn=db)
+    db.execute("DELETE FROM fastjobs_jobs WHERE (args->>'n')::int < 300")
+    db.execute("SELECT pg_stat_force_next_flush()")
+
+    def jobs_table() -> dict[str, Any] | None:
+        tables = {t["table"]: t for t in procs.stats_json(app.dsn)["health"]["tables"]}
+        assert {"fastjobs_jobs", "fastjobs_workers", "fastjobs_periodic"} <= set(tables)
+        table: dict[str, Any] = tables["fastjobs_jobs"]
+        return table if (table["live"], table["dead"]) == (200, 300) else None
+
+    table = wait_for(jobs_table, "200 live and 300 dead rows in the statistics")
+    assert table["table_bytes"] > 0 and table["index_bytes"] > 0
+    assert table["last_vacuum"] is None
+    db.execute("VACUUM fastjobs_jobs")
+    db.execute("SELECT pg_stat_force_next_flush()")
+
+    def vacuumed() -> dict[str, Any] | None:
+        [table] = [t for t in procs.stats_json(app.dsn)["health"]["tables"] if t["table"] == "fastjobs_jobs"]
+        return table if table["dead"] == 0 else None
+
+    assert wait_for(vacuumed, "the vacuum in the statistics")["last_vacuum"] is not None
+    human = procs.cli(app.dsn, "stats").stdout
+    assert re.search(r"fastjobs_jobs\s+200\s+0\s+[\d.]+ kB\s+[\d.]+ kB  never \(0 in all\)", human), human
+
+
+def test_listener_health_is_reported_and_a_killed_listener_comes_back(
+    masters: procs.Masters, app: App, db: psycopg.Connection[Any]
+) -> None:
+    master = masters.start("--processes", "1", "--metrics-port", "0")
+    port = int(master.wait_stderr(r"metrics on http://127\.0\.0\.1:(\d+)/metrics")[1])
+
+    def worker() -> dict[str, Any] | None:
+        [m] = [m for m in procs.stats_json(app.dsn)["masters"] if m["master_pid"] == master.pid]
+        found = [p for p in m["processes"] if p["role"] == WORKER]
+        return found[0] if found and found[0]["listening"] == 1 else None
+
+    up = wait_for(worker, "the worker's listener to report")
+    assert up["listener_reconnects"] == 0 and up["listener_ok"] > 0
+    listeners = [
+        pid
+        for (pid,) in db.execute(
+            "SELECT pid FROM pg_stat_activity"
+            " WHERE datname = current_database() AND query IN ('LISTEN fastjobs_ping', %s)",
+            ("SELECT pg_notify('fastjobs_ping', $1)",),
+        )
+    ]
+    assert len(listeners) == 1
+    db.execute("SELECT pg_terminate_backend(%s)", listeners)
+    back = wait_for(lambda: (w := worker()) and w["listener_reconnects"] >= 1 and w, "the listener back")
+    assert back["listener_ok"] > up["listener_ok"]
+    assert "listener connection lost; reconnecting" in master.stderr()
+    human = procs.cli(app.dsn, "stats").stdout
+    ours = human.split(f"master pid {master.pid} on this host")[1].split("\n\n")[0]
+    assert re.search(r"\nworker 1 .*  up, ping ok \d+s ago, 1 reconnects", ours), human
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        found = samples(response.read().decode())
+    assert found['fastjobs_listener_up{role="worker",index="0"}'] == 1
+    assert found['fastjobs_listener_reconnects_total{role="worker",index="0"}'] == 1
+    assert 'fastjobs_listener_up{role="leader",index="1"}' not in found
+    assert found["fastjobs_mvcc_horizon_age_seconds"] >= 0
+    assert found["fastjobs_notify_queue_usage_ratio"] == 0
+    assert found['fastjobs_table_bytes{table="fastjobs_jobs",part="indexes"}'] > 0
+    assert 'fastjobs_table_dead_rows{table="fastjobs_jobs"}' in found
+    assert master.stop() == 0, master.stderr()
