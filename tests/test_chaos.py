@@ -115,9 +115,21 @@ def chaos(n, rolled_back=False):
 
 
 @app.job("poison")
-def poison(n):
-    """A job that kills its worker, every time (a segfault, the OOM killer)."""
-    _record(fastjobs.current_job().id, n, False)
+def poison(n, hold=0):
+    """A job that kills its worker every time (a segfault, the OOM killer), once that worker
+    holds `hold` other running jobs (at most 10 s later): the jobs claimed with it."""
+    job = fastjobs.current_job().id
+    _record(job, n, False)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        [(held,)] = _conn[os.getpid()].execute(
+            "SELECT count(*) FROM fastjobs_jobs WHERE id <> %s AND state = 'running'"
+            " AND attempted_by = (SELECT attempted_by FROM fastjobs_jobs WHERE id = %s)",
+            (job, job),
+        ).fetchall()
+        if held >= hold:
+            break
+        time.sleep(0.01)
     os.kill(os.getpid(), signal.SIGKILL)
 '''
 
@@ -644,12 +656,13 @@ def test_a_poison_job_is_quarantined_alone(chaos: Chaos) -> None:
     """A job that kills its worker is quarantined after three deaths; the jobs claimed with it are not.
 
     One worker claims one job, then (that claim came back full) two more
-    ahead while it runs it: the poison, highest priority, comes first each
-    time and the two innocent jobs ride along in the claim ahead.
+    ahead while it runs it. The poison, first in claim order each time (its
+    id is lowest, and a rescue gives the three jobs one run_at), dies once
+    the two innocent jobs are claimed: they never get to run.
     """
     chaos.query(RUNS_TABLE)
-    poison = chaos.app.enqueue("poison", {"n": -1}, priority=10)
-    innocent = [chaos.app.enqueue("chaos", {"n": n}, priority=5) for n in range(2)]
+    poison = chaos.app.enqueue("poison", {"n": -1, "hold": 2})
+    innocent = [chaos.app.enqueue("chaos", {"n": n}) for n in range(2)]
     master = chaos.start_master(processes=1)
 
     def state(job_id: int) -> str:
