@@ -21,7 +21,8 @@ import inspect
 import orjson
 
 from fastjobs import handlers, sql
-from fastjobs._core_py import BATCH_SECONDS, LoopError
+from fastjobs._core_py import (BATCH_SECONDS, FULL_CLAIM_DUTY, FULL_CLAIM_MAX_WAIT, MARK_RUN_AT_MAX,
+                               MARK_RUN_AT_MIN, LoopError)
 from fastjobs._core_py import dump_args as _dump_args_py
 
 
@@ -70,6 +71,10 @@ cdef extern from "<endian.h>" nogil:
 IMPLEMENTATION = "c"
 
 cdef double _BATCH_SECONDS = BATCH_SECONDS
+cdef double _FULL_CLAIM_MAX_WAIT = FULL_CLAIM_MAX_WAIT
+cdef int64_t _MARK_RUN_AT_MIN = MARK_RUN_AT_MIN
+cdef int64_t _MARK_RUN_AT_MAX = MARK_RUN_AT_MAX
+cdef double _INF = float("inf")
 cdef object _dumps = orjson.dumps
 cdef object _loads = orjson.loads
 cdef object _JSONDecodeError = orjson.JSONDecodeError
@@ -231,8 +236,18 @@ cdef class BatchLoop:
     cdef bytes _worker_id
     cdef list _queues
     cdef Py_ssize_t _turn
-    cdef bytes _statement
-    cdef bytes _sql
+    cdef bytes _statement, _after_statement
+    cdef bytes _sql, _after_sql
+    # Per queue: where its last claim ended, (priority, run_at in binary
+    # timestamptz microseconds) or None, and when a claim from the front is
+    # due again (see FULL_CLAIM_DUTY in the reference).
+    cdef list _marks
+    cdef list _next_full
+    cdef Py_ssize_t _sent_index
+    cdef bint _sent_full
+    cdef double _sent_at
+    cdef public double recheck
+    cdef double _duty
     cdef public Py_ssize_t batch_min, batch_max, size
     cdef public bint overlap, stopping
     cdef public Py_ssize_t claimed, completed, failed, retried, discarded
@@ -271,7 +286,8 @@ cdef class BatchLoop:
         self._text = NULL
 
     def __init__(self, conn, dict specs, executor, str worker_id, list queues, bint keep_completed=False,
-                 Py_ssize_t batch_min=1, Py_ssize_t batch_max=1000, bint overlap=True, progress=None):
+                 Py_ssize_t batch_min=1, Py_ssize_t batch_max=1000, bint overlap=True, progress=None,
+                 double full_claim_duty=FULL_CLAIM_DUTY):
         self._conn = conn
         self._pgconn = <PGconn *><size_t>conn.pgconn.pgconn_ptr
         self._specs = {k.encode(): v for k, v in specs.items()}
@@ -281,8 +297,18 @@ cdef class BatchLoop:
         self._worker_id = worker_id.encode()
         self._queues = [q.encode() for q in queues]
         self._turn = 0
-        self._statement = b"job_finish_claim_many_keep" if keep_completed else b"job_finish_claim_many"
-        self._sql = (sql.job_finish_claim_many_keep if keep_completed else sql.job_finish_claim_many).encode()
+        keep = "_keep" if keep_completed else ""
+        self._statement = f"job_finish_claim_many{keep}".encode()
+        self._after_statement = f"job_finish_claim_after{keep}".encode()
+        self._sql = getattr(sql, self._statement.decode()).encode()
+        self._after_sql = getattr(sql, self._after_statement.decode()).encode()
+        self._marks = [None] * len(queues)
+        self._next_full = [0.0] * len(queues)
+        self._sent_index = 0
+        self._sent_full = True
+        self._sent_at = 0.0
+        self.recheck = _INF
+        self._duty = full_claim_duty
         self.batch_min = batch_min
         self.batch_max = batch_max
         self.size = batch_min
@@ -310,7 +336,11 @@ cdef class BatchLoop:
         free(self._text)
 
     def prepare(self):
-        cdef PGresult *res = PQprepare(self._pgconn, self._statement, self._sql, 0, NULL)
+        self._prepare(self._statement, self._sql)
+        self._prepare(self._after_statement, self._after_sql)
+
+    cdef int _prepare(self, bytes name, bytes text) except -1:
+        cdef PGresult *res = PQprepare(self._pgconn, name, text, 0, NULL)
         if res == NULL:
             raise LoopError(_conn_error(self._pgconn))
         try:
@@ -318,6 +348,7 @@ cdef class BatchLoop:
                 raise LoopError(PQresultErrorMessage(res).decode("utf-8", "replace"))
         finally:
             PQclear(res)
+        return 0
 
     cdef int _add_done(self, int64_t job_id) except -1:
         cdef int64_t *grown
@@ -337,7 +368,13 @@ cdef class BatchLoop:
         cdef Py_ssize_t need = 2 + self._ndone * 21
         cdef char *grown
         cdef char limit_text[24]
-        cdef const char *values[5]
+        cdef char priority_text[8]
+        cdef char run_at_text[24]
+        cdef const char *values[7]
+        cdef Py_ssize_t index
+        cdef double now
+        cdef bint full
+        cdef object mark
         cdef bytes failures
         cdef bytes queue
         cdef int rc
@@ -358,7 +395,8 @@ cdef class BatchLoop:
         self._text[pos] = b"}"
         self._text[pos + 1] = 0
         failures = _dumps(self._failures)
-        queue = self._queues[self._turn % len(self._queues)]
+        index = self._turn % len(self._queues)
+        queue = self._queues[index]
         self._turn += 1
         snprintf(limit_text, sizeof(limit_text), "%zd", limit)
         self.completed += self._ndone
@@ -374,7 +412,19 @@ cdef class BatchLoop:
         values[2] = PyBytes_AS_STRING(queue)
         values[3] = limit_text
         values[4] = PyBytes_AS_STRING(self._worker_id)
-        if not PQsendQueryPrepared(self._pgconn, self._statement, 5, values, NULL, NULL, 1):
+        now = _monotonic()
+        mark = self._marks[index]
+        full = limit == 0 or mark is None or now >= <double>self._next_full[index]
+        self._sent_index, self._sent_full, self._sent_at = index, full, now
+        if full:
+            rc = PQsendQueryPrepared(self._pgconn, self._statement, 5, values, NULL, NULL, 1)
+        else:
+            snprintf(priority_text, sizeof(priority_text), "%d", <int>mark[0])
+            snprintf(run_at_text, sizeof(run_at_text), "%lld", <long long>mark[1])
+            values[5] = priority_text
+            values[6] = run_at_text
+            rc = PQsendQueryPrepared(self._pgconn, self._after_statement, 7, values, NULL, NULL, 1)
+        if not rc:
             raise LoopError(_conn_error(self._pgconn))
         while True:
             rc = PQflush(self._pgconn)
@@ -428,8 +478,34 @@ cdef class BatchLoop:
             raise LoopError(error)
         n = self._nrows
         self.claimed += n
+        if self._limit > 0:
+            self._mark(n)
         self._full = self._limit > 0 and n >= self._limit
         self.size = min(self.batch_max, self._cap, max(self.batch_min, 2 * n))
+        return 0
+
+    cdef int _mark(self, int n) except -1:
+        """Remember where this claim ended (see the reference) and when to claim from the front."""
+        cdef int i, priority, lowest = 1 << 15
+        cdef int64_t run_at, latest = 0
+        cdef double now = _monotonic(), spent
+        cdef Py_ssize_t index = self._sent_index
+        for i in range(n):
+            priority = _int2(PQgetvalue(self._rows, i, 5))
+            run_at = _int8(PQgetvalue(self._rows, i, 6))
+            if priority < lowest:
+                lowest, latest = priority, run_at
+            elif priority == lowest and run_at > latest:
+                latest = run_at
+        if n:
+            finite = _MARK_RUN_AT_MIN < latest < _MARK_RUN_AT_MAX
+            self._marks[index] = (lowest, latest) if finite else None
+        if self._sent_full:
+            spent = now - self._sent_at
+            self._next_full[index] = now + min(spent * (1.0 - self._duty) / self._duty,
+                                               _FULL_CLAIM_MAX_WAIT)
+        elif not n:
+            self.recheck = min(self.recheck, max(0.0, <double>self._next_full[index] - now))
         return 0
 
     cdef int _claim(self) except -1:
@@ -447,6 +523,7 @@ cdef class BatchLoop:
         cdef PGresult *batch
         cdef int n
         cdef double began
+        self.recheck = _INF
         if self._nrows == 0:
             self._claim()
             if self._nrows == 0:

@@ -107,9 +107,25 @@ def encode_copy_rows(
 # What one batch should take at most, judged by the last batch's pace.
 BATCH_SECONDS = 0.1
 
+# A claim scans the claim index from its front only as often as costs 10% of
+# the loop's time (it wades through the dead entries of every job claimed
+# since the last VACUUM); in between it starts where the last claim ended
+# (sql.job_finish_claim_after). At most this long between two from the front.
+FULL_CLAIM_DUTY = 0.1
+FULL_CLAIM_MAX_WAIT = 10.0
+# A mark is kept only for a run_at a second or more inside timestamptz's range
+# (microseconds since 2000): the claim after it subtracts its margin, and
+# -infinity or 4713 BC would overflow.
+MARK_RUN_AT_MIN = -211_813_488_000_000_000 + 1_000_000
+MARK_RUN_AT_MAX = 9_223_371_331_200_000_000 - 1_000_000
+
 
 class LoopError(Exception):
     """A statement of the hot loop failed; its message is PostgreSQL's."""
+
+
+def _int(value: bytes) -> int:
+    return int.from_bytes(value, "big", signed=True)
 
 
 def _wait(pgconn: Any, write: bool = False) -> None:
@@ -148,6 +164,7 @@ class BatchLoop:
         batch_max: int = 1000,
         overlap: bool = True,
         progress: Any = None,
+        full_claim_duty: float = FULL_CLAIM_DUTY,
     ) -> None:
         self._pgconn = conn.pgconn
         # A one-float shared-memory window bumped per job started, so the
@@ -158,8 +175,19 @@ class BatchLoop:
         self._worker_id = worker_id.encode()
         self._queues = [q.encode() for q in queues]
         self._turn = 0
-        self._statement = b"job_finish_claim_many_keep" if keep_completed else b"job_finish_claim_many"
-        self._sql = sql.job_finish_claim_many_keep if keep_completed else sql.job_finish_claim_many
+        keep = "_keep" if keep_completed else ""
+        self._statements = {
+            name: (name.encode(), getattr(sql, name))
+            for name in (f"job_finish_claim_many{keep}", f"job_finish_claim_after{keep}")
+        }
+        self._full_name, self._after_name = (name for name, _ in self._statements.values())
+        # Per queue: where its last claim ended (priority, run_at as binary
+        # timestamptz), and when a claim from the front is due again.
+        self._marks: list[tuple[int, int] | None] = [None] * len(queues)
+        self._next_full = [0.0] * len(queues)
+        self._duty = full_claim_duty
+        self._sent: tuple[int, bool, float] = (0, True, 0.0)  # queue index, from the front, when
+        self.recheck = float("inf")  # seconds until an idle loop should claim from the front
         self.batch_min = batch_min
         self.batch_max = batch_max
         self.size = batch_min
@@ -179,15 +207,17 @@ class BatchLoop:
         self._failures: list[Outcome] = []
 
     def prepare(self) -> None:
-        res = self._pgconn.prepare(self._statement, self._sql.encode())
-        if res.status != pq.ExecStatus.COMMAND_OK:
-            raise LoopError(res.error_message.decode(errors="replace"))
+        for name, text in self._statements.values():
+            res = self._pgconn.prepare(name, text.encode())
+            if res.status != pq.ExecStatus.COMMAND_OK:
+                raise LoopError(res.error_message.decode(errors="replace"))
 
     def _send(self, limit: int) -> None:
         """Send the outcomes gathered so far and a claim of `limit` jobs."""
         done = ("{" + ",".join(map(str, self._done)) + "}").encode()
         failures = orjson.dumps(self._failures)
-        queue = self._queues[self._turn % len(self._queues)]
+        index = self._turn % len(self._queues)
+        queue = self._queues[index]
         self._turn += 1
         self.completed += len(self._done)
         if self._failures:
@@ -198,7 +228,16 @@ class BatchLoop:
         self._done = []
         self._failures = []
         params = [done, failures, queue, str(limit).encode(), self._worker_id]
-        self._pgconn.send_query_prepared(self._statement, params, result_format=1)
+        now = time.monotonic()
+        mark = self._marks[index]
+        full = limit == 0 or mark is None or now >= self._next_full[index]
+        if not full:
+            assert mark is not None
+            params += [str(mark[0]).encode(), str(mark[1]).encode()]
+        self._sent = (index, full, now)
+        self._pgconn.send_query_prepared(
+            self._full_name if full else self._after_name, params, result_format=1
+        )
         while self._pgconn.flush():
             _wait(self._pgconn, write=True)
         self._in_flight = True
@@ -217,14 +256,16 @@ class BatchLoop:
             if res is None:
                 break
             if res.status == pq.ExecStatus.TUPLES_OK:
+                if res.ntuples:
+                    self._mark(res)
                 for i in range(res.ntuples):
                     rows.append(
                         (
-                            int.from_bytes(res.get_value(i, 0), "big", signed=True),
+                            _int(res.get_value(i, 0)),
                             res.get_value(i, 1).decode(),
                             res.get_value(i, 2),
-                            int.from_bytes(res.get_value(i, 3), "big", signed=True),
-                            int.from_bytes(res.get_value(i, 4), "big", signed=True),
+                            _int(res.get_value(i, 3)),
+                            _int(res.get_value(i, 4)),
                         )
                     )
             else:
@@ -233,9 +274,32 @@ class BatchLoop:
         if error is not None:
             raise LoopError(error)
         self.claimed += len(rows)
+        index, from_front, sent = self._sent
+        if self._limit > 0:
+            now = time.monotonic()
+            if from_front:
+                wait = (now - sent) * (1.0 - self._duty) / self._duty
+                self._next_full[index] = now + min(wait, FULL_CLAIM_MAX_WAIT)
+            # An empty claim after the mark may have missed a job behind it:
+            # an idle loop claims from the front as soon as that is due.
+            self.recheck = (
+                max(0.0, self._next_full[index] - now) if not (rows or from_front) else float("inf")
+            )
         self._full = len(rows) >= self._limit > 0
         self.size = min(self.batch_max, self._cap, max(self.batch_min, 2 * len(rows)))
         return rows
+
+    def _mark(self, res: Any) -> None:
+        """Remember where this claim ended: its lowest priority, and the latest run_at within it."""
+        lowest, latest = 1 << 15, 0
+        for i in range(res.ntuples):
+            priority, run_at = _int(res.get_value(i, 5)), _int(res.get_value(i, 6))
+            if priority < lowest:
+                lowest, latest = priority, run_at
+            elif priority == lowest and run_at > latest:
+                latest = run_at
+        finite = MARK_RUN_AT_MIN < latest < MARK_RUN_AT_MAX
+        self._marks[self._sent[0]] = (lowest, latest) if finite else None
 
     def _claim(self) -> list[tuple[int, str, bytes, int, int]]:
         """Claim synchronously, trying each queue once before giving up.
@@ -254,6 +318,7 @@ class BatchLoop:
 
     def step(self) -> int:
         """Run one batch; 0 when there was nothing to claim (outcomes are flushed then)."""
+        self.recheck = float("inf")
         rows = self._rows or self._claim()
         self._rows = []
         if not rows:

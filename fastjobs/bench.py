@@ -56,18 +56,22 @@ def _reset(dsn: str) -> None:
         conn.execute("VACUUM ANALYZE fastjobs_jobs")
 
 
-def _raw_copy(dsn: str, rows: list[dict[str, Any]]) -> float:
-    """The limit: one binary COPY of rows encoded before the clock starts."""
-    opts = enqueue.options(BENCH_KIND, None)
-    statement, prefix, suffix = enqueue.copy_layout(opts, dt.datetime.now(dt.UTC))
+def raw_copy_data(rows: list[dict[str, Any]], kind: str = BENCH_KIND) -> bytes:
+    """Rows of `kind` as binary COPY data for sql.job_copy, encoded by the json module."""
+    _, prefix, suffix = enqueue.copy_layout(enqueue.options(kind, None), dt.datetime.now(dt.UTC))
     body = b"".join(
         prefix + (len(d) + 1).to_bytes(4, "big") + b"\x01" + d + suffix
         for d in (json.dumps(r, separators=(",", ":")).encode() for r in rows)
     )
-    data = b"PGCOPY\n\xff\r\n\x00" + bytes(8) + body + b"\xff\xff"
+    return b"PGCOPY\n\xff\r\n\x00" + bytes(8) + body + b"\xff\xff"
+
+
+def _raw_copy(dsn: str, rows: list[dict[str, Any]]) -> float:
+    """The limit: one binary COPY of rows encoded before the clock starts."""
+    data = raw_copy_data(rows)
     with psycopg.connect(dsn) as conn:
         start = time.perf_counter()
-        with conn.cursor() as cur, cur.copy(statement) as copy:
+        with conn.cursor() as cur, cur.copy(sql.job_copy) as copy:
             copy.write(data)
         conn.commit()
         return time.perf_counter() - start

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import bench, control, database, schema, sql, stats
+from . import bench, control, database, schema, soak, sql, stats
 from .app import App
 from .errors import ConfigurationError, FastjobsError
 from .impl import IMPLEMENTATION
@@ -121,6 +121,28 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         metavar="ROWS",
         help="only: seed ROWS finished jobs, drain without and beside the cleaner",
+    )
+    only.add_argument(
+        "--soak",
+        type=float,
+        metavar="MINUTES",
+        help="only: enqueue and drain at a steady rate for MINUTES, then again with a transaction held"
+        " open in the middle; samples every 10 s",
+    )
+    run_bench.add_argument(
+        "--soak-rate",
+        type=float,
+        help="with --soak: jobs/s offered (default: 80%% of the end-to-end maximum measured first)",
+    )
+    run_bench.add_argument(
+        "--hold",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="with --soak: the held transaction's length",
+    )
+    run_bench.add_argument(
+        "--plot", type=Path, default=Path("bench") / "soak.png", help="with --soak: where the PNG plot goes"
     )
     run_bench.add_argument(
         "--results", type=Path, default=DEFAULT_RESULTS, help="JSON lines file to append to"
@@ -321,6 +343,19 @@ def _size(n: int) -> str:
 
 def _bench(args: argparse.Namespace) -> int:
     dsn = database.resolve_dsn(args.dsn)
+    if args.soak:
+        soak.run_soak(
+            dsn,
+            args.soak,
+            args.soak_rate,
+            args.processes,
+            args.batch,
+            args.hold,
+            args.results,
+            args.plot,
+            bench.echo,
+        )
+        return 0
     if args.cleaner:
         bench.run_cleaner(dsn, args.cleaner, args.jobs, args.processes, args.batch, args.results, bench.echo)
         return 0

@@ -383,11 +383,13 @@ class Worker:
                     next_schedule = now + self.poll_interval
                     if leader.schedule_once(conn):
                         continue
-                if self.exit_when_empty:
+                if self.exit_when_empty and loop.recheck == float("inf"):
                     break
                 if now - listener.last_check >= LISTENER_CHECK_INTERVAL:
                     listener.check()
-                listener.wait(self.poll_interval)
+                # A claim that started after the last one's end found nothing:
+                # look from the front of the queue when the loop next may.
+                listener.wait(min(self.poll_interval, loop.recheck))
                 if slot is not None:
                     slot.beat()
                     slot.listener(listener.conn is not None, listener.healthy_at, listener.reconnects)

@@ -71,6 +71,7 @@ def batch_loop(
     keep_completed: bool = False,
     queues: list[str] | None = None,
     concurrency: int = 100,
+    **loop_options: Any,
 ) -> Iterator[Any]:
     """The implementation's BatchLoop with a fixed batch size, on a connection of its own.
 
@@ -90,6 +91,7 @@ def batch_loop(
             batch_min=size,
             batch_max=size,
             overlap=overlap,
+            **loop_options,
         )
         loop.prepare()
         yield loop

@@ -75,6 +75,8 @@ def seeded(template_db: str) -> Iterator[str]:
 def _claim_arguments(name: str, batch: int) -> str:
     """EXECUTE arguments of a claiming statement: finished jobs among the running ones, then the claim."""
     claim = f"'q1', {batch}, 'worker-1'"
+    if "_after" in name:
+        claim += ", 0, 0"  # the mark: priority 0, run_at 2000-01-01
     if name == "job_claim_many":
         return claim
     completed = "'{" + ",".join(str(i) for i in range(50_001, 51_001)) + "}'"
@@ -96,7 +98,13 @@ CLAIM_PLANS = [
         mode,
         id=f"{name}-{batch}-{mode}",
     )
-    for name in ("job_claim_many", "job_finish_claim_many", "job_finish_claim_many_keep")
+    for name in (
+        "job_claim_many",
+        "job_finish_claim_many",
+        "job_finish_claim_many_keep",
+        "job_finish_claim_after",
+        "job_finish_claim_after_keep",
+    )
     for batch in (100, 2000)
     for mode in ("force_custom_plan", "force_generic_plan")
 ]
@@ -115,6 +123,59 @@ def test_claim_uses_the_partial_claim_index(seeded, name, batch, plan_cache_mode
     ]
     assert ("Index Scan", "fastjobs_jobs_claim_idx") in scans, scans
     assert not [n for n in nodes if n["Node Type"] in ("Seq Scan", "Sort")], scans
+
+
+@pytest.mark.parametrize("plan_cache_mode", ["force_custom_plan", "force_generic_plan"])
+def test_the_claim_after_the_mark_starts_its_index_scan_there(seeded, plan_cache_mode):
+    with psycopg.connect(seeded) as conn, psycopg.RawCursor(conn) as cur:
+        cur.execute(f"PREPARE claim AS {sql.job_finish_claim_after}")
+        cur.execute(f"SET plan_cache_mode = {plan_cache_mode}")
+        row = cur.execute(
+            f"EXPLAIN (FORMAT JSON) EXECUTE claim({_claim_arguments('job_finish_claim_after', 100)})"
+        ).fetchone()
+    assert row is not None
+    [scan] = [n for n in _plan_nodes(row[0][0]["Plan"]) if n.get("Index Name") == "fastjobs_jobs_claim_idx"]
+    assert "priority = " in scan["Index Cond"] and "run_at >= " in scan["Index Cond"], scan["Index Cond"]
+
+
+def test_the_claim_after_the_mark_skips_the_dead_entries_a_held_snapshot_keeps(dsn):
+    """While a long transaction pins the horizon, the entries of claimed jobs stay in the
+    claim index and a claim from the front visits each of them; one from the mark does not."""
+    with psycopg.connect(dsn, autocommit=True) as conn, psycopg.RawCursor(conn) as cur:
+        conn.execute(
+            "INSERT INTO fastjobs_jobs (kind, run_at)"
+            " SELECT 'k', now() - interval '1 hour' + i * interval '10 ms' FROM generate_series(1, 90300) i"
+        )
+        conn.execute("VACUUM ANALYZE fastjobs_jobs")
+        with psycopg.connect(dsn) as holder:
+            holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            holder.execute("SELECT count(*) FROM fastjobs_workers")  # the snapshot, held until the end
+            claimed = [r for r in cur.execute(sql.job_claim_many, ("default", 90_000, "w"))]
+            cur.execute(sql.bench_raw_complete, ([r[0] for r in claimed],))
+            priority, run_at = claimed[-1][5], max(r[6] for r in claimed)
+            micros = (run_at - dt.datetime(2000, 1, 1, tzinfo=dt.UTC)) // dt.timedelta(microseconds=1)
+
+            def buffers(name: str, *extra: object) -> int:
+                cur.execute(f"PREPARE {name} AS {sql.statements()[name]}")
+                args = ("'{}'", "'[]'", "'default'", "100", "'w'", *map(str, extra))
+                explain = "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE"
+                row = cur.execute(f"{explain} {name}({', '.join(args)})").fetchone()
+                assert row is not None
+                conn.execute("UPDATE fastjobs_jobs SET state = 'available' WHERE state = 'running'")
+                [scan] = [
+                    n
+                    for n in _plan_nodes(row[0][0]["Plan"])
+                    if n.get("Index Name") == "fastjobs_jobs_claim_idx"
+                ]
+                assert scan["Actual Rows"] == 100
+                blocks: int = scan["Shared Hit Blocks"] + scan["Shared Read Blocks"]
+                return blocks
+
+            from_front = buffers("job_finish_claim_many")
+            from_mark = buffers("job_finish_claim_after", priority, micros)
+            holder.rollback()
+    # The scan of the claim index: past 90,000 dead entries, or from about the 10th before the mark.
+    assert from_mark * 5 < from_front, (from_mark, from_front)
 
 
 @pytest.mark.parametrize("name", ["job_finish_claim_many", "job_finish_claim_many_keep"])

@@ -10,7 +10,9 @@ import time
 from collections.abc import Iterable
 from typing import ClassVar
 
+import psycopg
 import pytest
+from psycopg.types.json import Jsonb
 
 import fastjobs.worker
 from fastjobs import App
@@ -591,3 +593,42 @@ def test_closed_listener_connection_is_noticed_by_check(dsn, listener):
     listener.conn.close()
     assert listener.check() is True
     assert listener.reconnects == 1
+
+
+def _insert_behind(dsn: str, n: int) -> None:
+    """An available job whose run_at is an hour old: behind any mark a recent claim left."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO fastjobs_jobs (kind, args, run_at) VALUES ('behind', %s, now() - interval '1 hour')",
+            (Jsonb({"n": n}),),
+        )
+
+
+def test_claims_start_where_the_last_ended_and_look_from_the_front_when_idle(app: App, dsn) -> None:
+    """With claims from the front rationed to almost never, a job queued behind the last
+    claim's end is not claimed after it; an idle loop says when it should look again."""
+    _, seen = handler_event(app, "behind")
+    app.enqueue("behind", {"n": 1})
+    with batch_loop(app, 10, full_claim_duty=1e-9) as loop:
+        assert loop.step() == 1 and seen == [1]
+        assert loop.recheck == float("inf")
+        _insert_behind(dsn, 2)
+        app.enqueue("behind", {"n": 3})
+        assert loop.step() == 1 and seen == [1, 3]  # from where the first claim ended
+        assert loop.step() == 0
+        assert 5.0 < loop.recheck <= 10.0  # the next claim from the front, rationed
+    assert by_state(dsn) == {"available": 1}
+
+
+def test_a_job_behind_the_last_claim_still_runs_at_once(app: App, dsn) -> None:
+    _, seen = handler_event(app, "behind")
+    with WorkerThread(Worker(app, poll_interval=60.0)):
+        app.enqueue("behind", {"n": 1})
+        assert wait_for(lambda: seen == [1])
+        _insert_behind(dsn, 2)
+        assert wait_for(lambda: seen == [1, 2]), seen
+    # A drain that stops when the queue is empty looks from the front first.
+    app.enqueue("behind", {"n": 3})
+    _insert_behind(dsn, 4)
+    drain(app)
+    assert seen == [1, 2, 4, 3]
