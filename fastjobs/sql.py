@@ -111,9 +111,12 @@ job_copy_at: Final = (
 # Priority and run_at come back so the hot loop knows where the claim ended.
 # The ids go through ARRAY(...): joined as a subquery instead, a large batch
 # makes the planner hash-join it against a Seq Scan of the whole table.
+# The attempt stops at smallint's maximum: a row already there (written by
+# hand) would otherwise fail the whole statement, so every claim of its queue;
+# it runs as its last attempt instead (max_attempts is a smallint too).
 job_claim_many: Final = """
 UPDATE fastjobs_jobs j
-   SET state = 'running', attempt = j.attempt + 1,
+   SET state = 'running', attempt = least(j.attempt, 32766) + 1,
        attempted_at = now(), attempted_by = $3
  WHERE j.id = ANY(ARRAY(
            SELECT id FROM fastjobs_jobs
@@ -251,7 +254,8 @@ worker_delete: Final = "DELETE FROM fastjobs_workers WHERE id = $1"
 # before $2, or whose row is gone) go back to retryable, due now, with a crash
 # counted; a job that has crashed $3 times, or has no attempt left, is
 # discarded instead, and one whose cancellation was requested is cancelled.
-# At most $4 per statement.
+# At most $4 per statement. A running row with no attempted_at (written by
+# hand: no claim leaves one) counts as stale.
 job_rescue_many: Final = """
 UPDATE fastjobs_jobs j
    SET crashes = j.crashes + 1,
@@ -272,7 +276,8 @@ UPDATE fastjobs_jobs j
  WHERE j.id = ANY(ARRAY(
            SELECT r.id FROM fastjobs_jobs r
             WHERE r.state = 'running'
-              AND r.attempted_at < $2::timestamptz - make_interval(secs => $1)
+              AND (r.attempted_at < $2::timestamptz - make_interval(secs => $1)
+                   OR r.attempted_at IS NULL)
               AND NOT EXISTS (SELECT 1 FROM fastjobs_workers w
                                WHERE w.id = r.attempted_by
                                  AND w.heartbeat_at >= $2::timestamptz - make_interval(secs => $1))
@@ -339,11 +344,12 @@ job_cancel_requested: Final = """
 SELECT id FROM fastjobs_jobs WHERE state = 'running' AND attempted_by = $1 AND cancel_requested"""
 
 # job_retry: a discarded, cancelled or completed job back to available, now,
-# with an attempt to spare and its crash allowance back.
+# with an attempt to spare and its crash allowance back (the claim counts
+# attempts up to smallint's maximum, and so does this).
 job_retry: Final = """
 UPDATE fastjobs_jobs
    SET state = 'available', run_at = now(), finalized_at = NULL, cancel_requested = false,
-       max_attempts = greatest(max_attempts, attempt + 1), crashes = 0
+       max_attempts = greatest(max_attempts, least(attempt, 32766) + 1), crashes = 0
  WHERE id = $1 AND state IN ('discarded', 'cancelled', 'completed')
 RETURNING state::text"""
 
@@ -372,15 +378,28 @@ SELECT id, queue, kind, args, priority, state::text, run_at, attempt, max_attemp
 
 # job_stats_by_queue: depth and oldest age (seconds) per queue and state, for
 # `fastjobs stats` and the metrics endpoint. Ages: available since run_at,
-# running since attempted_at, the rest since created_at.
+# running since attempted_at, the rest since created_at. An infinite oldest
+# time (a run_at of -infinity or infinity) has no age: NULL, where
+# PostgreSQL < 17 would fail the subtraction and 17+ return an infinity
+# that JSON cannot carry.
 job_stats_by_queue: Final = """
-SELECT queue, state::text, count(*),
-       extract(epoch FROM now() - min(CASE state WHEN 'available' THEN run_at
-                                                 WHEN 'running' THEN attempted_at
-                                                 ELSE created_at END))::float8
-  FROM fastjobs_jobs
- GROUP BY queue, state
+SELECT queue, state, count,
+       CASE WHEN isfinite(oldest) THEN extract(epoch FROM now() - oldest)::float8 END
+  FROM (SELECT queue, state::text AS state, count(*) AS count,
+               min(CASE state WHEN 'available' THEN run_at
+                              WHEN 'running' THEN attempted_at
+                              ELSE created_at END) AS oldest
+          FROM fastjobs_jobs
+         GROUP BY queue, state) AS depths
  ORDER BY queue, state"""
+
+# jobs_dead_rows: dead row versions of the jobs table the statistics know of
+# (each backend reports within a second or so), for the leader's vacuumer.
+jobs_dead_rows: Final = "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = 'fastjobs_jobs'::regclass"
+
+# vacuum_jobs: the leader's VACUUM of the jobs table; it skips a table
+# another VACUUM (autovacuum, say) is working on instead of waiting.
+vacuum_jobs: Final = "VACUUM (SKIP_LOCKED) fastjobs_jobs"
 
 # mvcc_horizon: the oldest snapshot of this database holding back cleanup
 # (VACUUM cannot remove a dead row any snapshot may still see): a backend's
@@ -445,6 +464,7 @@ bench_raw_complete_keep: Final = (
 # Statements that PREPARE cannot take (COPY); the test of every statement skips them.
 NOT_PREPARABLE: Final = frozenset(
     {
+        "vacuum_jobs",
         "job_copy",
         "job_copy_at",
         "job_copy_staged",

@@ -33,6 +33,8 @@ from fastjobs.leader import (
     LeaderConfig,
     RescuerConfig,
     SchedulerConfig,
+    VacuumConfig,
+    Vacuumer,
     clean_once,
     rescue_once,
     schedule_once,
@@ -454,6 +456,50 @@ def test_a_retried_quarantined_job_gets_its_crash_allowance_back(dsn: str) -> No
 
 
 # --- cleaner -----------------------------------------------------------------------------------
+
+
+def vacuum_stats(dsn: str) -> dict[str, Any]:
+    [stats] = query(
+        dsn,
+        "SELECT n_dead_tup AS dead, vacuum_count AS vacuums FROM pg_stat_user_tables"
+        " WHERE relid = 'fastjobs_jobs'::regclass",
+    )
+    return stats
+
+
+def dead_rows(dsn: str, count: int) -> None:
+    """`count` dead row versions in the jobs table, reported to the statistics."""
+    add_jobs(dsn, count)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DELETE FROM fastjobs_jobs")
+        conn.execute("SELECT pg_stat_force_next_flush()")
+    wait_for(lambda: vacuum_stats(dsn)["dead"] >= count, f"{count} dead rows in the statistics")
+
+
+def test_vacuum_once_vacuums_the_jobs_table_past_its_threshold_of_dead_rows(dsn: str) -> None:
+    vacuumer = Vacuumer(dsn, VacuumConfig(threshold=500, interval=0.5, duty=0.5), lambda: True)
+    dead_rows(dsn, 300)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert vacuumer.vacuum_once(conn) == 0.5  # under the threshold: nothing to do
+        assert vacuum_stats(dsn)["vacuums"] == 0 and vacuumer.runs == 0
+        dead_rows(dsn, 300)
+        rest = vacuumer.vacuum_once(conn)
+    assert vacuumer.runs == 1 and rest >= 0.5
+    assert wait_for(lambda: (s := vacuum_stats(dsn))["vacuums"] == 1 and s["dead"] == 0 and s, "the vacuum")
+
+
+def test_the_leader_vacuums_while_it_leads(app: App, dsn: str) -> None:
+    config = LeaderConfig(retry_interval=0.1, vacuum=VacuumConfig(threshold=1_000, interval=0.1))
+    with LeaderThread(app, config) as leader:
+        wait_for(lambda: leader.leading, "the leader to lead")
+        dead_rows(dsn, 2_000)
+        wait_for(lambda: vacuum_stats(dsn)["vacuums"] >= 1, "the leader's vacuum")
+    disabled = LeaderConfig(retry_interval=0.1, vacuum=VacuumConfig(enabled=False, threshold=1, interval=0.1))
+    with LeaderThread(app, disabled) as leader:
+        wait_for(lambda: leader.leading, "the leader to lead")
+        dead_rows(dsn, 2_000)
+        time.sleep(0.5)  # ten of its intervals: long enough for a vacuum it would have run
+        assert vacuum_stats(dsn)["vacuums"] == 1
 
 
 def test_clean_once_deletes_finished_jobs_past_their_retention(dsn: str) -> None:
