@@ -404,7 +404,8 @@ vacuum_jobs: Final = "VACUUM (SKIP_LOCKED) fastjobs_jobs"
 # mvcc_horizon: the oldest snapshot of this database holding back cleanup
 # (VACUUM cannot remove a dead row any snapshot may still see): a backend's
 # transaction, a prepared transaction, or a replication slot. Vacuums
-# themselves are left out (other vacuums ignore them), and so is this session.
+# themselves are left out (PostgreSQL ignores their snapshots when it
+# computes the horizon), and so is this session.
 # Backends of other users show no xmin to a role without pg_read_all_stats.
 mvcc_horizon: Final = """
 SELECT source, ident, seconds, xid_age, detail FROM (
@@ -414,7 +415,8 @@ SELECT source, ident, seconds, xid_age, detail FROM (
          concat_ws(', ', nullif(application_name, ''), state, left(query, 100)) AS detail
     FROM pg_stat_activity
    WHERE pid <> pg_backend_pid() AND coalesce(backend_xmin, backend_xid) IS NOT NULL
-     AND backend_type <> 'autovacuum worker' AND (datname = current_database() OR datname IS NULL)
+     AND backend_type <> 'autovacuum worker' AND query NOT ILIKE 'vacuum%'
+     AND (datname = current_database() OR datname IS NULL)
   UNION ALL
   SELECT 'prepared transaction', gid, extract(epoch FROM clock_timestamp() - prepared)::float8,
          age(transaction)::int8, owner::text
