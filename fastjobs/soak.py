@@ -348,9 +348,10 @@ def run_phase(
 
 
 def _line(s: Sample) -> str:
+    p50 = "-" if s.p50_ms is None else f"{s.p50_ms:,.1f}"
     p99 = "-" if s.p99_ms is None else f"{s.p99_ms:,.1f}"
     return (
-        f"  {s.at:>6.0f}s {s.jobs_per_s:>9,.0f} jobs/s  p99 {p99:>8} ms  backlog {s.backlog:>9,}"
+        f"  {s.at:>6.0f}s {s.jobs_per_s:>9,.0f} jobs/s  p50 {p50:>7} p99 {p99:>8} ms  backlog {s.backlog:>9,}"
         f"  table {s.table_mb:>7,.1f} MB  indexes {s.index_mb:>7,.1f} MB  dead {s.dead_rows:>10,}"
         f"  horizon {s.horizon_s:>5.0f}s  autovacuums {s.autovacuums}\n"
     )
@@ -484,7 +485,8 @@ def _plot(record: dict[str, Any], path: Path, echo: Callable[[str], None]) -> No
     fig.suptitle(
         f"fastjobs soak: {record['offered_jobs_per_s']:,} jobs/s offered"
         f" ({record['offered_ratio_to_raw']:.2f} x raw limit), {record['processes']} processes,"
-        f" PostgreSQL {record['postgres']}, {record['commit']}"
+        f" PostgreSQL {record['postgres'].split()[0]}, {record['commit']}",
+        fontsize=10,
     )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
