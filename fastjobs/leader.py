@@ -26,7 +26,7 @@ import psycopg
 from . import database, enqueue, schema, sql
 from .cron import Cron
 from .errors import ConfigurationError, DatabaseUnavailable
-from .stats import Slot
+from .stats import HORIZON_WARNING, Slot, health
 from .types import JobSpec
 
 if TYPE_CHECKING:
@@ -125,6 +125,10 @@ class VacuumConfig:
     threshold: int = 20_000
     interval: float = 1.0
     duty: float = 0.5
+    # The leader's log also says when one snapshot has held cleanup back this
+    # long (checked every `horizon_interval` seconds), as `fastjobs stats` does.
+    horizon_warning: float = HORIZON_WARNING
+    horizon_interval: float = 30.0
 
     def rest(self, spent: float) -> float:
         return max(self.interval, spent * (1.0 - self.duty) / self.duty)
@@ -277,6 +281,7 @@ class Vacuumer:
 
     def _run(self) -> None:
         wait = self.config.interval
+        next_horizon = 0.0
         try:
             while not self._stop.wait(wait):
                 wait = self.config.interval
@@ -285,6 +290,10 @@ class Vacuumer:
                 try:
                     if self._conn is None or self._conn.closed:
                         self._conn = database.connect(self.dsn, autocommit=True)
+                    if time.monotonic() >= next_horizon:
+                        next_horizon = time.monotonic() + self.config.horizon_interval
+                        for line in health(self._conn).warnings(self.config.horizon_warning):
+                            print(f"fastjobs: leader: {line}", file=sys.stderr, flush=True)
                     wait = self.vacuum_once(self._conn)
                 except (psycopg.Error, DatabaseUnavailable) as exc:
                     if not self._stop.is_set():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import re
 import signal
 import textwrap
 import threading
@@ -486,6 +487,19 @@ def test_vacuum_once_vacuums_the_jobs_table_past_its_threshold_of_dead_rows(dsn:
         rest = vacuumer.vacuum_once(conn)
     assert vacuumer.runs == 1 and rest >= 0.5
     assert wait_for(lambda: (s := vacuum_stats(dsn))["vacuums"] == 1 and s["dead"] == 0 and s, "the vacuum")
+
+
+def test_the_leader_warns_of_a_snapshot_holding_cleanup_back(
+    app: App, dsn: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    vacuum = VacuumConfig(interval=0.1, horizon_warning=0.3, horizon_interval=0.2)
+    with LeaderThread(app, LeaderConfig(retry_interval=0.1, vacuum=vacuum)) as leader:
+        wait_for(lambda: leader.leading, "the leader to lead")
+        with psycopg.connect(dsn, application_name="report") as holder:
+            holder.execute("SELECT txid_current()")
+            pid = holder.info.backend_pid
+            pinned = rf"fastjobs: leader: WARNING: cleanup horizon pinned for \d+s by backend {pid} \(report,"
+            wait_for(lambda: re.search(pinned, capfd.readouterr().err), "the leader's warning")
 
 
 def test_the_leader_vacuums_while_it_leads(app: App, dsn: str) -> None:
