@@ -15,7 +15,7 @@ from typing import Any, Generic, ParamSpec, TypedDict, TypeVar, Unpack
 
 import psycopg
 
-from . import control, database, enqueue
+from . import control, database, enqueue, schema
 from .cron import Cron
 from .enqueue import check_max_attempts, check_priority, check_queue
 from .retry import RetryPolicy
@@ -218,10 +218,11 @@ class App:
         ("cancelling" is returned). A finished job is left alone and its
         state returned. Raises JobNotFound for an unknown id.
         """
-        if conn is not None:
-            return control.cancel(conn, job_id)
-        with self.connection() as own:
-            return control.cancel(own, job_id)
+        with schema.required():
+            if conn is not None:
+                return control.cancel(conn, job_id)
+            with self.connection() as own:
+                return control.cancel(own, job_id)
 
     @contextlib.contextmanager
     def connection(self) -> Iterator[psycopg.Connection[Any]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime as dt
 import importlib
 import json
 import os
@@ -231,7 +232,7 @@ def _jobs(args: argparse.Namespace) -> int:
             for r in rows:
                 print(
                     f"{r['id']:>10}  {r['queue']:<16}{r['kind']:<32}{r['state']:<11}"
-                    f"{r['attempt']:>4}/{r['max_attempts']:<3}  {r['run_at']:%Y-%m-%d %H:%M:%S}"
+                    f"{r['attempt']:>4}/{r['max_attempts']:<3}  {_when(r['run_at'])}"
                 )
             return 0
         if command == "show":
@@ -256,6 +257,11 @@ def _jobs(args: argparse.Namespace) -> int:
         else:
             print(f"job {args.id}: {state}")
         return 0
+
+
+def _when(at: dt.datetime | str) -> str:
+    """A run_at for humans; control gives what a datetime cannot hold (infinity, BC) as text."""
+    return f"{at:%Y-%m-%d %H:%M:%S}" if isinstance(at, dt.datetime) else at
 
 
 def _stats(args: argparse.Namespace) -> int:
@@ -321,12 +327,13 @@ def _print_health(health: stats.Health, now: float) -> None:
         held = "" if h.seconds is None else f" open {h.seconds:,.1f}s,"
         print(f"oldest snapshot: {h.source} {h.ident},{held} {h.xid_age or 0:,} xids old ({h.detail})")
     print(f"NOTIFY queue: {health.notify_queue:.1%} used")
-    print(f"{'table':<22}{'live':>12}{'dead':>12}{'table':>10}{'indexes':>10}  last autovacuum")
+    print(f"{'table':<22}{'live':>12}{'dead':>12}{'table':>10}{'indexes':>10}  last vacuum")
     for t in health.tables:
-        vacuumed = "never" if t.last_autovacuum is None else f"{now - t.last_autovacuum:,.0f}s ago"
+        last = max((v for v in (t.last_vacuum, t.last_autovacuum) if v is not None), default=None)
+        vacuumed = "never" if last is None else f"{now - last:,.0f}s ago"
         print(
             f"{t.table:<22}{t.live:>12,}{t.dead:>12,}{_size(t.table_bytes):>10}{_size(t.index_bytes):>10}"
-            f"  {vacuumed} ({t.autovacuums:,} in all)"
+            f"  {vacuumed} ({t.autovacuums:,} autovacuums)"
         )
 
 

@@ -14,8 +14,8 @@ import orjson
 import psycopg
 from psycopg import pq
 
-from . import sql
-from .errors import FastjobsError, SchemaMissing
+from . import schema, sql
+from .errors import FastjobsError
 from .impl import core
 from .types import MAX_ATTEMPTS_LIMIT, PRIORITY_MAX, PRIORITY_MIN, JobSpec
 
@@ -150,21 +150,9 @@ def insert_params(opts: Options, args: Any) -> tuple[Any, ...]:
 _UNIQUE_TRIES = 5
 
 
-@contextlib.contextmanager
-def _schema_errors() -> Iterator[None]:
-    """A database without the jobs table raises SchemaMissing, which says to run `fastjobs migrate`."""
-    try:
-        yield
-    except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedObject) as exc:
-        raise SchemaMissing(
-            f"the fastjobs schema is missing in this database ({exc.diag.message_primary}):"
-            " run `fastjobs migrate`"
-        ) from None
-
-
 def insert(conn: psycopg.Connection[Any], params: tuple[Any, ...]) -> int:
     """Run sql.job_insert with `insert_params`' parameters; the job's id (or the unique key holder's)."""
-    with _schema_errors(), psycopg.RawCursor(conn) as cur:
+    with schema.required(), psycopg.RawCursor(conn) as cur:
         for _ in range(_UNIQUE_TRIES):
             row = cur.execute(sql.job_insert, params).fetchone()
             if row is None:
@@ -175,7 +163,7 @@ def insert(conn: psycopg.Connection[Any], params: tuple[Any, ...]) -> int:
 
 
 async def insert_async(conn: psycopg.AsyncConnection[Any], params: tuple[Any, ...]) -> int:
-    with _schema_errors():
+    with schema.required():
         async with psycopg.AsyncRawCursor(conn) as cur:
             for _ in range(_UNIQUE_TRIES):
                 await cur.execute(sql.job_insert, params)
@@ -269,7 +257,7 @@ def copy_many(conn: psycopg.Connection[Any], opts: Options, rows: Iterable[Any])
     if first is None:
         return 0
     total = 0
-    with _schema_errors(), _atomic(conn), conn.cursor() as cur, cur.copy(statement) as copy:
+    with schema.required(), _atomic(conn), conn.cursor() as cur, cur.copy(statement) as copy:
         copy.write(_COPY_HEADER)
         for data, count in _prepend(first, chunks):
             copy.write(data)
@@ -287,7 +275,7 @@ def _copy_staged(conn: psycopg.Connection[Any], opts: Options, rows: Iterable[An
     first = next(chunks, None)
     if first is None:
         return 0
-    with _schema_errors(), _atomic(conn), psycopg.RawCursor(conn) as cur:
+    with schema.required(), _atomic(conn), psycopg.RawCursor(conn) as cur:
         cur.execute(sql.job_stage_create)
         with cur.copy(sql.job_copy_staged) as copy:
             copy.write(_COPY_HEADER)
@@ -304,7 +292,7 @@ async def _copy_staged_async(conn: psycopg.AsyncConnection[Any], opts: Options, 
     first = next(chunks, None)
     if first is None:
         return 0
-    with _schema_errors():
+    with schema.required():
         async with _atomic_async(conn), psycopg.AsyncRawCursor(conn) as cur:
             await cur.execute(sql.job_stage_create)
             async with cur.copy(sql.job_copy_staged) as copy:
@@ -333,7 +321,7 @@ async def copy_many_async(conn: psycopg.AsyncConnection[Any], opts: Options, row
     if first is None:
         return 0
     total = 0
-    with _schema_errors():
+    with schema.required():
         async with _atomic_async(conn), conn.cursor() as cur, cur.copy(statement) as copy:
             await copy.write(_COPY_HEADER)
             for data, count in _prepend(first, chunks):

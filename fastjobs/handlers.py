@@ -33,16 +33,48 @@ Outcome = dict[str, Any]
 SlowJob = tuple[JobSpec, int, dict[str, Any], int, int]
 
 
+# The most characters of an error message, and of a traceback, one attempt
+# records (Sidekiq keeps 10,000 of a message). Every attempt appends its record
+# to the row's errors: a message of tens of megabytes, stored twice, outgrows
+# jsonb's 256 MB within a few attempts, and then the batch statement fails and
+# the worker dies with its batch's outcomes.
+ERROR_CHARS = 10_000
+
+
+def _bounded(text: str, keep_end: bool = False) -> str:
+    """`text`, or ERROR_CHARS characters of it and a marker saying how many were cut.
+
+    A message keeps its start; a traceback (`keep_end`) its start and end,
+    where the innermost frames and the exception's line are.
+    """
+    if len(text) <= ERROR_CHARS:
+        return text
+    marker = f" [... {len(text) - ERROR_CHARS:,} characters cut"
+    if not keep_end:
+        return f"{text[:ERROR_CHARS]}{marker}]"
+    half = ERROR_CHARS // 2
+    return f"{text[:half]}{marker} ...] {text[-half:]}"
+
+
+def _message(exc: BaseException) -> str:
+    """`Type: message`, even for an exception whose __str__ raises (which would kill the worker)."""
+    try:
+        message = str(exc)
+    except Exception as failed:
+        message = f"<exception str() failed: {type(failed).__name__}>"
+    return f"{type(exc).__name__}: {message}"
+
+
 def _error(attempt: int, exc: BaseException | str, with_traceback: bool = True) -> dict[str, Any]:
     if isinstance(exc, str):
         text, trace = exc, None
     else:
-        text = f"{type(exc).__name__}: {exc}"
-        trace = "".join(traceback.format_exception(exc)) if with_traceback else None
+        text = _message(exc)
+        trace = _bounded("".join(traceback.format_exception(exc)), keep_end=True) if with_traceback else None
     return {
         "at": dt.datetime.now(dt.UTC).isoformat(),
         "attempt": attempt,
-        "error": text,
+        "error": _bounded(text),
         "traceback": trace,
     }
 

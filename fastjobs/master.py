@@ -4,7 +4,8 @@ It is gunicorn's arbiter: signal handlers only queue the signal and wake the
 loop; one loop turns each into an action, reaps children with
 waitpid(WNOHANG), restarts what died (with backoff), kills what stopped
 making progress, and on shutdown waits for in-flight work up to a grace
-period. It runs no jobs and holds no database connection.
+period. It runs no jobs and holds no database connection (it opens one
+before forking, to check the database, and closes it).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from . import database, schema
 from .app import App
-from .errors import ConfigurationError, FastjobsError, SchemaMissing
+from .errors import ConfigurationError, DatabaseUnavailable, FastjobsError, SchemaMissing
 from .impl import IMPLEMENTATION
 from .leader import Leader, LeaderConfig
 from .stats import LEADER, WORKER, Slot, Slots, serve
@@ -153,6 +155,11 @@ class Master:
     def run(self) -> int:
         dsn = self.app.dsn  # resolved (an embedded server started) once, before forking
         assert dsn
+        try:
+            self._check_database(dsn)
+        except (ConfigurationError, DatabaseUnavailable, SchemaMissing) as exc:
+            print(f"fastjobs: {exc}", file=sys.stderr, flush=True)
+            return EXIT_BOOT_ERROR
         self.slots = Slots.create(len(self.children))
         self._install_signals()
         self._print_plan()
@@ -180,6 +187,18 @@ class Master:
                 server.shutdown()
             self.slots.close(unlink=True)
         return self.exit_code
+
+    @staticmethod
+    def _check_database(dsn: str) -> None:
+        """Connect and check the schema once, before forking anything.
+
+        A database that cannot be reached at start is a boot error: each child
+        would otherwise fail with DatabaseUnavailable and be restarted forever,
+        since one that goes away later is rightly waited for (the children
+        restart with backoff until it is back).
+        """
+        with database.connect(dsn, autocommit=True) as conn:
+            schema.check(conn)
 
     def _install_signals(self) -> None:
         def queue_signal(signum: int, frame: object) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -85,3 +87,25 @@ def check(conn: psycopg.Connection[Any]) -> None:
         raise SchemaMissing(
             f"the fastjobs schema is at {have}, this fastjobs needs {latest:03d}: run `fastjobs migrate`"
         )
+
+
+@contextlib.contextmanager
+def required() -> Iterator[None]:
+    """Errors of a missing or old schema become SchemaMissing, which says to run `fastjobs migrate`.
+
+    For the calls that skip `check` (a round trip each): a missing table or
+    type means no schema; a missing column, or no unique index for an ON
+    CONFLICT (002 adds the unique keys' index), an older one.
+    """
+    try:
+        yield
+    except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedObject) as exc:
+        raise SchemaMissing(
+            f"the fastjobs schema is missing in this database ({exc.diag.message_primary}):"
+            " run `fastjobs migrate`"
+        ) from None
+    except (psycopg.errors.UndefinedColumn, psycopg.errors.InvalidColumnReference) as exc:
+        raise SchemaMissing(
+            f"the fastjobs schema in this database is out of date ({exc.diag.message_primary}):"
+            " run `fastjobs migrate`"
+        ) from None

@@ -35,10 +35,11 @@ or still queued) and the other jobs of its batch complete.
 #     errors not a list) -> each runs once, in claim order, or waits visibly:
 #     test_odd_values_the_schema_allows_run_or_wait_visibly
 # a queue name with odd characters -> served: test_a_queue_with_odd_characters_is_served
-# XFAIL attempt 32767: test_an_attempt_at_the_smallint_limit_does_not_stop_the_queue
-# XFAIL 'running' by hand, never attempted: test_a_running_row_without_attempt_is_rescued
-# XFAIL run_at -infinity/infinity/BC: test_stats_shows_rows_with_extreme_run_at,
-#     test_jobs_list_shows_rows_with_extreme_run_at
+# attempt 32767 -> runs as its last attempt, the queue goes on:
+#     test_an_attempt_at_the_smallint_limit_does_not_stop_the_queue
+# 'running' by hand, never attempted -> rescued: test_a_running_row_without_attempt_is_rescued
+# run_at -infinity/infinity/BC -> `stats` (no age), `jobs list` (as text) show them:
+#     test_stats_shows_rows_with_extreme_run_at, test_jobs_list_shows_rows_with_extreme_run_at
 #
 # ENORMOUS ARGS
 # 10-30 MB by enqueue, enqueue_many and SQL; 40 x 1 MB in one batch -> stored, run
@@ -48,8 +49,10 @@ or still queued) and the other jobs of its batch complete.
 # returns non-None -> completed: test_a_handler_may_return_anything
 # a plain def returns a coroutine -> retryable, "declare it `async def`":
 #     test_worker::test_plain_def_returning_a_coroutine_fails (inline and with a timeout)
-# XFAIL an exception whose str() raises: test_an_exception_whose_str_raises_fails_that_job_only
-# XFAIL an enormous exception message: test_an_enormous_exception_message_is_recorded_bounded
+# an exception whose str() raises -> retryable, "<exception str() failed: ...>":
+#     test_an_exception_whose_str_raises_fails_that_job_only
+# an enormous exception message -> recorded, cut to 10,000 characters:
+#     test_an_enormous_exception_message_is_recorded_bounded
 # SystemExit, KeyboardInterrupt in-process -> recorded, the batch given back, propagates:
 #     test_worker::test_fatal_exception_*; any other BaseException alike:
 #     test_another_base_exception_is_recorded_and_stops_the_worker
@@ -70,17 +73,18 @@ or still queued) and the other jobs of its batch complete.
 #     why, exit 1, no traceback, no password: test_a_wrong_dsn_is_named_without_its_password
 #     (port 1 with enqueue_many and enqueue_async: test_dsn::test_unreachable_database_*).
 #     Both test servers trust any password: an unknown role stands in for a wrong one.
-# XFAIL `fastjobs run` (but for garbage): test_fastjobs_run_with_a_wrong_dsn_exits_clearly
+# `fastjobs run` -> the same, from the master before it forks, the boot error code:
+#     test_fastjobs_run_with_a_wrong_dsn_exits_clearly
 #
 # NO SCHEMA, OR AN OLD ONE
 # enqueue (single, bulk, unique, bulk unique, async), Worker.run on a database without the
 #     schema -> SchemaMissing, "run `fastjobs migrate`":
-#     test_the_api_on_a_database_without_the_schema_says_to_migrate (XFAIL app.cancel);
+#     test_the_api_on_a_database_without_the_schema_says_to_migrate (and app.cancel);
 #     `fastjobs run`: test_master::test_a_database_without_the_schema_stops_the_master_with_
 #     the_boot_error_code; `fastjobs stats`: test_stats::test_stats_without_the_schema_says_to_
 #     migrate; `fastjobs jobs list`: test_jobs_cli::test_a_database_without_the_schema_says_to_migrate
 # a schema at 001 only: Worker.run, `fastjobs stats`, `jobs list`, `run` say to migrate:
-#     test_an_out_of_date_schema_stops_*; XFAIL enqueue: test_an_out_of_date_schema_enqueue_...
+#     test_an_out_of_date_schema_stops_*; enqueue: test_an_out_of_date_schema_enqueue_says_to_migrate
 
 from __future__ import annotations
 
@@ -370,12 +374,6 @@ def test_odd_values_the_schema_allows_run_or_wait_visibly(app: App, dsn: str):
         assert (rows[job_id]["state"], rows[job_id]["attempt"], rows[job_id]["errors"]) == (state, 0, None)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a row with attempt 32767 (the smallint maximum, which the schema allows) makes the claim's "
-    "`attempt + 1` overflow: job_finish_claim_many fails with 'smallint out of range' (LoopError, no job "
-    "named), every claim of its queue fails the same way, and the good job behind it never runs",
-)
 def test_an_attempt_at_the_smallint_limit_does_not_stop_the_queue(app: App, dsn: str):
     seen = []
 
@@ -396,12 +394,6 @@ def test_an_attempt_at_the_smallint_limit_does_not_stop_the_queue(app: App, dsn:
         assert rows[poison]["state"] in ("completed", "discarded"), rows[poison]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a row inserted as 'running' with no attempted_at is never rescued: job_rescue_many's "
-    "`attempted_at < $2 - stale_after` is NULL for it, so it stays running forever (the schema "
-    "does not refuse the row either)",
-)
 def test_a_running_row_without_attempt_is_rescued(dsn: str):
     try:
         stuck: int | None = insert_row(dsn, kind="ok", state="running")
@@ -435,12 +427,6 @@ def strict_json(text: str) -> Any:
 EXTREME_RUN_AT = ["-infinity", "infinity", "0044-03-15 BC"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="`fastjobs stats` over a row whose run_at is -infinity, infinity or BC: on PostgreSQL < 17 "
-    "job_stats_by_queue fails ('cannot subtract infinite timestamps', a psycopg.errors.DatetimeFieldOverflow "
-    "traceback); on 17+ the oldest age is infinite and --json prints Infinity, which is not JSON",
-)
 def test_stats_shows_rows_with_extreme_run_at(dsn: str, capsys: pytest.CaptureFixture[str]):
     for n, at in enumerate(EXTREME_RUN_AT):
         insert_row(dsn, kind=f"k{n}", run_at=at)
@@ -451,12 +437,6 @@ def test_stats_shows_rows_with_extreme_run_at(dsn: str, capsys: pytest.CaptureFi
     assert (depth["queue"], depth["state"], depth["count"]) == ("default", "available", 3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="`fastjobs jobs list` over a row whose run_at is -infinity, infinity or BC dies with a "
-    "traceback: psycopg cannot load such a timestamptz as a datetime (psycopg.DataError: timestamp too "
-    "small/large), and control.list_jobs asks for it as one",
-)
 @pytest.mark.parametrize("as_json", [False, True], ids=["human", "json"])
 def test_jobs_list_shows_rows_with_extreme_run_at(
     dsn: str, capsys: pytest.CaptureFixture[str], as_json: bool
@@ -558,14 +538,6 @@ def test_a_handler_may_return_anything(app: App, dsn: str, timeout: float | None
     }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="handlers.failure formats the error as f'{type(exc).__name__}: {exc}', so an exception whose "
-    "__str__ raises escapes BatchLoop._run (and Executor.run) as that RuntimeError: the worker dies, the "
-    "job and the rest of its batch stay 'running' for the rescuer, and the error recorded then is only "
-    "'worker died'. traceback.format_exception copes ('<exception str() failed>'); Sidekiq records "
-    "'!!! ERROR MESSAGE THREW AN ERROR !!!'",
-)
 @pytest.mark.parametrize("timeout", [None, 5.0], ids=["inline", "with-timeout"])
 def test_an_exception_whose_str_raises_fails_that_job_only(app: App, dsn: str, timeout: float | None):
     seen = []
@@ -591,13 +563,6 @@ def test_an_exception_whose_str_raises_fails_that_job_only(app: App, dsn: str, t
     assert "StrRaises" in rows[failing]["errors"][0]["traceback"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an exception's message is stored whole, twice (error and traceback): a 10 MB message makes a "
-    "20 MB record per attempt; repeated failures outgrow jsonb's 256 MB limit and job_finish_claim_many "
-    "fails ('total size of jsonb array elements exceeds the maximum'): the worker dies and its batch's "
-    "outcomes are lost (measured: a 45 MB message, attempt 3). Sidekiq keeps the first 10,000 characters",
-)
 def test_an_enormous_exception_message_is_recorded_bounded(app: App, dsn: str):
     seen = []
 
@@ -914,18 +879,7 @@ def test_a_wrong_dsn_is_named_without_its_password(dsn: str, capsys: pytest.Capt
         assert PASSWORD not in err
 
 
-RUN_XFAIL = pytest.mark.xfail(
-    strict=True,
-    reason="the master forks before anything connects; each worker's DatabaseUnavailable is not a boot "
-    "error (master._spawn only treats ConfigurationError and SchemaMissing so), so it prints a traceback, "
-    "exits 1 and is restarted with backoff forever while the leader retries: `fastjobs run` never exits",
-)
-
-
-@pytest.mark.parametrize(
-    "case",
-    [*(pytest.param(case, marks=RUN_XFAIL) for case in WRONG if case != "garbage"), "garbage"],
-)
+@pytest.mark.parametrize("case", WRONG)
 def test_fastjobs_run_with_a_wrong_dsn_exits_clearly(masters: procs.Masters, dsn: str, case: str):
     bad = wrong_dsn(case, dsn)
     master = masters.start("--processes", "1", module=BAD_MODULE, dsn=bad)
@@ -935,7 +889,8 @@ def test_fastjobs_run_with_a_wrong_dsn_exits_clearly(masters: procs.Masters, dsn
         15,
     )
     err = master.stderr()
-    assert master.proc.poll() not in (None, 0), err
+    assert master.proc.poll() == EXIT_BOOT_ERROR, err
+    assert master.forks() == []  # found out before forking
     for part in expected_message(case, bad):
         assert part in err
     assert "Traceback" not in err
@@ -961,20 +916,7 @@ API_CALLS: dict[str, Callable[[App], Any]] = {
 }
 
 
-@pytest.mark.parametrize(
-    "call",
-    [
-        *[c for c in API_CALLS if c != "cancel"],
-        pytest.param(
-            "cancel",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="app.cancel runs job_cancel without schema.check or enqueue's _schema_errors: "
-                "psycopg.errors.UndefinedTable 'relation \"fastjobs_jobs\" does not exist' escapes",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("call", API_CALLS)
 def test_the_api_on_a_database_without_the_schema_says_to_migrate(empty_dsn: str, call: str):
     app = App(empty_dsn)
     app.job(kind="unique", unique=True)(lambda a: None)  # its bulk enqueue is staged: another path
@@ -996,13 +938,6 @@ def old_dsn(empty_dsn: str) -> str:
     return empty_dsn
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="on a schema at 001, job_insert's ON CONFLICT (unique_key) finds no unique index (002 adds it): "
-    "psycopg.errors.InvalidColumnReference 'there is no unique or exclusion constraint matching the ON "
-    "CONFLICT specification' escapes, saying nothing of `fastjobs migrate` (_schema_errors only maps "
-    "UndefinedTable and UndefinedObject)",
-)
 def test_an_out_of_date_schema_enqueue_says_to_migrate(old_dsn: str):
     app = App(old_dsn)
     try:
