@@ -15,3 +15,4 @@ run fastjobs bench --drain-only --processes 1
 run fastjobs bench --drain-only --processes 4
 run fastjobs bench --latency-only --rate 1000 --latency-seconds 10
 run fastjobs bench --cleaner 1000000
+run fastjobs bench --soak 10 --hold 120 --plot bench/soak.png
