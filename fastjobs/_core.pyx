@@ -583,6 +583,7 @@ cdef class BatchLoop:
                 break
             if self._progress != NULL:
                 self._progress[0] += 1
+                self._progress[1] = <double>job_id
             kind = PQgetvalue(rows, i, 1)
             kind_len = PQgetlength(rows, i, 1)
             attempt = _int2(PQgetvalue(rows, i, 3))
@@ -656,6 +657,8 @@ cdef class BatchLoop:
                 failures.append(_cancelled(job_id, attempt))
                 continue
             self._add_done(job_id)
+        if self._progress != NULL:
+            self._progress[1] = -1.0 if slow else 0.0
         if slow:
             done = []
             try:
@@ -669,4 +672,6 @@ cdef class BatchLoop:
                 raise
             for job_id in done:
                 self._add_done(job_id)
+            if self._progress != NULL:
+                self._progress[1] = 0.0
         return 0

@@ -361,6 +361,7 @@ class BatchLoop:
                 break
             if self._progress is not None:
                 self._progress[0] += 1
+                self._progress[1] = job_id
             spec = specs.get(kind)
             if spec is None:
                 failures.append(handlers.unknown_kind(job_id, kind, attempt, max_attempts))
@@ -415,6 +416,10 @@ class BatchLoop:
                 failures.append(handlers.cancelled(job_id, attempt))
                 continue
             done.append(job_id)
+        # Which job a crash from here on would be blamed on (see
+        # sql.job_release_unstarted): unknown among concurrent slow jobs, none after.
+        if self._progress is not None:
+            self._progress[1] = -1.0 if slow else 0.0
         if slow:
             try:
                 executor.run(slow, done, failures)
@@ -423,3 +428,5 @@ class BatchLoop:
                 self.stopping = True
                 self.finish()
                 raise
+            if self._progress is not None:
+                self._progress[1] = 0.0

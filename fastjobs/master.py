@@ -14,13 +14,17 @@ import contextlib
 import os
 import select
 import signal
+import socket
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from . import database, schema
+import psycopg
+
+from . import database, schema, sql
 from .app import App
 from .errors import ConfigurationError, DatabaseUnavailable, FastjobsError, SchemaMissing
 from .impl import IMPLEMENTATION
@@ -256,8 +260,13 @@ class Master:
     def _exited(self, child: Child, status: int) -> None:
         code = os.waitstatus_to_exitcode(status)
         name = self._name(child)
-        child.pid = 0
         assert self.slots is not None
+        if child.role == WORKER and code not in (EXIT_OK, EXIT_BOOT_ERROR):
+            running = self.slots[child.index]["job"]
+            if running >= 0:  # -1: among concurrent slow jobs, the rescuer decides
+                release = (f"{socket.gethostname()}:{child.pid}:", int(running), name)
+                threading.Thread(target=self._release_unstarted, args=release, daemon=True).start()
+        child.pid = 0
         if self.stopping:
             if code not in (EXIT_OK, -signal.SIGTERM):
                 print(f"fastjobs: {name} exited with {code} while stopping", file=sys.stderr, flush=True)
@@ -277,6 +286,32 @@ class Master:
         how = "was killed by signal " + str(-code) if code < 0 else f"exited with {code}"
         print(f"fastjobs: {name} {how}; restarting in {delay:g}s", file=sys.stderr, flush=True)
         child.restart_at = time.monotonic() + delay
+
+    def _release_unstarted(self, prefix: str, running: int, name: str) -> None:
+        """A dead worker's jobs it had not started go back now, uncounted (sql.job_release_unstarted).
+
+        From a thread: the master's loop must not wait on the database. If
+        it is down, the rescuer returns them later, with a crash each.
+        """
+        try:
+            with (
+                database.connect(self.app.dsn, autocommit=True, connect_timeout=5) as conn,
+                psycopg.RawCursor(conn) as cur,
+            ):
+                released = cur.execute(sql.job_release_unstarted, (prefix, running)).rowcount
+        except (FastjobsError, psycopg.Error) as exc:
+            print(
+                f"fastjobs: {name}'s unstarted jobs are left to the rescuer: {exc}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        if released:
+            print(
+                f"fastjobs: {name} had claimed {released} jobs it never started: released",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _restart_due(self, now: float) -> None:
         for child in self.children:

@@ -285,6 +285,17 @@ UPDATE fastjobs_jobs j
               FOR UPDATE SKIP LOCKED))
 RETURNING j.id, j.state::text"""
 
+# job_release_unstarted: the master saw its worker die ($1: that worker's
+# attempted_by prefix, 'host:pid:'). Its running jobs other than $2, the one
+# it was running (0: none), had been claimed but not started, or had finished
+# unrecorded: they go back to available with the attempt given back and no
+# crash counted, so a job that kills its worker is quarantined alone. The
+# rescuer deals with $2.
+job_release_unstarted: Final = """
+UPDATE fastjobs_jobs
+   SET state = 'available', attempt = greatest(attempt - 1, 0)
+ WHERE state = 'running' AND left(attempted_by, length($1)) = $1 AND id <> $2"""
+
 # job_clean_completed_many: delete up to $2 completed or cancelled jobs finalized before $1.
 job_clean_completed_many: Final = """
 DELETE FROM fastjobs_jobs WHERE id IN (

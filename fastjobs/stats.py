@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .app import App
 
 MAGIC = 0x66_6A_73_74  # "fjst"
-VERSION = 2
+VERSION = 3
 HEADER = struct.Struct("<IIIIdd")  # magic, version, slots, master pid, started, spare
 FIELDS = (
     "pid",
@@ -47,6 +47,7 @@ FIELDS = (
     "started",
     "rate",  # completed jobs/s over the last second, written by the master
     "progress",  # jobs started, bumped by the hot loop per job (the watchdog's signal)
+    "job",  # the job the hot loop runs: its id, 0 between batches, -1 in the slow path
     "listening",  # 1 while the worker's LISTEN connection is up
     "listener_ok",  # time.time() of its last connect or ping round trip that worked
     "listener_reconnects",
@@ -100,8 +101,8 @@ class Slot:
         view[_HEARTBEAT] = time.time()
 
     def progress_view(self) -> Any:
-        """The one-float window the hot loop bumps per job."""
-        return self.view[F["progress"] : F["progress"] + 1]
+        """The two floats the hot loop writes per job: a count of jobs started, and the job's id."""
+        return self.view[F["progress"] : F["progress"] + 2]
 
     def beat(self) -> None:
         self.view[_HEARTBEAT] = time.time()

@@ -9,7 +9,7 @@ however fast the machine is): kill -9 of workers, of the leader, of the
 master; a restart of PostgreSQL (a private server, fast then immediate);
 pg_terminate_backend of every fastjobs connection, or of the LISTEN,
 control and leader connections only. A last test shows a job that kills its
-worker taking the jobs claimed with it into quarantine (xfail). At the end:
+worker: it is quarantined alone, the jobs claimed with it released. At the end:
 
 - every committed job ran at least once and finished (nothing pending,
   nothing discarded), and no job of a rolled-back transaction ever ran;
@@ -670,13 +670,6 @@ class InnocentQuarantined(AssertionError):
     """Jobs that never ran were discarded as quarantined."""
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=InnocentQuarantined,
-    reason="the rescuer counts a crash against every job its dead worker had claimed, started or not:"
-    " the jobs claimed with (or ahead of) a job that kills its worker reach max_crashes with it and are"
-    " discarded as 'quarantined: its worker died while running it 3 times' without ever running",
-)
 def test_a_poison_job_is_quarantined_alone(chaos: Chaos) -> None:
     """A job that kills its worker is quarantined after three deaths; the jobs claimed with it are not.
 
