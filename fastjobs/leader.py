@@ -26,7 +26,7 @@ import psycopg
 from . import database, enqueue, schema, sql
 from .cron import Cron
 from .errors import ConfigurationError, DatabaseUnavailable
-from .stats import HORIZON_WARNING, Slot, health
+from .stats import HORIZON_WARNING, Horizon, Slot, health
 from .types import JobSpec
 
 if TYPE_CHECKING:
@@ -261,6 +261,7 @@ class Vacuumer:
         self.config = config
         self.leading = leading
         self.runs = 0
+        self.held_back: Horizon | None = None  # the snapshot that made the last VACUUM futile
         self._conn: psycopg.Connection[Any] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fastjobs-vacuum", daemon=True)
@@ -306,15 +307,41 @@ class Vacuumer:
                 self._conn.close()
 
     def vacuum_once(self, conn: psycopg.Connection[Any]) -> float:
-        """VACUUM the jobs table if enough rows are dead; the seconds to wait before looking again."""
+        """VACUUM the jobs table if enough rows are dead; the seconds to wait before looking again.
+
+        A VACUUM that left most dead rows in place was held back by the
+        oldest snapshot; while that same snapshot stays open, another would
+        scan the whole (growing) table for nothing, taking CPU from the drain.
+        """
         with psycopg.RawCursor(conn) as cur:
             row = cur.execute(sql.jobs_dead_rows).fetchone()
             if row is None or row[0] < self.config.threshold:
                 return self.config.interval
+            holder = cur.execute(sql.mvcc_horizon).fetchone()
+            horizon = Horizon(*holder) if holder else None
+            if self.held_back is not None and _same_snapshot(self.held_back, horizon):
+                return self.config.interval
             began = time.monotonic()
             cur.execute(sql.vacuum_jobs)
+            spent = time.monotonic() - began
+            after = cur.execute(sql.jobs_dead_rows).fetchone()
         self.runs += 1
-        return self.config.rest(time.monotonic() - began)
+        futile = after is not None and after[0] >= FUTILE_VACUUM * row[0]
+        self.held_back = horizon if futile else None
+        return self.config.rest(spent)
+
+
+# A VACUUM that leaves this share of the dead rows in place was held back.
+FUTILE_VACUUM = 0.5
+
+
+def _same_snapshot(before: Horizon, now: Horizon | None) -> bool:
+    """Whether `now` is the snapshot `before` still open (same holder, open at least as long)."""
+    return (
+        now is not None
+        and (now.source, now.ident) == (before.source, before.ident)
+        and (now.seconds or 0.0) >= (before.seconds or 0.0)
+    )
 
 
 class Leader:

@@ -489,6 +489,22 @@ def test_vacuum_once_vacuums_the_jobs_table_past_its_threshold_of_dead_rows(dsn:
     assert wait_for(lambda: (s := vacuum_stats(dsn))["vacuums"] == 1 and s["dead"] == 0 and s, "the vacuum")
 
 
+def test_no_vacuum_again_while_the_snapshot_that_held_the_last_one_back_stays_open(dsn: str) -> None:
+    vacuumer = Vacuumer(dsn, VacuumConfig(threshold=100, interval=0.5), lambda: True)
+    with psycopg.connect(dsn, autocommit=True) as conn, psycopg.connect(dsn) as holder:
+        holder.execute("SELECT txid_current()")  # before the rows die: it may still see them
+        dead_rows(dsn, 300)
+        vacuumer.vacuum_once(conn)
+        assert vacuumer.runs == 1 and vacuumer.held_back is not None
+        assert vacuumer.held_back.ident == str(holder.info.backend_pid)
+        dead_rows(dsn, 300)
+        assert vacuumer.vacuum_once(conn) == 0.5 and vacuumer.runs == 1  # futile: not run
+        holder.rollback()
+        vacuumer.vacuum_once(conn)
+        assert vacuumer.runs == 2 and vacuumer.held_back is None
+    assert vacuum_stats(dsn) == {"dead": 0, "vacuums": 2}
+
+
 def test_the_leader_warns_of_a_snapshot_holding_cleanup_back(
     app: App, dsn: str, capfd: pytest.CaptureFixture[str]
 ) -> None:
