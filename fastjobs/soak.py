@@ -434,10 +434,35 @@ def run_soak(
         f" {figures['held_worst_jobs_per_s']:,} jobs/s; worst p99 {figures['held_p99_ms_worst']:,.1f} ms;"
         f" recovered {figures['recovery_s']} s after the transaction ended\n"
     )
+    echo(minute_table(record))
     bench._write(results, record, echo)
     if plot is not None:
         _plot(record, plot, echo)
     return record
+
+
+def minute_table(record: dict[str, Any]) -> str:
+    """Both phases minute by minute, as a Markdown table (bench/RESULTS.md)."""
+    lines = [
+        "| minute | steady jobs/s | p99 ms | dead rows | table + indexes MB"
+        " | held jobs/s | p99 ms | dead rows | table + indexes MB | backlog |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    per_minute = max(1, int(60 / SAMPLE_SECONDS))
+    phases = [record["steady"], record["held"]]
+    for m in range(max(len(p) for p in phases) // per_minute):
+        cells = [str(m + 1)]
+        for phase in phases:
+            window = phase[m * per_minute : (m + 1) * per_minute]
+            cells += [
+                f"{sum(s['jobs_per_s'] for s in window) / len(window):,.0f}",
+                f"{max(s['p99_ms'] or 0.0 for s in window):,.0f}",
+                f"{max(s['dead_rows'] for s in window):,}",
+                f"{window[-1]['table_mb'] + window[-1]['index_mb']:,.0f}",
+            ]
+        cells.append(f"{max(s['backlog'] for s in phases[1][m * per_minute : (m + 1) * per_minute]):,}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _plot(record: dict[str, Any], path: Path, echo: Callable[[str], None]) -> None:
