@@ -209,15 +209,22 @@ def test_a_killed_worker_is_replaced_and_the_jobs_keep_draining(
     slots = {int(p["index"]): p for p in mine[0]["processes"]}
     assert int(slots[0]["pid"]) == heir and slots[0]["role"] == 1
 
-    # The victim's claimed jobs stay 'running' (the rescuer's business); the rest all finish.
+    # The master gives back at once what the victim had claimed and not started (and what it
+    # ran but had not recorded yet): everything finishes but the job it was running, which
+    # stays 'running' for the rescuer.
     def drained() -> bool:
-        return all(state == "running" and f":{victim}:" in (by or "") for _, state, _, by in jobs_left(db))
+        left = jobs_left(db)
+        return len(left) <= 1 and all(
+            state == "running" and f":{victim}:" in (by or "") for _, state, _, by in left
+        )
 
-    wait_for(drained, "every job but the killed worker's to finish")
+    wait_for(drained, "every job but the one the killed worker was running to finish")
     assert master.stop() == 0, master.stderr()
     stuck = {row[0] for row in jobs_left(db)}
     ran = runs(db)
-    assert max(ran.values()) == 1
+    by_victim = {n for (n,) in db.execute("SELECT n FROM runs WHERE pid = %s", (victim,))}
+    assert max(ran.values()) <= 2
+    assert {n for n, times in ran.items() if times > 1} <= by_victim  # at least once: only its jobs again
     assert set(range(total)) - stuck <= set(ran)
     assert len(master.forks()) == 4  # two workers, the leader, one replacement
 
