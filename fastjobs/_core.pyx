@@ -498,8 +498,7 @@ cdef class BatchLoop:
             elif priority == lowest and run_at > latest:
                 latest = run_at
         if n:
-            finite = _MARK_RUN_AT_MIN < latest < _MARK_RUN_AT_MAX
-            self._marks[index] = (lowest, latest) if finite else None
+            self._marks[index] = (lowest, latest) if _MARK_RUN_AT_MIN < latest < _MARK_RUN_AT_MAX else None
         if self._sent_full:
             spent = now - self._sent_at
             self._next_full[index] = now + min(spent * (1.0 - self._duty) / self._duty,

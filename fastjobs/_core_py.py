@@ -167,8 +167,9 @@ class BatchLoop:
         full_claim_duty: float = FULL_CLAIM_DUTY,
     ) -> None:
         self._pgconn = conn.pgconn
-        # A one-float shared-memory window bumped per job started, so the
-        # master can tell a long batch from a hung one.
+        # Two floats of shared memory written per job started: a count, so
+        # the master can tell a long batch from a hung one, and the job's id,
+        # so it knows which job a dead worker was running.
         self._progress = progress
         self._specs = specs
         self._executor = executor
@@ -280,11 +281,11 @@ class BatchLoop:
             if from_front:
                 wait = (now - sent) * (1.0 - self._duty) / self._duty
                 self._next_full[index] = now + min(wait, FULL_CLAIM_MAX_WAIT)
-            # An empty claim after the mark may have missed a job behind it:
-            # an idle loop claims from the front as soon as that is due.
-            self.recheck = (
-                max(0.0, self._next_full[index] - now) if not (rows or from_front) else float("inf")
-            )
+            elif not rows:
+                # An empty claim after the mark may have missed a job behind
+                # it: an idle loop claims from the front as soon as that is due
+                # (step() resets this; the soonest over the queues tried wins).
+                self.recheck = min(self.recheck, max(0.0, self._next_full[index] - now))
         self._full = len(rows) >= self._limit > 0
         self.size = min(self.batch_max, self._cap, max(self.batch_min, 2 * len(rows)))
         return rows

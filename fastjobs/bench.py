@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import multiprocessing
@@ -13,7 +14,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -281,6 +282,37 @@ def _proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@contextlib.contextmanager
+def master_running(
+    make_app: Callable[[], App], processes: int, batch: int, keep: bool = False
+) -> Iterator[Slots]:
+    """A real `fastjobs run` (master, workers, leader) forked for a benchmark, its workers ready.
+
+    Yields the master's shared-memory counters; its stderr is kept aside and
+    shown only if the benchmark fails; SIGTERM stops it at the end.
+    """
+    log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in the finally below)
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(log.fileno(), 2)
+        queues = {"default": processes * DEFAULT_CONCURRENCY}
+        os._exit(Master(make_app(), processes, queues, batch_max=batch, keep_completed=keep).run())
+    try:
+        slots = _await_slots(pid, processes)
+        try:
+            yield slots
+        finally:
+            slots.close()
+    except BaseException:
+        log.seek(0)
+        sys.stderr.write(log.read().decode(errors="replace"))
+        raise
+    finally:
+        os.kill(pid, signal.SIGTERM)
+        os.waitpid(pid, 0)
+        log.close()
+
+
 def _master_once(
     dsn: str, jobs: int, processes: int, batch: int, keep: bool, echo: Callable[[str], None]
 ) -> tuple[float, float]:
@@ -291,16 +323,7 @@ def _master_once(
     counters, so no query competes with the drain.
     """
     _reset(dsn)
-    log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in the finally below)
-    pid = os.fork()
-    if pid == 0:
-        os.dup2(log.fileno(), 2)
-        app = _bench_app(dsn)
-        queues = {"default": processes * DEFAULT_CONCURRENCY}
-        code = Master(app, processes, queues, batch_max=batch, keep_completed=keep).run()
-        os._exit(code)
-    try:
-        slots = _await_slots(pid, processes)
+    with master_running(lambda: _bench_app(dsn), processes, batch, keep) as slots:
         App(dsn).enqueue_many(BENCH_KIND, ({"i": i} for i in range(jobs)))
         began = time.perf_counter()
         workers = [slots[i] for i in range(processes)]
@@ -313,15 +336,6 @@ def _master_once(
             time.sleep(0.002)
         seconds = time.perf_counter() - began
         cpu = sum(_proc_cpu(int(w["pid"])) for w in workers)
-        slots.close()
-    except BaseException:
-        log.seek(0)
-        sys.stderr.write(log.read().decode(errors="replace"))
-        raise
-    finally:
-        os.kill(pid, signal.SIGTERM)
-        os.waitpid(pid, 0)
-        log.close()
     return seconds, cpu
 
 

@@ -12,17 +12,13 @@ middle, and reports the last minute against the first and the recovery.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import mmap
 import multiprocessing
 import os
-import signal
-import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +29,6 @@ from . import bench, sql, stats
 from .app import App
 from .errors import FastjobsError
 from .impl import IMPLEMENTATION
-from .master import DEFAULT_CONCURRENCY, Master
 
 SOAK_KIND = "fastjobs.bench.soak"
 SAMPLE_SECONDS = 10.0
@@ -122,29 +117,6 @@ def _soak_app(dsn: str, histograms: Histograms) -> App:
         histograms.record(time.time() - t)
 
     return app
-
-
-@contextlib.contextmanager
-def _master(dsn: str, processes: int, batch: int, histograms: Histograms) -> Iterator[int]:
-    """A real `fastjobs run` (master, workers, leader) serving the soak's jobs, its stderr kept aside."""
-    log = tempfile.TemporaryFile()  # noqa: SIM115 (closed below)
-    pid = os.fork()
-    if pid == 0:
-        os.dup2(log.fileno(), 2)
-        app = _soak_app(dsn, histograms)
-        queues = {"default": processes * DEFAULT_CONCURRENCY}
-        os._exit(Master(app, processes, queues, batch_max=batch).run())
-    try:
-        bench._await_slots(pid, processes).close()
-        yield pid
-    except BaseException:
-        log.seek(0)
-        sys.stderr.write(log.read().decode(errors="replace"))
-        raise
-    finally:
-        os.kill(pid, signal.SIGTERM)
-        os.waitpid(pid, 0)
-        log.close()
 
 
 def _produce(dsn: str, rate: float | None, stop: Any, sent: Any) -> None:
@@ -246,7 +218,7 @@ def measure_maximum(
     bench._reset(dsn)
     histograms.reset()
     stop, sent = ctx.Event(), ctx.Value("q", 0)
-    with _master(dsn, processes, batch, histograms):
+    with bench.master_running(lambda: _soak_app(dsn, histograms), processes, batch):
         pids = [_spawn(_produce, dsn, None, stop, sent)]
         try:
             fast = _window(lambda: histograms.total()[0], echo, "fastjobs, enqueue_many and run at once")
@@ -308,7 +280,10 @@ def run_phase(
     histograms.reset()
     stop, sent = ctx.Event(), ctx.Value("q", 0)
     samples: list[Sample] = []
-    with _master(dsn, processes, batch, histograms), psycopg.connect(dsn, autocommit=True) as watch:
+    with (
+        bench.master_running(lambda: _soak_app(dsn, histograms), processes, batch),
+        psycopg.connect(dsn, autocommit=True) as watch,
+    ):
         pids = [_spawn(_produce, dsn, rate, stop, sent)]
         try:
             began = time.perf_counter()

