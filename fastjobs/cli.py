@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import bench, control, database, schema, soak, sql, stats
+from . import control, database, schema, sql, stats
 from .app import App
 from .errors import ConfigurationError, FastjobsError
 from .impl import IMPLEMENTATION
@@ -349,6 +349,10 @@ def _size(n: int) -> str:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    # Imported here: the benchmark (a subpackage of its own) is no cost to any other command.
+    from . import bench
+    from .bench import soak
+
     dsn = database.resolve_dsn(args.dsn)
     if args.soak:
         soak.run_soak(

@@ -23,8 +23,8 @@ from .types import MAX_ATTEMPTS_LIMIT, PRIORITY_MAX, PRIORITY_MIN, JobSpec
 # large enough that the per-write cost vanishes.
 COPY_CHUNK = 8192
 
-_COPY_HEADER = b"PGCOPY\n\xff\r\n\x00" + bytes(8)  # signature, flags, extension length
-_COPY_TRAILER = b"\xff\xff"
+COPY_HEADER = b"PGCOPY\n\xff\r\n\x00" + bytes(8)  # signature, flags, extension length
+COPY_TRAILER = b"\xff\xff"
 _PG_EPOCH = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
 
 
@@ -258,11 +258,11 @@ def copy_many(conn: psycopg.Connection[Any], opts: Options, rows: Iterable[Any])
         return 0
     total = 0
     with schema.required(), _atomic(conn), conn.cursor() as cur, cur.copy(statement) as copy:
-        copy.write(_COPY_HEADER)
+        copy.write(COPY_HEADER)
         for data, count in _prepend(first, chunks):
             copy.write(data)
             total += count
-        copy.write(_COPY_TRAILER)
+        copy.write(COPY_TRAILER)
     return total
 
 
@@ -278,10 +278,10 @@ def _copy_staged(conn: psycopg.Connection[Any], opts: Options, rows: Iterable[An
     with schema.required(), _atomic(conn), psycopg.RawCursor(conn) as cur:
         cur.execute(sql.job_stage_create)
         with cur.copy(sql.job_copy_staged) as copy:
-            copy.write(_COPY_HEADER)
+            copy.write(COPY_HEADER)
             for data, _ in _prepend(first, chunks):
                 copy.write(data)
-            copy.write(_COPY_TRAILER)
+            copy.write(COPY_TRAILER)
         inserted = cur.execute(sql.job_insert_staged).rowcount
         cur.execute(sql.job_stage_clear)
     return inserted
@@ -296,10 +296,10 @@ async def _copy_staged_async(conn: psycopg.AsyncConnection[Any], opts: Options, 
         async with _atomic_async(conn), psycopg.AsyncRawCursor(conn) as cur:
             await cur.execute(sql.job_stage_create)
             async with cur.copy(sql.job_copy_staged) as copy:
-                await copy.write(_COPY_HEADER)
+                await copy.write(COPY_HEADER)
                 for data, _ in _prepend(first, chunks):
                     await copy.write(data)
-                await copy.write(_COPY_TRAILER)
+                await copy.write(COPY_TRAILER)
             await cur.execute(sql.job_insert_staged)
             inserted = cur.rowcount
             await cur.execute(sql.job_stage_clear)
@@ -323,11 +323,11 @@ async def copy_many_async(conn: psycopg.AsyncConnection[Any], opts: Options, row
     total = 0
     with schema.required():
         async with _atomic_async(conn), conn.cursor() as cur, cur.copy(statement) as copy:
-            await copy.write(_COPY_HEADER)
+            await copy.write(COPY_HEADER)
             for data, count in _prepend(first, chunks):
                 await copy.write(data)
                 total += count
-            await copy.write(_COPY_TRAILER)
+            await copy.write(COPY_TRAILER)
     return total
 
 

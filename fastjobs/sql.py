@@ -456,24 +456,6 @@ SELECT relname::text, n_live_tup, n_dead_tup, pg_table_size(relid), pg_indexes_s
 # NOTIFY (so every enqueue) fails.
 notify_queue_usage: Final = "SELECT pg_notification_queue_usage()"
 
-# bench_available_count: progress of a benchmark drain (reads only the claim index).
-bench_available_count: Final = "SELECT count(*) FROM fastjobs_jobs WHERE state = 'available'"
-
-# bench_seed_finished: $1 completed jobs finalized two days ago, for the cleaner benchmark.
-bench_seed_finished: Final = """
-INSERT INTO fastjobs_jobs (kind, args, state, attempt, created_at, attempted_at, finalized_at)
-SELECT 'fastjobs.bench.old', jsonb_build_object('i', i), 'completed', 1,
-       now() - interval '2 days', now() - interval '2 days', now() - interval '2 days'
-  FROM generate_series(1, $1::int) AS i"""
-
-# bench_raw_complete: the raw-SQL limit's completion, DELETE by id array.
-bench_raw_complete: Final = "DELETE FROM fastjobs_jobs WHERE id = ANY($1::bigint[])"
-
-# bench_raw_complete_keep: the raw-SQL limit's completion when completed jobs are kept.
-bench_raw_complete_keep: Final = (
-    "UPDATE fastjobs_jobs SET state = 'completed', finalized_at = now() WHERE id = ANY($1::bigint[])"
-)
-
 # Statements that PREPARE cannot take (COPY); the test of every statement skips them.
 NOT_PREPARABLE: Final = frozenset(
     {

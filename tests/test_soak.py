@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from fastjobs import soak
-from fastjobs.soak import Histograms, Sample, percentile, recovery_seconds
+from fastjobs.bench import soak
+from fastjobs.bench.soak import Histograms, Sample, percentile, recovery_seconds
 
 
 def test_percentiles_of_the_histogram_are_bin_edges_within_five_percent() -> None:

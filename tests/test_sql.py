@@ -13,6 +13,7 @@ import psycopg
 import pytest
 
 from fastjobs import App, sql
+from fastjobs.bench import queries as bench_queries
 
 from .conftest import _create_database, _drop_database
 
@@ -31,6 +32,14 @@ def test_statement_prepares(conn, name):
     with psycopg.RawCursor(conn) as cur:
         cur.execute(sql.job_stage_create)  # the staging statements refer to the session's temp table
         cur.execute(f"PREPARE {name} AS {sql.statements()[name]}")
+        row = cur.execute("SELECT count(*) FROM pg_prepared_statements WHERE name = $1", (name,)).fetchone()
+    assert row == (1,)
+
+
+@pytest.mark.parametrize("name", sorted(bench_queries.statements()))
+def test_bench_statement_prepares(conn, name):
+    with psycopg.RawCursor(conn) as cur:
+        cur.execute(f"PREPARE {name} AS {bench_queries.statements()[name]}")
         row = cur.execute("SELECT count(*) FROM pg_prepared_statements WHERE name = $1", (name,)).fetchone()
     assert row == (1,)
 
@@ -151,7 +160,7 @@ def test_the_claim_after_the_mark_skips_the_dead_entries_a_held_snapshot_keeps(d
             holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
             holder.execute("SELECT count(*) FROM fastjobs_workers")  # the snapshot, held until the end
             claimed = [r for r in cur.execute(sql.job_claim_many, ("default", 90_000, "w"))]
-            cur.execute(sql.bench_raw_complete, ([r[0] for r in claimed],))
+            cur.execute(bench_queries.bench_raw_complete, ([r[0] for r in claimed],))
             priority, run_at = claimed[-1][5], max(r[6] for r in claimed)
             micros = (run_at - dt.datetime(2000, 1, 1, tzinfo=dt.UTC)) // dt.timedelta(microseconds=1)
 

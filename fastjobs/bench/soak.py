@@ -25,10 +25,11 @@ from typing import Any
 
 import psycopg
 
-from . import bench, sql, stats
-from .app import App
-from .errors import FastjobsError
-from .impl import IMPLEMENTATION
+from .. import bench, sql, stats
+from ..app import App
+from ..errors import FastjobsError
+from ..impl import IMPLEMENTATION
+from . import queries
 
 SOAK_KIND = "fastjobs.bench.soak"
 SAMPLE_SECONDS = 10.0
@@ -167,7 +168,7 @@ def _raw_consume(dsn: str, batch: int, stop: Any, completed: Any) -> None:
             if not ids:
                 time.sleep(0.001)
                 continue
-            cur.execute(sql.bench_raw_complete, (ids,))
+            cur.execute(queries.bench_raw_complete, (ids,))
             with completed.get_lock():
                 completed.value += len(ids)
 
@@ -295,7 +296,7 @@ def run_phase(
                 bins = [a - b for a, b in zip(total[1:], last[1:], strict=True)]
                 health = stats.health(watch)
                 jobs = next(t for t in health.tables if t.table == "fastjobs_jobs")
-                backlog = watch.execute(sql.bench_available_count).fetchone()[0]  # type: ignore[index]
+                backlog = watch.execute(queries.bench_available_count).fetchone()[0]  # type: ignore[index]
                 p50, p99 = percentile(bins, 0.50), percentile(bins, 0.99)
                 h = health.horizon
                 sample = Sample(

