@@ -255,8 +255,8 @@ class Master:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
         # A master killed by SIGKILL cannot remove its shared-memory file.
-        with contextlib.suppress(FileNotFoundError):
-            (shm_dir() / f"fastjobs-{self.pid}.stats").unlink()
+        for path in shm_dir().glob(f"fastjobs-{self.pid}-*.stats"):
+            path.unlink(missing_ok=True)
 
 
 def pgrp(pid: int) -> int | None:
