@@ -494,7 +494,8 @@ def _health_metrics(health: Health) -> list[str]:
         lines.append(f"# HELP {name} {help_text}")
         lines.append(f"# TYPE {name} gauge")
         lines.extend(
-            f"{name}{{{labels}}} {value:g}" if labels else f"{name} {value:g}" for labels, value in samples
+            f"{name}{{{labels}}} {float(value)!r}" if labels else f"{name} {float(value)!r}"
+            for labels, value in samples
         )
 
     h = health.horizon
