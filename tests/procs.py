@@ -257,7 +257,10 @@ class Master:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
         # A master killed by SIGKILL cannot remove its shared-memory file.
-        for path in shm_dir().glob(f"fastjobs-{self.pid}-*.stats"):
+        for path in [
+            *shm_dir().glob(f"fastjobs-{self.pid}-*.stats"),
+            shm_dir() / f"fastjobs-{self.pid}.stats",
+        ]:
             path.unlink(missing_ok=True)
 
 
