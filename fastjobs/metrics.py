@@ -235,8 +235,18 @@ class DatabaseReader:
         return result
 
     def _connect(self) -> psycopg.Connection[Any]:
+        # Keepalives and a TCP user timeout: statement_timeout is the server's,
+        # and a server cut off by the network would otherwise hold a read here.
         conn = database.connect(
-            self.dsn, autocommit=True, connect_timeout=CONNECT_TIMEOUT, application_name="fastjobs metrics"
+            self.dsn,
+            autocommit=True,
+            connect_timeout=CONNECT_TIMEOUT,
+            application_name="fastjobs metrics",
+            keepalives=1,
+            keepalives_idle=5,
+            keepalives_interval=2,
+            keepalives_count=2,
+            tcp_user_timeout=int(STATEMENT_TIMEOUT * 1000 + 3000),
         )
         try:
             with psycopg.RawCursor(conn) as cur:
