@@ -364,7 +364,7 @@ def test_masters_in_separate_pid_namespaces_sharing_dev_shm_keep_apart(
 # Run inside a mount namespace with a /dev/shm of its own, so no other
 # `fastjobs stats` on this host meets these files.
 GARBAGE = """
-import json, os, struct, subprocess, sys
+import fcntl, json, os, struct, subprocess, sys
 from fastjobs import stats
 
 shm = stats.shm_dir()
@@ -379,15 +379,35 @@ for name, data in planted.items():
 os.symlink("/etc/hostname", shm / "fastjobs-3-link.stats")
 os.mkfifo(shm / "fastjobs-4-fifo.stats")
 os.mkdir(shm / "fastjobs-5-dir.stats")
+# A complete file anyone may read, held by a live "master" (this script), of no database.
+readable = shm / "fastjobs-6-readable.stats"
+readable.write_bytes(valid_header.ljust(stats.HEADER.size + 3 * stats.SLOT * 8, b"\\0"))
+readable.chmod(0o644)
+held = os.open(readable, os.O_RDONLY)
+fcntl.flock(held, fcntl.LOCK_EX)
 names = sorted(os.listdir(shm))
-try:
-    done = subprocess.run(
-        [sys.executable, "-m", "fastjobs.cli", "--dsn", sys.argv[1], "stats", "--json"],
-        capture_output=True, text=True, timeout=15,
-    )
-    result = {"rc": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
-except subprocess.TimeoutExpired:
-    result = {"rc": "timed out", "stdout": "", "stderr": ""}
+
+
+def stats_of(*user):
+    try:
+        done = subprocess.run(
+            [*user, sys.executable, "-m", "fastjobs.cli", "--dsn", sys.argv[1], "stats", "--json"],
+            capture_output=True, text=True, timeout=15,
+        )
+    except subprocess.TimeoutExpired:
+        return {"rc": "timed out", "stdout": "", "stderr": ""}
+    return {"rc": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
+
+
+result = stats_of()
+# Another user's view of the same files (what `fastjobs stats` reads, without its database part).
+listing = (
+    "import json; from fastjobs import stats; found, skipped = stats.live_masters();"
+    "print(json.dumps([[str(m.path) for m in found], [[str(s.path), s.reason] for s in skipped]]))"
+)
+nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", listing]
+done = subprocess.run(nobody, capture_output=True, text=True, timeout=15)
+result["other_user"] = {"rc": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
 result["planted"] = [str(shm / name) for name in names]
 result["left"] = sorted(os.listdir(shm))
 print(json.dumps(result))
@@ -418,8 +438,16 @@ def test_truncated_and_foreign_files_in_dev_shm_are_skipped_with_a_note(tmp_path
     assert result["rc"] == 0, result["stderr"]
     assert json.loads(result["stdout"])["masters"] == []
     assert "Traceback" not in result["stderr"]
+    readable = next(p for p in result["planted"] if p.endswith("-readable.stats"))
     for path in result["planted"]:
-        assert f"skipped {path}: " in result["stderr"], (path, result["stderr"])
+        if path != readable:  # live (locked), of another database: not listed, no note
+            assert f"skipped {path}: " in result["stderr"], (path, result["stderr"])
+    # Another user reads none of root's files, not even one it may open.
+    other = result["other_user"]
+    assert other["rc"] == 0, other["stderr"]
+    found, skipped = json.loads(other["stdout"])
+    assert found == []
+    assert [readable, "owned by uid 0, not this user"] in skipped, skipped
     assert result["left"] == sorted(Path(p).name for p in result["planted"])  # nothing of others removed
 
 
