@@ -176,7 +176,16 @@ class Slots:
             # Locked before it has a header: a reader never sees a valid unlocked file of a live master.
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.ftruncate(fd, size)
-            mapping = mmap.mmap(fd, size)
+            # Mapped through a second open of the file: mmap keeps a dup of its
+            # descriptor, which every child inherits, and a dup shares the lock.
+            try:
+                unlocked = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+            except FileNotFoundError:  # no /proc: the path, ours in a sticky directory
+                unlocked = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                mapping = mmap.mmap(unlocked, size)
+            finally:
+                os.close(unlocked)
         except BaseException:
             os.close(fd)
             path.unlink(missing_ok=True)

@@ -313,7 +313,7 @@ def test_a_master_that_cannot_bind_its_metrics_port_exits_and_leaves_no_stats_fi
 
 
 def test_a_killed_masters_file_is_told_from_a_live_master_with_its_pid_and_removed(
-    masters: procs.Masters, app: App
+    masters: procs.Masters, app: App, db: psycopg.Connection[Any]
 ) -> None:
     master = masters.start("--processes", "1")
     wait_for(
@@ -321,9 +321,12 @@ def test_a_killed_masters_file_is_told_from_a_live_master_with_its_pid_and_remov
         "the master in `fastjobs stats`",
     )
     [path] = stats_files(master.pid)
-    os.killpg(master.pid, signal.SIGKILL)
+    app.enqueue("hang", {"n": 1})  # its worker outlives the master until SIGKILL
+    wait_for(lambda: count(db, "SELECT count(*) FROM runs") == 1, "the hung job to start")
+    worker = master.wait_child("fastjobs: worker 1 ")
+    os.kill(master.pid, signal.SIGKILL)
     master.wait()
-    wait_for(lambda: not procs.group(master.pid), "the master's processes to die")
+    assert procs.alive(worker)  # an orphan holds what it inherited: not the master's lock
     # Its pid is taken by a live process now: this test's own.
     with path.open("r+b") as fh:
         fh.seek(12)  # magic, version, slots, then the master's pid
