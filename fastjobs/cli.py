@@ -91,6 +91,11 @@ def _parser() -> argparse.ArgumentParser:
     stats = commands.add_parser("stats", help="queue depths, and live rates of masters on this host")
     stats.add_argument("--json", action="store_true", help="one JSON document for machines")
     stats.add_argument(
+        "--all-masters",
+        action="store_true",
+        help="list the live masters of every database on this host, not only of this one",
+    )
+    stats.add_argument(
         "--horizon-warning",
         type=float,
         default=HORIZON_WARNING,
@@ -270,12 +275,16 @@ def _stats(args: argparse.Namespace) -> int:
         schema.check(conn)
         depths = stats.queue_depths(conn)
         health = stats.health(conn)
+        identity = stats.database_identity(conn, dsn)
     warnings = health.warnings(args.horizon_warning)
-    masters: list[dict[str, Any]] = []
-    for slots in stats.live_masters():
-        procs = [s.as_dict() for s in slots if s["role"]]
-        masters.append({"master_pid": slots.master_pid, "processes": procs})
-        slots.close()
+    found, skipped = stats.live_masters(None if args.all_masters else identity)
+    for skip in skipped:
+        removed = " (removed)" if skip.stale and skip.ours else ""
+        print(f"fastjobs: skipped {skip.path}: {skip.reason}{removed}", file=sys.stderr)
+    masters: list[dict[str, Any]] = [
+        {"master_pid": m.master_pid, "database": m.database, "file": str(m.path), "processes": m.processes}
+        for m in found
+    ]
     if args.json:
         doc = {
             "queues": [dataclasses.asdict(d) for d in depths],
@@ -293,7 +302,8 @@ def _stats(args: argparse.Namespace) -> int:
         print("(no jobs)")
     now = time.time()
     for m in masters:
-        print(f"\nmaster pid {m['master_pid']} on this host")
+        elsewhere = "" if m["database"] == identity else f", database {m['database']}"
+        print(f"\nmaster pid {m['master_pid']} on this host{elsewhere}")
         print(
             f"{'process':<12}{'pid':>8}{'jobs/s':>10}{'completed':>12}{'failed':>9}{'retried':>9}{'discarded':>10}"
             f"{'beat':>8}  listener"

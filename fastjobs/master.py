@@ -20,7 +20,6 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any
 
 import psycopg
 
@@ -29,7 +28,8 @@ from .app import App
 from .errors import ConfigurationError, DatabaseUnavailable, FastjobsError, SchemaMissing
 from .impl import IMPLEMENTATION
 from .leader import Leader, LeaderConfig
-from .stats import LEADER, WORKER, Slot, Slots, serve
+from .metrics import MetricsProcess
+from .stats import LEADER, WORKER, Slot, Slots, database_identity
 from .worker import Worker
 
 # Exit codes of a child. BOOT_ERROR means "could not start, do not restart":
@@ -144,6 +144,7 @@ class Master:
         self.leader_config = leader or LeaderConfig()
         self.children = [Child(i, WORKER) for i in range(processes)] + [Child(processes, LEADER)]
         self.slots: Slots | None = None
+        self._metrics: MetricsProcess | None = None
         self.stopping = False
         self.deadline = 0.0
         self.exit_code = EXIT_OK
@@ -160,15 +161,16 @@ class Master:
         dsn = self.app.dsn  # resolved (an embedded server started) once, before forking
         assert dsn
         try:
-            self._check_database(dsn)
+            identity = self._check_database(dsn)
         except (ConfigurationError, DatabaseUnavailable, SchemaMissing) as exc:
             print(f"fastjobs: {exc}", file=sys.stderr, flush=True)
             return EXIT_BOOT_ERROR
-        self.slots = Slots.create(len(self.children))
-        self._install_signals()
-        self._print_plan()
-        server = self._start_metrics() if self.metrics else None
+        self.slots = Slots.create(len(self.children), identity)
         try:
+            self._install_signals()
+            self._print_plan()
+            if self.metrics:
+                self._start_metrics()
             for child in self.children:
                 if child.role == LEADER or self.plan[child.index]:
                     self._spawn(child)
@@ -184,17 +186,19 @@ class Master:
                 else:
                     self._watchdog(now)
                     self._restart_due(now)
+                    if self._metrics is not None:
+                        self._metrics.restart_due(now)
                 self._titles(now)
                 self._sleep(0.25)
         finally:
-            if server is not None:
-                server.shutdown()
+            if self._metrics is not None:
+                self._metrics.stop()
             self.slots.close(unlink=True)
         return self.exit_code
 
     @staticmethod
-    def _check_database(dsn: str) -> None:
-        """Connect and check the schema once, before forking anything.
+    def _check_database(dsn: str) -> str:
+        """Connect and check the schema once, before forking anything; the database's identity.
 
         A database that cannot be reached at start is a boot error: each child
         would otherwise fail with DatabaseUnavailable and be restarted forever,
@@ -203,6 +207,7 @@ class Master:
         """
         with database.connect(dsn, autocommit=True) as conn:
             schema.check(conn)
+            return database_identity(conn, dsn)
 
     def _install_signals(self) -> None:
         def queue_signal(signum: int, frame: object) -> None:
@@ -254,6 +259,8 @@ class Master:
                 return
             child = next((c for c in self.children if c.pid == pid), None)
             if child is None:
+                if self._metrics is not None:
+                    self._metrics.exited(pid, status, self.stopping)
                 continue
             self._exited(child, status)
 
@@ -457,12 +464,12 @@ class Master:
         state = "stopping" if self.stopping else f"{total:,.0f} jobs/s"
         setproctitle(f"fastjobs: master [{len(self.plan)} workers] {state}")
 
-    def _start_metrics(self) -> Any:
+    def _start_metrics(self) -> None:
+        """Fork the metrics process before any worker; FastjobsError if it cannot listen."""
         assert self.metrics is not None and self.slots is not None
         host, port = self.metrics
-        try:
-            server = serve(host, port, self.slots, self.app)
-        except OSError as exc:
-            raise FastjobsError(f"cannot serve metrics on {host}:{port}: {exc}") from None
-        print(f"fastjobs: metrics on http://{host}:{server.server_address[1]}/metrics", file=sys.stderr)
-        return server
+        self._metrics = MetricsProcess(
+            host, port, self.slots, self.app.dsn, close_in_child=(self._wake_r, self._wake_w)
+        )
+        self._metrics.start()
+        print(f"fastjobs: metrics on {self._metrics.url}", file=sys.stderr)

@@ -451,6 +451,21 @@ SELECT relname::text, n_live_tup, n_dead_tup, pg_table_size(relid), pg_indexes_s
  WHERE schemaname = current_schema() AND relname LIKE 'fastjobs\\_%'
  ORDER BY relname"""
 
+# database_identity: which database this is, nothing secret: the cluster's
+# system identifier and the database's name. A master records it in its
+# shared-memory file so `fastjobs stats` shows only the masters of its own
+# database, however each spelled its DSN.
+database_identity: Final = (
+    "SELECT system_identifier::text || '/' || current_database() FROM pg_control_system()"
+)
+
+# metrics_session: the metrics process's connection gives up on a lock and
+# on any statement after $1 and $2 (a scrape then answers without the
+# database's part, and no backend is left waiting behind a lock).
+metrics_session: Final = (
+    "SELECT set_config('lock_timeout', $1, false), set_config('statement_timeout', $2, false)"
+)
+
 # notify_queue_usage: the fraction of the server's NOTIFY queue in use. It
 # grows when a listening session sits in a long transaction; at 100% every
 # NOTIFY (so every enqueue) fails.

@@ -4,35 +4,42 @@ The master maps one file in /dev/shm before forking: a header, then one
 fixed slot per process. A process writes only its own slot, after each
 batch, with plain stores: no lock, no syscall (a torn read costs the master
 one slightly wrong sample, never a wrong total). `fastjobs stats` on the same
-host finds the file by the master's pid and reads the live rates.
+host finds the files of the live masters of its database and reads the rates.
+
+The file is `fastjobs-<pid>-<random token>.stats`, created exclusively (never
+another master's file or a planted link, even from another PID namespace
+sharing /dev/shm) and owner-only. Its master holds an flock on it for its
+whole life: a file nobody holds is stale (its master was killed), whatever
+process has its pid now. Stale files are removed by `fastjobs stats` and by
+the next master of the same user; a master removes its own on every exit
+it lives through.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
+import secrets
+import stat
 import struct
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psycopg
 
 from . import database, sql
-from .errors import FastjobsError
-
-if TYPE_CHECKING:
-    from .app import App
 
 MAGIC = 0x66_6A_73_74  # "fjst"
-VERSION = 3
-HEADER = struct.Struct("<IIIIdd")  # magic, version, slots, master pid, started, spare
+VERSION = 4
+# magic, version, slots, master pid, started, token, database identity (sql.database_identity)
+HEADER = struct.Struct("<IIIId16s128s")
+MAX_SLOTS = 4096  # a bigger file is not one of ours
 FIELDS = (
     "pid",
     "role",  # 0 empty, 1 worker, 2 leader
@@ -62,10 +69,6 @@ _LISTENING, _LISTENER_OK, _LISTENER_RECONNECTS = (
 )
 ROLES = {1: "worker", 2: "leader"}
 WORKER, LEADER = 1, 2
-
-
-def shm_dir() -> Path:
-    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 
 
 class Slot:
@@ -117,40 +120,93 @@ class Slot:
         return {name: float(self.view[i]) for i, name in enumerate(FIELDS)}
 
 
+def shm_dir() -> Path:
+    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+
+
+def database_identity(conn: psycopg.Connection[Any], dsn: str) -> str:
+    """The non-secret identity of the database (sql.database_identity), recorded in the stats file.
+
+    A role denied pg_control_system() gets `host:port/dbname` of its DSN instead.
+    """
+    try:
+        with psycopg.RawCursor(conn) as cur:
+            row = cur.execute(sql.database_identity).fetchone()
+    except psycopg.errors.InsufficientPrivilege:
+        return database.describe(dsn)
+    return str(row[0]) if row else database.describe(dsn)
+
+
+# The lock on a master's file must be the master's alone: a child holding
+# the inherited descriptor would keep a killed master's file looking alive.
+# (fork() has no close-on-fork flag; every fork of this process closes them.)
+_held_locks: set[int] = set()
+
+
+def _close_held_locks() -> None:
+    for fd in _held_locks:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _held_locks.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_locks)
+
+
 class Slots:
     """The shared mapping: created by the master, inherited by its children, read by `fastjobs stats`."""
 
-    def __init__(self, path: Path, count: int, create: bool) -> None:
+    def __init__(self, path: Path, mapping: mmap.mmap, count: int, lock: int | None = None) -> None:
         self.path = path
-        size = HEADER.size + count * SLOT * 8
-        flags = os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0)
-        fd = os.open(path, flags, 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, size)
-            self._map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        if create:
-            HEADER.pack_into(self._map, 0, MAGIC, VERSION, count, os.getpid(), time.time(), 0.0)
+        self._map = mapping
+        self._lock = lock
         self.count = count
-        self._values: Any = memoryview(self._map)[HEADER.size :].cast("d")
+        self._values: Any = memoryview(mapping)[HEADER.size :].cast("d")
 
     @classmethod
-    def create(cls, count: int) -> Slots:
-        return cls(shm_dir() / f"fastjobs-{os.getpid()}.stats", count, create=True)
+    def create(cls, count: int, identity: str = "") -> Slots:
+        """A new file of `count` slots for this process (the master), locked while it lives."""
+        sweep_stale()
+        token = secrets.token_hex(8)
+        path = shm_dir() / f"fastjobs-{os.getpid()}-{token}.stats"
+        size = HEADER.size + count * SLOT * 8
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(path, flags, 0o600)
+        try:
+            # Locked before it has a header: a reader never sees a valid unlocked file of a live master.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(fd, size)
+            # Mapped through a second open of the file: mmap keeps a dup of its
+            # descriptor, which every child inherits, and a dup shares the lock.
+            try:
+                unlocked = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+            except FileNotFoundError:  # no /proc: the path, ours in a sticky directory
+                unlocked = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                mapping = mmap.mmap(unlocked, size)
+            finally:
+                os.close(unlocked)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        ident = identity.encode()[:128]
+        HEADER.pack_into(mapping, 0, MAGIC, VERSION, count, os.getpid(), time.time(), token.encode(), ident)
+        _held_locks.add(fd)
+        return cls(path, mapping, count, fd)
 
     @classmethod
     def open(cls, path: Path) -> Slots | None:
-        """Open a master's file read-write; None if it is not one of ours or its master is gone."""
+        """Map a live master's file read-only (a benchmark reads its own master's); None if it is not one."""
+        found = read_master(path)
+        if not isinstance(found, MasterFile):
+            return None
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            with path.open("rb") as fh:
-                magic, version, count, pid, _, _ = HEADER.unpack(fh.read(HEADER.size))
-        except (OSError, struct.error):
-            return None
-        if magic != MAGIC or version != VERSION or not _alive(pid):
-            return None
-        return cls(path, count, create=False)
+            mapping = mmap.mmap(fd, HEADER.size + found.slots * SLOT * 8, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+        return cls(path, mapping, found.slots)
 
     def __getitem__(self, index: int) -> Slot:
         return Slot(self._values[index * SLOT : (index + 1) * SLOT])
@@ -169,26 +225,125 @@ class Slots:
         if unlink:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
+        if self._lock is not None:
+            _held_locks.discard(self._lock)
+            os.close(self._lock)
+            self._lock = None
 
 
-def _alive(pid: int) -> bool:
+@dataclass(frozen=True, slots=True)
+class MasterFile:
+    """A live master's stats file, as read by `fastjobs stats`."""
+
+    path: Path
+    master_pid: int  # in the master's own PID namespace
+    started: float
+    database: str
+    slots: int
+    processes: list[dict[str, float]]  # the slots in use
+
+
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """A file that looked like a stats file and is not one a live master of ours holds."""
+
+    path: Path
+    reason: str
+    stale: bool = False  # a valid file its master no longer holds
+    ours: bool = False  # owned by this user
+
+
+# No more than this is read from a file that claims to be a stats file.
+MAX_FILE = HEADER.size + MAX_SLOTS * SLOT * 8
+
+
+def read_master(path: Path) -> MasterFile | Skipped | None:
+    """Read one file with read(2), never a mapping (another user's file can shrink under a mapping).
+
+    None if it vanished meanwhile. Only regular files of this user (of
+    anyone, for root) are read, and only when their master holds the lock.
+    """
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return Skipped(path, f"cannot be opened: {exc.strerror}")
+    try:
+        info = os.fstat(fd)
+        ours = info.st_uid == os.geteuid()
+        if not stat.S_ISREG(info.st_mode):
+            return Skipped(path, "not a regular file")
+        if not ours and os.geteuid() != 0:
+            return Skipped(path, f"owned by uid {info.st_uid}, not this user")
+        if not HEADER.size <= info.st_size <= MAX_FILE:
+            return Skipped(path, f"not a fastjobs stats file ({info.st_size} bytes)", ours=ours)
+        data = os.pread(fd, info.st_size, 0)
+        if len(data) < HEADER.size:
+            return Skipped(path, "truncated", ours=ours)
+        magic, version, count, pid, started, _, ident = HEADER.unpack_from(data)
+        if magic != MAGIC:
+            return Skipped(path, "not a fastjobs stats file", ours=ours)
+        if version != VERSION:
+            return Skipped(path, f"written by another version of fastjobs (format {version})", ours=ours)
+        if count > MAX_SLOTS or len(data) != HEADER.size + count * SLOT * 8:
+            return Skipped(path, "truncated", ours=ours)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pass  # its master holds it: live
+        else:
+            return Skipped(path, "its master is gone", stale=True, ours=ours)
+    finally:
+        os.close(fd)
+    values = memoryview(data)[HEADER.size :].cast("d")
+    processes = [{name: float(values[i * SLOT + f]) for f, name in enumerate(FIELDS)} for i in range(count)]
+    identity = ident.rstrip(b"\0").decode(errors="replace")
+    return MasterFile(path, pid, started, identity, count, [p for p in processes if p["role"]])
 
 
-def live_masters() -> list[Slots]:
-    """Every running master's counters on this host."""
-    found = []
-    for path in sorted(shm_dir().glob("fastjobs-*.stats")):
-        slots = Slots.open(path)
-        if slots is not None:
-            found.append(slots)
-    return found
+def _stats_files() -> list[Path]:
+    return sorted(shm_dir().glob("fastjobs-*.stats"))
+
+
+def sweep_stale() -> list[Path]:
+    """Remove this user's stale stats files (their masters were killed); the paths removed."""
+    removed = []
+    for path in _stats_files():
+        found = read_master(path)
+        if isinstance(found, Skipped) and found.stale and found.ours:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(path)
+    return removed
+
+
+def live_masters(identity: str | None = None) -> tuple[list[MasterFile], list[Skipped]]:
+    """The live masters on this host (of the database `identity` only, when given), and the files skipped.
+
+    A stale file of this user is removed on the way (its Skipped says so).
+    """
+    found, skipped = [], []
+    for path in _stats_files():
+        item = read_master(path)
+        if item is None:
+            continue
+        if isinstance(item, Skipped):
+            if item.stale and item.ours:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+            skipped.append(item)
+        elif identity is None or item.database == identity:
+            found.append(item)
+    return found, skipped
+
+
+def find(master_pid: int) -> Path | None:
+    """The stats file of the live master of pid `master_pid` started from this PID namespace."""
+    for path in shm_dir().glob(f"fastjobs-{master_pid}-*.stats"):
+        if isinstance(read_master(path), MasterFile):
+            return path
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,7 +503,8 @@ def _health_metrics(health: Health) -> list[str]:
         lines.append(f"# HELP {name} {help_text}")
         lines.append(f"# TYPE {name} gauge")
         lines.extend(
-            f"{name}{{{labels}}} {value:g}" if labels else f"{name} {value:g}" for labels, value in samples
+            f"{name}{{{labels}}} {float(value)!r}" if labels else f"{name} {float(value)!r}"
+            for labels, value in samples
         )
 
     h = health.horizon
@@ -384,6 +540,11 @@ def _health_metrics(health: Health) -> list[str]:
         [(k, t.last_autovacuum or 0.0) for k, t in tables],
     )
     gauge(
+        "fastjobs_table_last_vacuum_timestamp_seconds",
+        "when a VACUUM other than autovacuum (the leader's, say) last finished on the table (0: never)",
+        [(k, t.last_vacuum or 0.0) for k, t in tables],
+    )
+    gauge(
         "fastjobs_table_autovacuums", "autovacuum runs on the table", [(k, t.autovacuums) for k, t in tables]
     )
     return lines
@@ -391,40 +552,3 @@ def _health_metrics(health: Health) -> list[str]:
 
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def serve(host: str, port: int, slots: Slots, app: App) -> ThreadingHTTPServer:
-    """Serve /metrics (Prometheus text) from a daemon thread of the master.
-
-    Each scrape opens a short connection for the queue depths; when the
-    database is down the counters are still served, with a comment saying so.
-    """
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            if self.path.split("?")[0] not in ("/metrics", "/"):
-                self.send_error(404)
-                return
-            depths: list[QueueDepth] | None = None
-            mvcc: Health | None = None
-            note = ""
-            try:
-                with database.connect(app.dsn, autocommit=True, connect_timeout=5) as conn:
-                    depths = queue_depths(conn)
-                    mvcc = health(conn)
-            except (FastjobsError, psycopg.Error) as exc:
-                note = f"# queue depths and MVCC health unavailable: {str(exc).splitlines()[0]}\n"
-            body = (note + prometheus(slots, depths, mvcc)).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            return  # scrapes are not news
-
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="fastjobs-metrics", daemon=True).start()
-    return server

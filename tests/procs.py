@@ -165,7 +165,9 @@ def children(pid: int) -> list[int]:
 class Master:
     """One `fastjobs run` subprocess."""
 
-    def __init__(self, cwd: Path, dsn: str, args: list[str], module: str, name: str) -> None:
+    def __init__(
+        self, cwd: Path, dsn: str, args: list[str], module: str, name: str, wrapper: tuple[str, ...] = ()
+    ) -> None:
         self.cwd = cwd
         self.stderr_path = cwd / f"{name}.stderr"
         self.fork_log = cwd / f"{name}.forks"
@@ -174,7 +176,7 @@ class Master:
         env["FJ_TEST_FORK_LOG"] = str(self.fork_log)
         hooks = cwd / "hooks"
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(hooks), env.get("PYTHONPATH")) if p)
-        cmd = [sys.executable, "-m", "fastjobs.cli", "--dsn", dsn, "run", *args, module]
+        cmd = [*wrapper, sys.executable, "-m", "fastjobs.cli", "--dsn", dsn, "run", *args, module]
         with self.stderr_path.open("wb") as err:
             self.proc = subprocess.Popen(
                 cmd,
@@ -255,8 +257,11 @@ class Master:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
         # A master killed by SIGKILL cannot remove its shared-memory file.
-        with contextlib.suppress(FileNotFoundError):
-            (shm_dir() / f"fastjobs-{self.pid}.stats").unlink()
+        for path in [
+            *shm_dir().glob(f"fastjobs-{self.pid}-*.stats"),
+            shm_dir() / f"fastjobs-{self.pid}.stats",
+        ]:
+            path.unlink(missing_ok=True)
 
 
 def pgrp(pid: int) -> int | None:
@@ -293,8 +298,12 @@ class Masters:
         (cwd / "hooks").mkdir(exist_ok=True)
         (cwd / "hooks" / "sitecustomize.py").write_text(SITECUSTOMIZE)
 
-    def start(self, *args: str, module: str = MODULE, dsn: str | None = None) -> Master:
-        master = Master(self.cwd, dsn or self.dsn, list(args), module, f"master{len(self.started)}")
+    def start(
+        self, *args: str, module: str = MODULE, dsn: str | None = None, wrapper: tuple[str, ...] = ()
+    ) -> Master:
+        """`fastjobs run ARGS MODULE`, under `wrapper` (a command that runs the rest) if given."""
+        name = f"master{len(self.started)}"
+        master = Master(self.cwd, dsn or self.dsn, list(args), module, name, wrapper)
         self.started.append(master)
         return master
 

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import secrets
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -12,10 +22,11 @@ from typing import Any
 import psycopg
 import pytest
 
-from fastjobs import App
-from fastjobs.stats import LEADER, WORKER
+from fastjobs import App, sql, stats
+from fastjobs.stats import LEADER, WORKER, Slots, shm_dir
 
 from . import procs
+from .conftest import _create_database, _drop_database
 from .procs import count, wait_for
 
 
@@ -91,7 +102,7 @@ def test_stats_json_lists_the_live_processes_with_what_they_ran(
 
     after = procs.stats_json(app.dsn)
     assert master.pid not in [m["master_pid"] for m in after["masters"]]
-    assert not Path(f"/dev/shm/fastjobs-{master.pid}.stats").exists()
+    assert not list(shm_dir().glob(f"fastjobs-{master.pid}-*.stats"))
 
 
 def test_stats_without_a_master(app: App) -> None:
@@ -279,3 +290,256 @@ def test_listener_health_is_reported_and_a_killed_listener_comes_back(
     assert found['fastjobs_table_bytes{table="fastjobs_jobs",part="indexes"}'] > 0
     assert 'fastjobs_table_dead_rows{table="fastjobs_jobs"}' in found
     assert master.stop() == 0, master.stderr()
+
+
+def stats_files(master_pid: int) -> list[Path]:
+    """The stats files named after `master_pid` (today's naming and the old one)."""
+    return sorted(shm_dir().glob(f"fastjobs-{master_pid}-*.stats")) + sorted(
+        shm_dir().glob(f"fastjobs-{master_pid}.stats")
+    )
+
+
+def test_a_master_that_cannot_bind_its_metrics_port_exits_and_leaves_no_stats_file(
+    masters: procs.Masters, app: App
+) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        master = masters.start("--processes", "1", "--metrics-port", str(port))
+        assert master.wait(15) != 0
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in master.stderr(), master.stderr()
+    assert "Traceback" not in master.stderr()
+    assert len(master.forks()) <= 1, "a worker or the leader was started"  # the metrics process only
+    assert stats_files(master.pid) == []
+
+
+def test_a_killed_masters_file_is_told_from_a_live_master_with_its_pid_and_removed(
+    masters: procs.Masters, app: App, db: psycopg.Connection[Any]
+) -> None:
+    master = masters.start("--processes", "1")
+    wait_for(
+        lambda: master.pid in [m["master_pid"] for m in procs.stats_json(app.dsn)["masters"]],
+        "the master in `fastjobs stats`",
+    )
+    [path] = stats_files(master.pid)
+    app.enqueue("hang", {"n": 1})  # its worker outlives the master until SIGKILL
+    wait_for(lambda: count(db, "SELECT count(*) FROM runs") == 1, "the hung job to start")
+    worker = master.wait_child("fastjobs: worker 1 ")
+    os.kill(master.pid, signal.SIGKILL)
+    master.wait()
+    assert procs.alive(worker)  # an orphan holds what it inherited: not the master's lock
+    # Its pid is taken by a live process now: this test's own.
+    with path.open("r+b") as fh:
+        fh.seek(12)  # magic, version, slots, then the master's pid
+        fh.write(struct.pack("<I", os.getpid()))
+    result = procs.cli(app.dsn, "stats", "--json")
+    assert result.returncode == 0, result.stderr
+    assert os.getpid() not in [m["master_pid"] for m in json.loads(result.stdout)["masters"]]
+    assert f"skipped {path}: its master is gone (removed)" in result.stderr
+    assert not path.exists()
+
+
+UNSHARE_PID = ("unshare", "--pid", "--fork")
+
+
+def test_masters_in_separate_pid_namespaces_sharing_dev_shm_keep_apart(
+    masters: procs.Masters, app: App
+) -> None:
+    if subprocess.run([*UNSHARE_PID, "true"], check=False, capture_output=True).returncode != 0:
+        pytest.skip("unshare --pid is not permitted here")
+    one = masters.start("--processes", "1", wrapper=UNSHARE_PID)
+    two = masters.start("--processes", "2", wrapper=UNSHARE_PID)
+
+    def both() -> list[dict[str, Any]] | None:
+        found = procs.stats_json(app.dsn)["masters"]
+        return found if sorted(len(m["processes"]) for m in found) == [2, 3] else None
+
+    found = wait_for(both, "both masters, each with its own processes", timeout=15)
+    assert [m["master_pid"] for m in found] == [1, 1]  # each is pid 1 of its namespace
+    assert len({m["file"] for m in found}) == 2
+    for master in (one, two):
+        [pid] = master.children()  # the master, under unshare
+        os.kill(pid, signal.SIGTERM)
+        assert master.wait() == 0, master.stderr()
+        assert "Bus error" not in master.stderr() and "SIGBUS" not in master.stderr()
+    assert not [m["file"] for m in found if Path(m["file"]).exists()]
+
+
+# Run inside a mount namespace with a /dev/shm of its own, so no other
+# `fastjobs stats` on this host meets these files.
+GARBAGE = """
+import fcntl, json, os, struct, subprocess, sys
+from fastjobs import stats
+
+shm = stats.shm_dir()
+valid_header = struct.pack("<IIII", stats.MAGIC, stats.VERSION, 3, 1).ljust(stats.HEADER.size, b"\\0")
+planted = {
+    "fastjobs-1-truncated.stats": valid_header,  # a header for 3 slots, and no slots
+    "fastjobs-1.stats": valid_header,
+    "fastjobs-2-foreign.stats": b"not ours",
+}
+for name, data in planted.items():
+    (shm / name).write_bytes(data)
+os.symlink("/etc/hostname", shm / "fastjobs-3-link.stats")
+os.mkfifo(shm / "fastjobs-4-fifo.stats")
+os.mkdir(shm / "fastjobs-5-dir.stats")
+# A complete file anyone may read, held by a live "master" (this script), of no database.
+readable = shm / "fastjobs-6-readable.stats"
+readable.write_bytes(valid_header.ljust(stats.HEADER.size + 3 * stats.SLOT * 8, b"\\0"))
+readable.chmod(0o644)
+held = os.open(readable, os.O_RDONLY)
+fcntl.flock(held, fcntl.LOCK_EX)
+names = sorted(os.listdir(shm))
+
+
+def stats_of(*user):
+    try:
+        done = subprocess.run(
+            [*user, sys.executable, "-m", "fastjobs.cli", "--dsn", sys.argv[1], "stats", "--json"],
+            capture_output=True, text=True, timeout=15,
+        )
+    except subprocess.TimeoutExpired:
+        return {"rc": "timed out", "stdout": "", "stderr": ""}
+    return {"rc": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
+
+
+result = stats_of()
+# Another user's view of the same files (what `fastjobs stats` reads, without its database part).
+listing = (
+    "import json; from fastjobs import stats; found, skipped = stats.live_masters();"
+    "print(json.dumps([[str(m.path) for m in found], [[str(s.path), s.reason] for s in skipped]]))"
+)
+nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", listing]
+done = subprocess.run(nobody, capture_output=True, text=True, timeout=15)
+result["other_user"] = {"rc": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
+result["planted"] = [str(shm / name) for name in names]
+result["left"] = sorted(os.listdir(shm))
+print(json.dumps(result))
+"""
+
+
+def test_truncated_and_foreign_files_in_dev_shm_are_skipped_with_a_note(tmp_path: Path, dsn: str) -> None:
+    private_shm = [
+        "unshare",
+        "--mount",
+        "sh",
+        "-c",
+        'mount -t tmpfs -o mode=1777 tmpfs /dev/shm && exec "$@"',
+    ]
+    if subprocess.run([*private_shm, "sh", "true"], check=False, capture_output=True).returncode != 0:
+        pytest.skip("cannot give a process a /dev/shm of its own here")
+    script = tmp_path / "garbage.py"
+    script.write_text(GARBAGE)
+    done = subprocess.run(
+        [*private_shm, "sh", sys.executable, str(script), dsn],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["rc"] == 0, result["stderr"]
+    assert json.loads(result["stdout"])["masters"] == []
+    assert "Traceback" not in result["stderr"]
+    readable = next(p for p in result["planted"] if p.endswith("-readable.stats"))
+    for path in result["planted"]:
+        if path != readable:  # live (locked), of another database: not listed, no note
+            assert f"skipped {path}: " in result["stderr"], (path, result["stderr"])
+    # Another user reads none of root's files, not even one it may open.
+    other = result["other_user"]
+    assert other["rc"] == 0, other["stderr"]
+    found, skipped = json.loads(other["stdout"])
+    assert found == []
+    assert [readable, "owned by uid 0, not this user"] in skipped, skipped
+    assert result["left"] == sorted(Path(p).name for p in result["planted"])  # nothing of others removed
+
+
+def test_the_stats_file_is_new_owner_only_and_never_opened_through_a_planted_link(tmp_path: Path) -> None:
+    slots = Slots.create(1)
+    try:
+        info = os.stat(slots.path)
+        assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.geteuid()
+        assert stat.S_ISREG(os.lstat(slots.path).st_mode)
+    finally:
+        slots.close(unlink=True)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child reports by its exit code)
+        code = 9
+        try:
+            os.read(ready_r, 1)
+            secrets.token_hex = lambda nbytes=None: "deadbeefdeadbeef"
+            Slots.create(2)
+            code = 0
+        except FileExistsError:
+            code = 7
+        finally:
+            os._exit(code)
+    links = [shm_dir() / f"fastjobs-{pid}.stats", shm_dir() / f"fastjobs-{pid}-deadbeefdeadbeef.stats"]
+    try:
+        for link in links:
+            link.symlink_to(victim)
+        os.write(ready_w, b"x")
+        _, status = os.waitpid(pid, 0)
+    finally:
+        for link in links:
+            link.unlink(missing_ok=True)
+        os.close(ready_r)
+        os.close(ready_w)
+    assert victim.read_bytes() == b"precious"
+    assert os.waitstatus_to_exitcode(status) == 7
+
+
+def test_stats_lists_only_the_masters_of_its_database_unless_asked_for_all(
+    masters: procs.Masters, app: App, template_db: str
+) -> None:
+    name = f"fastjobs_o_{os.getpid()}"
+    other = _create_database(name, template_db)
+    try:
+        procs.create_runs_table(other)
+        mine = masters.start("--processes", "1")
+        theirs = masters.start("--processes", "1", dsn=other)
+
+        def listed() -> dict[str, Any] | None:
+            doc = procs.stats_json(app.dsn, "--all-masters")
+            pids = {m["master_pid"] for m in doc["masters"]}
+            return doc if {mine.pid, theirs.pid} <= pids else None
+
+        everyone = wait_for(listed, "both masters with --all-masters")
+        by_pid = {m["master_pid"]: m for m in everyone["masters"]}
+        assert by_pid[mine.pid]["database"] != by_pid[theirs.pid]["database"]
+        assert [m["master_pid"] for m in procs.stats_json(app.dsn)["masters"]] == [mine.pid]
+        assert [m["master_pid"] for m in procs.stats_json(other)["masters"]] == [theirs.pid]
+        human = procs.cli(app.dsn, "stats", "--all-masters").stdout
+        assert f"master pid {mine.pid} on this host\n" in human
+        assert f"master pid {theirs.pid} on this host, database {by_pid[theirs.pid]['database']}" in human
+        assert mine.stop() == 0 and theirs.stop() == 0
+    finally:
+        _drop_database(name)
+
+
+def test_the_leaders_vacuums_are_exported_when_autovacuum_is_off(db: psycopg.Connection[Any]) -> None:
+    db.execute("ALTER TABLE fastjobs_jobs SET (autovacuum_enabled = off)")
+    before = time.time()
+    with psycopg.RawCursor(db) as cur:
+        cur.execute(sql.vacuum_jobs)  # the leader's VACUUM
+    db.execute("SELECT pg_stat_force_next_flush()")
+
+    def vacuumed() -> stats.Health | None:
+        found = stats.health(db)
+        [jobs] = [t for t in found.tables if t.table == "fastjobs_jobs"]
+        return found if jobs.last_vacuum is not None else None
+
+    found_health = wait_for(vacuumed, "the VACUUM in the statistics")
+    slots = Slots.create(1)
+    try:
+        text = stats.prometheus(slots, stats.queue_depths(db), found_health)
+    finally:
+        slots.close(unlink=True)
+    found = samples(text)
+    assert "# TYPE fastjobs_table_last_vacuum_timestamp_seconds gauge" in text
+    last = found['fastjobs_table_last_vacuum_timestamp_seconds{table="fastjobs_jobs"}']
+    assert before - 1 <= last <= time.time() + 1
+    assert found['fastjobs_table_last_autovacuum_timestamp_seconds{table="fastjobs_jobs"}'] == 0

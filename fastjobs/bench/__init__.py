@@ -32,7 +32,7 @@ from ..handlers import current_job
 from ..impl import IMPLEMENTATION, core
 from ..leader import CleanerConfig, clean_once
 from ..master import DEFAULT_CONCURRENCY, Master
-from ..stats import Slots, shm_dir
+from ..stats import Slots, find
 from ..worker import Worker
 from . import queries
 
@@ -343,10 +343,10 @@ def _master_once(
 
 
 def _await_slots(master_pid: int, processes: int, timeout: float = 30.0) -> Slots:
-    path = shm_dir() / f"fastjobs-{master_pid}.stats"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        slots = Slots.open(path) if path.exists() else None
+        path = find(master_pid)
+        slots = Slots.open(path) if path is not None else None
         if slots is not None:
             if all(
                 slots[i]["role"] and slots[i]["heartbeat"] > slots[i]["started"] for i in range(processes)
