@@ -331,10 +331,15 @@ class BatchLoop:
             self._send(self.size)
         began = time.perf_counter()
         self._run(rows)
-        # Slow jobs get small batches, so siblings share a deep queue of them.
-        self._cap = max(
-            self.batch_min, int(BATCH_SECONDS * len(rows) / max(time.perf_counter() - began, 1e-9))
-        )
+        ran = time.perf_counter() - began
+        # Slow jobs get small batches, so siblings share a deep queue of them;
+        # but async jobs run a wave at a time and a wave takes the time of one
+        # job, so they are never capped below the concurrency they were given.
+        cap = int(BATCH_SECONDS * len(rows) / max(ran, 1e-9))
+        if self._executor.ran_async:
+            self._executor.ran_async = False
+            cap = max(cap, self._executor.concurrency)
+        self._cap = max(self.batch_min, cap)
         if self._in_flight:
             self._rows = self._receive()
         return len(rows)
