@@ -540,6 +540,9 @@ cdef class BatchLoop:
             began = _monotonic()
             self._run(batch, n)
             ran = _monotonic() - began
+            if self._in_flight:
+                # Rationed by the claim's own time, not the handlers': see the reference.
+                self._sent_at += ran
             # Slow jobs get small batches, async ones at least a wave: see the reference.
             cap = <Py_ssize_t>(_BATCH_SECONDS * n / max(ran, 1e-9))
             if self._executor.ran_async:
