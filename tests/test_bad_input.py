@@ -103,7 +103,7 @@ import pytest
 from psycopg.conninfo import make_conninfo
 
 from fastjobs import App, FastjobsError, SchemaMissing, Worker, database, leader, schema, sql
-from fastjobs.cli import main
+from fastjobs.cli import _parser, main
 from fastjobs.master import EXIT_BOOT_ERROR
 
 from . import procs
@@ -969,3 +969,38 @@ def test_an_out_of_date_schema_stops_fastjobs_run(tmp_path: Path, old_dsn: str):
     assert "at 001" in err and "run `fastjobs migrate`" in err
     assert "Traceback" not in err and "restarting" not in err
     assert by_state(old_dsn) == {}
+
+
+# --- options of `fastjobs run` --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "reason"),
+    [
+        ("--batch-max", "0", "must be at least 1, not 0"),
+        ("--batch-max", "-5", "must be at least 1, not -5"),
+        ("--batch-max", "many", "'many' is not an integer"),
+        ("--leader-key", str(2**63), f"must be between {-(2**63)} and {2**63 - 1} (a bigint), not {2**63}"),
+        (
+            "--leader-key",
+            str(-(2**63) - 1),
+            f"must be between {-(2**63)} and {2**63 - 1} (a bigint), not {-(2**63) - 1}",
+        ),
+    ],
+)
+def test_fastjobs_run_refuses_a_bad_option_before_anything_starts(
+    capsys: pytest.CaptureFixture[str], option: str, value: str, reason: str
+):
+    """A usage error (exit 2) at parse time: no module imported, no process forked, where workers
+    used to stop after one job or crash-loop, and the leader to crash-loop."""
+    with pytest.raises(SystemExit) as exited:
+        main(["run", f"{option}={value}", "fastjobs_no_such_module"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"fastjobs run: error: argument {option}: {reason}" in err
+    assert "fastjobs_no_such_module" not in err
+
+
+def test_fastjobs_run_takes_the_extreme_leader_keys() -> None:
+    for key in (2**63 - 1, -(2**63)):
+        assert _parser().parse_args(["run", f"--leader-key={key}", "m"]).leader_key == key
