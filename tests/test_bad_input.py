@@ -67,6 +67,17 @@ or still queued) and the other jobs of its batch complete.
 # hung without a timeout -> the watchdog kills and replaces the worker: test_master::
 #     test_the_watchdog_replaces_a_worker_hung_in_c (hung in C); the job is rescued:
 #     test_a_hung_handler_without_a_timeout_is_killed_replaced_and_rescued
+# a sync job running past the rescue delay on a live worker -> its heartbeat keeps it:
+#     test_a_live_worker_running_a_job_longer_than_the_rescue_delay_keeps_it
+#
+# OPTIONS AND TERMINALS
+# `fastjobs run --batch-max` < 1, `--leader-key` outside bigint -> usage error, exit 2, before
+#     anything starts: test_fastjobs_run_refuses_a_bad_option_before_anything_starts
+# delays over 1,000 years, run_at outside years 1-9999 UTC -> ValueError:
+#     test_enqueue::test_bad_options_raise_value_error_*; a `conn=` with any row factory works:
+#     test_enqueue::test_transactional_enqueue_*_whatever_the_row_factory
+# control characters in kinds, args, errors -> escaped by `jobs show` and `list`:
+#     test_jobs_cli::test_show_and_list_escape_control_characters_of_job_input
 #
 # A WRONG DSN (bad host, bad port, unknown role, no such database, garbage)
 # App.enqueue, `fastjobs migrate`, `stats`, `jobs list` -> where it tried (host:port/db) and
