@@ -521,7 +521,8 @@ cdef class BatchLoop:
         """Run one batch; 0 when there was nothing to claim (outcomes are flushed then)."""
         cdef PGresult *batch
         cdef int n
-        cdef double began
+        cdef double began, ran
+        cdef Py_ssize_t cap
         self.recheck = _INF
         if self._nrows == 0:
             self._claim()
@@ -538,9 +539,16 @@ cdef class BatchLoop:
                 self._send(self.size)
             began = _monotonic()
             self._run(batch, n)
-            # Slow jobs get small batches: see the reference.
-            self._cap = max(self.batch_min,
-                            <Py_ssize_t>(_BATCH_SECONDS * n / max(_monotonic() - began, 1e-9)))
+            ran = _monotonic() - began
+            if self._in_flight:
+                # Rationed by the claim's own time, not the handlers': see the reference.
+                self._sent_at += ran
+            # Slow jobs get small batches, async ones at least a wave: see the reference.
+            cap = <Py_ssize_t>(_BATCH_SECONDS * n / max(ran, 1e-9))
+            if self._executor.ran_async:
+                self._executor.ran_async = False
+                cap = max(cap, <Py_ssize_t>self._executor.concurrency)
+            self._cap = max(self.batch_min, cap)
         finally:
             PQclear(batch)
         if self._in_flight:

@@ -110,7 +110,10 @@ BATCH_SECONDS = 0.1
 # A claim scans the claim index from its front only as often as costs 10% of
 # the loop's time (it wades through the dead entries of every job claimed
 # since the last VACUUM); in between it starts where the last claim ended
-# (sql.job_finish_claim_after). At most this long between two from the front.
+# (sql.job_finish_claim_after). Its cost is the time the loop spent sending it
+# and waiting for its result: a claim sent ahead (overlap) is in flight while
+# the handlers run, and counting that time made the next claim from the front
+# due ~9 batches later on a clean index. At most this long between two.
 FULL_CLAIM_DUTY = 0.1
 FULL_CLAIM_MAX_WAIT = 10.0
 # A mark is kept only for a run_at a second or more inside timestamptz's range
@@ -331,10 +334,20 @@ class BatchLoop:
             self._send(self.size)
         began = time.perf_counter()
         self._run(rows)
-        # Slow jobs get small batches, so siblings share a deep queue of them.
-        self._cap = max(
-            self.batch_min, int(BATCH_SECONDS * len(rows) / max(time.perf_counter() - began, 1e-9))
-        )
+        ran = time.perf_counter() - began
+        if self._in_flight:
+            # The claim sent ahead is rationed by its own time: the loop's wait
+            # for it, not the handlers' time it spent in flight (see _receive).
+            index, from_front, sent = self._sent
+            self._sent = (index, from_front, sent + ran)
+        # Slow jobs get small batches, so siblings share a deep queue of them;
+        # but async jobs run a wave at a time and a wave takes the time of one
+        # job, so they are never capped below the concurrency they were given.
+        cap = int(BATCH_SECONDS * len(rows) / max(ran, 1e-9))
+        if self._executor.ran_async:
+            self._executor.ran_async = False
+            cap = max(cap, self._executor.concurrency)
+        self._cap = max(self.batch_min, cap)
         if self._in_flight:
             self._rows = self._receive()
         return len(rows)

@@ -24,6 +24,32 @@ from .types import JobState
 
 DEFAULT_RESULTS = Path("bench") / "results.jsonl"
 
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1 (a bad value exits 2 before anything starts)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _int64(text: str) -> int:
+    """An argparse type: an integer PostgreSQL's bigint holds (an advisory lock key)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not _INT64[0] <= value <= _INT64[1]:
+        raise argparse.ArgumentTypeError(
+            f"must be between {_INT64[0]} and {_INT64[1]} (a bigint), not {value}"
+        )
+    return value
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastjobs", description="PostgreSQL-backed background jobs")
@@ -55,12 +81,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--metrics-port", type=int, help="serve Prometheus text on this port")
     run.add_argument(
         "--leader-key",
-        type=int,
+        type=_int64,
         default=sql.LEADER_LOCK_KEY,
         help="advisory lock key of the leader election (pick one your application does not use)",
     )
     run.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
-    run.add_argument("--batch-max", type=int, default=1000, help="largest batch one claim takes")
+    run.add_argument("--batch-max", type=_positive_int, default=1000, help="largest batch one claim takes")
     run.add_argument("--keep-completed", action="store_true", help="keep completed jobs instead of deleting")
     run.add_argument(
         "--rescue-after",
@@ -106,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
     run_bench = commands.add_parser("bench", help="measure fastjobs beside the raw-SQL limit")
     run_bench.add_argument("--jobs", type=int, default=100_000)
     run_bench.add_argument("--processes", type=int, default=2, help="worker processes draining")
-    run_bench.add_argument("--batch", type=int, default=1000, help="largest batch per claim")
+    run_bench.add_argument("--batch", type=_positive_int, default=1000, help="largest batch per claim")
     run_bench.add_argument("--repeat", type=int, default=3, help="runs per measurement; medians are reported")
     run_bench.add_argument(
         "--compare-sync",
@@ -236,7 +262,7 @@ def _jobs(args: argparse.Namespace) -> int:
             print(f"{'id':>10}  {'queue':<16}{'kind':<32}{'state':<11}{'attempt':>8}  run_at")
             for r in rows:
                 print(
-                    f"{r['id']:>10}  {r['queue']:<16}{r['kind']:<32}{r['state']:<11}"
+                    f"{r['id']:>10}  {_safe(r['queue']):<16}{_safe(r['kind']):<32}{r['state']:<11}"
                     f"{r['attempt']:>4}/{r['max_attempts']:<3}  {_when(r['run_at'])}"
                 )
             return 0
@@ -248,12 +274,13 @@ def _jobs(args: argparse.Namespace) -> int:
             for key, value in job.items():
                 if key in ("errors", "args", "meta"):
                     continue
-                print(f"{key:>16}: {value}")
-            print(f"{'args':>16}: {json.dumps(job['args'])}")
+                print(f"{key:>16}: {_safe(str(value))}")
+            print(f"{'args':>16}: {_safe(json.dumps(job['args'], ensure_ascii=False))}")
             for error in job["errors"] or []:
-                print(f"\n--- attempt {error.get('attempt')} at {error.get('at')}: {error.get('error')}")
+                head = f"attempt {error.get('attempt')} at {error.get('at')}: {error.get('error')}"
+                print(f"\n--- {_safe(head)}")
                 if error.get("traceback"):
-                    print(error["traceback"].rstrip())
+                    print(_safe(str(error["traceback"]).rstrip(), lines=True))
             return 0
         action = {"retry": control.retry, "cancel": control.cancel, "discard": control.discard}[command]
         state = action(conn, args.id)
@@ -262,6 +289,17 @@ def _jobs(args: argparse.Namespace) -> int:
         else:
             print(f"job {args.id}: {state}")
         return 0
+
+
+# Job input (args, error messages, kinds) must not drive the operator's
+# terminal: C0 and C1 controls, ESC and DEL among them, print as \xNN.
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+_CONTROLS_BUT_NEWLINES = {c: text for c, text in _CONTROLS.items() if c not in (0x09, 0x0A)}
+
+
+def _safe(text: str, lines: bool = False) -> str:
+    """`text` with control characters escaped; with `lines`, newlines and tabs kept."""
+    return text.translate(_CONTROLS_BUT_NEWLINES if lines else _CONTROLS)
 
 
 def _when(at: dt.datetime | str) -> str:

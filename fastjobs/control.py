@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import psycopg
 from psycopg.abc import AdaptContext, Buffer
 from psycopg.adapt import Loader
-from psycopg.rows import dict_row
+from psycopg.rows import dict_row, tuple_row
 from psycopg.types.datetime import TimestamptzLoader
 
 from . import sql
-from .errors import JobNotFound
+from .errors import FastjobsError, JobNotFound
 
 
 class _LenientTimestamptzLoader(Loader):
@@ -40,6 +41,11 @@ def _inspecting(conn: psycopg.Connection[Any]) -> psycopg.RawCursor[dict[str, An
     return cur
 
 
+def _cursor(conn: psycopg.Connection[Any]) -> psycopg.RawCursor[tuple[Any, ...]]:
+    """A cursor returning tuples whatever row factory the caller's connection has."""
+    return psycopg.RawCursor(conn, row_factory=tuple_row)
+
+
 def _state(cur: psycopg.RawCursor[Any], job_id: int) -> str:
     row = cur.execute(sql.job_state, (job_id,)).fetchone()
     if row is None:
@@ -49,7 +55,7 @@ def _state(cur: psycopg.RawCursor[Any], job_id: int) -> str:
 
 def cancel(conn: psycopg.Connection[Any], job_id: int) -> str:
     """'cancelled' for a queued job, 'cancelling' for a running one, else its (final) state."""
-    with psycopg.RawCursor(conn) as cur:
+    with _cursor(conn) as cur:
         row = cur.execute(sql.job_cancel, (job_id,)).fetchone()
         if row is None:
             return _state(cur, job_id)
@@ -57,20 +63,54 @@ def cancel(conn: psycopg.Connection[Any], job_id: int) -> str:
 
 
 def retry(conn: psycopg.Connection[Any], job_id: int) -> str:
-    """A discarded, cancelled or completed job back to available now; returns the new state."""
-    with psycopg.RawCursor(conn) as cur:
-        row = cur.execute(sql.job_retry, (job_id,)).fetchone()
-        if row is None:
-            state = _state(cur, job_id)
-            raise ValueError(
-                f"job {job_id} is {state}: only discarded, cancelled or completed jobs can be retried"
-            )
-        return str(row[0])
+    """A discarded, cancelled or completed job back to available now; returns the new state.
+
+    A unique job whose key another pending or running job holds again stays
+    as it is: ValueError names the holder.
+    """
+    with _cursor(conn) as cur:
+        for _ in range(3):
+            try:
+                with _savepoint(conn):
+                    row = cur.execute(sql.job_retry, (job_id,)).fetchone()
+            except psycopg.errors.UniqueViolation:
+                key, holder = _unique_holder(conn, cur, job_id)
+                if holder is None:
+                    continue  # the holder finished meanwhile: the key is free again
+                raise ValueError(
+                    f"job {job_id} cannot be retried: job {holder} ({_state(cur, holder)}) holds its"
+                    f" unique key {key!r}; retry it once that job has finished"
+                ) from None
+            if row is None:
+                state = _state(cur, job_id)
+                raise ValueError(
+                    f"job {job_id} is {state}: only discarded, cancelled or completed jobs can be retried"
+                )
+            return str(row[0])
+    raise FastjobsError(f"job {job_id}: its unique key kept changing hands; not retried")
+
+
+def _unique_holder(
+    conn: psycopg.Connection[Any], cur: psycopg.RawCursor[Any], job_id: int
+) -> tuple[str | None, int | None]:
+    """Job `job_id`'s unique key, and the id of the pending or running job holding it (None: no one)."""
+    with _inspecting(conn) as look:
+        job = look.execute(sql.job_get, (job_id,)).fetchone()
+    key = None if job is None else job["unique_key"]
+    holder = None if key is None else cur.execute(sql.job_get_unique, (key,)).fetchone()
+    return key, None if holder is None else int(holder[0])
+
+
+def _savepoint(conn: psycopg.Connection[Any]) -> Any:
+    """A transaction in autocommit, a savepoint inside the caller's: a failed statement leaves it usable."""
+    if conn.autocommit or conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS:
+        return conn.transaction()
+    return contextlib.nullcontext()
 
 
 def discard(conn: psycopg.Connection[Any], job_id: int) -> str:
     """A job that is not running becomes discarded; returns the new state."""
-    with psycopg.RawCursor(conn) as cur:
+    with _cursor(conn) as cur:
         row = cur.execute(sql.job_discard, (job_id,)).fetchone()
         if row is None:
             state = _state(cur, job_id)

@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 import psycopg
 from psycopg import pq
+from psycopg.rows import tuple_row
 
 from . import schema, sql
 from .errors import FastjobsError
@@ -26,6 +27,10 @@ COPY_CHUNK = 8192
 COPY_HEADER = b"PGCOPY\n\xff\r\n\x00" + bytes(8)  # signature, flags, extension length
 COPY_TRAILER = b"\xff\xff"
 _PG_EPOCH = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
+
+# The longest delay an enqueue takes: a run_at within Python's datetime (year
+# 9999) for the next 6,000 years.
+MAX_DELAY = 1000 * 365.25 * 86400
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +90,10 @@ def options(
             raise ValueError(f"run_at must be a datetime, not {type(run_at).__name__}")
         if run_at.tzinfo is None or run_at.utcoffset() is None:
             raise ValueError("run_at must carry a timezone (a naive datetime is ambiguous)")
+        try:
+            run_at.astimezone(dt.UTC)
+        except OverflowError:
+            raise ValueError(f"run_at {run_at} is outside the years 1 to 9999 in UTC") from None
     seconds: float | None = None
     if delay is not None:
         seconds = delay.total_seconds() if isinstance(delay, dt.timedelta) else delay
@@ -93,6 +102,12 @@ def options(
         if not math.isfinite(seconds) or seconds < 0:
             raise ValueError(f"delay must be a finite number of seconds >= 0, not {seconds!r}")
         seconds = float(seconds)
+        # A run_at past the year 9999 overflows timestamptz or, before that,
+        # Python's datetime (enqueue_many computes it; every reader loads it).
+        if seconds > MAX_DELAY:
+            raise ValueError(
+                f"delay must be at most {MAX_DELAY:.0f} seconds (about 1,000 years), not {seconds:g}"
+            )
     return Options(
         kind,
         queue,
@@ -152,7 +167,9 @@ _UNIQUE_TRIES = 5
 
 def insert(conn: psycopg.Connection[Any], params: tuple[Any, ...]) -> int:
     """Run sql.job_insert with `insert_params`' parameters; the job's id (or the unique key holder's)."""
-    with schema.required(), psycopg.RawCursor(conn) as cur:
+    # Tuples whatever the caller's connection's row factory (dict_row made
+    # row[0] a KeyError after the INSERT ran: a caller retrying enqueued twice).
+    with schema.required(), psycopg.RawCursor(conn, row_factory=tuple_row) as cur:
         for _ in range(_UNIQUE_TRIES):
             row = cur.execute(sql.job_insert, params).fetchone()
             if row is None:
@@ -164,7 +181,7 @@ def insert(conn: psycopg.Connection[Any], params: tuple[Any, ...]) -> int:
 
 async def insert_async(conn: psycopg.AsyncConnection[Any], params: tuple[Any, ...]) -> int:
     with schema.required():
-        async with psycopg.AsyncRawCursor(conn) as cur:
+        async with psycopg.AsyncRawCursor(conn, row_factory=tuple_row) as cur:
             for _ in range(_UNIQUE_TRIES):
                 await cur.execute(sql.job_insert, params)
                 row = await cur.fetchone()

@@ -192,11 +192,16 @@ class Executor:
     `cancel` is called from the worker's control thread: it marks the job
     (the hot loop checks `cancelled` before starting a job and after it ran)
     and cancels an async job's task on the event loop.
+
+    Async jobs run `concurrency` at once; a wave of them takes the time of
+    its slowest, not the sum, so `ran_async` tells the hot loop to size its
+    next batch by waves (the loop reads and clears it once per batch).
     """
 
     def __init__(self, concurrency: int = 100) -> None:
         self.concurrency = concurrency
         self.stopping = False  # set by Worker.stop: jobs not yet started go back
+        self.ran_async = False
         self.context = JobContext()
         self.cancelled: set[int] = set()
         self._tasks: dict[int, asyncio.Task[Any]] = {}
@@ -246,12 +251,12 @@ class Executor:
             if spec.is_async:
                 pending_async.append(job)
                 continue
-            if self.stopping:
-                failures.append(release(job_id))
-                continue
             if job_id in self.cancelled:
                 self.cancelled.discard(job_id)
                 failures.append(cancelled(job_id, attempt))
+                continue
+            if self.stopping:
+                failures.append(release(job_id))
                 continue
             context.id, context.kind, context.attempt, context.cancelled = job_id, spec.kind, attempt, False
             started.add(job_id)
@@ -276,6 +281,7 @@ class Executor:
                     self.cancelled.discard(job_id)
                 context.id = 0
         if pending_async:
+            self.ran_async = True
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
             self._loop.run_until_complete(self._gather(pending_async, completed, failures, started))
@@ -292,6 +298,12 @@ class Executor:
                     self.cancelled.discard(job_id)
                     failures.append(cancelled(job_id, attempt))
                     return
+                if self.stopping:
+                    # A graceful stop: the running jobs finish, those still
+                    # waiting for a slot go back (uncounted) instead of starting,
+                    # so a large batch cannot outlast the grace period.
+                    failures.append(release(job_id))
+                    return
                 context = JobContext(job_id, spec.kind, attempt)
                 _async_job.set(context)
                 started.add(job_id)
@@ -301,10 +313,15 @@ class Executor:
                 try:
                     async with asyncio.timeout(spec.timeout):
                         await spec.func(**args)
-                except asyncio.CancelledError:
-                    if job_id not in self.cancelled:
-                        raise
-                    failures.append(cancelled(job_id, attempt))
+                except asyncio.CancelledError as stray:
+                    if job_id in self.cancelled:
+                        failures.append(cancelled(job_id, attempt))
+                    elif task.cancelling():
+                        raise  # the batch is abandoned (see run)
+                    else:
+                        # The handler raised CancelledError itself, no one
+                        # cancelled its task: a failure of that job like any other.
+                        failures.append(failure(spec, job_id, attempt, max_attempts, stray))
                 except TimeoutError:
                     exc = JobTimeout(f"job ran longer than its timeout of {spec.timeout:g}s")
                     failures.append(failure(spec, job_id, attempt, max_attempts, exc))

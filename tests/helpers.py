@@ -71,6 +71,7 @@ def batch_loop(
     keep_completed: bool = False,
     queues: list[str] | None = None,
     concurrency: int = 100,
+    executor: Executor | None = None,
     **loop_options: Any,
 ) -> Iterator[Any]:
     """The implementation's BatchLoop with a fixed batch size, on a connection of its own.
@@ -79,7 +80,7 @@ def batch_loop(
     starts at one job per claim and doubles from there.
     """
     conn = psycopg.connect(app.dsn, autocommit=True)
-    executor = Executor(concurrency)
+    executor = executor if executor is not None else Executor(concurrency)
     try:
         loop = core.BatchLoop(
             conn,

@@ -67,6 +67,17 @@ or still queued) and the other jobs of its batch complete.
 # hung without a timeout -> the watchdog kills and replaces the worker: test_master::
 #     test_the_watchdog_replaces_a_worker_hung_in_c (hung in C); the job is rescued:
 #     test_a_hung_handler_without_a_timeout_is_killed_replaced_and_rescued
+# a sync job running past the rescue delay on a live worker -> its heartbeat keeps it:
+#     test_a_live_worker_running_a_job_longer_than_the_rescue_delay_keeps_it
+#
+# OPTIONS AND TERMINALS
+# `fastjobs run --batch-max` < 1, `--leader-key` outside bigint -> usage error, exit 2, before
+#     anything starts: test_fastjobs_run_refuses_a_bad_option_before_anything_starts
+# delays over 1,000 years, run_at outside years 1-9999 UTC -> ValueError:
+#     test_enqueue::test_bad_options_raise_value_error_*; a `conn=` with any row factory works:
+#     test_enqueue::test_transactional_enqueue_*_whatever_the_row_factory
+# control characters in kinds, args, errors -> escaped by `jobs show` and `list`:
+#     test_jobs_cli::test_show_and_list_escape_control_characters_of_job_input
 #
 # A WRONG DSN (bad host, bad port, unknown role, no such database, garbage)
 # App.enqueue, `fastjobs migrate`, `stats`, `jobs list` -> where it tried (host:port/db) and
@@ -93,6 +104,8 @@ import hashlib
 import json
 import re
 import textwrap
+import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -103,11 +116,11 @@ import pytest
 from psycopg.conninfo import make_conninfo
 
 from fastjobs import App, FastjobsError, SchemaMissing, Worker, database, leader, schema, sql
-from fastjobs.cli import main
+from fastjobs.cli import _parser, main
 from fastjobs.master import EXIT_BOOT_ERROR
 
 from . import procs
-from .helpers import OVERLAP, by_state, drain, insert_raw, jobs, query, run_one_batch
+from .helpers import OVERLAP, WorkerThread, by_state, drain, insert_raw, jobs, query, run_one_batch, wait_for
 
 MB = 1 << 20
 
@@ -381,29 +394,22 @@ def test_an_attempt_at_the_smallint_limit_does_not_stop_the_queue(app: App, dsn:
     def ok(n: int) -> None:
         seen.append(n)
 
-    try:
-        poison: int | None = insert_row(dsn, kind="ok", args='{"n": 1}', attempt=32767)
-    except psycopg.errors.CheckViolation:  # refused at INSERT: as good
-        poison = None
+    poison = insert_row(dsn, kind="ok", args='{"n": 1}', attempt=32767)  # the schema allows it
     good = insert_raw(dsn, "ok", '{"n": 2}')
     drain(app, keep_completed=True)
 
     rows = rows_by_id(dsn)
-    assert rows[good]["state"] == "completed"
-    if poison is not None:
-        assert rows[poison]["state"] in ("completed", "discarded"), rows[poison]
+    assert seen == [1, 2]
+    assert (rows[good]["state"], rows[good]["attempt"]) == ("completed", 1)
+    assert (rows[poison]["state"], rows[poison]["attempt"]) == ("completed", 32767)
 
 
 def test_a_running_row_without_attempt_is_rescued(dsn: str):
-    try:
-        stuck: int | None = insert_row(dsn, kind="ok", state="running")
-    except psycopg.errors.CheckViolation:  # refused at INSERT: as good
-        stuck = None
-    if stuck is not None:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            [now] = conn.execute("SELECT now() + interval '1 hour'").fetchone() or [None]
-            leader.rescue_once(conn, now=now)
-        assert rows_by_id(dsn)[stuck]["state"] == "retryable"
+    stuck = insert_row(dsn, kind="ok", state="running")  # the schema allows it: attempt 0, no worker
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        [now] = conn.execute("SELECT now() + interval '1 hour'").fetchone() or [None]
+        leader.rescue_once(conn, now=now)
+    assert rows_by_id(dsn)[stuck]["state"] == "retryable"
 
 
 def test_a_queue_with_odd_characters_is_served(app: App, dsn: str):
@@ -722,6 +728,12 @@ def goods_left(db: psycopg.Connection[Any]) -> int:
 
 GOOD = 30
 
+# How long after its worker died `fastjobs run --rescue-after 5` rescues a job:
+# its last heartbeat (every 2 s) goes stale within 5 s, the rescuer looks every
+# 5/3 s; the rest is slack for a loaded machine. Below the default delay (15 s),
+# so a master that ignored --rescue-after fails.
+RESCUE = 10.0
+
 
 @pytest.mark.parametrize(
     ("kind", "error"),
@@ -761,7 +773,12 @@ def test_a_handler_that_exits_the_process_is_rescued_and_its_worker_replaced(
     victim = master.wait_stderr(r"worker 1 \(pid (\d+)\) exited with 7; restarting")[1]
     # Nothing recorded the job when its process vanished: the rescuer does, at
     # its last attempt by discarding it; the good jobs of its batch run again.
-    procs.wait_for(lambda: (job_row(db, bad) or ("",))[0] == "discarded", "the rescuer to discard the job")
+    # Within --rescue-after (5 s) and a rescuer's round (5/3 s), well before the default 15 s.
+    procs.wait_for(
+        lambda: (job_row(db, bad) or ("",))[0] == "discarded",
+        "the rescuer to discard the job",
+        timeout=RESCUE,
+    )
     procs.wait_for(lambda: goods_left(db) == 0, "every good job to finish")
     _, _, errors = job_row(db, bad) or ("", 0, [])
     [error] = [e["error"] for e in errors]
@@ -771,6 +788,33 @@ def test_a_handler_that_exits_the_process_is_rescued_and_its_worker_replaced(
     heir = master.wait_child("fastjobs: worker 1 ", exclude=(int(victim),))
     assert procs.alive(heir)
     assert master.stop() == 0, master.stderr()
+
+
+def test_a_live_worker_running_a_job_longer_than_the_rescue_delay_keeps_it(app: App, dsn: str):
+    """The worker's control thread heartbeats while the main thread runs a long job: a rescuer
+    with a 3 s delay, run again and again past those 3 s, leaves the job to its worker."""
+    started = threading.Event()
+    release = threading.Event()
+
+    @app.job(kind="long")
+    def long() -> None:
+        started.set()
+        release.wait(10)
+
+    app.enqueue("long")
+    config = leader.RescuerConfig(stale_after=3.0)
+    rescued: list[dict[str, int]] = []
+    with WorkerThread(Worker(app, poll_interval=60.0)), psycopg.connect(dsn, autocommit=True) as conn:
+        assert started.wait(10)
+        began = time.monotonic()
+        tick = threading.Event()
+        while (running := time.monotonic() - began) < 4.2:
+            if running > 3.2:  # the job has run past the delay (its worker registered before it)
+                rescued.append(leader.rescue_once(conn, config=config))
+            tick.wait(0.1)
+        release.set()
+        assert wait_for(lambda: jobs(dsn) == [])
+    assert rescued and all(counts == {} for counts in rescued), rescued
 
 
 def test_a_hung_handler_with_a_timeout_fails_and_the_worker_goes_on(
@@ -804,10 +848,15 @@ def test_a_hung_handler_without_a_timeout_is_killed_replaced_and_rescued(
     procs.wait_for(lambda: runs(db)[-1] == 1, "the hanging job to start")
     hung = master.wait_child("fastjobs: worker 1 ")
     master.wait_stderr(rf"worker 1 \(pid {hung}\) made no progress for 2s; killing it", timeout=15)
+    killed = time.monotonic()
     heir = master.wait_child("fastjobs: worker 1 ", exclude=(hung,))
     app.enqueue_many("good", ({"n": n} for n in range(GOOD)))
     procs.wait_for(lambda: goods_left(db) == 0, "the new worker to run the good jobs")
-    procs.wait_for(lambda: (job_row(db, bad) or ("",))[0] == "discarded", "the rescuer to discard the job")
+    procs.wait_for(
+        lambda: (job_row(db, bad) or ("",))[0] == "discarded",
+        "the rescuer to discard the job",
+        timeout=max(killed + RESCUE - time.monotonic(), 0.1),
+    )
     _, _, errors = job_row(db, bad) or ("", 0, [])
     [error] = [e["error"] for e in errors]
     assert re.fullmatch(rf"worker \S+:{hung}:\w+ died while running the job \(crash 1\)", error), error
@@ -969,3 +1018,38 @@ def test_an_out_of_date_schema_stops_fastjobs_run(tmp_path: Path, old_dsn: str):
     assert "at 001" in err and "run `fastjobs migrate`" in err
     assert "Traceback" not in err and "restarting" not in err
     assert by_state(old_dsn) == {}
+
+
+# --- options of `fastjobs run` --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "reason"),
+    [
+        ("--batch-max", "0", "must be at least 1, not 0"),
+        ("--batch-max", "-5", "must be at least 1, not -5"),
+        ("--batch-max", "many", "'many' is not an integer"),
+        ("--leader-key", str(2**63), f"must be between {-(2**63)} and {2**63 - 1} (a bigint), not {2**63}"),
+        (
+            "--leader-key",
+            str(-(2**63) - 1),
+            f"must be between {-(2**63)} and {2**63 - 1} (a bigint), not {-(2**63) - 1}",
+        ),
+    ],
+)
+def test_fastjobs_run_refuses_a_bad_option_before_anything_starts(
+    capsys: pytest.CaptureFixture[str], option: str, value: str, reason: str
+):
+    """A usage error (exit 2) at parse time: no module imported, no process forked, where workers
+    used to stop after one job or crash-loop, and the leader to crash-loop."""
+    with pytest.raises(SystemExit) as exited:
+        main(["run", f"{option}={value}", "fastjobs_no_such_module"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"fastjobs run: error: argument {option}: {reason}" in err
+    assert "fastjobs_no_such_module" not in err
+
+
+def test_fastjobs_run_takes_the_extreme_leader_keys() -> None:
+    for key in (2**63 - 1, -(2**63)):
+        assert _parser().parse_args(["run", f"--leader-key={key}", "m"]).leader_key == key

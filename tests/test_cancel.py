@@ -141,7 +141,7 @@ def test_a_running_sync_job_that_checks_the_flag_ends_cancelled(
         asked = time.monotonic()
         assert app.cancel(job_id) == "cancelling"
         assert job(dsn, job_id)["cancel_requested"] is True
-        wait_for(lambda: state(dsn, job_id) == "cancelled", timeout=10)
+        assert wait_for(lambda: state(dsn, job_id) == "cancelled", timeout=5)
         took = time.monotonic() - asked
         print(f"\ncancel of a running job: {took:.3f}s from app.cancel to 'cancelled'")
     assert seen == [(job_id, "poller", 1), True]
@@ -163,7 +163,7 @@ def test_current_job_is_none_outside_a_handler_while_a_worker_thread_runs_one(ap
             outside = fastjobs.current_job()
         finally:
             app.cancel(job_id)
-            wait_for(lambda: state(dsn, job_id) == "cancelled", timeout=10)
+            assert wait_for(lambda: state(dsn, job_id) == "cancelled", timeout=5)
         assert outside is None
 
 
@@ -186,7 +186,7 @@ def test_a_running_async_job_is_cancelled_promptly(app: App, dsn: str) -> None:
         assert started.wait(10), "the handler did not start"
         asked = time.monotonic()
         assert app.cancel(job_id) == "cancelling"
-        wait_for(lambda: state(dsn, job_id) == "cancelled", timeout=10)
+        assert wait_for(lambda: state(dsn, job_id) == "cancelled", timeout=5)
         took = time.monotonic() - asked
         print(f"\ncancel of a running job: {took:.3f}s from app.cancel to 'cancelled'")
     assert finished == ["cancelled"]
@@ -219,8 +219,8 @@ def test_cancelling_one_async_job_leaves_the_others_running(app: App, dsn: str) 
         assert app.cancel(ids[0]) == "cancelling"
         assert cancelled.wait(10), "job 0 was not cancelled"
         loops[0].call_soon_threadsafe(release.set)
-        wait_for(lambda: state(dsn, ids[1]) is None and state(dsn, ids[2]) is None, timeout=10)
-        wait_for(lambda: state(dsn, ids[0]) == "cancelled", timeout=10)
+        assert wait_for(lambda: state(dsn, ids[1]) is None and state(dsn, ids[2]) is None, timeout=5)
+        assert wait_for(lambda: state(dsn, ids[0]) == "cancelled", timeout=5)
     assert sorted(done) == [1, 2]
 
 
@@ -267,7 +267,7 @@ def test_a_job_cancelled_while_claimed_but_not_started_never_runs(app: App, dsn:
         assert started.wait(10), "the first job did not start"
         assert state(dsn, second_id) == "running"  # claimed in the same batch
         assert app.cancel(second_id) == "cancelling"
-        wait_for(lambda: second_id in executor.cancelled, timeout=10)
+        assert wait_for(lambda: second_id in executor.cancelled, timeout=5)
         release.set()
         batch.join(10)
         assert not batch.is_alive()
@@ -301,7 +301,7 @@ def test_cancel_requested_is_cleared_by_retry(app: App, dsn: str) -> None:
     with WorkerThread(Worker(app, poll_interval=0.1)):
         assert started.wait(10)
         app.cancel(job_id)
-        wait_for(lambda: state(dsn, job_id) == "cancelled", timeout=10)
+        assert wait_for(lambda: state(dsn, job_id) == "cancelled", timeout=5)
     with psycopg.connect(dsn, autocommit=True) as conn:
         assert control.retry(conn, job_id) == "available"
     row = job(dsn, job_id)

@@ -11,7 +11,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg.pq import TransactionStatus
-from psycopg.rows import dict_row
+from psycopg.rows import RowFactory, class_row, dict_row, namedtuple_row
 
 from fastjobs import App, enqueue
 
@@ -575,6 +575,21 @@ BAD_OPTIONS = [
     pytest.param({"run_at": dt.datetime(2030, 1, 1)}, "timezone", id="naive-run-at"),
     pytest.param({"run_at": "2030-01-01T00:00:00Z"}, "run_at", id="run-at-str"),
     pytest.param({"run_at": future, "delay": 5}, "not both", id="run-at-and-delay"),
+    # Past the year 9999 (timestamptz holds 294276, but no reader could load it)
+    # and past timestamptz itself: ValueError, not DatetimeFieldOverflow or OverflowError.
+    pytest.param({"delay": 1e12}, "delay must be at most", id="delay-of-31,700-years"),
+    pytest.param({"delay": 1e14}, "delay must be at most", id="delay-past-timestamptz"),
+    pytest.param({"delay": dt.timedelta.max}, "delay must be at most", id="timedelta-max"),
+    pytest.param(
+        {"run_at": dt.datetime.max.replace(tzinfo=dt.timezone(-dt.timedelta(hours=12)))},
+        "outside the years",
+        id="run-at-past-9999-utc",
+    ),
+    pytest.param(
+        {"run_at": dt.datetime.min.replace(tzinfo=dt.timezone(dt.timedelta(hours=12)))},
+        "outside the years",
+        id="run-at-before-year-1-utc",
+    ),
 ]
 
 
@@ -640,3 +655,50 @@ def test_duplicate_kind_is_refused(app: App):
     with pytest.raises(ValueError, match="same"):
         app.job(kind="same")(second)
     assert app.jobs["same"].func is first
+
+
+# The caller's row factory ----------------------------------------------------
+
+
+class _Row:
+    """Any class a caller's connection may build its rows with (psycopg's class_row)."""
+
+    def __init__(self, **columns: Any) -> None:
+        self.columns = columns
+
+
+ROW_FACTORIES = pytest.mark.parametrize(
+    "row_factory",
+    [dict_row, namedtuple_row, class_row(_Row)],
+    ids=["dict_row", "namedtuple_row", "class_row"],
+)
+
+
+@ROW_FACTORIES
+def test_transactional_enqueue_and_cancel_work_whatever_the_row_factory(
+    app: App, dsn, row_factory: RowFactory[Any]
+):
+    """fastjobs reads its own rows as tuples: with the caller's factory, row[0] raised KeyError
+    after the INSERT had run, so a caller who retried enqueued twice."""
+    with psycopg.connect(dsn, row_factory=row_factory) as conn:
+        with conn.transaction():
+            first = app.enqueue("k", {"n": 1}, conn=conn, unique_key="key")
+            assert app.enqueue("k", {"n": 2}, conn=conn, unique_key="key") == first  # the holder's id
+            other = app.enqueue("k", {"n": 3}, conn=conn, delay=60)
+            assert app.cancel(other, conn=conn) == "cancelled"
+            assert app.cancel(other, conn=conn) == "cancelled"  # read back as its state
+        assert conn.execute("SELECT 1 AS one").fetchone() is not None  # the caller's factory is untouched
+    assert [(r["id"], r["state"], r["args"]) for r in _jobs(dsn)] == [
+        (first, "available", {"n": 1}),
+        (other, "cancelled", {"n": 3}),
+    ]
+
+
+@ROW_FACTORIES
+async def test_transactional_enqueue_async_works_whatever_the_row_factory(app: App, dsn, row_factory: Any):
+    conn = await psycopg.AsyncConnection.connect(dsn, row_factory=row_factory)
+    async with conn, conn.transaction():
+        first = await app.enqueue_async("k", {"n": 1}, conn=conn, unique_key="key")
+        assert await app.enqueue_async("k", {"n": 2}, conn=conn, unique_key="key") == first
+        second = await app.enqueue_async("k", {"n": 3}, conn=conn)
+    assert [(r["id"], r["args"]) for r in _jobs(dsn)] == [(first, {"n": 1}), (second, {"n": 3})]

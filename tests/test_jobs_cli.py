@@ -260,3 +260,58 @@ def test_a_database_without_the_schema_says_to_migrate(
     code, out, err = jobs_cli(empty_dsn, capsys, "list")
     assert (code, out) == (1, "")
     assert "fastjobs migrate" in err
+
+
+def test_retry_of_a_unique_job_whose_key_is_held_again_names_the_holder(
+    app: App, dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first = app.enqueue("k", {"n": 1}, unique_key="once")
+    query(dsn, "UPDATE fastjobs_jobs SET state = 'discarded', finalized_at = now() WHERE id = %s", (first,))
+    holder = app.enqueue("k", {"n": 2}, unique_key="once")
+    assert holder != first
+
+    code, out, err = jobs_cli(dsn, capsys, "retry", str(first))
+    assert (code, out) == (1, "")
+    assert err == (
+        f"fastjobs: job {first} cannot be retried: job {holder} (available) holds its unique key 'once';"
+        " retry it once that job has finished\n"
+    )
+    assert state(dsn, first) == "discarded"
+
+    query(dsn, "DELETE FROM fastjobs_jobs WHERE id = %s", (holder,))  # the holder completed
+    assert jobs_json(dsn, capsys, "retry", str(first)) == {"id": first, "state": "available"}
+
+
+# --- what job input may contain ------------------------------------------------------------------
+
+# An OSC that retitles the terminal, one that clears it, a CSI in its C1 form, a bell, DEL.
+_EVIL = "\x1b]0;pwned\x07\x1b[2J\x9b31m\x7f"
+
+
+def test_show_and_list_escape_control_characters_of_job_input(
+    app: App, dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    job_id = app.enqueue(f"kind{_EVIL}", {"text": f"héllo {_EVIL}"}, queue=f"q{_EVIL}")
+    error = {
+        "at": "now",
+        "attempt": 1,
+        "error": f"ValueError: {_EVIL}",
+        "traceback": f"line 1\n\tline {_EVIL}",
+    }
+    query(dsn, "UPDATE fastjobs_jobs SET errors = jsonb_build_array(%s::jsonb)", (json.dumps(error),))
+
+    for command in (["list"], ["show", str(job_id)]):
+        code, out, err = jobs_cli(dsn, capsys, *command)
+        assert code == 0 and err == ""
+        assert not re.search("[\x00-\x08\x0b-\x1f\x7f-\x9f]", out), (command, out)
+        assert "kind\\x1b]0;pwned\\x07\\x1b[2J\\x9b31m\\x7f" in out  # escaped, yet readable
+    assert "héllo" in out  # normal text stays as it is
+    assert "--- attempt 1 at now: ValueError: \\x1b]0;pwned" in out
+    assert "line 1\n\tline \\x1b]0;pwned" in out  # a traceback keeps its lines and indents
+    # --json escapes as JSON does, and round-trips.
+    job = jobs_json(dsn, capsys, "show", str(job_id))
+    assert (job["kind"], job["args"]["text"], job["errors"][0]["error"]) == (
+        f"kind{_EVIL}",
+        f"héllo {_EVIL}",
+        f"ValueError: {_EVIL}",
+    )

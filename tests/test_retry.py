@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import itertools
+import random
 from typing import Any
 
 import psycopg
@@ -42,8 +43,12 @@ def test_backoff_grows_with_the_attempt(rand):
 
 
 def test_backoff_is_pure():
-    assert default_backoff(7, 0.42) == default_backoff(7, 0.42)
-    assert default_backoff(0, 0.5) == default_backoff(1, 0.5)  # attempt is clamped to >= 1
+    """attempt**4 scaled by the jitter `rand` picks, and nothing else (no clock, no global random)."""
+    first = default_backoff(7, 0.42)
+    random.seed(1)
+    random.random()
+    assert first == default_backoff(7, 0.42) == pytest.approx(2401 * 0.984)
+    assert default_backoff(0, 0.5) == default_backoff(1, 0.5) == 1.0  # attempt is clamped to >= 1
 
 
 # --- exceptions ---

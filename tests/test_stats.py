@@ -47,6 +47,15 @@ def runs_by_pid(db: psycopg.Connection[Any]) -> dict[int, int]:
     return dict(db.execute("SELECT pid, count(*) FROM runs GROUP BY pid").fetchall())
 
 
+def emails_age(db: psycopg.Connection[Any]) -> float:
+    """Seconds since the oldest job of `emails` became due, by the database's clock."""
+    row = db.execute(
+        "SELECT extract(epoch FROM now() - min(run_at))::float8 FROM fastjobs_jobs WHERE queue = 'emails'"
+    ).fetchone()
+    assert row is not None
+    return float(row[0])
+
+
 def drained_master(masters: procs.Masters, app: App, db: psycopg.Connection[Any], *args: str) -> procs.Master:
     """A master of 2 workers serving only `default` that ran 120 jobs; 3 more wait in `emails`."""
     app.enqueue_many("record", ({"n": n} for n in range(100)))
@@ -88,7 +97,8 @@ def test_stats_json_lists_the_live_processes_with_what_they_ran(
         assert p["failed"] == p["retried"] == p["discarded"] == 0
         assert p["heartbeat"] >= p["started"] > 0
     assert [(q["queue"], q["state"], q["count"]) for q in doc["queues"]] == [("emails", "available", 3)]
-    assert doc["queues"][0]["oldest_seconds"] >= 0
+    # Waiting since they were enqueued, before the master started: older than a drain, younger than now.
+    assert 0.1 < doc["queues"][0]["oldest_seconds"] <= emails_age(db)
 
     human = procs.cli(app.dsn, "stats")
     assert human.returncode == 0, human.stderr
@@ -184,7 +194,7 @@ def test_metrics_endpoint_serves_prometheus_text_of_what_ran(
     assert found['fastjobs_jobs_failed_total{role="worker",index="0"}'] == 0
     assert 'fastjobs_jobs_completed_total{role="leader",index="2"}' in found
     assert found['fastjobs_queue_jobs{queue="emails",state="available"}'] == 3
-    assert found['fastjobs_queue_oldest_seconds{queue="emails",state="available"}'] >= 0
+    assert 0.1 < found['fastjobs_queue_oldest_seconds{queue="emails",state="available"}'] <= emails_age(db)
     assert not [k for k in found if 'queue="default"' in k]
     with pytest.raises(urllib.error.HTTPError) as missing:
         urllib.request.urlopen(f"http://127.0.0.1:{port}/nothing", timeout=10)
@@ -285,7 +295,19 @@ def test_listener_health_is_reported_and_a_killed_listener_comes_back(
     assert found['fastjobs_listener_up{role="worker",index="0"}'] == 1
     assert found['fastjobs_listener_reconnects_total{role="worker",index="0"}'] == 1
     assert 'fastjobs_listener_up{role="leader",index="1"}' not in found
-    assert found["fastjobs_mvcc_horizon_age_seconds"] >= 0
+    # A snapshot held open shows as the horizon's age, as long as it has been open.
+    with psycopg.connect(app.dsn) as held:
+        held.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        held.execute("SELECT 1")
+        opened = time.monotonic()
+
+        def horizon() -> float | None:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+                age = samples(response.read().decode())["fastjobs_mvcc_horizon_age_seconds"]
+            return age if age >= 0.3 else None
+
+        age = wait_for(horizon, "the held snapshot as the horizon", timeout=10)
+        assert age <= time.monotonic() - opened + 0.05
     assert found["fastjobs_notify_queue_usage_ratio"] == 0
     assert found['fastjobs_table_bytes{table="fastjobs_jobs",part="indexes"}'] > 0
     assert 'fastjobs_table_dead_rows{table="fastjobs_jobs"}' in found

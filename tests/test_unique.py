@@ -61,6 +61,9 @@ def test_a_finished_job_frees_the_key(app: App, dsn: str, state: str) -> None:
     second = app.enqueue("k", unique_key="key")
     assert second != first
     assert [(r["id"], r["state"]) for r in rows(dsn)] == [(first, state), (second, "available")]
+    # A duplicate now returns the pending holder, never the finished one.
+    assert app.enqueue("k", unique_key="key") == second
+    assert len(rows(dsn)) == 2
 
 
 @pytest.mark.parametrize("keep_completed", [False, True], ids=["deleted", "kept"])

@@ -1,0 +1,64 @@
+"""Claims that start where the last one ended: the late-commit margin, and timely claims from the front."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from psycopg.types.json import Jsonb
+
+from fastjobs import App
+from fastjobs.worker import Worker
+
+from .helpers import OVERLAP, WorkerThread, batch_loop, by_state, handler_event, query, wait_for
+
+
+def test_a_job_committed_late_behind_the_mark_is_claimed_after_it(app: App, dsn) -> None:
+    """A job whose run_at is 50 ms before the mark (its transaction committed late) is claimed
+    by the claim after the mark; one a second before it waits for a claim from the front."""
+    _, seen = handler_event(app, "late")
+    app.enqueue("late", {"n": 1})
+    [mark] = query(dsn, "SELECT run_at FROM fastjobs_jobs")
+    with batch_loop(app, 10, full_claim_duty=1e-9) as loop:  # claims from the front: almost never
+        assert loop.step() == 1 and seen == [1]
+        for n, before in ((2, 0.05), (3, 1.0)):
+            query(
+                dsn,
+                "INSERT INTO fastjobs_jobs (kind, args, run_at)"
+                " VALUES ('late', %s, %s - make_interval(secs => %s))",
+                (Jsonb({"n": n}), mark["run_at"], before),
+            )
+        assert loop.step() == 1 and seen == [1, 2]
+        assert loop.step() == 0
+    assert by_state(dsn) == {"available": 1}
+
+
+@OVERLAP
+def test_a_higher_priority_job_waits_about_one_batch_behind_slow_jobs(app: App, overlap) -> None:
+    """Slow jobs (50 ms, so batches of 2) drain at priority 0; a job of priority 5 enqueued
+    mid-drain sorts before the mark, so only a claim from the front finds it: that claim must
+    come within about a batch. Rationed by the batch's time (the claim sent ahead is in flight
+    while the handlers run), it came ~9 batches (~0.9 s) later."""
+    ran: dict[int, float] = {}
+    urgent_ran = threading.Event()
+
+    @app.job(kind="slow")
+    def slow(n: int) -> None:
+        ran[n] = time.monotonic()
+        if n >= 1000:
+            urgent_ran.set()
+        else:
+            time.sleep(0.05)
+
+    slow.enqueue_many({"n": n} for n in range(150))
+    waits = []
+    with WorkerThread(Worker(app, poll_interval=60.0, overlap=overlap)):
+        assert wait_for(lambda: len(ran) >= 10)
+        for k in range(5):
+            urgent_ran.clear()
+            began = time.monotonic()
+            app.enqueue("slow", {"n": 1000 + k}, priority=5)
+            assert urgent_ran.wait(3.0)
+            waits.append(ran[1000 + k] - began)
+    # One batch is ~0.1 s; the batch running and the one claimed ahead come first.
+    assert max(waits) < 0.45, [round(w, 3) for w in waits]
