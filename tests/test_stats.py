@@ -308,7 +308,9 @@ def test_listener_health_is_reported_and_a_killed_listener_comes_back(
 
         age = wait_for(horizon, "the held snapshot as the horizon", timeout=10)
         assert age <= time.monotonic() - opened + 0.05
-    assert found["fastjobs_notify_queue_usage_ratio"] == 0
+    # The NOTIFY queue is the server's, shared with every other database on it: a page
+    # of another session's pending notifications shows here. Below the warning level.
+    assert 0 <= found["fastjobs_notify_queue_usage_ratio"] < 0.05
     assert found['fastjobs_table_bytes{table="fastjobs_jobs",part="indexes"}'] > 0
     assert 'fastjobs_table_dead_rows{table="fastjobs_jobs"}' in found
     assert master.stop() == 0, master.stderr()
