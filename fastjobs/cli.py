@@ -50,7 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--worker-timeout",
         type=float,
-        help="kill a worker that makes no progress this long (default: max(300, 2 x longest job timeout))",
+        help="kill a worker or leader whose process sent no heartbeat this long: hung holding the GIL,"
+        " or stopped (it beats every second, whatever length of job it runs; default 60, at least 2)",
     )
     run.add_argument("--metrics-port", type=int, help="serve Prometheus text on this port")
     run.add_argument(
