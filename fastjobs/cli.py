@@ -17,7 +17,7 @@ from . import bench, control, database, schema, soak, sql, stats
 from .app import App
 from .errors import ConfigurationError, FastjobsError
 from .impl import IMPLEMENTATION
-from .leader import LeaderConfig, RescuerConfig
+from .leader import DEFAULT_LEASE, LeaderConfig, RescuerConfig
 from .master import Master, parse_queues
 from .stats import HORIZON_WARNING
 from .types import JobState
@@ -59,6 +59,13 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=sql.LEADER_LOCK_KEY,
         help="advisory lock key of the leader election (pick one your application does not use)",
+    )
+    run.add_argument(
+        "--leader-lease",
+        type=float,
+        default=DEFAULT_LEASE,
+        help="seconds a leader whose session fell silent (process stopped, host cut off) keeps the lock"
+        " before another takes over (default %(default)g, at least 3)",
     )
     run.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
     run.add_argument("--batch-max", type=int, default=1000, help="largest batch one claim takes")
@@ -210,7 +217,11 @@ def _run(args: argparse.Namespace) -> int:
         batch_max=args.batch_max,
         keep_completed=args.keep_completed,
         metrics=metrics,
-        leader=LeaderConfig(lock_key=args.leader_key, rescuer=RescuerConfig.after(args.rescue_after)),
+        leader=LeaderConfig(
+            lock_key=args.leader_key,
+            rescuer=RescuerConfig.after(args.rescue_after),
+            lease=args.leader_lease,
+        ),
     )
     code = master.run()
     print("fastjobs: stopped", file=sys.stderr, flush=True)
