@@ -37,6 +37,21 @@ def _parser() -> argparse.ArgumentParser:
     migrate.add_argument(
         "--since", type=int, default=0, metavar="VERSION", help="with --sql: only migrations after VERSION"
     )
+    migrate.add_argument(
+        "--lock-timeout",
+        type=float,
+        default=schema.LOCK_TIMEOUT,
+        metavar="SECONDS",
+        help="how long a step waits for its locks (enqueues queue behind it meanwhile) before it gives"
+        " way and retries (default %(default)g)",
+    )
+    migrate.add_argument(
+        "--lock-retries",
+        type=int,
+        default=schema.LOCK_RETRIES,
+        metavar="N",
+        help="attempts of a step before giving up (default %(default)d, with backoff up to 10 s)",
+    )
 
     run = commands.add_parser("run", help="run workers for the jobs of MODULE")
     run.add_argument("module", help="module holding a fastjobs.App, or module:attribute")
@@ -407,11 +422,11 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _migrate(args: argparse.Namespace) -> int:
     if args.sql:
-        sys.stdout.write(schema.script(args.since))
+        sys.stdout.write(schema.script(args.since, args.lock_timeout))
         return 0
     dsn = database.resolve_dsn(args.dsn)
-    with database.connect(dsn) as conn:
-        applied = schema.migrate(conn)
+    with database.connect(dsn, application_name=schema.APPLICATION) as conn:
+        applied = schema.migrate(conn, dsn=dsn, lock_timeout=args.lock_timeout, retries=args.lock_retries)
     where = database.describe(dsn)
     if not applied:
         print(f"fastjobs: schema at {where} is up to date")

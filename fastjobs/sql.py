@@ -40,8 +40,33 @@ CREATE TABLE IF NOT EXISTS fastjobs_migrations (
     applied_at timestamptz NOT NULL DEFAULT now()
 )"""
 
-# migration_lock: serialise migrators until this transaction ends.
-migration_lock: Final = "SELECT pg_advisory_xact_lock($1)"
+# migration_lock: serialise migrators (session level: the steps are transactions of their own).
+# Tried, never waited for inside a statement: a CREATE INDEX CONCURRENTLY of
+# the holder waits for every transaction older than it, a waiting
+# migrator's included, which would deadlock.
+migration_lock: Final = "SELECT pg_try_advisory_lock($1)"
+
+# migration_unlock: let the next migrator in.
+migration_unlock: Final = "SELECT pg_advisory_unlock($1)"
+
+# migration_lock_timeout: how long a migration's transaction step waits for a lock (this transaction only).
+migration_lock_timeout: Final = "SELECT set_config('lock_timeout', $1, true)"
+
+# migration_index_invalid: whether index $1 exists but is invalid (a CONCURRENTLY build that failed).
+migration_index_invalid: Final = """
+SELECT NOT i.indisvalid FROM pg_index i WHERE i.indexrelid = to_regclass($1)"""
+
+# migration_index_drop: drop what a failed CONCURRENTLY build left, before building it again.
+migration_index_drop: Final = "DROP INDEX CONCURRENTLY IF EXISTS {index}"
+
+# migration_blockers: the sessions the migrating backend $1 waits on, oldest transaction first.
+migration_blockers: Final = """
+SELECT a.pid, a.application_name, a.state,
+       coalesce(extract(epoch FROM clock_timestamp() - a.xact_start), 0)::float8,
+       left(regexp_replace(a.query, '[[:space:]]+', ' ', 'g'), 200)
+  FROM pg_stat_activity a
+ WHERE a.pid = ANY (pg_blocking_pids($1))
+ ORDER BY a.xact_start"""
 
 # migration_applied_list: versions already applied.
 migration_applied_list: Final = "SELECT version FROM fastjobs_migrations ORDER BY version"
@@ -507,6 +532,7 @@ NOT_PREPARABLE: Final = frozenset(
         "job_copy_staged",
         "job_stage_create",
         "migration_table_create",
+        "migration_index_drop",
         "listen_jobs",
         "listen_ping",
         "listen_cancel",
