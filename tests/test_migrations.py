@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 import sys
 import threading
 import time
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 
-from fastjobs import SchemaMissing, schema, sql
+from fastjobs import App, SchemaMissing, SchemaTooNew, schema, sql
 from fastjobs.cli import main
+from fastjobs.master import EXIT_BOOT_ERROR
 
+from . import procs
 from .procs import wait_for
 
 
@@ -294,3 +299,101 @@ def count_jobs(conn: psycopg.Connection[Any]) -> int:
     row = conn.execute("SELECT count(*) FROM fastjobs_jobs").fetchone()
     assert row is not None
     return int(row[0])
+
+
+# --- the compatibility window and a rolling deploy -------------------------------------------------
+
+
+def record_future(dsn: str, *versions: int) -> None:
+    """Record migrations this code does not know, as a newer fastjobs's `migrate` would."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for version in versions:
+            psycopg.RawCursor(conn).execute(sql.migration_record, (version, f"future_{version}"))
+
+
+def test_code_runs_on_a_schema_one_migration_ahead_and_refuses_two(dsn: str) -> None:
+    latest = schema.migrations()[-1].version
+    record_future(dsn, latest + 1)  # migrated first, during a rolling deploy: this code still runs
+    with psycopg.connect(dsn) as conn:
+        schema.check(conn)
+    record_future(dsn, latest + 2)
+    with psycopg.connect(dsn) as conn, pytest.raises(SchemaTooNew) as raised:
+        schema.check(conn)
+    assert str(raised.value) == (
+        f"the fastjobs schema is at {latest + 2:03d}, newer than this fastjobs runs on"
+        f" ({latest:03d} to {latest + 1:03d}): upgrade fastjobs on this host"
+    )
+
+
+@pytest.fixture
+def masters(tmp_path: Path, dsn: str) -> Iterator[procs.Masters]:
+    procs.create_runs_table(dsn)
+    with procs.Masters(tmp_path, dsn) as m:
+        yield m
+
+
+def test_fastjobs_run_on_a_schema_too_new_stops_with_the_boot_error_and_forks_nothing(
+    masters: procs.Masters, dsn: str
+) -> None:
+    latest = schema.migrations()[-1].version
+    record_future(dsn, latest + 1, latest + 2)
+    master = masters.start("--processes", "1")
+    assert master.wait(15) == EXIT_BOOT_ERROR, master.stderr()
+    assert f"schema is at {latest + 2:03d}, newer than this fastjobs runs on" in master.stderr()
+    assert "upgrade fastjobs" in master.stderr()
+    assert master.forks() == []
+
+
+# A migration the next release might ship: a column (a short ACCESS EXCLUSIVE
+# transaction) and an index built CONCURRENTLY. The running code never reads either.
+NEXT_MIGRATION = """
+-- 003_next: a column and its index, as a next release would add them.
+ALTER TABLE fastjobs_jobs ADD COLUMN IF NOT EXISTS tenant text;
+
+-- fastjobs: concurrently
+CREATE INDEX CONCURRENTLY IF NOT EXISTS fastjobs_jobs_tenant_idx
+    ON fastjobs_jobs (tenant) WHERE tenant IS NOT NULL;
+"""
+
+
+def test_a_rolling_upgrade_with_jobs_in_flight_loses_nothing_and_runs_nothing_twice(
+    masters: procs.Masters, app: App, dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The documented order: `fastjobs migrate` first, while the old masters drain; then each host's
+    master is replaced (the new one started, the old one stopped). A job longer than the rescue
+    delay runs on the old master across the change of leader, and is not rescued."""
+    directory = tmp_path / "next"
+    directory.mkdir()
+    for shipped in schema.migrations():
+        (directory / f"{shipped.label}.sql").write_text(shipped.sql)
+    (directory / "003_next.sql").write_text(NEXT_MIGRATION)
+
+    long_id = app.enqueue("record", {"n": -1, "sleep": 8.0})
+    app.enqueue_many("record", ({"n": n, "sleep": 0.01} for n in range(300)))
+    old = masters.start("--processes", "2", "--rescue-after", "5")
+    old.wait_stderr(r"leader elected")
+    with psycopg.connect(dsn, autocommit=True) as db:
+        wait_for(lambda: procs.count(db, "SELECT count(*) FROM runs") > 20, "the old master to drain")
+        ran_before = procs.count(db, "SELECT count(*) FROM runs")
+        with psycopg.connect(dsn) as conn:
+            applied = schema.migrate(conn, dsn=dsn, lock_timeout=1.0, directory=directory)
+        assert [m.label for m in applied] == ["003_next"]
+        assert procs.alive(old.pid) and runs_left(db) > 0  # migrated mid-drain
+        assert procs.count(db, "SELECT count(*) FROM runs") > ran_before
+
+        new = masters.start("--processes", "2", "--rescue-after", "5")  # runs on the schema one ahead
+        new.wait_child("fastjobs: worker 2 ")
+        old.signal(signal.SIGTERM)  # its leader steps down at once; its long job finishes in the grace
+        new.wait_stderr(r"leader elected")
+        assert old.wait(30) == 0, old.stderr()
+        wait_for(lambda: runs_left(db) == 0, "the new master to drain the rest")
+        ran = Counter(n for (n,) in db.execute("SELECT n FROM runs"))
+        assert ran == Counter({n: 1 for n in [-1, *range(300)]}), {n: c for n, c in ran.items() if c != 1}
+        assert procs.count(db, "SELECT count(*) FROM fastjobs_jobs WHERE id = %s", long_id) == 0
+    assert new.stop() == 0, new.stderr()
+    assert "rescuer" not in new.stderr() + old.stderr()
+    assert "waits for" not in capsys.readouterr().err  # the drain never held the migration up
+
+
+def runs_left(db: psycopg.Connection[Any]) -> int:
+    return procs.count(db, "SELECT count(*) FROM fastjobs_jobs")
