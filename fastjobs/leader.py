@@ -469,7 +469,7 @@ class Leader:
     def _turn(self, conn: psycopg.Connection[Any]) -> None:
         if not self.leading:
             # The take-over first: its lock attempt is then the last statement a candidate sent.
-            self.leading = self._try_lock(conn, wait=2.0 if self._take_over(conn) else 0.0)
+            self.leading = self._try_lock(conn, wait=1.0 if self._take_over(conn) else 0.0)
             if not self.leading:
                 return
             print(f"fastjobs: leader elected (pid {os.getpid()})", file=sys.stderr, flush=True)

@@ -234,6 +234,20 @@ def roll_back_002(dsn: str) -> None:
         conn.execute("DELETE FROM fastjobs_migrations WHERE version >= 2")
 
 
+def test_the_upgrade_script_applies_a_pending_migration_through_psql_and_runs_again_harmlessly(
+    dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    expected = _snapshot(dsn)
+    roll_back_002(dsn)
+    assert main(["migrate", "--sql", "--since", "1"]) == 0
+    script = capsys.readouterr().out
+    assert "CREATE TABLE fastjobs_jobs" not in script
+    for _ in range(2):  # a DBA re-running it, say after a lock timeout, changes nothing
+        result = psql(dsn, script, tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert _snapshot(dsn) == expected
+
+
 def test_migrate_behind_a_reader_gives_way_to_enqueues_says_what_it_waits_on_and_finishes(
     dsn: str, tmp_path: Path
 ) -> None:
