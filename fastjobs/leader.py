@@ -388,10 +388,6 @@ class Leader:
         self.config = config
         self.slot = slot
         self.leading = False
-        if not config.lease >= MIN_LEASE:
-            raise ConfigurationError(
-                f"the leader's lease must be at least {MIN_LEASE:g} s, not {config.lease:g}"
-            )
         self.periodic = [spec for spec in app.jobs.values() if spec.cron]
         self._due: dict[str, float] = {}
         self._warned_privilege = False
