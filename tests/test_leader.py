@@ -28,6 +28,7 @@ import pytest
 from psycopg import sql as pgsql
 
 from fastjobs import App, control
+from fastjobs.errors import ConfigurationError
 from fastjobs.leader import (
     CleanerConfig,
     Leader,
@@ -266,6 +267,11 @@ def test_a_stopped_leader_releases_the_lock_for_another_at_once(app: App, dsn: s
             wait_for(lambda: second.leading, "the second leader", timeout=5)
             assert time.monotonic() - stopped < 5.0
             assert lock_holders(dsn) not in ([], [holder])
+
+
+def test_the_lease_must_outlast_the_leaders_beat() -> None:
+    with pytest.raises(ConfigurationError, match="lease must be at least 3 s"):
+        LeaderConfig(lease=1.0)
 
 
 def test_a_custom_lock_key_is_the_one_taken(app: App, dsn: str) -> None:

@@ -112,6 +112,11 @@ def test_master_needs_a_process() -> None:
         Master(App("postgresql://unused"), 0, {"default": 1})
 
 
+def test_the_worker_timeout_must_exceed_the_beat() -> None:
+    with pytest.raises(ConfigurationError, match="--worker-timeout must be at least 2 seconds"):
+        Master(App("postgresql://unused"), 1, {"default": 1}, worker_timeout=1.0)
+
+
 # --- fastjobs run as a process tree ----------------------------------------------------------
 
 

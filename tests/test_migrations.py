@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from fastjobs import App, SchemaMissing, SchemaTooNew, schema, sql
+from fastjobs import App, FastjobsError, SchemaMissing, SchemaTooNew, schema, sql
 from fastjobs.cli import main
 from fastjobs.master import EXIT_BOOT_ERROR
 
@@ -220,6 +220,26 @@ def test_check_with_an_empty_migrations_table_says_run_migrate(empty_dsn):
 def test_check_passes_on_a_migrated_database(dsn):
     with psycopg.connect(dsn) as conn:
         schema.check(conn)
+
+
+def test_a_migration_file_is_split_into_its_steps() -> None:
+    text = """-- header
+ALTER TABLE t ADD COLUMN IF NOT EXISTS c int;
+-- fastjobs: concurrently
+-- why
+CREATE INDEX CONCURRENTLY IF NOT EXISTS t_c_idx ON t (c);
+-- fastjobs: transaction
+CREATE TABLE IF NOT EXISTS u (x int);
+"""
+    steps = schema.Migration(9, "x", text).steps()
+    assert [(s.concurrently, s.index) for s in steps] == [(False, ""), (True, "t_c_idx"), (False, "")]
+    assert "ALTER TABLE" in steps[0].sql and "CREATE TABLE" in steps[2].sql
+    for bad in (
+        "-- fastjobs: concurrently\nCREATE INDEX CONCURRENTLY t_c_idx ON t (c);\n",  # not idempotent
+        "-- fastjobs: concurrently\nCREATE INDEX CONCURRENTLY IF NOT EXISTS i ON t (c); SELECT 1;\n",
+    ):
+        with pytest.raises(FastjobsError, match="one CREATE"):
+            schema.Migration(9, "x", bad).steps()
 
 
 # --- migrations on a live system -----------------------------------------------------------------
