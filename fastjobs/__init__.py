@@ -10,6 +10,7 @@ from .errors import (
     JobTimeout,
     Retry,
     SchemaMissing,
+    SchemaTooNew,
     Snooze,
 )
 from .handlers import JobContext, current_job
@@ -31,6 +32,7 @@ __all__ = [
     "JobTimeout",
     "Retry",
     "SchemaMissing",
+    "SchemaTooNew",
     "Snooze",
     "Worker",
     "current_job",

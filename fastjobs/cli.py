@@ -17,7 +17,7 @@ from . import control, database, schema, sql, stats
 from .app import App
 from .errors import ConfigurationError, FastjobsError
 from .impl import IMPLEMENTATION
-from .leader import LeaderConfig, RescuerConfig
+from .leader import DEFAULT_LEASE, LeaderConfig, RescuerConfig
 from .master import Master, parse_queues
 from .stats import HORIZON_WARNING
 from .types import JobState
@@ -63,6 +63,21 @@ def _parser() -> argparse.ArgumentParser:
     migrate.add_argument(
         "--since", type=int, default=0, metavar="VERSION", help="with --sql: only migrations after VERSION"
     )
+    migrate.add_argument(
+        "--lock-timeout",
+        type=float,
+        default=schema.LOCK_TIMEOUT,
+        metavar="SECONDS",
+        help="how long a step waits for its locks (enqueues queue behind it meanwhile) before it gives"
+        " way and retries (default %(default)g)",
+    )
+    migrate.add_argument(
+        "--lock-retries",
+        type=int,
+        default=schema.LOCK_RETRIES,
+        metavar="N",
+        help="attempts of a step before giving up (default %(default)d, with backoff up to 10 s)",
+    )
 
     run = commands.add_parser("run", help="run workers for the jobs of MODULE")
     run.add_argument("module", help="module holding a fastjobs.App, or module:attribute")
@@ -76,7 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--worker-timeout",
         type=float,
-        help="kill a worker that makes no progress this long (default: max(300, 2 x longest job timeout))",
+        help="kill a worker or leader whose process sent no heartbeat this long: hung holding the GIL,"
+        " or stopped (it beats every second, whatever length of job it runs; default 60, at least 2)",
     )
     run.add_argument("--metrics-port", type=int, help="serve Prometheus text on this port")
     run.add_argument(
@@ -84,6 +100,13 @@ def _parser() -> argparse.ArgumentParser:
         type=_int64,
         default=sql.LEADER_LOCK_KEY,
         help="advisory lock key of the leader election (pick one your application does not use)",
+    )
+    run.add_argument(
+        "--leader-lease",
+        type=float,
+        default=DEFAULT_LEASE,
+        help="seconds a leader whose session fell silent (process stopped, host cut off) keeps the lock"
+        " before another takes over (default %(default)g, at least 3)",
     )
     run.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
     run.add_argument("--batch-max", type=_positive_int, default=1000, help="largest batch one claim takes")
@@ -240,7 +263,11 @@ def _run(args: argparse.Namespace) -> int:
         batch_max=args.batch_max,
         keep_completed=args.keep_completed,
         metrics=metrics,
-        leader=LeaderConfig(lock_key=args.leader_key, rescuer=RescuerConfig.after(args.rescue_after)),
+        leader=LeaderConfig(
+            lock_key=args.leader_key,
+            rescuer=RescuerConfig.after(args.rescue_after),
+            lease=args.leader_lease,
+        ),
     )
     code = master.run()
     print("fastjobs: stopped", file=sys.stderr, flush=True)
@@ -447,11 +474,11 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _migrate(args: argparse.Namespace) -> int:
     if args.sql:
-        sys.stdout.write(schema.script(args.since))
+        sys.stdout.write(schema.script(args.since, args.lock_timeout))
         return 0
     dsn = database.resolve_dsn(args.dsn)
-    with database.connect(dsn) as conn:
-        applied = schema.migrate(conn)
+    with database.connect(dsn, application_name=schema.APPLICATION) as conn:
+        applied = schema.migrate(conn, dsn=dsn, lock_timeout=args.lock_timeout, retries=args.lock_retries)
     where = database.describe(dsn)
     if not applied:
         print(f"fastjobs: schema at {where} is up to date")

@@ -43,6 +43,14 @@ KEEPALIVES = {
 }
 
 
+# The leader's lock session carries this application_name: a candidate
+# terminates only a session so named (never an application's own holder of
+# the key), once it has been idle past the lease (leader_take_over).
+LEADER_APPLICATION = "fastjobs leader"
+# How long a leader's session may stay silent before another may take over.
+DEFAULT_LEASE = 10.0
+MIN_LEASE = 3.0
+
 # A worker's control thread heartbeats this often; the rescuer treats a
 # worker silent for RescuerConfig.stale_after (15 s, at least MIN_STALE_AFTER) as dead.
 HEARTBEAT_INTERVAL = 2.0
@@ -246,11 +254,22 @@ class LeaderConfig:
 
     lock_key: int = sql.LEADER_LOCK_KEY
     retry_interval: float = 2.0  # how often a non-leader tries the lock
+    # A leader speaks on its lock's session at least every lease / 4; a
+    # candidate terminates a leader session idle for longer than `lease`
+    # (its process stopped, or its host cut off with the socket still open),
+    # which frees the lock. Failover after a frozen leader: lease + retry_interval.
+    lease: float = DEFAULT_LEASE
     scheduler: SchedulerConfig = SchedulerConfig()
     rescuer: RescuerConfig = RescuerConfig()
     cleaner: CleanerConfig = CleanerConfig()
     vacuum: VacuumConfig = VacuumConfig()
     periodic: PeriodicConfig = PeriodicConfig()
+
+    def __post_init__(self) -> None:
+        if not self.lease >= MIN_LEASE:
+            raise ConfigurationError(
+                f"the leader's lease must be at least {MIN_LEASE:g} s, not {self.lease:g}"
+            )
 
 
 class Vacuumer:
@@ -352,6 +371,16 @@ class Leader:
     lock-holding connection, so a leader whose session died cannot act: it
     finds out at its next statement and steps down, while PostgreSQL has
     released the lock for another to take.
+
+    A session ends when its process dies, but not when the process is
+    stopped (SIGSTOP, a frozen VM) or cut off while the server still sees
+    the socket open: the lock would stay held. So the lock is a lease: the
+    leader speaks on its session at least every `lease / 4`, and a
+    candidate that finds the holder's session (named LEADER_APPLICATION)
+    idle for longer than `lease` terminates it and takes the lock. A stale
+    leader that wakes up can do nothing before it notices: its next
+    statement fails on the terminated session (and its vacuum thread, on a
+    connection of its own, stands still while the lease is not renewed).
     """
 
     def __init__(self, app: App, config: LeaderConfig = LeaderConfig(), slot: Slot | None = None) -> None:
@@ -361,6 +390,8 @@ class Leader:
         self.leading = False
         self.periodic = [spec for spec in app.jobs.values() if spec.cron]
         self._due: dict[str, float] = {}
+        self._warned_privilege = False
+        self._renewed = 0.0  # time.monotonic() of the last statement on the lock's session while leading
         self._stop = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -376,7 +407,7 @@ class Leader:
 
     def run(self) -> None:
         conn: psycopg.Connection[Any] | None = None
-        vacuumer = Vacuumer(self.app.dsn, self.config.vacuum, lambda: self.leading)
+        vacuumer = Vacuumer(self.app.dsn, self.config.vacuum, self._leading_within_lease)
         vacuumer.start()
         try:
             while not self._stop:
@@ -405,6 +436,9 @@ class Leader:
                         cur.execute(sql.leader_unlock, (self.config.lock_key,))
                 conn.close()
 
+    def _leading_within_lease(self) -> bool:
+        return self.leading and time.monotonic() - self._renewed < self.config.lease
+
     def _step_down(self) -> None:
         if self.leading:
             print(f"fastjobs: leader (pid {os.getpid()}) stepped down", file=sys.stderr, flush=True)
@@ -414,10 +448,12 @@ class Leader:
         try:
             # Keepalives on both ends: a leader cut off by the network must lose
             # its session (and lock) in seconds, not the kernel's two hours.
-            conn = database.connect(self.app.dsn, autocommit=True, **KEEPALIVES)
+            conn = database.connect(
+                self.app.dsn, autocommit=True, application_name=LEADER_APPLICATION, **KEEPALIVES
+            )
             schema.check(conn)
             with psycopg.RawCursor(conn) as cur:
-                cur.execute(sql.leader_keepalive)
+                cur.execute(sql.leader_keepalive, (int(self.config.lease * 1000),))
             return conn
         except DatabaseUnavailable as exc:
             print(f"fastjobs: leader cannot connect, retrying: {exc}", file=sys.stderr, flush=True)
@@ -428,13 +464,17 @@ class Leader:
 
     def _turn(self, conn: psycopg.Connection[Any]) -> None:
         if not self.leading:
-            with psycopg.RawCursor(conn) as cur:
-                row = cur.execute(sql.leader_try_lock, (self.config.lock_key,)).fetchone()
-            self.leading = bool(row and row[0])
+            # The take-over first: its lock attempt is then the last statement a candidate sent.
+            self.leading = self._try_lock(conn, wait=1.0 if self._take_over(conn) else 0.0)
             if not self.leading:
                 return
             print(f"fastjobs: leader elected (pid {os.getpid()})", file=sys.stderr, flush=True)
             self._due = {}
+            self._renewed = time.monotonic()
+        elif time.monotonic() - self._renewed >= self.config.lease / 4:
+            with psycopg.RawCursor(conn) as cur:
+                cur.execute(sql.leader_renew)
+            self._renewed = time.monotonic()
         config = self.config
         services: list[tuple[str, float, Callable[[], Any]]] = [
             ("rescuer", config.rescuer.interval, lambda: rescue_once(conn, config=config.rescuer)),
@@ -452,11 +492,51 @@ class Leader:
             # Jitter keeps the leaders of many clusters on one server from beating in step.
             self._due[name] = now + interval * random.uniform(0.9, 1.1)
             result = run_once()
+            self._renewed = time.monotonic()
             spent = time.monotonic() - now
             if name == "cleaner" and spent >= config.cleaner.budget:
                 self._due[name] = time.monotonic() + config.cleaner.rest(spent)  # a backlog: paced
             if result and (not isinstance(result, dict) or any(result.values())):
                 print(f"fastjobs: leader {name}: {_describe(result)}", file=sys.stderr, flush=True)
+
+    def _try_lock(self, conn: psycopg.Connection[Any], wait: float = 0.0) -> bool:
+        """Take the lock if it is free; keep trying for `wait` seconds (a terminated holder exits soon)."""
+        deadline = time.monotonic() + wait
+        with psycopg.RawCursor(conn) as cur:
+            while True:
+                row = cur.execute(sql.leader_try_lock, (self.config.lock_key,)).fetchone()
+                if row and row[0]:
+                    return True
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.05)
+
+    def _take_over(self, conn: psycopg.Connection[Any]) -> bool:
+        """Terminate the session of a leader silent past its lease; whether there was one."""
+        lease = self.config.lease
+        try:
+            with psycopg.RawCursor(conn) as cur:
+                rows = cur.execute(
+                    sql.leader_take_over, (self.config.lock_key, lease, LEADER_APPLICATION)
+                ).fetchall()
+        except psycopg.errors.InsufficientPrivilege as exc:
+            # Another role's leader (or a superuser's): only its session's end frees the lock.
+            if not self._warned_privilege:
+                self._warned_privilege = True
+                print(
+                    f"fastjobs: leader (pid {os.getpid()}) cannot take over a silent leader: {exc}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return False
+        for pid, client, idle, _ in rows:
+            print(
+                f"fastjobs: leader (pid {os.getpid()}): the leader's session (backend {pid}, client"
+                f" {client}) was silent for {idle:.1f}s, past its lease of {lease:g}s: terminated it",
+                file=sys.stderr,
+                flush=True,
+            )
+        return bool(rows)
 
 
 def _describe(result: Any) -> str:

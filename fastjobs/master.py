@@ -3,7 +3,7 @@
 It is gunicorn's arbiter: signal handlers only queue the signal and wake the
 loop; one loop turns each into an action, reaps children with
 waitpid(WNOHANG), restarts what died (with backoff), kills what stopped
-making progress, and on shutdown waits for in-flight work up to a grace
+beating (hung or stopped), and on shutdown waits for in-flight work up to a grace
 period. It runs no jobs and holds no database connection (it opens one
 before forking, to check the database, and closes it).
 """
@@ -43,6 +43,9 @@ RESTART_BACKOFF_MAX = 30.0
 # (its async jobs in flight at once; sync jobs run one at a time per worker).
 DEFAULT_CONCURRENCY = 10
 STABLE_AFTER = 30.0  # a child that lived this long resets its backoff
+# A child whose slot has not been beaten this long is hung or stopped (it
+# beats every second, whatever length of job it runs): killed and replaced.
+DEFAULT_WORKER_TIMEOUT = 60.0
 
 
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGCHLD}
@@ -135,8 +138,11 @@ class Master:
             raise ConfigurationError("--processes must be at least 1")
         self.app = app
         self.plan = shard(queues, processes)
-        longest = max((s.timeout or 0.0 for s in app.jobs.values()), default=0.0)
-        self.worker_timeout = worker_timeout or max(300.0, 2 * longest)
+        if worker_timeout is not None and not worker_timeout >= 2.0:
+            raise ConfigurationError(
+                "--worker-timeout must be at least 2 seconds (children beat every second)"
+            )
+        self.worker_timeout = worker_timeout or DEFAULT_WORKER_TIMEOUT
         self.grace = grace
         self.batch_max = batch_max
         self.keep_completed = keep_completed
@@ -327,9 +333,14 @@ class Master:
                 self._spawn(child)
 
     def _watchdog(self, now: float) -> None:
-        """Kill a child whose heartbeat and progress both stopped (a handler hung in C, say).
+        """Kill a child whose process stopped beating: hung holding the GIL, stopped, deadlocked.
 
-        Its jobs stay 'running' for the rescuer; the reap restarts it.
+        A worker's control thread beats its slot every second whatever its
+        handlers do, so a job of any length runs undisturbed while its
+        process is alive (a handler that runs too long is its `timeout=`'s
+        business); only a process whose threads cannot run at all falls
+        silent. The leader beats from its loop. The killed worker's jobs stay
+        'running' for the rescuer; the reap restarts it.
         """
         assert self.slots is not None
         for child in self.children:
@@ -342,8 +353,8 @@ class Master:
                 child.last_progress = now
             elif now - child.last_progress > self.worker_timeout:
                 print(
-                    f"fastjobs: {self._name(child)} made no progress for {self.worker_timeout:g}s;"
-                    " killing it",
+                    f"fastjobs: {self._name(child)} sent no heartbeat for {self.worker_timeout:g}s"
+                    " (hung or stopped); killing it",
                     file=sys.stderr,
                     flush=True,
                 )

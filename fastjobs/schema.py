@@ -1,20 +1,65 @@
-"""Migrations: numbered, forward-only SQL files applied under an advisory lock."""
+"""Migrations: numbered, forward-only SQL files applied under an advisory lock, safe on a live system.
+
+A migration file is a list of steps. What comes before any marker, and
+after a `-- fastjobs: transaction` line, is a transaction step: it runs in
+one short transaction under `lock_timeout`, and when it cannot get its locks
+in time it rolls back (so the enqueues and claims queued behind its lock
+request go on), waits and tries again, a bounded number of times. A
+`-- fastjobs: concurrently` line starts a step of exactly one
+`CREATE [UNIQUE] INDEX CONCURRENTLY IF NOT EXISTS` statement, run outside any
+transaction: the index is built while writes go on. A file with more than
+one step must be idempotent (IF NOT EXISTS throughout), since a run
+interrupted between its steps is completed by the next; the migration is
+recorded with its last step.
+
+Compatibility window: a migration never removes or changes what the code of
+the previous migration uses, so code that knows migrations 1..N runs on a
+schema at N, and at N+1 (migrated first, during a rolling deploy), never
+on an older or a newer one (`check`).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import random
 import re
-from collections.abc import Iterator
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import resources
+from importlib.abc import Traversable
+from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg import sql as pgsql
 
-from . import sql
-from .errors import FastjobsError, SchemaMissing
+from . import database, sql
+from .errors import FastjobsError, SchemaMissing, SchemaTooNew
 
 _FILE = re.compile(r"^(\d{3})_([a-z0-9_]+)\.sql$")
+_MARKER = re.compile(r"^-- fastjobs: (transaction|concurrently)[ \t]*$", re.MULTILINE)
+_CONCURRENT_INDEX = re.compile(
+    r"^CREATE\s+(?:UNIQUE\s+)?INDEX\s+CONCURRENTLY\s+IF\s+NOT\s+EXISTS\s+([a-z_][a-z0-9_]*)\s", re.IGNORECASE
+)
+
+# How many migrations ahead of the newest this code knows a schema may be.
+COMPATIBLE_AHEAD = 1
+# `fastjobs migrate`'s defaults: how long a transaction step waits for its
+# locks before it gives way, and how many times it tries.
+LOCK_TIMEOUT = 2.0
+LOCK_RETRIES = 30
+_BACKOFF_MAX = 10.0
+APPLICATION = "fastjobs migrate"
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    sql: str
+    concurrently: bool  # outside a transaction: one CREATE INDEX CONCURRENTLY IF NOT EXISTS
+    index: str = ""  # the index a concurrent step builds
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,11 +68,42 @@ class Migration:
     name: str
     sql: str
 
+    @property
+    def label(self) -> str:
+        return f"{self.version:03d}_{self.name}"
 
-def migrations() -> list[Migration]:
-    """Every migration shipped in the package (`migrations/` of the source tree), in order."""
+    def steps(self) -> list[Step]:
+        """The file's steps, in order (see the module docstring); a malformed file raises."""
+        parts = _MARKER.split(self.sql)
+        found = [Step(parts[0], False)] if _code(parts[0]) else []
+        for kind, text in zip(parts[1::2], parts[2::2], strict=True):
+            if kind == "transaction":
+                found.append(Step(text, False))
+                continue
+            body = _code(text)
+            match = _CONCURRENT_INDEX.match(body)
+            if match is None or body.count(";") != 1 or not body.endswith(";"):
+                raise FastjobsError(
+                    f"migration {self.label}: a `-- fastjobs: concurrently` step must be one"
+                    " CREATE [UNIQUE] INDEX CONCURRENTLY IF NOT EXISTS statement"
+                )
+            found.append(Step(text, True, match[1]))
+        return found
+
+
+def _code(text: str) -> str:
+    """`text` without its comment lines and surrounding blanks."""
+    return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("--")).strip()
+
+
+def migrations(directory: Path | Traversable | None = None) -> list[Migration]:
+    """Every migration shipped in the package (`migrations/` of the source tree), in order.
+
+    `directory` reads them from elsewhere instead (the tests' pending migrations).
+    """
     found = []
-    for entry in resources.files("fastjobs.migrations").iterdir():
+    source = directory if directory is not None else resources.files("fastjobs.migrations")
+    for entry in source.iterdir():
         match = _FILE.match(entry.name)
         if match:
             found.append(Migration(int(match[1]), match[2], entry.read_text(encoding="utf-8")))
@@ -38,46 +114,213 @@ def migrations() -> list[Migration]:
     return found
 
 
-def migrate(conn: psycopg.Connection[Any]) -> list[Migration]:
-    """Apply the pending migrations in one transaction; return those applied.
+def _say(line: str) -> None:
+    print(f"fastjobs: migrate: {line}", file=sys.stderr, flush=True)
 
-    The advisory lock makes concurrent migrators queue up: the second one
-    finds everything applied and does nothing.
+
+def migrate(
+    conn: psycopg.Connection[Any],
+    *,
+    dsn: str | None = None,
+    lock_timeout: float = LOCK_TIMEOUT,
+    retries: int = LOCK_RETRIES,
+    directory: Path | Traversable | None = None,
+    say: Callable[[str], None] = _say,
+) -> list[Migration]:
+    """Apply the pending migrations step by step (see the module docstring); return those applied.
+
+    The session-level advisory lock makes concurrent migrators queue up: the
+    second one finds everything applied and does nothing. With `dsn`, a
+    second connection watches the migration's session and says whenever it
+    waits on another (pid, application, state, query), through `say`.
     """
-    with conn.transaction(), psycopg.RawCursor(conn) as cur:
-        cur.execute(sql.migration_lock, (sql.MIGRATION_LOCK_KEY,))
-        cur.execute(sql.migration_table_create)
-        applied = {row[0] for row in cur.execute(sql.migration_applied_list)}
-        pending = [m for m in migrations() if m.version not in applied]
-        for migration in pending:
-            cur.execute(migration.sql.encode())
-            cur.execute(sql.migration_record, (migration.version, migration.name))
+    if retries < 1 or not lock_timeout > 0:
+        raise FastjobsError("migrate needs a positive lock timeout and at least one attempt")
+    pending_all = migrations(directory)
+    if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        # The caller's transaction is its own: nothing to do is fine, anything else is not.
+        with psycopg.RawCursor(conn) as cur:
+            exists = cur.execute(sql.schema_exists).fetchone()
+            applied = (
+                {row[0] for row in cur.execute(sql.migration_applied_list)} if exists and exists[0] else set()
+            )
+        if all(m.version in applied for m in pending_all):
+            return []
+        raise FastjobsError(
+            "migrate needs a connection outside any transaction (CREATE INDEX CONCURRENTLY): commit first"
+        )
+    was_autocommit = conn.autocommit
+    conn.autocommit = True  # CREATE INDEX CONCURRENTLY runs outside any transaction
+    watcher = _Watcher(dsn, conn.info.backend_pid, say) if dsn else None
+    try:
+        with psycopg.RawCursor(conn) as cur:
+            if watcher is not None:
+                watcher.start()
+            _lock(cur, say)
+            try:
+                cur.execute(sql.migration_table_create)
+                applied = {row[0] for row in cur.execute(sql.migration_applied_list)}
+                pending = [m for m in pending_all if m.version not in applied]
+                for migration in pending:
+                    steps = migration.steps()
+                    for number, step in enumerate(steps, 1):
+                        last = number == len(steps)
+                        if watcher is not None:
+                            watcher.doing = f"{migration.label} step {number} of {len(steps)}"
+                        if step.concurrently:
+                            _build_index(cur, step)
+                            if last:
+                                cur.execute(sql.migration_record, (migration.version, migration.name))
+                        else:
+                            record = migration if last else None
+                            _transaction(conn, migration, number, step, record, lock_timeout, retries, say)
+            finally:
+                with contextlib.suppress(psycopg.Error):
+                    cur.execute(sql.migration_unlock, (sql.MIGRATION_LOCK_KEY,))
+    finally:
+        if watcher is not None:
+            watcher.stop()
+        if not conn.closed and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+            conn.autocommit = was_autocommit
     return pending
 
 
-def script(since: int = 0) -> str:
-    """The migrations after version `since` as one SQL script, for DBAs who apply by hand.
+def _lock(cur: psycopg.RawCursor[Any], say: Callable[[str], None]) -> None:
+    """Take the migration lock, polling while another migrator holds it (see sql.migration_lock)."""
+    waited = False
+    while not cur.execute(sql.migration_lock, (sql.MIGRATION_LOCK_KEY,)).fetchone()[0]:  # type: ignore[index]
+        if not waited:
+            say("another `fastjobs migrate` holds the migration lock; waiting for it to finish")
+            waited = True
+        time.sleep(0.1)
+
+
+def _transaction(
+    conn: psycopg.Connection[Any],
+    migration: Migration,
+    number: int,
+    step: Step,
+    record: Migration | None,
+    lock_timeout: float,
+    retries: int,
+    say: Callable[[str], None],
+) -> None:
+    """Run one transaction step under `lock_timeout`, giving way and retrying while its locks are held."""
+    for attempt in range(1, retries + 1):
+        try:
+            with conn.transaction(), psycopg.RawCursor(conn) as cur:
+                cur.execute(sql.migration_lock_timeout, (f"{int(lock_timeout * 1000)}ms",))
+                cur.execute(step.sql.encode())
+                if record is not None:
+                    cur.execute(sql.migration_record, (record.version, record.name))
+            return
+        except psycopg.errors.LockNotAvailable:
+            if attempt == retries:
+                raise FastjobsError(
+                    f"{migration.label} step {number}: gave up after {retries} attempts of"
+                    f" {lock_timeout:g}s waiting for its locks; nothing of this step was applied"
+                ) from None
+            delay = min(_BACKOFF_MAX, 0.25 * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+            say(
+                f"{migration.label} step {number}: its locks were not granted within {lock_timeout:g}s;"
+                f" gave way, retrying in {delay:.1f}s (attempt {attempt + 1} of {retries})"
+            )
+            time.sleep(delay)
+
+
+def _build_index(cur: psycopg.RawCursor[Any], step: Step) -> None:
+    """CREATE INDEX CONCURRENTLY, after dropping what an interrupted build of it left (an invalid index)."""
+    invalid = cur.execute(sql.migration_index_invalid, (step.index,)).fetchone()
+    if invalid is not None and invalid[0]:
+        cur.execute(pgsql.SQL(sql.migration_index_drop).format(index=pgsql.Identifier(step.index)))
+    # No lock_timeout here: the build waits only for transactions older than it, blocking nobody.
+    cur.execute(step.sql.encode())
+
+
+class _Watcher(threading.Thread):
+    """Says what the migrating session waits on, from a connection of its own (pg_blocking_pids)."""
+
+    def __init__(self, dsn: str, pid: int, say: Callable[[str], None]) -> None:
+        super().__init__(name="fastjobs-migrate-watcher", daemon=True)
+        self.dsn = dsn
+        self.pid = pid
+        self.say = say
+        self.doing = ""
+        self._stop_event = threading.Event()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        if self.is_alive():
+            self.join(5)
+
+    def run(self) -> None:
+        seen: frozenset[int] = frozenset()
+        try:
+            with (
+                database.connect(self.dsn, autocommit=True, application_name=APPLICATION) as conn,
+                psycopg.RawCursor(conn) as cur,
+            ):
+                while not self._stop_event.wait(0.25):
+                    rows = cur.execute(sql.migration_blockers, (self.pid,)).fetchall()
+                    pids = frozenset(r[0] for r in rows)
+                    if pids - seen:
+                        for pid, application, state, age, query in rows:
+                            self.say(
+                                f"{self.doing} waits for pid {pid} (application {application!r}, {state},"
+                                f" transaction open {age:.1f}s): {query}"
+                            )
+                    seen = pids
+        except (psycopg.Error, FastjobsError):
+            return  # only a reporter: the migration goes on without it
+
+
+def script(since: int = 0, lock_timeout: float = LOCK_TIMEOUT) -> str:
+    """The migrations after version `since` as one psql script, for DBAs who apply by hand.
 
     `fastjobs migrate --sql` prints them all (a new database);
-    `--sql --since 1` the upgrade of a database at 001.
+    `--sql --since 1` the upgrade of a database at 001. It is run with
+    `psql -v ON_ERROR_STOP=1 -f`, one statement at a time: each step is its
+    own transaction with `lock_timeout` (a step that fails on it applied
+    nothing; run the script again), and CREATE INDEX CONCURRENTLY runs
+    outside any.
     """
-    parts = ["BEGIN;", f"SELECT pg_advisory_xact_lock({sql.MIGRATION_LOCK_KEY});"]
-    parts.append(sql.migration_table_create.strip() + ";")
+    parts = [
+        "-- fastjobs migrations: run with `psql -v ON_ERROR_STOP=1 -f THIS_FILE`, not in one transaction",
+        '-- (CREATE INDEX CONCURRENTLY cannot run in one). A step that fails with "lock timeout" applied',
+        "-- nothing: run the script again (steps of a multi-step migration are idempotent). A failed",
+        "-- CONCURRENTLY build leaves an INVALID index: DROP INDEX CONCURRENTLY it before running again.",
+        f"SELECT pg_advisory_lock({sql.MIGRATION_LOCK_KEY});",
+        sql.migration_table_create.strip() + ";",
+    ]
+    timeout = f"SET LOCAL lock_timeout = '{int(lock_timeout * 1000)}ms';"
     for m in migrations():
         if m.version <= since:
             continue
-        parts.append(f"-- {m.version:03d}_{m.name}")
-        parts.append(m.sql.strip())
-        parts.append(
+        parts.append(f"-- {m.label}")
+        steps = m.steps()
+        record = (
             f"INSERT INTO fastjobs_migrations (version, name) VALUES ({m.version}, '{m.name}')"
             " ON CONFLICT DO NOTHING;"
         )
-    parts.append("COMMIT;")
+        for number, step in enumerate(steps, 1):
+            last = number == len(steps)
+            if step.concurrently:
+                parts.append(step.sql.strip())
+                if last:
+                    parts.append(record)
+            else:
+                parts += ["BEGIN;", timeout, step.sql.strip()]
+                parts += [record, "COMMIT;"] if last else ["COMMIT;"]
+    parts.append(f"SELECT pg_advisory_unlock({sql.MIGRATION_LOCK_KEY});")
     return "\n".join(parts) + "\n"
 
 
 def check(conn: psycopg.Connection[Any]) -> None:
-    """Raise SchemaMissing unless every shipped migration is applied."""
+    """Raise SchemaMissing unless the schema is within this code's window: its newest migration, or one more.
+
+    Older: run `fastjobs migrate` (deploy order: migrate, then the new code).
+    Newer by more than COMPATIBLE_AHEAD: SchemaTooNew, upgrade fastjobs here.
+    """
     with psycopg.RawCursor(conn) as cur:
         exists = cur.execute(sql.schema_exists).fetchone()
         version = cur.execute(sql.schema_version).fetchone()[0] if exists and exists[0] else None  # type: ignore[index]
@@ -86,6 +329,11 @@ def check(conn: psycopg.Connection[Any]) -> None:
         have = "none" if version is None else f"{version:03d}"
         raise SchemaMissing(
             f"the fastjobs schema is at {have}, this fastjobs needs {latest:03d}: run `fastjobs migrate`"
+        )
+    if version > latest + COMPATIBLE_AHEAD:
+        raise SchemaTooNew(
+            f"the fastjobs schema is at {version:03d}, newer than this fastjobs runs on ({latest:03d}"
+            f" to {latest + COMPATIBLE_AHEAD:03d}): upgrade fastjobs on this host"
         )
 
 

@@ -40,8 +40,33 @@ CREATE TABLE IF NOT EXISTS fastjobs_migrations (
     applied_at timestamptz NOT NULL DEFAULT now()
 )"""
 
-# migration_lock: serialise migrators until this transaction ends.
-migration_lock: Final = "SELECT pg_advisory_xact_lock($1)"
+# migration_lock: serialise migrators (session level: the steps are transactions of their own).
+# Tried, never waited for inside a statement: a CREATE INDEX CONCURRENTLY of
+# the holder waits for every transaction older than it, a waiting
+# migrator's included, which would deadlock.
+migration_lock: Final = "SELECT pg_try_advisory_lock($1)"
+
+# migration_unlock: let the next migrator in.
+migration_unlock: Final = "SELECT pg_advisory_unlock($1)"
+
+# migration_lock_timeout: how long a migration's transaction step waits for a lock (this transaction only).
+migration_lock_timeout: Final = "SELECT set_config('lock_timeout', $1, true)"
+
+# migration_index_invalid: whether index $1 exists but is invalid (a CONCURRENTLY build that failed).
+migration_index_invalid: Final = """
+SELECT NOT i.indisvalid FROM pg_index i WHERE i.indexrelid = to_regclass($1)"""
+
+# migration_index_drop: drop what a failed CONCURRENTLY build left, before building it again.
+migration_index_drop: Final = "DROP INDEX CONCURRENTLY IF EXISTS {index}"
+
+# migration_blockers: the sessions the migrating backend $1 waits on, oldest transaction first.
+migration_blockers: Final = """
+SELECT a.pid, a.application_name, a.state,
+       coalesce(extract(epoch FROM clock_timestamp() - a.xact_start), 0)::float8,
+       left(regexp_replace(a.query, '[[:space:]]+', ' ', 'g'), 200)
+  FROM pg_stat_activity a
+ WHERE a.pid = ANY (pg_blocking_pids($1))
+ ORDER BY a.xact_start"""
 
 # migration_applied_list: versions already applied.
 migration_applied_list: Final = "SELECT version FROM fastjobs_migrations ORDER BY version"
@@ -218,11 +243,35 @@ SELECT queue, count(*), pg_notify('fastjobs', queue) FROM promoted GROUP BY queu
 leader_try_lock: Final = "SELECT pg_try_advisory_lock($1)"
 
 # leader_keepalive: let the server notice within seconds that the leader's
-# client vanished (a cut network), so the lock frees for another leader.
+# client vanished (a cut network), so the lock frees for another leader; and
+# end the session of a leader stopped inside a transaction after $1 ms (its lease).
 leader_keepalive: Final = """
 SELECT set_config('tcp_keepalives_idle', '5', false),
        set_config('tcp_keepalives_interval', '2', false),
-       set_config('tcp_keepalives_count', '3', false)"""
+       set_config('tcp_keepalives_count', '3', false),
+       set_config('idle_in_transaction_session_timeout', $1::text, false)"""
+
+# leader_renew: a statement on the lock's session, so pg_stat_activity shows
+# the leader alive (state_change) and no candidate takes over (leader_take_over).
+leader_renew: Final = "SELECT 1"
+
+# leader_take_over: terminate the session of a leader (application_name
+# $3) that holds lock $1 but has been idle for more than $2 seconds: its
+# process is stopped or cut off while its socket stays open, and only its
+# session's end frees the lock. Returns the pid, client and idle seconds of
+# each session terminated.
+leader_take_over: Final = """
+SELECT a.pid, coalesce(host(a.client_addr), 'local'),
+       extract(epoch FROM now() - a.state_change)::float8, pg_terminate_backend(a.pid)
+  FROM pg_locks l
+  JOIN pg_stat_activity a ON a.pid = l.pid
+ WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+   AND l.classid = (($1::bigint >> 32) & 4294967295)::oid
+   AND l.objid = ($1::bigint & 4294967295)::oid
+   AND a.application_name = $3
+   AND a.state LIKE 'idle%'
+   AND a.state_change < now() - make_interval(secs => $2)"""
 
 # leader_unlock: step down cleanly.
 leader_unlock: Final = "SELECT pg_advisory_unlock($1)"
@@ -480,6 +529,7 @@ NOT_PREPARABLE: Final = frozenset(
         "job_copy_staged",
         "job_stage_create",
         "migration_table_create",
+        "migration_index_drop",
         "listen_jobs",
         "listen_ping",
         "listen_cancel",

@@ -50,7 +50,7 @@ FIELDS = (
     "retried",
     "discarded",
     "busy",  # seconds spent in batches that ran jobs
-    "heartbeat",  # time.time() of the last loop turn
+    "heartbeat",  # time.time() of the last loop turn or control-thread beat (each second while alive)
     "started",
     "rate",  # completed jobs/s over the last second, written by the master
     "progress",  # jobs started, bumped by the hot loop per job (the watchdog's signal)

@@ -40,6 +40,7 @@ JOBS = '''
 """Handlers for the master tests: each execution is one row of `runs`."""
 
 import asyncio
+import ctypes
 import os
 import signal
 import time
@@ -83,11 +84,12 @@ async def record_async(n, sleep=0.0):
 
 @app.job("hang")
 def hang(n):
-    """Hang in C where no Python signal handler can run: only SIGKILL ends it."""
+    """Hang in C holding the GIL, where no Python code (handler, thread) can run: only SIGKILL ends it."""
     _record(n)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGALRM})
     r, w = os.pipe()  # nobody writes; w stays open so the read never sees EOF
-    os.read(r, 1)
+    # Through PyDLL, which keeps the GIL across the call (os.read would release it).
+    ctypes.PyDLL(None).read(r, ctypes.create_string_buffer(1), 1)
 '''
 
 SITECUSTOMIZE = """

@@ -628,6 +628,7 @@ BAD_MODULE = "fjbad"
 BAD_JOBS = '''
 """Handlers that end or hang the process running them."""
 
+import ctypes
 import os
 import sys
 import time
@@ -683,10 +684,10 @@ def abort(n):
 
 @app.job("hang")
 def hang(n):
-    """Hangs in Python with no timeout: only the master's watchdog ends it."""
+    """Hangs in C holding the GIL, with no timeout: only the master's watchdog ends it."""
     _record(n)
-    while True:
-        time.sleep(3600)
+    r, w = os.pipe()  # nobody writes; w stays open so the read never sees EOF
+    ctypes.PyDLL(None).read(r, ctypes.create_string_buffer(1), 1)  # PyDLL keeps the GIL
 
 
 @app.job("hang_timeout", timeout=1)
@@ -847,7 +848,9 @@ def test_a_hung_handler_without_a_timeout_is_killed_replaced_and_rescued(
     )
     procs.wait_for(lambda: runs(db)[-1] == 1, "the hanging job to start")
     hung = master.wait_child("fastjobs: worker 1 ")
-    master.wait_stderr(rf"worker 1 \(pid {hung}\) made no progress for 2s; killing it", timeout=15)
+    master.wait_stderr(
+        rf"worker 1 \(pid {hung}\) sent no heartbeat for 2s \(hung or stopped\); killing it", timeout=15
+    )
     killed = time.monotonic()
     heir = master.wait_child("fastjobs: worker 1 ", exclude=(hung,))
     app.enqueue_many("good", ({"n": n} for n in range(GOOD)))

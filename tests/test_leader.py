@@ -28,6 +28,7 @@ import pytest
 from psycopg import sql as pgsql
 
 from fastjobs import App, control
+from fastjobs.errors import ConfigurationError
 from fastjobs.leader import (
     CleanerConfig,
     Leader,
@@ -266,6 +267,11 @@ def test_a_stopped_leader_releases_the_lock_for_another_at_once(app: App, dsn: s
             wait_for(lambda: second.leading, "the second leader", timeout=5)
             assert time.monotonic() - stopped < 5.0
             assert lock_holders(dsn) not in ([], [holder])
+
+
+def test_the_lease_must_outlast_the_leaders_beat() -> None:
+    with pytest.raises(ConfigurationError, match="lease must be at least 3 s"):
+        LeaderConfig(lease=1.0)
 
 
 def test_a_custom_lock_key_is_the_one_taken(app: App, dsn: str) -> None:
@@ -730,3 +736,44 @@ def test_a_cron_tick_runs_once_across_a_leader_change_between_two_masters(
     ran = Counter(n for n, _ in executions(dsn))
     assert set(ran.values()) == {1}, ran
     assert set(ran) == {j["id"] for j in jobs if j["state"] == "completed"}
+
+
+def test_a_stopped_leader_loses_the_lock_to_another_master_within_its_lease(
+    masters: procs.Masters, dsn: str
+) -> None:
+    """Two `fastjobs run` on one database; SIGSTOP the first's leader (its socket stays open and
+    TCP-alive). With the default lease (10 s) and retry interval (2 s), the second master's leader
+    terminates the silent session and leads within lease + retry + a turn; the stopped leader, woken
+    up, finds its session gone and steps down without acting."""
+    first = masters.start("--processes", "1", module="cronjobs")
+    first.wait_stderr(r"leader elected")
+    frozen = first.wait_child("fastjobs: leader")
+    [holder] = lock_holders(dsn)
+    second = masters.start("--processes", "1", module="cronjobs")
+    wait_for(lambda: trying(dsn), "the second master's leader to contend")
+    heir = second.wait_child("fastjobs: leader")
+
+    os.kill(frozen, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        second.wait_stderr(rf"leader elected \(pid {heir}\)", timeout=20)
+        failover = time.monotonic() - stopped
+        print(f"\nleader failover after SIGSTOP of the leader: {failover:.2f}s (lease 10 s, retry 2 s)")
+        assert failover < 10.0 + 2.0 + 3.0
+        assert re.search(
+            rf"the leader's session \(backend {holder}, client \S+\) was silent", second.stderr()
+        )
+        [new_holder] = lock_holders(dsn)
+        assert new_holder != holder
+        # The new leader acts: a due scheduled job (of a queue no worker serves) is promoted.
+        due = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
+        job_id = add_job(dsn, queue="unserved", state="scheduled", run_at=due)
+        wait_for(lambda: row(dsn, job_id)["state"] == "available", "the new leader's scheduler", timeout=5)
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+    # Woken, the old leader's first statement fails on its terminated session: it steps down.
+    first.wait_stderr(rf"leader \(pid {frozen}\) stepped down", timeout=10)
+    assert lock_holders(dsn) == [new_holder]
+    assert first.stderr().count("leader elected") == 1
+    assert first.stop() == 0, first.stderr()
+    assert second.stop() == 0, second.stderr()

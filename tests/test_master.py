@@ -112,6 +112,11 @@ def test_master_needs_a_process() -> None:
         Master(App("postgresql://unused"), 0, {"default": 1})
 
 
+def test_the_worker_timeout_must_exceed_the_beat() -> None:
+    with pytest.raises(ConfigurationError, match="--worker-timeout must be at least 2 seconds"):
+        Master(App("postgresql://unused"), 1, {"default": 1}, worker_timeout=1.0)
+
+
 # --- fastjobs run as a process tree ----------------------------------------------------------
 
 
@@ -350,7 +355,9 @@ def test_the_watchdog_replaces_a_worker_hung_in_c(
     master = masters.start("--processes", "1", "--worker-timeout", "2")
     wait_for(lambda: runs(db)[-1] == 1, "the hanging job to start")
     hung = master.wait_child("fastjobs: worker 1 ")
-    master.wait_stderr(rf"worker 1 \(pid {hung}\) made no progress for 2s; killing it", timeout=15)
+    master.wait_stderr(
+        rf"worker 1 \(pid {hung}\) sent no heartbeat for 2s \(hung or stopped\); killing it", timeout=15
+    )
     master.wait_stderr(rf"worker 1 \(pid {hung}\) was killed by signal 9; restarting")
     heir = master.wait_child("fastjobs: worker 1 ", exclude=(hung,))
     app.enqueue_many("record", ({"n": n} for n in range(20)))
@@ -364,7 +371,52 @@ def test_the_watchdog_replaces_a_worker_hung_in_c(
     ).fetchone() or (None, None)
     assert state == "running" and f":{hung}:" in (by or "")
     assert master.stop() == 0, master.stderr()
-    assert f"(pid {heir}) made no progress" not in master.stderr()  # an idle worker is not hung
+    assert f"(pid {heir}) sent no heartbeat" not in master.stderr()  # an idle worker is not hung
+
+
+def test_a_long_sync_job_outlasting_the_worker_timeout_runs_once_to_completion(
+    masters: procs.Masters, app: App, db: psycopg.Connection[Any]
+) -> None:
+    """A 10 s job under --worker-timeout 3: its worker's heartbeat thread keeps beating, so it lives."""
+    job_id = app.enqueue("record", {"n": 1, "sleep": 10.0})
+    master = masters.start("--processes", "1", "--worker-timeout", "3")
+    wait_for(lambda: runs(db)[1] == 1, "the long job to start")
+    began = time.monotonic()
+    wait_for(
+        lambda: count(db, "SELECT count(*) FROM fastjobs_jobs WHERE id = %s", job_id) == 0,
+        "the long job to complete",
+        timeout=20,
+    )
+    assert time.monotonic() - began > 8.0  # it really ran its 10 s
+    assert runs(db) == Counter({1: 1})
+    assert "sent no heartbeat" not in master.stderr()
+    assert "restarting" not in master.stderr()
+    assert master.stop() == 0, master.stderr()
+    assert len(master.forks()) == 2  # one worker and the leader, never replaced
+
+
+def test_a_stopped_worker_is_killed_and_replaced_within_the_worker_timeout(
+    masters: procs.Masters, app: App, db: psycopg.Connection[Any]
+) -> None:
+    app.enqueue("record", {"n": -1, "sleep": 30.0})
+    master = masters.start("--processes", "1", "--worker-timeout", "3", "--rescue-after", "5")
+    wait_for(lambda: runs(db)[-1] == 1, "the long job to start")
+    stopped = master.wait_child("fastjobs: worker 1 ")
+    os.kill(stopped, signal.SIGSTOP)
+    frozen = time.monotonic()
+    master.wait_stderr(
+        rf"worker 1 \(pid {stopped}\) sent no heartbeat for 3s \(hung or stopped\); killing it"
+    )
+    # The timeout, plus at most a second of beat and a quarter of a watchdog turn.
+    assert time.monotonic() - frozen < 3 + 2.5
+    master.wait_stderr(rf"worker 1 \(pid {stopped}\) was killed by signal 9; restarting")
+    heir = master.wait_child("fastjobs: worker 1 ", exclude=(stopped,))
+    app.enqueue_many("record", ({"n": n} for n in range(10)))
+    wait_for(
+        lambda: count(db, "SELECT count(*) FROM runs WHERE pid = %s", heir) >= 10,
+        "the new worker to run the jobs enqueued after the kill",
+    )
+    assert master.stop() == 0, master.stderr()
 
 
 def test_a_killed_leader_is_replaced_and_elected_again(masters: procs.Masters) -> None:

