@@ -5,6 +5,10 @@ fixed slot per process. A process writes only its own slot, after each
 batch, with plain stores: no lock, no syscall (a torn read costs the master
 one slightly wrong sample, never a wrong total). `fastjobs stats` on the same
 host finds the file by the master's pid and reads the live rates.
+
+A slot is float64 counters, then int64 fields that say which jobs a worker
+holds in what stage: the master reads them after the worker died to give
+back exactly what never started (see `Slot.crash_report`).
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ if TYPE_CHECKING:
     from .app import App
 
 MAGIC = 0x66_6A_73_74  # "fjst"
-VERSION = 3
-HEADER = struct.Struct("<IIIIdd")  # magic, version, slots, master pid, started, spare
+VERSION = 4
+HEADER = struct.Struct("<IIIIdII")  # magic, version, slots, master pid, started, slow-job capacity, spare
 FIELDS = (
     "pid",
     "role",  # 0 empty, 1 worker, 2 leader
@@ -47,7 +51,6 @@ FIELDS = (
     "started",
     "rate",  # completed jobs/s over the last second, written by the master
     "progress",  # jobs started, bumped by the hot loop per job (the watchdog's signal)
-    "job",  # the job the hot loop runs: its id, 0 between batches, -1 in the slow path
     "listening",  # 1 while the worker's LISTEN connection is up
     "listener_ok",  # time.time() of its last connect or ping round trip that worked
     "listener_reconnects",
@@ -60,6 +63,17 @@ _CLAIMED, _COMPLETED, _FAILED, _RETRIED, _DISCARDED, _BUSY, _HEARTBEAT = (
 _LISTENING, _LISTENER_OK, _LISTENER_RECONNECTS = (
     F[name] for name in ("listening", "listener_ok", "listener_reconnects")
 )
+# The int64 fields after the floats, then `capacity` ids of the slow jobs
+# whose handlers are running (0: a free entry).
+INT_FIELDS = (
+    "job",  # the job the hot loop's fast path runs (0: none): set before it starts
+    "writing",  # outcomes of failed jobs in the batch statement in flight (0: none)
+    "suspect",  # the job whose outcome that is, when there is exactly one
+    "overflow",  # slow jobs running that found no free entry below
+)
+_JOB, _WRITING, _SUSPECT, _OVERFLOW = range(len(INT_FIELDS))
+# The most slow jobs a slot records (a worker's concurrency, capped).
+SLOW_CAPACITY_MAX = 10_000
 ROLES = {1: "worker", 2: "leader"}
 WORKER, LEADER = 1, 2
 
@@ -69,10 +83,11 @@ def shm_dir() -> Path:
 
 
 class Slot:
-    """One process's counters: a window of float64 in the shared mapping."""
+    """One process's counters (a window of float64) and its jobs in hand (int64) in the shared mapping."""
 
-    def __init__(self, view: Any) -> None:
+    def __init__(self, view: Any, ints: Any) -> None:
         self.view = view  # memoryview of float64
+        self.ints = ints  # memoryview of int64: INT_FIELDS, then the slow jobs running
 
     def __getitem__(self, name: str) -> float:
         return float(self.view[F[name]])
@@ -84,6 +99,8 @@ class Slot:
         """Take this slot for the calling process, zeroing its counters."""
         for i in range(SLOT):
             self.view[i] = 0.0
+        for i in range(len(self.ints)):
+            self.ints[i] = 0
         self.view[F["pid"]] = os.getpid()
         self.view[F["role"]] = role
         self.view[F["index"]] = index
@@ -101,8 +118,31 @@ class Slot:
         view[_HEARTBEAT] = time.time()
 
     def progress_view(self) -> Any:
-        """The two floats the hot loop writes per job: a count of jobs started, and the job's id."""
-        return self.view[F["progress"] : F["progress"] + 2]
+        """The float the hot loop bumps per job started (the watchdog's signal)."""
+        return self.view[F["progress"] : F["progress"] + 1]
+
+    def running_view(self) -> Any:
+        """The int64 fields the hot loop writes: the job it runs, and the outcomes it is writing."""
+        return self.ints[_JOB : _SUSPECT + 1]
+
+    def slow_jobs(self) -> SlowJobs:
+        """Where the worker's executor records the slow jobs whose handlers run."""
+        return SlowJobs(self.ints)
+
+    def crash_report(self) -> tuple[list[int] | None, int]:
+        """After the worker died: (the jobs it was running, or None if the slot could not record them
+        all; how many failed jobs' outcomes it was writing)."""
+        ints = self.ints
+        if ints[_OVERFLOW]:
+            return None, 0
+        running = [int(job) for job in ints[len(INT_FIELDS) :] if job]
+        if ints[_JOB] > 0:
+            running.append(int(ints[_JOB]))
+        return running, int(ints[_WRITING])
+
+    def suspect(self) -> int:
+        """The one failed job whose outcome was being written (0: none, or more than one)."""
+        return int(self.ints[_SUSPECT]) if self.ints[_WRITING] == 1 else 0
 
     def beat(self) -> None:
         self.view[_HEARTBEAT] = time.time()
@@ -117,12 +157,50 @@ class Slot:
         return {name: float(self.view[i]) for i, name in enumerate(FIELDS)}
 
 
+class SlowJobs:
+    """The slow jobs (async, or with a timeout) whose handlers run now, in the worker's slot.
+
+    The executor adds a job just before its handler starts and removes it
+    when the handler returns: if the worker dies, exactly these count a
+    crash, and every other job it holds goes back uncounted. Entries are
+    reused from a free list (no scan); a job that finds none sets `overflow`,
+    and the master then leaves all of that worker's jobs to the rescuer.
+    """
+
+    def __init__(self, ints: Any) -> None:
+        self._ints = ints
+        base = len(INT_FIELDS)
+        self._free = list(range(len(ints) - 1, base - 1, -1))
+        self._at: dict[int, int] = {}
+        self._over: set[int] = set()
+
+    def add(self, job_id: int) -> None:
+        if self._free:
+            index = self._free.pop()
+            self._at[job_id] = index
+            self._ints[index] = job_id
+        else:
+            self._over.add(job_id)
+            self._ints[_OVERFLOW] = len(self._over)
+
+    def discard(self, job_id: int) -> None:
+        index = self._at.pop(job_id, None)
+        if index is not None:
+            self._ints[index] = 0
+            self._free.append(index)
+        elif job_id in self._over:
+            self._over.discard(job_id)
+            self._ints[_OVERFLOW] = len(self._over)
+
+
 class Slots:
     """The shared mapping: created by the master, inherited by its children, read by `fastjobs stats`."""
 
-    def __init__(self, path: Path, count: int, create: bool) -> None:
+    def __init__(self, path: Path, count: int, create: bool, capacity: int = 0) -> None:
         self.path = path
-        size = HEADER.size + count * SLOT * 8
+        self.capacity = capacity
+        self._slot_size = (SLOT + len(INT_FIELDS) + capacity) * 8
+        size = HEADER.size + count * self._slot_size
         flags = os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
@@ -132,28 +210,40 @@ class Slots:
         finally:
             os.close(fd)
         if create:
-            HEADER.pack_into(self._map, 0, MAGIC, VERSION, count, os.getpid(), time.time(), 0.0)
+            HEADER.pack_into(self._map, 0, MAGIC, VERSION, count, os.getpid(), time.time(), capacity, 0)
         self.count = count
-        self._values: Any = memoryview(self._map)[HEADER.size :].cast("d")
+        self._values: Any = memoryview(self._map)
 
     @classmethod
-    def create(cls, count: int) -> Slots:
-        return cls(shm_dir() / f"fastjobs-{os.getpid()}.stats", count, create=True)
+    def create(cls, count: int, capacity: int = 0) -> Slots:
+        """The master's file: `count` slots, each recording up to `capacity` slow jobs running."""
+        capacity = min(max(capacity, 0), SLOW_CAPACITY_MAX)
+        return cls(shm_dir() / f"fastjobs-{os.getpid()}.stats", count, create=True, capacity=capacity)
 
     @classmethod
     def open(cls, path: Path) -> Slots | None:
         """Open a master's file read-write; None if it is not one of ours or its master is gone."""
         try:
             with path.open("rb") as fh:
-                magic, version, count, pid, _, _ = HEADER.unpack(fh.read(HEADER.size))
+                magic, version, count, pid, _, capacity, _ = HEADER.unpack(fh.read(HEADER.size))
         except (OSError, struct.error):
             return None
         if magic != MAGIC or version != VERSION or not _alive(pid):
             return None
-        return cls(path, count, create=False)
+        size = HEADER.size + count * (SLOT + len(INT_FIELDS) + capacity) * 8
+        try:
+            if path.stat().st_size != size:  # not laid out as this version lays it out
+                return None
+            return cls(path, count, create=False, capacity=capacity)
+        except (OSError, ValueError):
+            return None
 
     def __getitem__(self, index: int) -> Slot:
-        return Slot(self._values[index * SLOT : (index + 1) * SLOT])
+        base = HEADER.size + index * self._slot_size
+        floats = base + SLOT * 8
+        return Slot(
+            self._values[base:floats].cast("d"), self._values[floats : base + self._slot_size].cast("q")
+        )
 
     def __iter__(self) -> Iterator[Slot]:
         return (self[i] for i in range(self.count))
