@@ -281,6 +281,7 @@ cdef class BatchLoop:
     cdef double *_progress
     cdef long long[::1] _running_view
     cdef long long *_running
+    cdef bint _write_failed
 
     def __cinit__(self):
         self._pgconn = NULL
@@ -325,6 +326,7 @@ cdef class BatchLoop:
         self._full = False
         self._cap = batch_max
         self._nrows = 0
+        self._write_failed = False
         self._ndone = 0
         self._done_cap = 0
         self._failures = []
@@ -401,7 +403,7 @@ cdef class BatchLoop:
             pos += snprintf(self._text + pos, 21, "%lld", <long long>self._done[i])
         self._text[pos] = b"}"
         self._text[pos + 1] = 0
-        if self._running != NULL:
+        if self._running != NULL and not self._write_failed:
             self._running[1] = len(self._failures)
             self._running[2] = self._failures[0]["id"] if self._failures else 0
         failures = _dumps(self._failures)
@@ -485,8 +487,9 @@ cdef class BatchLoop:
                 PQclear(self._rows)
                 self._rows = NULL
             self._nrows = 0
+            self._write_failed = True
             raise LoopError(error)
-        if self._running != NULL:
+        if self._running != NULL and not self._write_failed:
             self._running[1] = 0
         n = self._nrows
         self.claimed += n

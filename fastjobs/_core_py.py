@@ -176,6 +176,9 @@ class BatchLoop:
         # worker that dies writing an outcome implicates that job alone.
         self._progress = progress
         self._running = running
+        # Once a statement failed, its record stays: the worker dies of it,
+        # though `finish` may still write other outcomes first.
+        self._write_failed = False
         self._specs = specs
         self._executor = executor
         self._worker_id = worker_id.encode()
@@ -221,7 +224,7 @@ class BatchLoop:
     def _send(self, limit: int) -> None:
         """Send the outcomes gathered so far and a claim of `limit` jobs."""
         done = ("{" + ",".join(map(str, self._done)) + "}").encode()
-        if self._running is not None:
+        if self._running is not None and not self._write_failed:
             self._running[1] = len(self._failures)
             self._running[2] = self._failures[0]["id"] if self._failures else 0
         failures = orjson.dumps(self._failures)
@@ -281,8 +284,9 @@ class BatchLoop:
                 error = res.error_message.decode(errors="replace")
         self._in_flight = False
         if error is not None:
+            self._write_failed = True
             raise LoopError(error)
-        if self._running is not None:
+        if self._running is not None and not self._write_failed:
             self._running[1] = 0
         self.claimed += len(rows)
         index, from_front, sent = self._sent
