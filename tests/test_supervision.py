@@ -77,13 +77,13 @@ def worker_row(db: psycopg.Connection[Any], pid: int) -> str | None:
 @pytest.mark.parametrize(
     ("to", "sig", "times"),
     [
-        ("master", signal.SIGTERM, 1),
-        ("master", signal.SIGINT, 1),
-        ("master", signal.SIGTERM, 3),
-        ("group", signal.SIGTERM, 1),
-        ("group", signal.SIGINT, 1),
-        ("group", signal.SIGTERM, 3),
-        ("group", signal.SIGINT, 3),
+        pytest.param("master", signal.SIGTERM, 1, id="master-SIGTERM"),
+        pytest.param("master", signal.SIGINT, 1, id="master-SIGINT"),
+        pytest.param("master", signal.SIGTERM, 3, id="master-SIGTERM-x3"),
+        pytest.param("group", signal.SIGTERM, 1, id="group-SIGTERM"),
+        pytest.param("group", signal.SIGINT, 1, id="group-SIGINT"),
+        pytest.param("group", signal.SIGTERM, 3, id="group-SIGTERM-x3"),
+        pytest.param("group", signal.SIGINT, 3, id="group-SIGINT-x3"),
     ],
 )
 def test_a_stop_signal_is_one_graceful_stop_however_it_arrives(
@@ -95,11 +95,15 @@ def test_a_stop_signal_is_one_graceful_stop_however_it_arrives(
     app.enqueue_many("record", ({"n": n, "sleep": 0.01} for n in range(total)))
     master = masters.start("--processes", "2", "--grace", "20")
     wait_for(lambda: count(db, "SELECT count(*) FROM runs") >= 40, "40 executions")
-    for _ in range(times):
+    for time_ in range(times):
         if to == "master":
             os.kill(master.pid, sig)
         else:
             os.killpg(master.pid, sig)
+        if time_ == 0 and times > 1:
+            # Repeats sent at once would merge into one pending signal: these come after the
+            # master took the first, within the window in which it is the same stop.
+            master.wait_stderr("stopping")
     assert master.wait(15) == 0, master.stderr()
     assert "stopping now" not in master.stderr()
     ran = runs(db)
