@@ -204,6 +204,11 @@ class Master:
                 self._sleep(0.25)
             self._wait_releasers()
         finally:
+            # The stop may still be arriving (a repeated group delivery); from
+            # here on it must not kill the exiting master (Python resets its
+            # handlers to the default while it finalizes, but not SIG_IGN).
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, signal.SIG_IGN)
             if server is not None:
                 server.shutdown()
             self.slots.close(unlink=True)

@@ -82,6 +82,9 @@ class Control(threading.Thread):
         os.close(self._wake_w)
 
     def run(self) -> None:
+        # Stop signals are the main thread's: taken here, they would run its
+        # handler even while it holds them (_signals_held) for its final writes.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGQUIT})
         conn: psycopg.Connection[Any] | None = None
         next_beat = 0.0
         while not self._stop_event.is_set():

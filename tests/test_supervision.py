@@ -144,7 +144,12 @@ def test_a_foreign_worker_with_the_same_host_and_pid_keeps_its_running_job(
             " WHERE id = %s",
             (by, job_id),
         )
-    os.kill(victim, signal.SIGKILL)
+    with psycopg.connect(app.dsn, autocommit=True) as listener:
+        listener.execute("LISTEN fastjobs")
+        os.kill(victim, signal.SIGKILL)
+        # The release wakes the workers of that queue instead of leaving the job to their poll.
+        woken = [n.payload for n in listener.notifies(timeout=5, stop_after=1)]
+    assert woken == ["elsewhere"]
     wait_for(lambda: job(db, ours)[0] == "available", "our unstarted job to be released", timeout=5)
     assert job(db, ours)[:3] == ("available", 0, 0)
     assert job(db, theirs)[:4] == ("running", 1, 0, foreign)
