@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -298,3 +300,41 @@ def test_a_grace_kill_gives_back_the_unstarted_jobs_before_the_master_exits(
         "SELECT count(*) FROM fastjobs_jobs WHERE id <> %s AND (state <> 'available' OR attempt <> 0)",
         (long,),
     ).fetchone() == (0,)
+
+
+STANDALONE = """
+import fastjobs
+from fjjobs import app
+
+worker = fastjobs.Worker(app)
+worker.install_signals()
+worker.run()
+"""
+
+
+@pytest.mark.parametrize("kind", ["record", "record_async"])
+def test_a_standalone_worker_stops_gracefully_then_now_on_a_second_signal(
+    tmp_path: Path, app: App, db: psycopg.Connection[Any], kind: str
+) -> None:
+    """Without a master, the first SIGTERM/SIGINT is a graceful stop and a second one stops now."""
+    procs.create_runs_table(app.dsn)
+    procs.Masters(tmp_path, app.dsn)  # writes the jobs module
+    (tmp_path / "standalone.py").write_text(STANDALONE)
+    long = app.enqueue(kind, {"n": 0, "sleep": 60})
+    env = dict(os.environ, FASTJOBS_DSN=app.dsn, FJ_TEST_RUNS_DSN=app.dsn)
+    with (tmp_path / "standalone.stderr").open("wb") as err:
+        proc = subprocess.Popen([sys.executable, "standalone.py"], cwd=tmp_path, env=env, stderr=err)
+    try:
+        wait_for(lambda: runs(db)[0] == 1, "the long job to start")
+        proc.send_signal(signal.SIGTERM)
+        # Still running its job: the first signal waits for it.
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(0.5)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    state, attempt, crashes, _, errors = job(db, long)
+    assert state in ("available", "retryable") and attempt == 1 and crashes == 0 and errors
