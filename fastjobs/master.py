@@ -476,12 +476,12 @@ class Master:
 
     def _spawn(self, child: Child) -> None:
         assert self.slots is not None
-        # Signals stay blocked across the fork until the child has its own
-        # handlers: one arriving in between would reach the master's handler
-        # in the child and be lost.
         # The worker's identity: a token chosen here, before the fork, so the
         # master knows the exact id whose jobs to release if it dies.
         token = secrets.token_hex(8)
+        # Signals stay blocked across the fork until the child has its own
+        # handlers: one arriving in between would reach the master's handler
+        # in the child and be lost.
         signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
         pid = os.fork()
         if pid:
