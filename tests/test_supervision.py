@@ -24,6 +24,7 @@ import pytest
 
 from fastjobs import App
 from fastjobs.leader import HEARTBEAT_INTERVAL
+from fastjobs.stats import WORKER, Slots
 
 from . import procs
 from .procs import count, wait_for
@@ -338,3 +339,26 @@ def test_a_standalone_worker_stops_gracefully_then_now_on_a_second_signal(
             proc.wait()
     state, attempt, crashes, _, errors = job(db, long)
     assert state in ("available", "retryable") and attempt == 1 and crashes == 0 and errors
+
+
+def test_the_slot_records_the_slow_jobs_running_and_says_when_it_cannot() -> None:
+    """More slow jobs running than the slot has room for: no exact report (the master then leaves the
+    worker's jobs to the rescuer, as before), until the extra ones end."""
+    slots = Slots.create(1, capacity=2)
+    try:
+        slot = slots[0]
+        slot.claim(WORKER, 0)
+        running = slot.slow_jobs()
+        for job_id in (11, 12):
+            running.add(job_id)
+        assert slot.crash_report() == ([11, 12], 0)
+        running.add(13)
+        assert slot.crash_report() == (None, 0)
+        running.discard(13)
+        running.discard(11)
+        running.add(14)  # takes the entry 11 left
+        assert slot.crash_report() == ([14, 12], 0)
+        slot.running_view()[0] = 7  # the fast path's job counts too
+        assert slot.crash_report() == ([14, 12, 7], 0)
+    finally:
+        slots.close(unlink=True)
