@@ -273,21 +273,27 @@ cdef class BatchLoop:
     cdef object _context
     cdef set _cancelled
     cdef bint _last_fast
-    # A float64 in shared memory bumped per job started (plain store, no
-    # syscall), so the master can tell a long batch from a hung one.
+    # Shared memory written per job started (plain stores, no syscall): a
+    # float64 count, so the master can tell a long batch from a hung one, and
+    # the job's id, so it knows which job a dead worker was running; per
+    # statement, the failed jobs' outcomes it carries (see the reference).
     cdef double[::1] _progress_view
     cdef double *_progress
+    cdef long long[::1] _running_view
+    cdef long long *_running
+    cdef bint _write_failed
 
     def __cinit__(self):
         self._pgconn = NULL
         self._progress = NULL
+        self._running = NULL
         self._rows = NULL
         self._done = NULL
         self._text = NULL
 
     def __init__(self, conn, dict specs, executor, str worker_id, list queues, bint keep_completed=False,
                  Py_ssize_t batch_min=1, Py_ssize_t batch_max=1000, bint overlap=True, progress=None,
-                 double full_claim_duty=FULL_CLAIM_DUTY):
+                 double full_claim_duty=FULL_CLAIM_DUTY, running=None):
         self._conn = conn
         self._pgconn = <PGconn *><size_t>conn.pgconn.pgconn_ptr
         self._specs = {k.encode(): v for k, v in specs.items()}
@@ -320,14 +326,17 @@ cdef class BatchLoop:
         self._full = False
         self._cap = batch_max
         self._nrows = 0
+        self._write_failed = False
         self._ndone = 0
         self._done_cap = 0
         self._failures = []
         self._text_cap = 0
         self._last_kind = None
-        if progress is not None:
+        if running is not None:
             self._progress_view = progress
             self._progress = &self._progress_view[0]
+            self._running_view = running
+            self._running = &self._running_view[0]
 
     def __dealloc__(self):
         if self._rows != NULL:
@@ -394,6 +403,9 @@ cdef class BatchLoop:
             pos += snprintf(self._text + pos, 21, "%lld", <long long>self._done[i])
         self._text[pos] = b"}"
         self._text[pos + 1] = 0
+        if self._running != NULL and not self._write_failed:
+            self._running[1] = len(self._failures)
+            self._running[2] = self._failures[0]["id"] if self._failures else 0
         failures = _dumps(self._failures)
         index = self._turn % len(self._queues)
         queue = self._queues[index]
@@ -475,7 +487,10 @@ cdef class BatchLoop:
                 PQclear(self._rows)
                 self._rows = NULL
             self._nrows = 0
+            self._write_failed = True
             raise LoopError(error)
+        if self._running != NULL and not self._write_failed:
+            self._running[1] = 0
         n = self._nrows
         self.claimed += n
         if self._limit > 0:
@@ -588,9 +603,9 @@ cdef class BatchLoop:
                 for j in range(i, n):
                     failures.append(_release(_int8(PQgetvalue(rows, j, 0))))
                 break
-            if self._progress != NULL:
+            if self._running != NULL:
                 self._progress[0] += 1
-                self._progress[1] = <double>job_id
+                self._running[0] = job_id
             kind = PQgetvalue(rows, i, 1)
             kind_len = PQgetlength(rows, i, 1)
             attempt = _int2(PQgetvalue(rows, i, 3))
@@ -664,8 +679,9 @@ cdef class BatchLoop:
                 failures.append(_cancelled(job_id, attempt))
                 continue
             self._add_done(job_id)
-        if self._progress != NULL:
-            self._progress[1] = -1.0 if slow else 0.0
+        # No fast job runs from here on: see the reference.
+        if self._running != NULL:
+            self._running[0] = 0
         if slow:
             done = []
             try:
@@ -679,6 +695,4 @@ cdef class BatchLoop:
                 raise
             for job_id in done:
                 self._add_done(job_id)
-            if self._progress != NULL:
-                self._progress[1] = 0.0
         return 0

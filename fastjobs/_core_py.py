@@ -168,12 +168,20 @@ class BatchLoop:
         overlap: bool = True,
         progress: Any = None,
         full_claim_duty: float = FULL_CLAIM_DUTY,
+        running: Any = None,
     ) -> None:
         self._pgconn = conn.pgconn
-        # Two floats of shared memory written per job started: a count, so
-        # the master can tell a long batch from a hung one, and the job's id,
-        # so it knows which job a dead worker was running.
+        # Shared memory written per job started (plain stores): a float
+        # count, so the master can tell a long batch from a hung one, and
+        # the job's id (int64 `running[0]`), so it knows which job a dead
+        # worker was running. Per statement, `running[1:3]`: how many failed
+        # jobs' outcomes it carries, and the job when there is one, so a
+        # worker that dies writing an outcome implicates that job alone.
         self._progress = progress
+        self._running = running
+        # Once a statement failed, its record stays: the worker dies of it,
+        # though `finish` may still write other outcomes first.
+        self._write_failed = False
         self._specs = specs
         self._executor = executor
         self._worker_id = worker_id.encode()
@@ -219,6 +227,9 @@ class BatchLoop:
     def _send(self, limit: int) -> None:
         """Send the outcomes gathered so far and a claim of `limit` jobs."""
         done = ("{" + ",".join(map(str, self._done)) + "}").encode()
+        if self._running is not None and not self._write_failed:
+            self._running[1] = len(self._failures)
+            self._running[2] = self._failures[0]["id"] if self._failures else 0
         failures = orjson.dumps(self._failures)
         index = self._turn % len(self._queues)
         queue = self._queues[index]
@@ -276,7 +287,10 @@ class BatchLoop:
                 error = res.error_message.decode(errors="replace")
         self._in_flight = False
         if error is not None:
+            self._write_failed = True
             raise LoopError(error)
+        if self._running is not None and not self._write_failed:
+            self._running[1] = 0
         self.claimed += len(rows)
         index, from_front, sent = self._sent
         if self._limit > 0:
@@ -373,9 +387,9 @@ class BatchLoop:
             if self.stopping:
                 failures.extend(handlers.release(row[0]) for row in rows[index:])
                 break
-            if self._progress is not None:
+            if self._running is not None:
                 self._progress[0] += 1
-                self._progress[1] = job_id
+                self._running[0] = job_id
             spec = specs.get(kind)
             if spec is None:
                 failures.append(handlers.unknown_kind(job_id, kind, attempt, max_attempts))
@@ -430,10 +444,10 @@ class BatchLoop:
                 failures.append(handlers.cancelled(job_id, attempt))
                 continue
             done.append(job_id)
-        # Which job a crash from here on would be blamed on (see
-        # sql.job_release_unstarted): unknown among concurrent slow jobs, none after.
-        if self._progress is not None:
-            self._progress[1] = -1.0 if slow else 0.0
+        # No fast job runs from here on: the executor records the slow ones
+        # it starts (stats.SlowJobs), and a crash is blamed on those alone.
+        if self._running is not None:
+            self._running[0] = 0
         if slow:
             try:
                 executor.run(slow, done, failures)
@@ -442,5 +456,3 @@ class BatchLoop:
                 self.stopping = True
                 self.finish()
                 raise
-            if self._progress is not None:
-                self._progress[1] = 0.0

@@ -204,6 +204,9 @@ class Executor:
         self.ran_async = False
         self.context = JobContext()
         self.cancelled: set[int] = set()
+        # The worker's slot (stats.SlowJobs): the jobs whose handlers run now,
+        # which alone count a crash if the worker dies.
+        self.running: Any = None
         self._tasks: dict[int, asyncio.Task[Any]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -260,6 +263,8 @@ class Executor:
                 continue
             context.id, context.kind, context.attempt, context.cancelled = job_id, spec.kind, attempt, False
             started.add(job_id)
+            if self.running is not None:
+                self.running.add(job_id)
             try:
                 result = _call_with_timeout(spec.func, args, spec.timeout)
                 if inspect.iscoroutine(result):
@@ -277,6 +282,8 @@ class Executor:
                 else:
                     completed.append(job_id)
             finally:
+                if self.running is not None:
+                    self.running.discard(job_id)
                 if context.cancelled:
                     self.cancelled.discard(job_id)
                 context.id = 0
@@ -307,6 +314,8 @@ class Executor:
                 context = JobContext(job_id, spec.kind, attempt)
                 _async_job.set(context)
                 started.add(job_id)
+                if self.running is not None:
+                    self.running.add(job_id)
                 task = asyncio.current_task()
                 assert task is not None
                 self._tasks[job_id] = task
@@ -330,6 +339,8 @@ class Executor:
                 else:
                     completed.append(job_id)
                 finally:
+                    if self.running is not None:
+                        self.running.discard(job_id)
                     self._tasks.pop(job_id, None)
                     self.cancelled.discard(job_id)
 

@@ -5,18 +5,19 @@ loop; one loop turns each into an action, reaps children with
 waitpid(WNOHANG), restarts what died (with backoff), kills what stopped
 beating (hung or stopped), and on shutdown waits for in-flight work up to a grace
 period. It runs no jobs and holds no database connection (it opens one
-before forking, to check the database, and closes it).
+before forking, to check the database, and closes it): what a dead worker
+held is given back by a releaser, a short-lived child it forks (see _release).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import select
 import signal
 import socket
 import sys
-import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from .impl import IMPLEMENTATION
 from .leader import Leader, LeaderConfig
 from .metrics import MetricsProcess
 from .stats import LEADER, WORKER, Slot, Slots, database_identity
-from .worker import Worker
+from .worker import Worker, make_worker_id
 
 # Exit codes of a child. BOOT_ERROR means "could not start, do not restart":
 # the whole master stops with it rather than restart-looping.
@@ -46,6 +47,14 @@ STABLE_AFTER = 30.0  # a child that lived this long resets its backoff
 # A child whose slot has not been beaten this long is hung or stopped (it
 # beats every second, whatever length of job it runs): killed and replaced.
 DEFAULT_WORKER_TIMEOUT = 60.0
+# A second SIGTERM/SIGINT this soon after the first is the same stop (a
+# group delivery reaching the master twice, SIGINT then SIGTERM from a
+# wrapper); later, it is a deliberate "stop now".
+SAME_STOP_WINDOW = 1.0
+# The master waits this long for its releasers when it exits, then kills them.
+RELEASE_WAIT = 15.0
+# A releaser gives up on a database that does not answer within this many seconds.
+RELEASE_TIMEOUT = 10
 
 
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGCHLD}
@@ -116,6 +125,8 @@ class Child:
     last_progress: float = 0.0
     seen_progress: float = -1.0
     killed: bool = False
+    worker_id: str = ""  # make_worker_id(token, pid) of the running process
+    careful: bool = False  # the next one runs one job per batch for a while (see _blame)
 
 
 class Master:
@@ -154,6 +165,9 @@ class Master:
         self.stopping = False
         self.deadline = 0.0
         self.exit_code = EXIT_OK
+        self.host = socket.gethostname()
+        self.releasers: dict[int, str] = {}  # pid -> the dead worker's name
+        self._stop_at = 0.0
         self._signals: list[int] = []
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -171,7 +185,9 @@ class Master:
         except (ConfigurationError, DatabaseUnavailable, SchemaMissing) as exc:
             print(f"fastjobs: {exc}", file=sys.stderr, flush=True)
             return EXIT_BOOT_ERROR
-        self.slots = Slots.create(len(self.children), identity)
+        # Each slot can record as many running slow jobs as a worker's concurrency.
+        capacity = max((sum(share.values()) for share in self.plan), default=1)
+        self.slots = Slots.create(len(self.children), identity, capacity)
         try:
             self._install_signals()
             self._print_plan()
@@ -196,7 +212,13 @@ class Master:
                         self._metrics.restart_due(now)
                 self._titles(now)
                 self._sleep(0.25)
+            self._wait_releasers()
         finally:
+            # The stop may still be arriving (a repeated group delivery); from
+            # here on it must not kill the exiting master (Python resets its
+            # handlers to the default while it finalizes, but not SIG_IGN).
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, signal.SIG_IGN)
             if self._metrics is not None:
                 self._metrics.stop()
             self.slots.close(unlink=True)
@@ -232,21 +254,29 @@ class Master:
             self.handle_stop(signum)
 
     def handle_stop(self, signum: int) -> None:
-        """First SIGTERM/SIGINT: graceful stop within the grace period. Second: stop now.
+        """First SIGTERM/SIGINT: graceful stop within the grace period. A later one: stop now.
 
-        Stopping twice is stopping now, never an error; SIGQUIT is always now.
+        A repeat within SAME_STOP_WINDOW is the same stop; stopping twice is
+        stopping now, never an error; SIGQUIT is always now. The workers take
+        SIGTERM/SIGINT as a graceful stop only (the same signal may reach them
+        directly, sent to the process group), so "now" is SIGQUIT to them.
         """
-        if not self.stopping and signum != signal.SIGQUIT:
-            self.stopping = True
-            self.deadline = time.monotonic() + self.grace
-            print(f"fastjobs: stopping (grace {self.grace:g}s)", file=sys.stderr, flush=True)
-            self._kill_all(signal.SIGTERM, None)
-            return
+        now = time.monotonic()
+        if signum != signal.SIGQUIT:
+            if not self.stopping:
+                self.stopping = True
+                self._stop_at = now
+                self.deadline = now + self.grace
+                print(f"fastjobs: stopping (grace {self.grace:g}s)", file=sys.stderr, flush=True)
+                self._kill_all(signal.SIGTERM, None)
+                return
+            if now - self._stop_at < SAME_STOP_WINDOW:
+                return
         self.stopping = True
-        # The workers' second signal: they record the running job and give the rest back.
-        self.deadline = min(self.deadline or float("inf"), time.monotonic() + 2.0)
+        # The workers record the running job as failed and give the rest back.
+        self.deadline = min(self.deadline or float("inf"), now + 2.0)
         print("fastjobs: stopping now", file=sys.stderr, flush=True)
-        self._kill_all(signal.SIGINT, None)
+        self._kill_all(signal.SIGQUIT, None)
 
     def _sleep(self, timeout: float) -> None:
         with contextlib.suppress(InterruptedError):
@@ -263,6 +293,13 @@ class Master:
                 return
             if pid == 0:
                 return
+            if pid in self.releasers:
+                name = self.releasers.pop(pid)
+                if os.waitstatus_to_exitcode(status) != 0:
+                    print(
+                        f"fastjobs: releasing {name}'s jobs failed (see above)", file=sys.stderr, flush=True
+                    )
+                continue
             child = next((c for c in self.children if c.pid == pid), None)
             if child is None:
                 if self._metrics is not None:
@@ -275,10 +312,7 @@ class Master:
         name = self._name(child)
         assert self.slots is not None
         if child.role == WORKER and code not in (EXIT_OK, EXIT_BOOT_ERROR):
-            running = self.slots[child.index]["job"]
-            if running >= 0:  # -1: among concurrent slow jobs, the rescuer decides
-                release = (f"{socket.gethostname()}:{child.pid}:", int(running), name)
-                threading.Thread(target=self._release_unstarted, args=release, daemon=True).start()
+            self._blame(child, name)
         child.pid = 0
         if self.stopping:
             if code not in (EXIT_OK, -signal.SIGTERM):
@@ -300,31 +334,117 @@ class Master:
         print(f"fastjobs: {name} {how}; restarting in {delay:g}s", file=sys.stderr, flush=True)
         child.restart_at = time.monotonic() + delay
 
-    def _release_unstarted(self, prefix: str, running: int, name: str) -> None:
-        """A dead worker's jobs it had not started go back now, uncounted (sql.job_release_unstarted).
+    def _blame(self, child: Child, name: str) -> None:
+        """Decide from its slot which of a dead worker's jobs count a crash, and release the rest.
 
-        From a thread: the master's loop must not wait on the database. If
-        it is down, the rescuer returns them later, with a crash each.
+        Only the jobs whose handler was running count a crash (the rescuer
+        charges them); the others go back now, uncounted. A worker can also
+        die with no handler running, writing outcomes (one PostgreSQL or the
+        encoder rejects: a poison outcome). With one failed job's outcome in
+        that statement, the job is known: it is left to the rescuer, so it is
+        quarantined after `max_crashes` deaths like a job that kills its
+        worker. With several, it is not: nobody is charged, and the
+        replacement runs one job per batch for a while (Worker's `careful`),
+        so the next death implicates the poison job alone. Innocent jobs are
+        never charged for another's outcome.
         """
+        assert self.slots is not None
+        running, writing = self.slots[child.index].crash_report()
+        if running is None:
+            print(
+                f"fastjobs: {name} ran more slow jobs than its slot records: its jobs are left to the"
+                " rescuer (each counts a crash)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        if not running and writing == 1:
+            suspect = self.slots[child.index].suspect()
+            running = [suspect]
+            print(
+                f"fastjobs: {name} died writing the outcome of job {suspect}: it counts a crash",
+                file=sys.stderr,
+                flush=True,
+            )
+        elif not running and writing > 1:
+            child.careful = True
+            print(
+                f"fastjobs: {name} died writing the outcomes of {writing} failed jobs; its replacement"
+                " runs one job per batch for a while, to find the one that kills it",
+                file=sys.stderr,
+                flush=True,
+            )
+        self._release(child.worker_id, running, name)
+
+    def _release(self, worker_id: str, running: list[int], name: str) -> None:
+        """Fork a releaser: it gives back the running jobs of `worker_id` but `running`.
+
+        (sql.job_release_unstarted.)
+
+        The master runs no SQL and starts no thread: the releaser, forked
+        from its one thread, connects, runs the statement and exits. If the
+        database is down, the rescuer returns those jobs later, with a crash
+        each. The master waits for its releasers before it exits.
+        """
+        dsn = self.app.dsn
+        assert dsn
+        signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        pid = os.fork()
+        if pid:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+            self.releasers[pid] = name
+            return
+        code = EXIT_CRASH
         try:
+            # A stop signal sent to the whole group must not cut the release short.
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+                signal.signal(sig, signal.SIG_IGN)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
             with (
-                database.connect(self.app.dsn, autocommit=True, connect_timeout=5) as conn,
+                database.connect(dsn, autocommit=True, connect_timeout=RELEASE_TIMEOUT) as conn,
                 psycopg.RawCursor(conn) as cur,
             ):
-                released = cur.execute(sql.job_release_unstarted, (prefix, running)).rowcount
+                cur.execute(sql.releaser_session, (f"{RELEASE_TIMEOUT}s",))
+                released = sum(row[1] for row in cur.execute(sql.job_release_unstarted, (worker_id, running)))
+            if released:
+                print(
+                    f"fastjobs: {name} had claimed {released} jobs it never started: released",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            code = EXIT_OK
         except (FastjobsError, psycopg.Error) as exc:
             print(
                 f"fastjobs: {name}'s unstarted jobs are left to the rescuer: {exc}",
                 file=sys.stderr,
                 flush=True,
             )
-            return
-        if released:
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    def _wait_releasers(self) -> None:
+        """Wait for the releasers still running (at most RELEASE_WAIT seconds), so nothing is left held."""
+        deadline = time.monotonic() + RELEASE_WAIT
+        while self.releasers and time.monotonic() < deadline:
+            self._reap()
+            if self.releasers:
+                self._sleep(0.05)
+        for pid, name in self.releasers.items():
             print(
-                f"fastjobs: {name} had claimed {released} jobs it never started: released",
+                f"fastjobs: releasing {name}'s jobs took over {RELEASE_WAIT:g}s;"
+                " they are left to the rescuer",
                 file=sys.stderr,
                 flush=True,
             )
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def _restart_due(self, now: float) -> None:
         for child in self.children:
@@ -374,6 +494,9 @@ class Master:
 
     def _spawn(self, child: Child) -> None:
         assert self.slots is not None
+        # The worker's identity: a token chosen here, before the fork, so the
+        # master knows the exact id whose jobs to release if it dies.
+        token = secrets.token_hex(8)
         # Signals stay blocked across the fork until the child has its own
         # handlers: one arriving in between would reach the master's handler
         # in the child and be lost.
@@ -382,9 +505,11 @@ class Master:
         if pid:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
             child.pid = pid
+            child.worker_id = make_worker_id(token, pid, self.host)
             child.started = child.last_progress = time.monotonic()
             child.seen_progress = -1.0
             child.killed = False
+            child.careful = False
             return
         code = EXIT_CRASH
         try:
@@ -395,7 +520,7 @@ class Master:
             os.close(self._wake_w)
             slot = self.slots[child.index]
             slot.claim(child.role, child.index)
-            code = self._child_main(child, slot)
+            code = self._child_main(child, slot, make_worker_id(token, os.getpid(), self.host))
         except (ConfigurationError, SchemaMissing) as exc:
             print(f"fastjobs: {self._name(child)}: {exc}", file=sys.stderr, flush=True)
             code = EXIT_BOOT_ERROR
@@ -407,13 +532,14 @@ class Master:
             sys.stderr.flush()
             os._exit(code)
 
-    def _child_main(self, child: Child, slot: Slot) -> int:
+    def _child_main(self, child: Child, slot: Slot, worker_id: str) -> int:
         from setproctitle import setproctitle
 
         if child.role == LEADER:
             setproctitle("fastjobs: leader")
             leader = Leader(self.app, self.leader_config, slot=slot)
             leader.install_signals()
+            signal.signal(signal.SIGQUIT, lambda signum, frame: leader.stop())  # the master's "stop now"
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
             leader.run()
             return EXIT_OK
@@ -430,6 +556,10 @@ class Master:
             schedule=False,
             slot=slot,
             title=title,
+            worker_id=worker_id,
+            parent=self.pid,
+            grace=self.grace,
+            careful=child.careful,
         )
         worker.install_signals()
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)

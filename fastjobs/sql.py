@@ -293,8 +293,11 @@ worker_register: Final = """
 INSERT INTO fastjobs_workers (id, host, pid, queues) VALUES ($1, $2, $3, $4::text[])
 ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), queues = excluded.queues"""
 
-# worker_heartbeat: one write per interval, never one per job.
-worker_heartbeat: Final = "UPDATE fastjobs_workers SET heartbeat_at = now() WHERE id = $1"
+# worker_heartbeat: one write per interval, never one per job; a row the
+# cleaner pruned (the control connection was down for an hour) comes back.
+worker_heartbeat: Final = """
+INSERT INTO fastjobs_workers (id, host, pid, queues) VALUES ($1, $2, $3, $4::text[])
+ON CONFLICT (id) DO UPDATE SET heartbeat_at = now()"""
 
 # worker_delete: a worker that stops cleanly removes its row.
 worker_delete: Final = "DELETE FROM fastjobs_workers WHERE id = $1"
@@ -334,16 +337,34 @@ UPDATE fastjobs_jobs j
               FOR UPDATE SKIP LOCKED))
 RETURNING j.id, j.state::text"""
 
-# job_release_unstarted: the master saw its worker die ($1: that worker's
-# attempted_by prefix, 'host:pid:'). Its running jobs other than $2, the one
-# it was running (0: none), had been claimed but not started, or had finished
-# unrecorded: they go back to available with the attempt given back and no
-# crash counted, so a job that kills its worker is quarantined alone. The
-# rescuer deals with $2.
+# releaser_session: the master's releaser waits at most $1 for a lock or a statement.
+releaser_session: Final = (
+    "SELECT set_config('statement_timeout', $1, false), set_config('lock_timeout', $1, false)"
+)
+
+# job_release_unstarted: worker $1 (its exact id) died. Its running jobs
+# other than $2 (those whose handler was running, or whose outcome it died
+# writing) had been claimed but not started, or had finished unrecorded: they
+# go back to available with the attempt given back and no crash counted (or
+# to cancelled, when that was requested), so a job that kills its worker is
+# quarantined alone; the rescuer deals with $2. Workers of each queue that
+# got jobs back are woken once.
 job_release_unstarted: Final = """
-UPDATE fastjobs_jobs
-   SET state = 'available', attempt = greatest(attempt - 1, 0)
- WHERE state = 'running' AND left(attempted_by, length($1)) = $1 AND id <> $2"""
+WITH released AS (
+    UPDATE fastjobs_jobs
+       SET state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'available' END::fastjobs_state,
+           attempt = greatest(attempt - 1, 0),
+           finalized_at = CASE WHEN cancel_requested THEN now() END,
+           errors = CASE WHEN cancel_requested
+                         THEN coalesce(errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
+                             'at', now(), 'attempt', attempt, 'traceback', NULL,
+                             'error', 'cancelled: requested while it was claimed, before it started'))
+                         ELSE errors END
+     WHERE state = 'running' AND attempted_by = $1 AND NOT id = ANY($2::bigint[])
+    RETURNING queue, state
+)
+SELECT queue, count(*), CASE WHEN bool_or(state = 'available') THEN pg_notify('fastjobs', queue) END
+  FROM released GROUP BY queue"""
 
 # job_clean_completed_many: delete up to $2 completed or cancelled jobs finalized before $1.
 job_clean_completed_many: Final = """

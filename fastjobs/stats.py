@@ -13,6 +13,10 @@ whole life: a file nobody holds is stale (its master was killed), whatever
 process has its pid now. Stale files are removed by `fastjobs stats` and by
 the next master of the same user; a master removes its own on every exit
 it lives through.
+
+A slot is float64 counters, then int64 fields that say which jobs a worker
+holds in what stage: the master reads them after the worker died to give
+back exactly what never started (see `Slot.crash_report`).
 """
 
 from __future__ import annotations
@@ -36,9 +40,10 @@ import psycopg
 from . import database, sql
 
 MAGIC = 0x66_6A_73_74  # "fjst"
-VERSION = 4
-# magic, version, slots, master pid, started, token, database identity (sql.database_identity)
-HEADER = struct.Struct("<IIIId16s128s")
+VERSION = 5
+# magic, version, slots, master pid, started, slow-job capacity per slot, spare, token,
+# database identity (sql.database_identity)
+HEADER = struct.Struct("<IIIIdII16s128s")
 MAX_SLOTS = 4096  # a bigger file is not one of ours
 FIELDS = (
     "pid",
@@ -54,7 +59,6 @@ FIELDS = (
     "started",
     "rate",  # completed jobs/s over the last second, written by the master
     "progress",  # jobs started, bumped by the hot loop per job (the watchdog's signal)
-    "job",  # the job the hot loop runs: its id, 0 between batches, -1 in the slow path
     "listening",  # 1 while the worker's LISTEN connection is up
     "listener_ok",  # time.time() of its last connect or ping round trip that worked
     "listener_reconnects",
@@ -67,15 +71,27 @@ _CLAIMED, _COMPLETED, _FAILED, _RETRIED, _DISCARDED, _BUSY, _HEARTBEAT = (
 _LISTENING, _LISTENER_OK, _LISTENER_RECONNECTS = (
     F[name] for name in ("listening", "listener_ok", "listener_reconnects")
 )
+# The int64 fields after the floats, then `capacity` ids of the slow jobs
+# whose handlers are running (0: a free entry).
+INT_FIELDS = (
+    "job",  # the job the hot loop's fast path runs (0: none): set before it starts
+    "writing",  # outcomes of failed jobs in the batch statement in flight (0: none)
+    "suspect",  # the job whose outcome that is, when there is exactly one
+    "overflow",  # slow jobs running that found no free entry below
+)
+_JOB, _WRITING, _SUSPECT, _OVERFLOW = range(len(INT_FIELDS))
+# The most slow jobs a slot records (a worker's concurrency, capped).
+SLOW_CAPACITY_MAX = 10_000
 ROLES = {1: "worker", 2: "leader"}
 WORKER, LEADER = 1, 2
 
 
 class Slot:
-    """One process's counters: a window of float64 in the shared mapping."""
+    """One process's counters (a window of float64) and its jobs in hand (int64) in the shared mapping."""
 
-    def __init__(self, view: Any) -> None:
+    def __init__(self, view: Any, ints: Any) -> None:
         self.view = view  # memoryview of float64
+        self.ints = ints  # memoryview of int64: INT_FIELDS, then the slow jobs running
 
     def __getitem__(self, name: str) -> float:
         return float(self.view[F[name]])
@@ -87,6 +103,8 @@ class Slot:
         """Take this slot for the calling process, zeroing its counters."""
         for i in range(SLOT):
             self.view[i] = 0.0
+        for i in range(len(self.ints)):
+            self.ints[i] = 0
         self.view[F["pid"]] = os.getpid()
         self.view[F["role"]] = role
         self.view[F["index"]] = index
@@ -104,8 +122,31 @@ class Slot:
         view[_HEARTBEAT] = time.time()
 
     def progress_view(self) -> Any:
-        """The two floats the hot loop writes per job: a count of jobs started, and the job's id."""
-        return self.view[F["progress"] : F["progress"] + 2]
+        """The float the hot loop bumps per job started (the watchdog's signal)."""
+        return self.view[F["progress"] : F["progress"] + 1]
+
+    def running_view(self) -> Any:
+        """The int64 fields the hot loop writes: the job it runs, and the outcomes it is writing."""
+        return self.ints[_JOB : _SUSPECT + 1]
+
+    def slow_jobs(self) -> SlowJobs:
+        """Where the worker's executor records the slow jobs whose handlers run."""
+        return SlowJobs(self.ints)
+
+    def crash_report(self) -> tuple[list[int] | None, int]:
+        """After the worker died: (the jobs it was running, or None if the slot could not record them
+        all; how many failed jobs' outcomes it was writing)."""
+        ints = self.ints
+        if ints[_OVERFLOW]:
+            return None, 0
+        running = [int(job) for job in ints[len(INT_FIELDS) :] if job]
+        if ints[_JOB] > 0:
+            running.append(int(ints[_JOB]))
+        return running, int(ints[_WRITING])
+
+    def suspect(self) -> int:
+        """The one failed job whose outcome was being written (0: none, or more than one)."""
+        return int(self.ints[_SUSPECT]) if self.ints[_WRITING] == 1 else 0
 
     def beat(self) -> None:
         self.view[_HEARTBEAT] = time.time()
@@ -118,6 +159,42 @@ class Slot:
 
     def as_dict(self) -> dict[str, float]:
         return {name: float(self.view[i]) for i, name in enumerate(FIELDS)}
+
+
+class SlowJobs:
+    """The slow jobs (async, or with a timeout) whose handlers run now, in the worker's slot.
+
+    The executor adds a job just before its handler starts and removes it
+    when the handler returns: if the worker dies, exactly these count a
+    crash, and every other job it holds goes back uncounted. Entries are
+    reused from a free list (no scan); a job that finds none sets `overflow`,
+    and the master then leaves all of that worker's jobs to the rescuer.
+    """
+
+    def __init__(self, ints: Any) -> None:
+        self._ints = ints
+        base = len(INT_FIELDS)
+        self._free = list(range(len(ints) - 1, base - 1, -1))
+        self._at: dict[int, int] = {}
+        self._over: set[int] = set()
+
+    def add(self, job_id: int) -> None:
+        if self._free:
+            index = self._free.pop()
+            self._at[job_id] = index
+            self._ints[index] = job_id
+        else:
+            self._over.add(job_id)
+            self._ints[_OVERFLOW] = len(self._over)
+
+    def discard(self, job_id: int) -> None:
+        index = self._at.pop(job_id, None)
+        if index is not None:
+            self._ints[index] = 0
+            self._free.append(index)
+        elif job_id in self._over:
+            self._over.discard(job_id)
+            self._ints[_OVERFLOW] = len(self._over)
 
 
 def shm_dir() -> Path:
@@ -156,20 +233,28 @@ os.register_at_fork(after_in_child=_close_held_locks)
 class Slots:
     """The shared mapping: created by the master, inherited by its children, read by `fastjobs stats`."""
 
-    def __init__(self, path: Path, mapping: mmap.mmap, count: int, lock: int | None = None) -> None:
+    def __init__(
+        self, path: Path, mapping: mmap.mmap, count: int, capacity: int, lock: int | None = None
+    ) -> None:
         self.path = path
         self._map = mapping
         self._lock = lock
         self.count = count
-        self._values: Any = memoryview(mapping)[HEADER.size :].cast("d")
+        self.capacity = capacity
+        self._slot_size = slot_size(capacity)
+        self._values: Any = memoryview(mapping)
 
     @classmethod
-    def create(cls, count: int, identity: str = "") -> Slots:
-        """A new file of `count` slots for this process (the master), locked while it lives."""
+    def create(cls, count: int, identity: str = "", capacity: int = 0) -> Slots:
+        """A new file of `count` slots for this process (the master), locked while it lives.
+
+        Each slot records up to `capacity` slow jobs running (a worker's concurrency, capped).
+        """
         sweep_stale()
+        capacity = min(max(capacity, 0), SLOW_CAPACITY_MAX)
         token = secrets.token_hex(8)
         path = shm_dir() / f"fastjobs-{os.getpid()}-{token}.stats"
-        size = HEADER.size + count * SLOT * 8
+        size = HEADER.size + count * slot_size(capacity)
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(path, flags, 0o600)
         try:
@@ -191,9 +276,11 @@ class Slots:
             path.unlink(missing_ok=True)
             raise
         ident = identity.encode()[:128]
-        HEADER.pack_into(mapping, 0, MAGIC, VERSION, count, os.getpid(), time.time(), token.encode(), ident)
+        HEADER.pack_into(
+            mapping, 0, MAGIC, VERSION, count, os.getpid(), time.time(), capacity, 0, token.encode(), ident
+        )
         _held_locks.add(fd)
-        return cls(path, mapping, count, fd)
+        return cls(path, mapping, count, capacity, fd)
 
     @classmethod
     def open(cls, path: Path) -> Slots | None:
@@ -203,13 +290,19 @@ class Slots:
             return None
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            mapping = mmap.mmap(fd, HEADER.size + found.slots * SLOT * 8, access=mmap.ACCESS_READ)
+            mapping = mmap.mmap(
+                fd, HEADER.size + found.slots * slot_size(found.capacity), access=mmap.ACCESS_READ
+            )
         finally:
             os.close(fd)
-        return cls(path, mapping, found.slots)
+        return cls(path, mapping, found.slots, found.capacity)
 
     def __getitem__(self, index: int) -> Slot:
-        return Slot(self._values[index * SLOT : (index + 1) * SLOT])
+        base = HEADER.size + index * self._slot_size
+        floats = base + SLOT * 8
+        return Slot(
+            self._values[base:floats].cast("d"), self._values[floats : base + self._slot_size].cast("q")
+        )
 
     def __iter__(self) -> Iterator[Slot]:
         return (self[i] for i in range(self.count))
@@ -240,6 +333,7 @@ class MasterFile:
     started: float
     database: str
     slots: int
+    capacity: int  # slow jobs each slot records
     processes: list[dict[str, float]]  # the slots in use
 
 
@@ -253,8 +347,13 @@ class Skipped:
     ours: bool = False  # owned by this user
 
 
+def slot_size(capacity: int) -> int:
+    """Bytes of one slot: its float64 counters, its int64 fields and `capacity` slow jobs."""
+    return (SLOT + len(INT_FIELDS) + capacity) * 8
+
+
 # No more than this is read from a file that claims to be a stats file.
-MAX_FILE = HEADER.size + MAX_SLOTS * SLOT * 8
+MAX_FILE = HEADER.size + MAX_SLOTS * slot_size(SLOW_CAPACITY_MAX)
 
 
 def read_master(path: Path) -> MasterFile | Skipped | None:
@@ -281,12 +380,16 @@ def read_master(path: Path) -> MasterFile | Skipped | None:
         data = os.pread(fd, info.st_size, 0)
         if len(data) < HEADER.size:
             return Skipped(path, "truncated", ours=ours)
-        magic, version, count, pid, started, _, ident = HEADER.unpack_from(data)
+        magic, version, count, pid, started, capacity, _, _, ident = HEADER.unpack_from(data)
         if magic != MAGIC:
             return Skipped(path, "not a fastjobs stats file", ours=ours)
         if version != VERSION:
             return Skipped(path, f"written by another version of fastjobs (format {version})", ours=ours)
-        if count > MAX_SLOTS or len(data) != HEADER.size + count * SLOT * 8:
+        if (
+            count > MAX_SLOTS
+            or capacity > SLOW_CAPACITY_MAX
+            or len(data) != HEADER.size + count * slot_size(capacity)
+        ):
             return Skipped(path, "truncated", ours=ours)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -296,10 +399,13 @@ def read_master(path: Path) -> MasterFile | Skipped | None:
             return Skipped(path, "its master is gone", stale=True, ours=ours)
     finally:
         os.close(fd)
-    values = memoryview(data)[HEADER.size :].cast("d")
-    processes = [{name: float(values[i * SLOT + f]) for f, name in enumerate(FIELDS)} for i in range(count)]
+    step = slot_size(capacity)
+    processes = [
+        dict(zip(FIELDS, struct.unpack_from(f"<{SLOT}d", data, HEADER.size + i * step), strict=True))
+        for i in range(count)
+    ]
     identity = ident.rstrip(b"\0").decode(errors="replace")
-    return MasterFile(path, pid, started, identity, count, [p for p in processes if p["role"]])
+    return MasterFile(path, pid, started, identity, count, capacity, [p for p in processes if p["role"]])
 
 
 def _stats_files() -> list[Path]:

@@ -26,6 +26,23 @@ from .stats import Slot
 
 HEARTBEAT_INTERVAL = leader.HEARTBEAT_INTERVAL
 LISTENER_CHECK_INTERVAL = 30.0
+# A worker under a master looks this often whether its master is still there.
+PARENT_CHECK_INTERVAL = 0.5
+# An orphaned worker stops now when its grace is over, and exits this much later whatever it is doing.
+ORPHAN_EXIT_AFTER = 2.0
+# A worker whose predecessor died writing several failed jobs' outcomes runs
+# one job per batch this long, so the outcome that kills it is found alone.
+CAREFUL_FOR = 60.0
+
+
+def make_worker_id(token: str, pid: int | None = None, host: str | None = None) -> str:
+    """A worker's identity, `host:pid:token`: the one place it is built.
+
+    The token (chosen by the master per worker before it forks, or at random
+    here) makes it one no other process can share, even in containers that
+    share a hostname and pids; host and pid are there for people.
+    """
+    return f"{host or socket.gethostname()}:{pid or os.getpid()}:{token}"
 
 
 class Control(threading.Thread):
@@ -37,12 +54,23 @@ class Control(threading.Thread):
     a notification was missed) and passes them to the executor.
     """
 
-    def __init__(self, dsn: str, worker_id: str, executor: Executor, slot: Slot | None = None) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        worker_id: str,
+        executor: Executor,
+        register: tuple[str, str, int, list[str]] | None = None,
+        watch: Callable[[], None] | None = None,
+        slot: Slot | None = None,
+    ) -> None:
         super().__init__(name="fastjobs-control", daemon=True)
         self.slot = slot  # beaten each turn: the master's watchdog reads it as "this process is alive"
         self.dsn = dsn
         self.worker_id = worker_id
         self.executor = executor
+        # sql.worker_heartbeat's parameters: each heartbeat re-registers a pruned row.
+        self.register = register or (worker_id, socket.gethostname(), os.getpid(), [])
+        self.watch = watch  # called every PARENT_CHECK_INTERVAL (the worker's master-death check)
         self._stop_event = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
         self._heard: set[int] = set()  # job ids whose cancellation was announced
@@ -56,6 +84,9 @@ class Control(threading.Thread):
         os.close(self._wake_w)
 
     def run(self) -> None:
+        # Stop signals are the main thread's: taken here, they would run its
+        # handler even while it holds them (_signals_held) for its final writes.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGQUIT})
         conn: psycopg.Connection[Any] | None = None
         next_beat = 0.0
         while not self._stop_event.is_set():
@@ -73,11 +104,14 @@ class Control(threading.Thread):
                 if now >= next_beat:
                     next_beat = now + HEARTBEAT_INTERVAL
                     self._beat(conn)
-                # At most a second between the slot's beats, whatever the heartbeat's interval.
-                wait = min(next_beat - now, 1.0)
+                # At most a second between the slot's beats, whatever the heartbeat's
+                # interval, and PARENT_CHECK_INTERVAL between checks of the master.
+                wait = min(next_beat - now, 1.0 if self.watch is None else PARENT_CHECK_INTERVAL)
                 readable, _, _ = select.select([conn.pgconn.socket, self._wake_r], [], [], wait)
                 if conn.pgconn.socket in readable:
                     self._notified(conn)
+                if self.watch is not None:
+                    self.watch()
             except (psycopg.Error, DatabaseUnavailable, OSError) as exc:
                 if self._stop_event.is_set():
                     break
@@ -86,14 +120,19 @@ class Control(threading.Thread):
                     with contextlib.suppress(psycopg.Error):
                         conn.close()
                 conn = None
-                self._stop_event.wait(HEARTBEAT_INTERVAL)
+                if self.watch is None:
+                    self._stop_event.wait(HEARTBEAT_INTERVAL)
+                    continue
+                retry_at = time.monotonic() + HEARTBEAT_INTERVAL
+                while time.monotonic() < retry_at and not self._stop_event.wait(PARENT_CHECK_INTERVAL):
+                    self.watch()
         if conn is not None:
             with contextlib.suppress(psycopg.Error):
                 conn.close()
 
     def _beat(self, conn: psycopg.Connection[Any]) -> None:
         with psycopg.RawCursor(conn) as cur:
-            cur.execute(sql.worker_heartbeat, (self.worker_id,))
+            cur.execute(sql.worker_heartbeat, self.register)
             requested = {row[0] for row in cur.execute(sql.job_cancel_requested, (self.worker_id,))}
         # The poll covers whatever was announced; ids no longer running here
         # are dropped (in place: the hot loop holds this set).
@@ -242,11 +281,11 @@ class Listener:
 
 @contextlib.contextmanager
 def _signals_held() -> Iterator[None]:
-    """Hold SIGTERM and SIGINT (delivered after the block) in the main thread."""
+    """Hold SIGTERM, SIGINT and SIGQUIT (delivered after the block) in the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    held = {signal.SIGTERM, signal.SIGINT}
+    held = {signal.SIGTERM, signal.SIGINT, signal.SIGQUIT}
     signal.pthread_sigmask(signal.SIG_BLOCK, held)
     try:
         yield
@@ -260,6 +299,13 @@ class Worker:
     Stopping (SIGTERM, SIGINT, or `stop()`) makes no new claims: the running
     batch finishes its started job, the jobs claimed but not started go back
     uncounted, and every outcome is written before `run` returns.
+
+    Under a master (`parent`, its pid), SIGTERM and SIGINT only ever mean a
+    graceful stop, however often they come: Ctrl-C, systemd and `kill -PGID`
+    signal the whole process group, and the master relays the same stop. Only
+    the master decides to stop now, with SIGQUIT. A worker whose master died
+    (PR_SET_PDEATHSIG, and getppid() polled as a fallback) stops the same way,
+    stops now when its `grace` is over, and exits regardless soon after.
     """
 
     def __init__(
@@ -278,10 +324,13 @@ class Worker:
         schedule: bool = True,
         slot: Slot | None = None,
         title: str | None = None,
+        parent: int | None = None,
+        grace: float = 30.0,
+        careful: bool = False,
     ) -> None:
         self.app = app
         self.queues = queues or sorted({spec.queue for spec in app.jobs.values()}) or ["default"]
-        self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.worker_id = worker_id or make_worker_id(uuid.uuid4().hex[:12])
         self.batch_max = batch_max
         self.poll_interval = poll_interval
         self.executor = Executor(concurrency)
@@ -293,8 +342,14 @@ class Worker:
         self.schedule = schedule
         self.slot = slot
         self.title = title  # process title prefix; with a slot, the live rate is appended each second
+        self.parent = parent
+        self.grace = grace
+        self.careful = careful
         self.loop: Any = None
         self._stop = False
+        self._stopping_now = False
+        self._orphaned_at: float | None = None
+        self._orphan_lock = threading.Lock()
         self._wake_r = self._wake_w = -1  # the pipe that wakes a sleeping run(); open only during run()
 
     def stop(self) -> None:
@@ -308,15 +363,66 @@ class Worker:
                 os.write(self._wake_w, b"x")
 
     def install_signals(self) -> None:
-        """First SIGTERM/SIGINT: graceful stop. Second: stop now (KeyboardInterrupt)."""
+        """Standalone, first SIGTERM/SIGINT: graceful stop; second: stop now (KeyboardInterrupt).
+
+        Under a master: SIGTERM/SIGINT stop gracefully, SIGQUIT stops now.
+        Stopping now raises once; a repeat must not cut the final writes short.
+        """
+
+        def now() -> None:
+            self.stop()
+            if not self._stopping_now:
+                self._stopping_now = True
+                raise KeyboardInterrupt
 
         def handle(signum: int, frame: object) -> None:
-            if self._stop:
-                raise KeyboardInterrupt
+            if self._stop and self.parent is None:
+                now()
             self.stop()
 
         signal.signal(signal.SIGTERM, handle)
         signal.signal(signal.SIGINT, handle)
+        if self.parent is not None:
+            signal.signal(signal.SIGQUIT, lambda signum, frame: now())
+
+    def _check_parent(self, escalate: bool = False) -> None:
+        """Stop when the master is gone; with `escalate` (the control thread), stop now after the grace.
+
+        A worker left running without its master would hold its jobs while
+        heartbeating, where no rescuer takes them.
+        """
+        if self.parent is None or os.getppid() == self.parent:
+            return
+        with self._orphan_lock:
+            now = time.monotonic()
+            if self._orphaned_at is None:
+                self._orphaned_at = now
+                print(
+                    f"fastjobs: worker (pid {os.getpid()}): its master is gone; stopping"
+                    f" (grace {self.grace:g}s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self.stop()
+                return
+            if not escalate or now < self._orphaned_at + self.grace:
+                return
+            if now >= self._orphaned_at + self.grace + ORPHAN_EXIT_AFTER:
+                print(
+                    f"fastjobs: worker (pid {os.getpid()}): still running {ORPHAN_EXIT_AFTER:g}s after"
+                    " stopping now; exiting (its jobs are left to the rescuer)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(1)
+            if not self._stopping_now:
+                print(
+                    f"fastjobs: worker (pid {os.getpid()}): grace period over without its master;"
+                    " stopping now",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os.kill(os.getpid(), signal.SIGQUIT)
 
     def run(self) -> None:
         dsn = self.app.dsn
@@ -329,10 +435,9 @@ class Worker:
             with psycopg.RawCursor(conn) as cur:
                 cur.execute(sql.worker_session)
             listener.connect()
+            register = (self.worker_id, socket.gethostname(), os.getpid(), self.queues)
             with psycopg.RawCursor(conn) as cur:
-                cur.execute(
-                    sql.worker_register, (self.worker_id, socket.gethostname(), os.getpid(), self.queues)
-                )
+                cur.execute(sql.worker_register, register)
             self.loop = core.BatchLoop(
                 conn,
                 dict(self.app.jobs),
@@ -343,11 +448,15 @@ class Worker:
                 batch_max=self.batch_max,
                 overlap=self.overlap,
                 progress=self.slot.progress_view() if self.slot is not None else None,
+                running=self.slot.running_view() if self.slot is not None else None,
             )
+            if self.slot is not None:
+                self.executor.running = self.slot.slow_jobs()
             self.loop.stopping = self._stop
             self.loop.prepare()
             self.executor.bind()
-            control = Control(dsn, self.worker_id, self.executor, self.slot)
+            watch = (lambda: self._check_parent(escalate=True)) if self.parent is not None else None
+            control = Control(dsn, self.worker_id, self.executor, register, watch, self.slot)
             control.start()
             try:
                 if self.on_ready is not None:
@@ -371,6 +480,12 @@ class Worker:
         slot = self.slot
         next_schedule = 0.0 if self.schedule else float("inf")
         next_title = time.monotonic() + 1.0
+        careful_until = 0.0
+        if self.careful:
+            # One job per batch and no claim ahead: each statement then
+            # carries at most one failed job's outcome (see Master._blame).
+            careful_until = time.monotonic() + CAREFUL_FOR
+            loop.batch_max, loop.overlap = 1, False
         try:
             while not self._stop:
                 began = time.monotonic()
@@ -378,10 +493,15 @@ class Worker:
                 now = time.monotonic()
                 if slot is not None:
                     slot.record(loop, now - began if ran else 0.0)
-                if self.title is not None and slot is not None and now >= next_title:
-                    # The rate the master writes into the slot each second.
-                    setproctitle(f"{self.title} {slot['rate']:,.0f} jobs/s")
+                if now >= next_title:
                     next_title = now + 1.0
+                    self._check_parent()  # the fallback to the control thread's check
+                    if self.title is not None and slot is not None:
+                        # The rate the master writes into the slot each second.
+                        setproctitle(f"{self.title} {slot['rate']:,.0f} jobs/s")
+                    if careful_until and now >= careful_until:
+                        careful_until = 0.0
+                        loop.batch_max, loop.overlap = self.batch_max, self.overlap
                 if ran:
                     continue
                 if now >= next_schedule:

@@ -1,0 +1,368 @@
+"""Stopping, worker identity and crash accounting of `fastjobs run`, as real processes.
+
+Every handler execution inserts a row into `runs` (see tests/procs.py), so
+"exactly once" is a count. Processes are signalled and killed by pid (or
+process group); the tests wait on rows, stderr and /proc, never on a fixed
+sleep, with deadlines below the rescuer's (15 s by default) wherever the
+behaviour under test must not need it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from fastjobs import App
+from fastjobs.leader import HEARTBEAT_INTERVAL
+from fastjobs.stats import WORKER, Slots
+
+from . import procs
+from .procs import count, wait_for
+
+
+@pytest.fixture
+def masters(tmp_path: Path, dsn: str) -> Iterator[procs.Masters]:
+    procs.create_runs_table(dsn)
+    with procs.Masters(tmp_path, dsn) as m:
+        yield m
+
+
+@pytest.fixture
+def db(dsn: str) -> Iterator[psycopg.Connection[Any]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        yield conn
+
+
+def runs(db: psycopg.Connection[Any]) -> Counter[int]:
+    """How many times each job (by its `n`) was executed."""
+    return Counter({n: c for n, c in db.execute("SELECT n, count(*) FROM runs GROUP BY n")})
+
+
+def job(db: psycopg.Connection[Any], job_id: int) -> tuple[str, int, int, str | None, bool]:
+    """(state, attempt, crashes, attempted_by, has errors) of one job."""
+    row = db.execute(
+        "SELECT state::text, attempt, crashes, attempted_by, errors IS NOT NULL"
+        " FROM fastjobs_jobs WHERE id = %s",
+        (job_id,),
+    ).fetchone()
+    assert row is not None, f"job {job_id} is gone"
+    return row[0], row[1], row[2], row[3], row[4]
+
+
+def running_by(db: psycopg.Connection[Any], pid: int) -> list[int]:
+    """Ids of the running jobs claimed by the worker process `pid`."""
+    rows = db.execute(
+        "SELECT id FROM fastjobs_jobs WHERE state = 'running' AND split_part(attempted_by, ':', 2) = %s"
+        " ORDER BY id",
+        (str(pid),),
+    ).fetchall()
+    return [r[0] for r in rows]
+
+
+def worker_row(db: psycopg.Connection[Any], pid: int) -> str | None:
+    row = db.execute("SELECT id FROM fastjobs_workers WHERE pid = %s", (pid,)).fetchone()
+    return None if row is None else str(row[0])
+
+
+# --- 1. a stop signal, however it arrives ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("to", "sig", "times"),
+    [
+        pytest.param("master", signal.SIGTERM, 1, id="master-SIGTERM"),
+        pytest.param("master", signal.SIGINT, 1, id="master-SIGINT"),
+        pytest.param("master", signal.SIGTERM, 3, id="master-SIGTERM-x3"),
+        pytest.param("group", signal.SIGTERM, 1, id="group-SIGTERM"),
+        pytest.param("group", signal.SIGINT, 1, id="group-SIGINT"),
+        pytest.param("group", signal.SIGTERM, 3, id="group-SIGTERM-x3"),
+        pytest.param("group", signal.SIGINT, 3, id="group-SIGINT-x3"),
+    ],
+)
+def test_a_stop_signal_is_one_graceful_stop_however_it_arrives(
+    masters: procs.Masters, app: App, db: psycopg.Connection[Any], to: str, sig: int, times: int
+) -> None:
+    """To the master alone or to its whole process group (Ctrl-C, systemd, `kill -PGID`), once or
+    repeated at once: every job runs, none twice."""
+    total = 400
+    app.enqueue_many("record", ({"n": n, "sleep": 0.01} for n in range(total)))
+    master = masters.start("--processes", "2", "--grace", "20")
+    wait_for(lambda: count(db, "SELECT count(*) FROM runs") >= 40, "40 executions")
+    for time_ in range(times):
+        if to == "master":
+            os.kill(master.pid, sig)
+        else:
+            os.killpg(master.pid, sig)
+        if time_ == 0 and times > 1:
+            # Repeats sent at once would merge into one pending signal: these come after the
+            # master took the first, within the window in which it is the same stop.
+            master.wait_stderr("stopping")
+    assert master.wait(15) == 0, master.stderr()
+    assert "stopping now" not in master.stderr()
+    ran = runs(db)
+    assert ran and max(ran.values()) == 1, f"a job ran twice: {master.stderr()}"
+    left = db.execute("SELECT state::text, attempt, count(*) FROM fastjobs_jobs GROUP BY 1, 2").fetchall()
+    assert [row for row in left if row[:2] != ("available", 0)] == [], left
+
+    again = masters.start("--processes", "2")
+    wait_for(lambda: not count(db, "SELECT count(*) FROM fastjobs_jobs"), "the rest to drain", timeout=15)
+    assert again.stop() == 0, again.stderr()
+    assert runs(db) == Counter(range(total))
+
+
+# --- 2. worker identity ---------------------------------------------------------------------
+
+
+def test_a_foreign_worker_with_the_same_host_and_pid_keeps_its_running_job(
+    masters: procs.Masters, app: App, db: psycopg.Connection[Any]
+) -> None:
+    """Containers sharing a hostname reuse pids: only the dead worker's exact id is released."""
+    master = masters.start("--processes", "1")
+    victim = master.wait_child("fastjobs: worker 1 ")
+    own = wait_for(lambda: worker_row(db, victim), "the worker's row")
+    host, pid, token = own.split(":")
+    foreign = f"{host}:{pid}:{'f' * len(token)}"
+    assert foreign != own
+    db.execute(
+        "INSERT INTO fastjobs_workers (id, host, pid, queues) VALUES (%s, %s, %s, '{elsewhere}')",
+        (foreign, host, victim),
+    )
+    # Two jobs of a queue the master does not serve, claimed by hand: one by the foreign
+    # worker, one by ours (as a claimed job it had not started).
+    theirs = app.enqueue("record", {"n": 1}, queue="elsewhere")
+    ours = app.enqueue("record", {"n": 2}, queue="elsewhere")
+    for job_id, by in ((theirs, foreign), (ours, own)):
+        db.execute(
+            "UPDATE fastjobs_jobs SET state = 'running', attempt = 1, attempted_at = now(), attempted_by = %s"
+            " WHERE id = %s",
+            (by, job_id),
+        )
+    with psycopg.connect(app.dsn, autocommit=True) as listener:
+        listener.execute("LISTEN fastjobs")
+        os.kill(victim, signal.SIGKILL)
+        # The release wakes the workers of that queue instead of leaving the job to their poll.
+        woken = [n.payload for n in listener.notifies(timeout=5, stop_after=1)]
+    assert woken == ["elsewhere"]
+    wait_for(lambda: job(db, ours)[0] == "available", "our unstarted job to be released", timeout=5)
+    assert job(db, ours)[:3] == ("available", 0, 0)
+    assert job(db, theirs)[:4] == ("running", 1, 0, foreign)
+    assert master.stop() == 0, master.stderr()
+
+
+def test_a_pruned_worker_row_comes_back_at_the_next_heartbeat(
+    masters: procs.Masters, db: psycopg.Connection[Any]
+) -> None:
+    master = masters.start("--processes", "1")
+    worker = master.wait_child("fastjobs: worker 1 ")
+    own = wait_for(lambda: worker_row(db, worker), "the worker's row")
+    db.execute("DELETE FROM fastjobs_workers WHERE id = %s", (own,))
+    wait_for(
+        lambda: worker_row(db, worker) == own,
+        "the heartbeat to register again",
+        timeout=HEARTBEAT_INTERVAL + 2,
+    )
+    assert master.stop() == 0, master.stderr()
+
+
+# --- 3. crash accounting --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["record_timeout", "record_async"])
+def test_only_the_slow_jobs_that_started_are_left_to_count_a_crash(
+    masters: procs.Masters, app: App, db: psycopg.Connection[Any], kind: str
+) -> None:
+    """A dead worker's slow jobs (async, timeout=): those running count a crash, the rest go back at once
+    uncounted, and one whose cancellation was requested before it started ends cancelled."""
+    ids = {app.enqueue(kind, {"n": n, "sleep": 60}): n for n in range(6)}
+    master = masters.start("--processes", "1", "--queues", "default:2", "--grace", "1")
+    victim = master.wait_child("fastjobs: worker 1 ")
+    wait_for(lambda: count(db, "SELECT count(*) FROM runs") >= 1, "a slow job to start")
+    # The worker claims ahead: jobs it holds but has not started.
+    held = wait_for(lambda: (lambda r: r if len(r) >= 2 else None)(running_by(db, victim)), "2 jobs held")
+    before = {n for (n,) in db.execute("SELECT n FROM runs")}
+    cancelled = next(job_id for job_id in held if ids[job_id] not in before)
+    assert app.cancel(cancelled) == "cancelling"
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: not procs.alive(victim), "the worker to die")
+    started = {n for (n,) in db.execute("SELECT n FROM runs WHERE pid = %s", (victim,))}
+    unstarted = [job_id for job_id in held if ids[job_id] not in started]
+    assert started and cancelled in unstarted, (started, held)
+
+    def settled() -> bool:
+        return set(running_by(db, victim)) == {j for j, n in ids.items() if n in started}
+
+    # Well below the rescuer's 15 s: the master released them.
+    wait_for(settled, "only the started jobs to be left to the rescuer", timeout=5)
+    assert job(db, cancelled)[0] == "cancelled"
+    for job_id in unstarted:
+        if job_id == cancelled:
+            continue
+        state, attempt, crashes, by, _ = job(db, job_id)
+        # Back and uncounted, or already claimed again by the heir.
+        heirs = (state, attempt) == ("running", 1) and f":{victim}:" not in (by or "")
+        assert crashes == 0 and ((state, attempt) == ("available", 0) or heirs), (state, attempt, crashes, by)
+    assert master.stop(10) == 0, master.stderr()
+
+
+POISON = '''
+"""A job whose failure PostgreSQL cannot store (jsonb has no NUL): writing it kills the worker."""
+
+from fjjobs import _record, app
+
+
+@app.job("poison", max_attempts=3, retry=lambda attempt, jitter: 0)
+def poison(n):
+    _record(n)
+    raise RuntimeError("an outcome the batch statement cannot write: \\x00")
+
+
+@app.job("fail", max_attempts=1)
+def fail(n):
+    _record(n)
+    raise RuntimeError("an ordinary failure")
+'''
+
+
+def test_a_job_whose_outcome_kills_its_worker_is_quarantined_alone(
+    masters: procs.Masters, tmp_path: Path, app: App, db: psycopg.Connection[Any]
+) -> None:
+    """A worker that dies writing outcomes, with no handler running, implicates the poison job alone."""
+    (tmp_path / "poisonjobs.py").write_text(POISON)
+    # (This process's app does not know the kinds: their max_attempts go along.)
+    first = app.enqueue("fail", {"n": 1}, max_attempts=1)
+    poison = app.enqueue("poison", {"n": 0}, max_attempts=3)
+    other = app.enqueue("fail", {"n": 2}, max_attempts=1)
+    app.enqueue_many("record", ({"n": n} for n in range(100, 120)))
+    master = masters.start("--processes", "1", "--rescue-after", "5", module="poisonjobs")
+    try:
+        wait_for(lambda: job(db, poison)[0] == "discarded", "the poison job to be quarantined", timeout=60)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; {job(db, poison)}; stderr:\n{master.stderr()}") from None
+    # Quarantined after its crashes (or, should its outcome become writable, discarded after its attempts).
+    assert job(db, poison)[2] <= 3
+    # Its batch-mates are never charged: the failing ones fail once, the others complete.
+    for failing in (first, other):
+        assert job(db, failing)[:3] == ("discarded", 1, 0)
+    wait_for(lambda: not count(db, "SELECT count(*) FROM fastjobs_jobs WHERE kind = 'record'"), "the rest")
+    assert set(runs(db)) >= set(range(100, 120))
+    assert master.stop() == 0, master.stderr()
+
+
+# --- 5. the master's death and the grace kill -----------------------------------------------
+
+
+def test_the_workers_of_a_killed_master_give_back_their_jobs_and_exit_within_the_grace(
+    masters: procs.Masters, app: App, db: psycopg.Connection[Any]
+) -> None:
+    long = app.enqueue("record", {"n": 0, "sleep": 60})
+    app.enqueue_many("record", ({"n": n, "sleep": 0.01} for n in range(1, 6)))
+    grace = 2.0
+    master = masters.start("--processes", "1", "--grace", str(grace))
+    worker = master.wait_child("fastjobs: worker 1 ")
+    wait_for(lambda: runs(db)[0] == 1, "the long job to start")
+    wait_for(lambda: len(running_by(db, worker)) >= 2, "the worker to hold a job it has not started")
+    os.kill(master.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    master.wait(5)
+    # It stops now when the grace is over (the running job recorded as failed), and exits.
+    wait_for(lambda: not procs.alive(worker), "the orphaned worker to exit", timeout=grace + 3)
+    assert time.monotonic() - killed >= grace - 0.5  # it gave the running job its grace
+    assert runs(db) == Counter({0: 1}), "nothing started after the master died"
+    assert count(db, "SELECT count(*) FROM fastjobs_jobs WHERE state = 'running'") == 0
+    state, attempt, crashes, _, errors = job(db, long)
+    assert state in ("available", "retryable") and attempt == 1 and crashes == 0 and errors
+    assert db.execute(
+        "SELECT count(*) FROM fastjobs_jobs WHERE id <> %s AND (state <> 'available' OR attempt <> 0)",
+        (long,),
+    ).fetchone() == (0,)
+
+
+def test_a_grace_kill_gives_back_the_unstarted_jobs_before_the_master_exits(
+    masters: procs.Masters, app: App, db: psycopg.Connection[Any]
+) -> None:
+    long = app.enqueue("record", {"n": 0, "sleep": 60})
+    app.enqueue_many("record", ({"n": n, "sleep": 0.01} for n in range(1, 6)))
+    master = masters.start("--processes", "1", "--grace", "1")
+    worker = master.wait_child("fastjobs: worker 1 ")
+    wait_for(lambda: runs(db)[0] == 1, "the long job to start")
+    wait_for(lambda: len(running_by(db, worker)) >= 2, "the worker to hold a job it has not started")
+    master.signal(signal.SIGTERM)
+    assert master.wait(10) == 0, master.stderr()
+    assert "grace period over: sending SIGKILL" in master.stderr()
+    # By the time the master has exited: the killed job waits for the rescuer, the rest are back.
+    assert running_by(db, worker) == [long]
+    assert db.execute(
+        "SELECT count(*) FROM fastjobs_jobs WHERE id <> %s AND (state <> 'available' OR attempt <> 0)",
+        (long,),
+    ).fetchone() == (0,)
+
+
+STANDALONE = """
+import fastjobs
+from fjjobs import app
+
+worker = fastjobs.Worker(app)
+worker.install_signals()
+worker.run()
+"""
+
+
+@pytest.mark.parametrize("kind", ["record", "record_async"])
+def test_a_standalone_worker_stops_gracefully_then_now_on_a_second_signal(
+    tmp_path: Path, app: App, db: psycopg.Connection[Any], kind: str
+) -> None:
+    """Without a master, the first SIGTERM/SIGINT is a graceful stop and a second one stops now."""
+    procs.create_runs_table(app.dsn)
+    procs.Masters(tmp_path, app.dsn)  # writes the jobs module
+    (tmp_path / "standalone.py").write_text(STANDALONE)
+    long = app.enqueue(kind, {"n": 0, "sleep": 60})
+    env = dict(os.environ, FASTJOBS_DSN=app.dsn, FJ_TEST_RUNS_DSN=app.dsn)
+    with (tmp_path / "standalone.stderr").open("wb") as err:
+        proc = subprocess.Popen([sys.executable, "standalone.py"], cwd=tmp_path, env=env, stderr=err)
+    try:
+        wait_for(lambda: runs(db)[0] == 1, "the long job to start")
+        proc.send_signal(signal.SIGTERM)
+        # Still running its job: the first signal waits for it.
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(0.5)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    state, attempt, crashes, _, errors = job(db, long)
+    assert state in ("available", "retryable") and attempt == 1 and crashes == 0 and errors
+
+
+def test_the_slot_records_the_slow_jobs_running_and_says_when_it_cannot() -> None:
+    """More slow jobs running than the slot has room for: no exact report (the master then leaves the
+    worker's jobs to the rescuer, as before), until the extra ones end."""
+    slots = Slots.create(1, capacity=2)
+    try:
+        slot = slots[0]
+        slot.claim(WORKER, 0)
+        running = slot.slow_jobs()
+        for job_id in (11, 12):
+            running.add(job_id)
+        assert slot.crash_report() == ([11, 12], 0)
+        running.add(13)
+        assert slot.crash_report() == (None, 0)
+        running.discard(13)
+        running.discard(11)
+        running.add(14)  # takes the entry 11 left
+        assert slot.crash_report() == ([14, 12], 0)
+        slot.running_view()[0] = 7  # the fast path's job counts too
+        assert slot.crash_report() == ([14, 12, 7], 0)
+    finally:
+        slots.close(unlink=True)
