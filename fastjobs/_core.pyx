@@ -44,6 +44,8 @@ cdef extern from "libpq-fe.h" nogil:
     PGresult *PQgetResult(PGconn *conn)
     ExecStatusType PQresultStatus(const PGresult *res)
     char *PQresultErrorMessage(const PGresult *res)
+    char *PQresultErrorField(const PGresult *res, int fieldcode)
+    int PQgetisnull(const PGresult *res, int row, int column)
     char *PQerrorMessage(const PGconn *conn)
     int PQntuples(const PGresult *res)
     char *PQgetvalue(const PGresult *res, int row, int column)
@@ -87,6 +89,11 @@ cdef object _unknown_kind = handlers.unknown_kind
 cdef object _returned_coroutine = handlers.returned_coroutine
 cdef object _tally = handlers.tally
 cdef object _cancelled = handlers.cancelled
+cdef object _encode = handlers.encode
+cdef object _isolate = handlers.isolate
+cdef object _say_stale = handlers.say_stale
+cdef frozenset _OUTCOME_ERROR_CLASSES = handlers.OUTCOME_ERROR_CLASSES
+cdef int _PG_DIAG_SQLSTATE = ord("C")
 
 
 cdef struct Buffer:
@@ -250,16 +257,24 @@ cdef class BatchLoop:
     cdef double _duty
     cdef public Py_ssize_t batch_min, batch_max, size
     cdef public bint overlap, stopping
-    cdef public Py_ssize_t claimed, completed, failed, retried, discarded
+    cdef public Py_ssize_t claimed, completed, failed, retried, discarded, stale
     cdef bint _in_flight
     cdef Py_ssize_t _limit
     cdef bint _full
     cdef Py_ssize_t _cap
     cdef PGresult *_rows
     cdef int _nrows
+    # Completed jobs and their attempts gathered for the next statement, and
+    # those of the statement in flight (swapped at each send), isolated if
+    # PostgreSQL rejects it.
     cdef int64_t *_done
+    cdef int16_t *_done_attempts
     cdef Py_ssize_t _ndone, _done_cap
+    cdef int64_t *_sent_done
+    cdef int16_t *_sent_attempts
+    cdef Py_ssize_t _nsent, _sent_cap
     cdef list _failures
+    cdef list _sent_failures
     cdef char *_text
     cdef Py_ssize_t _text_cap
     # Cache of the last kind seen: batches are mostly one kind, and a memcmp
@@ -283,6 +298,9 @@ cdef class BatchLoop:
         self._progress = NULL
         self._rows = NULL
         self._done = NULL
+        self._done_attempts = NULL
+        self._sent_done = NULL
+        self._sent_attempts = NULL
         self._text = NULL
 
     def __init__(self, conn, dict specs, executor, str worker_id, list queues, bint keep_completed=False,
@@ -314,7 +332,7 @@ cdef class BatchLoop:
         self.size = batch_min
         self.overlap = overlap
         self.stopping = False
-        self.claimed = self.completed = self.failed = self.retried = self.discarded = 0
+        self.claimed = self.completed = self.failed = self.retried = self.discarded = self.stale = 0
         self._in_flight = False
         self._limit = 0
         self._full = False
@@ -322,7 +340,10 @@ cdef class BatchLoop:
         self._nrows = 0
         self._ndone = 0
         self._done_cap = 0
+        self._nsent = 0
+        self._sent_cap = 0
         self._failures = []
+        self._sent_failures = []
         self._text_cap = 0
         self._last_kind = None
         if progress is not None:
@@ -333,6 +354,9 @@ cdef class BatchLoop:
         if self._rows != NULL:
             PQclear(self._rows)
         free(self._done)
+        free(self._done_attempts)
+        free(self._sent_done)
+        free(self._sent_attempts)
         free(self._text)
 
     def prepare(self):
@@ -350,27 +374,68 @@ cdef class BatchLoop:
             PQclear(res)
         return 0
 
-    cdef int _add_done(self, int64_t job_id) except -1:
+    cdef int _add_done(self, int64_t job_id, int attempt) except -1:
         cdef int64_t *grown
+        cdef int16_t *grown_attempts
+        cdef Py_ssize_t cap
         if self._ndone == self._done_cap:
-            self._done_cap = self._done_cap * 2 if self._done_cap else 1024
-            grown = <int64_t *>realloc(self._done, self._done_cap * sizeof(int64_t))
+            cap = self._done_cap * 2 if self._done_cap else 1024
+            grown = <int64_t *>realloc(self._done, cap * sizeof(int64_t))
             if grown == NULL:
                 raise MemoryError()
             self._done = grown
+            grown_attempts = <int16_t *>realloc(self._done_attempts, cap * sizeof(int16_t))
+            if grown_attempts == NULL:
+                raise MemoryError()
+            self._done_attempts = grown_attempts
+            self._done_cap = cap
         self._done[self._ndone] = job_id
+        self._done_attempts[self._ndone] = <int16_t>attempt
         self._ndone += 1
         return 0
 
+    cdef int _literals(self, Py_ssize_t count, int64_t *ids, int16_t *attempts) except -1:
+        """The ids and the attempts as int8[] and int2[] literals, {1,2,3} and {1,1,2}, in self._text.
+
+        The attempts' literal starts after the ids' NUL; returns its offset.
+        """
+        cdef Py_ssize_t i, pos = 0
+        cdef Py_ssize_t need = 4 + count * 28  # 21 bytes bound an id and its comma, 7 an attempt
+        cdef char *grown
+        if need > self._text_cap:
+            grown = <char *>realloc(self._text, need + 1)
+            if grown == NULL:
+                raise MemoryError()
+            self._text = grown
+            self._text_cap = need
+        self._text[pos] = b"{"
+        pos += 1
+        for i in range(count):
+            if i:
+                self._text[pos] = b","
+                pos += 1
+            pos += snprintf(self._text + pos, 21, "%lld", <long long>ids[i])
+        self._text[pos] = b"}"
+        self._text[pos + 1] = 0
+        pos += 2
+        cdef int start = <int>pos
+        self._text[pos] = b"{"
+        pos += 1
+        for i in range(count):
+            if i:
+                self._text[pos] = b","
+                pos += 1
+            pos += snprintf(self._text + pos, 7, "%d", <int>attempts[i])
+        self._text[pos] = b"}"
+        self._text[pos + 1] = 0
+        return start
+
     cdef int _send(self, Py_ssize_t limit) except -1:
         """Send the outcomes gathered so far and a claim of `limit` jobs."""
-        cdef Py_ssize_t i, pos = 0
-        cdef Py_ssize_t need = 2 + self._ndone * 21
-        cdef char *grown
         cdef char limit_text[24]
         cdef char priority_text[8]
         cdef char run_at_text[24]
-        cdef const char *values[7]
+        cdef const char *values[8]
         cdef Py_ssize_t index
         cdef double now
         cdef bint full
@@ -378,23 +443,11 @@ cdef class BatchLoop:
         cdef bytes failures
         cdef bytes queue
         cdef int rc
-        if need > self._text_cap:
-            grown = <char *>realloc(self._text, need + 1)
-            if grown == NULL:
-                raise MemoryError()
-            self._text = grown
-            self._text_cap = need
-        # The completed ids as an int8[] literal: {1,2,3}; 21 bytes bound each.
-        self._text[pos] = b"{"
-        pos += 1
-        for i in range(self._ndone):
-            if i:
-                self._text[pos] = b","
-                pos += 1
-            pos += snprintf(self._text + pos, 21, "%lld", <long long>self._done[i])
-        self._text[pos] = b"}"
-        self._text[pos + 1] = 0
-        failures = _dumps(self._failures)
+        cdef int attempts_at = self._literals(self._ndone, self._done, self._done_attempts)
+        cdef int64_t *ids
+        cdef int16_t *attempts
+        cdef Py_ssize_t cap
+        failures = _encode(self._failures)
         index = self._turn % len(self._queues)
         queue = self._queues[index]
         self._turn += 1
@@ -405,27 +458,41 @@ cdef class BatchLoop:
             self.failed += failed
             self.retried += retried
             self.discarded += discarded
+        # Swap the gathered outcomes with the (empty) in-flight ones: kept until the result comes back.
+        ids, attempts, cap = self._sent_done, self._sent_attempts, self._sent_cap
+        self._sent_done, self._sent_attempts, self._sent_cap = self._done, self._done_attempts, self._done_cap
+        self._done, self._done_attempts, self._done_cap = ids, attempts, cap
+        self._nsent = self._ndone
         self._ndone = 0
+        self._sent_failures = self._failures
         self._failures = []
         values[0] = self._text
         values[1] = PyBytes_AS_STRING(failures)
         values[2] = PyBytes_AS_STRING(queue)
         values[3] = limit_text
         values[4] = PyBytes_AS_STRING(self._worker_id)
+        values[5] = self._text + attempts_at
         now = _monotonic()
         mark = self._marks[index]
         full = limit == 0 or mark is None or now >= <double>self._next_full[index]
         self._sent_index, self._sent_full, self._sent_at = index, full, now
         if full:
-            rc = PQsendQueryPrepared(self._pgconn, self._statement, 5, values, NULL, NULL, 1)
+            rc = PQsendQueryPrepared(self._pgconn, self._statement, 6, values, NULL, NULL, 1)
         else:
             snprintf(priority_text, sizeof(priority_text), "%d", <int>mark[0])
             snprintf(run_at_text, sizeof(run_at_text), "%lld", <long long>mark[1])
-            values[5] = priority_text
-            values[6] = run_at_text
-            rc = PQsendQueryPrepared(self._pgconn, self._after_statement, 7, values, NULL, NULL, 1)
+            values[6] = priority_text
+            values[7] = run_at_text
+            rc = PQsendQueryPrepared(self._pgconn, self._after_statement, 8, values, NULL, NULL, 1)
         if not rc:
             raise LoopError(_conn_error(self._pgconn))
+        self._flush()
+        self._in_flight = True
+        self._limit = limit
+        return 0
+
+    cdef int _flush(self) except -1:
+        cdef int rc
         while True:
             rc = PQflush(self._pgconn)
             if rc == 0:
@@ -435,19 +502,13 @@ cdef class BatchLoop:
             _wait(self._pgconn, POLLIN | POLLOUT)
             if not PQconsumeInput(self._pgconn):
                 raise LoopError(_conn_error(self._pgconn))
-        self._in_flight = True
-        self._limit = limit
         return 0
 
-    cdef int _receive(self) except -1:
-        """Collect the in-flight statement's result: the claimed rows go to self._rows."""
+    cdef PGresult *_results(self, list error) except? NULL:
+        """The in-flight statement's rows, or NULL with [message, whether an outcome is why] in `error`."""
         cdef PGresult *res
-        cdef object error = None
-        cdef int n
-        if self._rows != NULL:
-            PQclear(self._rows)
-            self._rows = NULL
-        self._nrows = 0
+        cdef PGresult *rows = NULL
+        cdef const char *state
         if not PQconsumeInput(self._pgconn):
             self._in_flight = False
             raise LoopError(_conn_error(self._pgconn))
@@ -456,26 +517,113 @@ cdef class BatchLoop:
                 _wait(self._pgconn, POLLIN)
                 if not PQconsumeInput(self._pgconn):
                     self._in_flight = False
+                    if rows != NULL:
+                        PQclear(rows)
                     raise LoopError(_conn_error(self._pgconn))
             res = PQgetResult(self._pgconn)
             if res == NULL:
                 break
-            if PQresultStatus(res) == PGRES_TUPLES_OK and error is None:
-                if self._rows != NULL:
-                    PQclear(self._rows)
-                self._rows = res
-                self._nrows = PQntuples(res)
+            if PQresultStatus(res) == PGRES_TUPLES_OK and not error:
+                if rows != NULL:
+                    PQclear(rows)
+                rows = res
             else:
-                if error is None:
-                    error = PQresultErrorMessage(res).decode("utf-8", "replace")
+                if not error:
+                    state = PQresultErrorField(res, _PG_DIAG_SQLSTATE)
+                    error.append(PQresultErrorMessage(res).decode("utf-8", "replace"))
+                    error.append(state != NULL
+                                 and state[:2].decode("ascii", "replace") in _OUTCOME_ERROR_CLASSES)
                 PQclear(res)
         self._in_flight = False
-        if error is not None:
-            if self._rows != NULL:
-                PQclear(self._rows)
-                self._rows = NULL
-            self._nrows = 0
-            raise LoopError(error)
+        if error and rows != NULL:
+            PQclear(rows)
+            rows = NULL
+        if not error and rows == NULL:
+            error.extend((_conn_error(self._pgconn), False))
+        return rows
+
+    cdef int _claimed(self, PGresult *res) except -1:
+        """How many rows of `res` are claimed jobs; the stale outcomes after them are counted and logged."""
+        cdef int n = PQntuples(res)
+        cdef list stale
+        cdef str state
+        if n and PQgetisnull(res, n - 1, 1):
+            stale = []
+            while n and PQgetisnull(res, n - 1, 1):
+                n -= 1
+                # jsonb's binary format: a version byte, then the JSON text.
+                state = _loads(PQgetvalue(res, n, 2)[1:PQgetlength(res, n, 2)])
+                stale.append((_int8(PQgetvalue(res, n, 0)), _int2(PQgetvalue(res, n, 3)), state))
+                if state == "completed":
+                    self.completed -= 1
+            self.stale += len(stale)
+            _say_stale(stale[::-1])
+        return n
+
+    def _write(self, list done, list failures):
+        """Write outcomes alone, claiming nothing; the error if one of them is rejected."""
+        cdef Py_ssize_t i, count = len(done)
+        cdef int64_t *ids = <int64_t *>realloc(NULL, (count + 1) * sizeof(int64_t))
+        cdef int16_t *attempts = <int16_t *>realloc(NULL, (count + 1) * sizeof(int16_t))
+        cdef const char *values[6]
+        cdef bytes encoded
+        cdef list error = []
+        cdef PGresult *res
+        cdef int attempts_at
+        try:
+            if ids == NULL or attempts == NULL:
+                raise MemoryError()
+            for i in range(count):
+                ids[i], attempts[i] = done[i]
+            attempts_at = self._literals(count, ids, attempts)
+        finally:
+            free(ids)
+            free(attempts)
+        encoded = _encode(failures)
+        values[0] = self._text
+        values[1] = PyBytes_AS_STRING(encoded)
+        values[2] = PyBytes_AS_STRING(self._queues[0])
+        values[3] = b"0"
+        values[4] = PyBytes_AS_STRING(self._worker_id)
+        values[5] = self._text + attempts_at
+        if not PQsendQueryPrepared(self._pgconn, self._statement, 6, values, NULL, NULL, 1):
+            raise LoopError(_conn_error(self._pgconn))
+        self._flush()
+        res = self._results(error)
+        if res != NULL:
+            try:
+                self._claimed(res)
+            finally:
+                PQclear(res)
+            return None
+        if not error[1]:
+            raise LoopError(error[0])
+        return error[0]
+
+    cdef int _receive(self) except -1:
+        """Collect the in-flight statement's result: the claimed rows go to self._rows."""
+        cdef list error = []
+        cdef int n
+        cdef Py_ssize_t i
+        cdef list failures
+        if self._rows != NULL:
+            PQclear(self._rows)
+            self._rows = NULL
+        self._nrows = 0
+        self._rows = self._results(error)
+        if error:
+            failures, self._sent_failures = self._sent_failures, []
+            if not (error[1] and (self._nsent or failures)):
+                self._nsent = 0
+                raise LoopError(error[0])
+            # One outcome made PostgreSQL reject the statement, claim and
+            # all: write the outcomes apart, then carry on with nothing claimed.
+            done = [(self._sent_done[i], self._sent_attempts[i]) for i in range(self._nsent)]
+            self._nsent = 0
+            _isolate(self._write, done, failures, error[0])
+        self._nsent = 0
+        self._sent_failures = []
+        self._nrows = self._claimed(self._rows) if self._rows != NULL else 0
         n = self._nrows
         self.claimed += n
         if self._limit > 0:
@@ -553,7 +701,8 @@ cdef class BatchLoop:
         if self._in_flight:
             self._receive()
         for i in range(self._nrows):
-            self._failures.append(_release(_int8(PQgetvalue(self._rows, i, 0))))
+            self._failures.append(_release(_int8(PQgetvalue(self._rows, i, 0)),
+                                           _int2(PQgetvalue(self._rows, i, 3))))
         if self._rows != NULL:
             PQclear(self._rows)
             self._rows = NULL
@@ -578,7 +727,7 @@ cdef class BatchLoop:
             job_id = _int8(PQgetvalue(rows, i, 0))
             if self.stopping:
                 for j in range(i, n):
-                    failures.append(_release(_int8(PQgetvalue(rows, j, 0))))
+                    failures.append(_release(_int8(PQgetvalue(rows, j, 0)), _int2(PQgetvalue(rows, j, 3))))
                 break
             if self._progress != NULL:
                 self._progress[0] += 1
@@ -639,9 +788,9 @@ cdef class BatchLoop:
                 context.id = 0
                 failures.append(_failure(spec, job_id, attempt, max_attempts, exc))
                 for j in range(i + 1, n):
-                    failures.append(_release(_int8(PQgetvalue(rows, j, 0))))
+                    failures.append(_release(_int8(PQgetvalue(rows, j, 0)), _int2(PQgetvalue(rows, j, 3))))
                 for job in slow:
-                    failures.append(_release(job[1]))
+                    failures.append(_release(job[1], job[3]))
                 self.stopping = True
                 self.finish()
                 raise
@@ -655,22 +804,31 @@ cdef class BatchLoop:
                 self._cancelled.discard(job_id)
                 failures.append(_cancelled(job_id, attempt))
                 continue
-            self._add_done(job_id)
+            self._add_done(job_id, attempt)
         if self._progress != NULL:
             self._progress[1] = -1.0 if slow else 0.0
         if slow:
             done = []
+            first = len(failures)
             try:
                 self._executor.run(slow, done, failures)
             except BaseException:
                 # Every slow job is recorded by now: write it all, then stop.
-                for job_id in done:
-                    self._add_done(job_id)
+                self._attempts_of(slow, done, failures, first)
                 self.stopping = True
                 self.finish()
                 raise
-            for job_id in done:
-                self._add_done(job_id)
+            self._attempts_of(slow, done, failures, first)
             if self._progress != NULL:
                 self._progress[1] = 0.0
+        return 0
+
+    cdef int _attempts_of(self, list slow, list done, list failures, Py_ssize_t first) except -1:
+        """Take the executor's completions with their attempts, and fill in those its releases lack."""
+        cdef dict attempts = {job[1]: job[3] for job in slow}
+        for job_id in done:
+            self._add_done(job_id, attempts[job_id])
+        for outcome in failures[first:]:
+            if not outcome["attempt"]:
+                outcome["attempt"] = attempts.get(outcome["id"], 0)
         return 0

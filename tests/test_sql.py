@@ -75,16 +75,18 @@ def seeded(template_db: str) -> Iterator[str]:
 def _claim_arguments(name: str, batch: int) -> str:
     """EXECUTE arguments of a claiming statement: finished jobs among the running ones, then the claim."""
     claim = f"'q1', {batch}, 'worker-1'"
-    if "_after" in name:
-        claim += ", 0, 0"  # the mark: priority 0, run_at 2000-01-01
     if name == "job_claim_many":
         return claim
     completed = "'{" + ",".join(str(i) for i in range(50_001, 51_001)) + "}'"
+    attempts = "'{" + ",".join("1" for _ in range(50_001, 51_001)) + "}'"
     failed = [
-        {"id": i, "state": "retryable", "delay": 1.0, "uncount": 0, "error": {"error": "boom"}}
+        {"id": i, "attempt": 1, "state": "retryable", "delay": 1.0, "uncount": 0, "error": {"error": "boom"}}
         for i in range(51_001, 51_101)
     ]
-    return f"{completed}, '{json.dumps(failed)}', {claim}"
+    arguments = f"{completed}, '{json.dumps(failed)}', {claim}, {attempts}"
+    if "_after" in name:
+        arguments += ", 0, 0"  # the mark: priority 0, run_at 2000-01-01
+    return arguments
 
 
 # A worker executes its claim as a prepared statement for its whole life, so
@@ -157,7 +159,7 @@ def test_the_claim_after_the_mark_skips_the_dead_entries_a_held_snapshot_keeps(d
 
             def buffers(name: str, *extra: object) -> int:
                 cur.execute(f"PREPARE {name} AS {sql.statements()[name]}")
-                args = ("'{}'", "'[]'", "'default'", "100", "'w'", *map(str, extra))
+                args = ("'{}'", "'[]'", "'default'", "100", "'w'", "'{}'", *map(str, extra))
                 explain = "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE"
                 row = cur.execute(f"{explain} {name}({', '.join(args)})").fetchone()
                 assert row is not None
