@@ -403,13 +403,14 @@ SELECT id FROM fastjobs_jobs WHERE state = 'running' AND attempted_by = $1 AND c
 
 # job_retry: a discarded, cancelled or completed job back to available, now,
 # with an attempt to spare and its crash allowance back (the claim counts
-# attempts up to smallint's maximum, and so does this).
+# attempts up to smallint's maximum, and so does this); its queue's workers
+# are woken (an UPDATE fires no enqueue trigger).
 job_retry: Final = """
 UPDATE fastjobs_jobs
    SET state = 'available', run_at = now(), finalized_at = NULL, cancel_requested = false,
        max_attempts = greatest(max_attempts, least(attempt, 32766) + 1), crashes = 0
  WHERE id = $1 AND state IN ('discarded', 'cancelled', 'completed')
-RETURNING state::text"""
+RETURNING state::text, pg_notify('fastjobs', queue)"""
 
 # job_discard: a job that is not running becomes discarded now.
 job_discard: Final = """
