@@ -272,3 +272,52 @@ def test_rolled_back_enqueue_does_not_notify(app: App, dsn, listener):
         app.enqueue_many("k", [{"n": i} for i in range(100)], conn=conn, queue="never")
         conn.rollback()
     assert _notifications(listener, dsn) == {}
+
+
+@pytest.mark.parametrize("plan_cache_mode", ["force_custom_plan", "force_generic_plan"])
+def test_the_search_for_stale_outcomes_runs_only_when_an_outcome_did_not_apply(dsn, plan_cache_mode):
+    """Every outcome applied (the usual batch): the branches that list stale outcomes stop at
+    their one-time filter. One stale outcome of each kind: they run, and report just those."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO fastjobs_jobs (kind, state, attempt, attempted_by)"
+            " SELECT 'k', 'running', 1, 'worker-1' FROM generate_series(1, 400)"
+        )
+    name = "job_finish_claim_many"
+
+    def execute(completed: range, failed: range, stale: int) -> tuple[list[Any], list[dict[str, Any]]]:
+        ids = "'{" + ",".join(str(i) for i in completed) + "}'"
+        attempts = "'{" + ",".join("2" if i == stale else "1" for i in completed) + "}'"
+        outcomes = [
+            {
+                "id": i,
+                "attempt": 2 if i == stale + 100 else 1,
+                "state": "retryable",
+                "delay": 1.0,
+                "uncount": 0,
+            }
+            for i in failed
+        ]
+        arguments = f"{ids}, '{json.dumps(outcomes)}', 'q1', 0, 'worker-1', {attempts}"
+        with psycopg.connect(dsn) as conn, psycopg.RawCursor(conn) as cur:
+            cur.execute(sql.worker_session)
+            cur.execute(f"PREPARE {name} AS {sql.statements()[name]}")
+            cur.execute(f"SET plan_cache_mode = {plan_cache_mode}")
+            row = cur.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE {name}({arguments})").fetchone()
+            assert row is not None
+            conn.rollback()
+            rows = cur.execute(f"EXECUTE {name}({arguments})").fetchall()
+            conn.rollback()
+        scans = [n for n in _plan_nodes(row[0][0]["Plan"]) if n["Node Type"] == "Function Scan"]
+        return rows, scans
+
+    rows, scans = execute(range(1, 101), range(101, 111), stale=0)
+    assert rows == []
+    # unnest and jsonb_to_recordset for the outcomes, and again for the stale ones (never run).
+    assert sorted(n["Actual Loops"] for n in scans) == [0, 0, 1, 1], scans
+    rows, scans = execute(range(1, 101), range(101, 111), stale=7)
+    assert sorted((r[0], r[1], r[2], r[3]) for r in rows) == [
+        (7, None, "completed", 2),
+        (107, None, "retryable", 2),
+    ]
+    assert sorted(n["Actual Loops"] for n in scans) == [1, 1, 1, 1], scans
