@@ -400,7 +400,8 @@ cdef class BatchLoop:
         The attempts' literal starts after the ids' NUL; returns its offset.
         """
         cdef Py_ssize_t i, pos = 0
-        cdef Py_ssize_t need = 4 + count * 28  # 21 bytes bound an id and its comma, 7 an attempt
+        # 21 bytes bound an id and its comma, 7 an attempt and its; then 2 braces and a NUL each.
+        cdef Py_ssize_t need = 6 + count * 28
         cdef char *grown
         if need > self._text_cap:
             grown = <char *>realloc(self._text, need + 1)
