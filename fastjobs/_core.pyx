@@ -89,6 +89,7 @@ cdef object _unknown_kind = handlers.unknown_kind
 cdef object _returned_coroutine = handlers.returned_coroutine
 cdef object _tally = handlers.tally
 cdef object _cancelled = handlers.cancelled
+cdef object _completed = handlers.completed
 cdef object _encode = handlers.encode
 cdef object _isolate = handlers.isolate
 cdef object _say_stale = handlers.say_stale
@@ -264,14 +265,12 @@ cdef class BatchLoop:
     cdef Py_ssize_t _cap
     cdef PGresult *_rows
     cdef int _nrows
-    # Completed jobs and their attempts gathered for the next statement, and
-    # those of the statement in flight (swapped at each send), isolated if
-    # PostgreSQL rejects it.
+    # Jobs completed at their first attempt (by id; every other outcome is a
+    # record in _failures) gathered for the next statement, and those of the
+    # statement in flight (swapped at each send), isolated if PostgreSQL rejects it.
     cdef int64_t *_done
-    cdef int16_t *_done_attempts
     cdef Py_ssize_t _ndone, _done_cap
     cdef int64_t *_sent_done
-    cdef int16_t *_sent_attempts
     cdef Py_ssize_t _nsent, _sent_cap
     cdef list _failures
     cdef list _sent_failures
@@ -298,9 +297,7 @@ cdef class BatchLoop:
         self._progress = NULL
         self._rows = NULL
         self._done = NULL
-        self._done_attempts = NULL
         self._sent_done = NULL
-        self._sent_attempts = NULL
         self._text = NULL
 
     def __init__(self, conn, dict specs, executor, str worker_id, list queues, bint keep_completed=False,
@@ -354,9 +351,7 @@ cdef class BatchLoop:
         if self._rows != NULL:
             PQclear(self._rows)
         free(self._done)
-        free(self._done_attempts)
         free(self._sent_done)
-        free(self._sent_attempts)
         free(self._text)
 
     def prepare(self):
@@ -375,33 +370,25 @@ cdef class BatchLoop:
         return 0
 
     cdef int _add_done(self, int64_t job_id, int attempt) except -1:
+        """A job completed: its id when at its first attempt, else an outcome record (see sql)."""
         cdef int64_t *grown
-        cdef int16_t *grown_attempts
-        cdef Py_ssize_t cap
+        if attempt != 1:
+            self._failures.append(_completed(job_id, attempt))
+            return 0
         if self._ndone == self._done_cap:
-            cap = self._done_cap * 2 if self._done_cap else 1024
-            grown = <int64_t *>realloc(self._done, cap * sizeof(int64_t))
+            self._done_cap = self._done_cap * 2 if self._done_cap else 1024
+            grown = <int64_t *>realloc(self._done, self._done_cap * sizeof(int64_t))
             if grown == NULL:
                 raise MemoryError()
             self._done = grown
-            grown_attempts = <int16_t *>realloc(self._done_attempts, cap * sizeof(int16_t))
-            if grown_attempts == NULL:
-                raise MemoryError()
-            self._done_attempts = grown_attempts
-            self._done_cap = cap
         self._done[self._ndone] = job_id
-        self._done_attempts[self._ndone] = <int16_t>attempt
         self._ndone += 1
         return 0
 
-    cdef int _literals(self, Py_ssize_t count, int64_t *ids, int16_t *attempts) except -1:
-        """The ids and the attempts as int8[] and int2[] literals, {1,2,3} and {1,1,2}, in self._text.
-
-        The attempts' literal starts after the ids' NUL; returns its offset.
-        """
+    cdef int _literal(self, Py_ssize_t count, int64_t *ids) except -1:
+        """The ids as an int8[] literal, {1,2,3}, in self._text; 21 bytes bound each."""
         cdef Py_ssize_t i, pos = 0
-        # 21 bytes bound an id and its comma, 7 an attempt and its; then 2 braces and a NUL each.
-        cdef Py_ssize_t need = 6 + count * 28
+        cdef Py_ssize_t need = 2 + count * 21
         cdef char *grown
         if need > self._text_cap:
             grown = <char *>realloc(self._text, need + 1)
@@ -418,25 +405,14 @@ cdef class BatchLoop:
             pos += snprintf(self._text + pos, 21, "%lld", <long long>ids[i])
         self._text[pos] = b"}"
         self._text[pos + 1] = 0
-        pos += 2
-        cdef int start = <int>pos
-        self._text[pos] = b"{"
-        pos += 1
-        for i in range(count):
-            if i:
-                self._text[pos] = b","
-                pos += 1
-            pos += snprintf(self._text + pos, 7, "%d", <int>attempts[i])
-        self._text[pos] = b"}"
-        self._text[pos + 1] = 0
-        return start
+        return 0
 
     cdef int _send(self, Py_ssize_t limit) except -1:
         """Send the outcomes gathered so far and a claim of `limit` jobs."""
         cdef char limit_text[24]
         cdef char priority_text[8]
         cdef char run_at_text[24]
-        cdef const char *values[8]
+        cdef const char *values[7]
         cdef Py_ssize_t index
         cdef double now
         cdef bint full
@@ -444,10 +420,9 @@ cdef class BatchLoop:
         cdef bytes failures
         cdef bytes queue
         cdef int rc
-        cdef int attempts_at = self._literals(self._ndone, self._done, self._done_attempts)
         cdef int64_t *ids
-        cdef int16_t *attempts
         cdef Py_ssize_t cap
+        self._literal(self._ndone, self._done)
         failures = _encode(self._failures)
         index = self._turn % len(self._queues)
         queue = self._queues[index]
@@ -455,14 +430,15 @@ cdef class BatchLoop:
         snprintf(limit_text, sizeof(limit_text), "%zd", limit)
         self.completed += self._ndone
         if self._failures:
-            failed, retried, discarded = _tally(self._failures)
+            completed, failed, retried, discarded = _tally(self._failures)
+            self.completed += completed
             self.failed += failed
             self.retried += retried
             self.discarded += discarded
         # Swap the gathered outcomes with the (empty) in-flight ones: kept until the result comes back.
-        ids, attempts, cap = self._sent_done, self._sent_attempts, self._sent_cap
-        self._sent_done, self._sent_attempts, self._sent_cap = self._done, self._done_attempts, self._done_cap
-        self._done, self._done_attempts, self._done_cap = ids, attempts, cap
+        ids, cap = self._sent_done, self._sent_cap
+        self._sent_done, self._sent_cap = self._done, self._done_cap
+        self._done, self._done_cap = ids, cap
         self._nsent = self._ndone
         self._ndone = 0
         self._sent_failures = self._failures
@@ -472,19 +448,18 @@ cdef class BatchLoop:
         values[2] = PyBytes_AS_STRING(queue)
         values[3] = limit_text
         values[4] = PyBytes_AS_STRING(self._worker_id)
-        values[5] = self._text + attempts_at
         now = _monotonic()
         mark = self._marks[index]
         full = limit == 0 or mark is None or now >= <double>self._next_full[index]
         self._sent_index, self._sent_full, self._sent_at = index, full, now
         if full:
-            rc = PQsendQueryPrepared(self._pgconn, self._statement, 6, values, NULL, NULL, 1)
+            rc = PQsendQueryPrepared(self._pgconn, self._statement, 5, values, NULL, NULL, 1)
         else:
             snprintf(priority_text, sizeof(priority_text), "%d", <int>mark[0])
             snprintf(run_at_text, sizeof(run_at_text), "%lld", <long long>mark[1])
-            values[6] = priority_text
-            values[7] = run_at_text
-            rc = PQsendQueryPrepared(self._pgconn, self._after_statement, 8, values, NULL, NULL, 1)
+            values[5] = priority_text
+            values[6] = run_at_text
+            rc = PQsendQueryPrepared(self._pgconn, self._after_statement, 7, values, NULL, NULL, 1)
         if not rc:
             raise LoopError(_conn_error(self._pgconn))
         self._flush()
@@ -565,29 +540,25 @@ cdef class BatchLoop:
         """Write outcomes alone, claiming nothing; the error if one of them is rejected."""
         cdef Py_ssize_t i, count = len(done)
         cdef int64_t *ids = <int64_t *>realloc(NULL, (count + 1) * sizeof(int64_t))
-        cdef int16_t *attempts = <int16_t *>realloc(NULL, (count + 1) * sizeof(int16_t))
-        cdef const char *values[6]
+        cdef const char *values[5]
         cdef bytes encoded
         cdef list error = []
         cdef PGresult *res
-        cdef int attempts_at
         try:
-            if ids == NULL or attempts == NULL:
+            if ids == NULL:
                 raise MemoryError()
             for i in range(count):
-                ids[i], attempts[i] = done[i]
-            attempts_at = self._literals(count, ids, attempts)
+                ids[i] = done[i]
+            self._literal(count, ids)
         finally:
             free(ids)
-            free(attempts)
         encoded = _encode(failures)
         values[0] = self._text
         values[1] = PyBytes_AS_STRING(encoded)
         values[2] = PyBytes_AS_STRING(self._queues[0])
         values[3] = b"0"
         values[4] = PyBytes_AS_STRING(self._worker_id)
-        values[5] = self._text + attempts_at
-        if not PQsendQueryPrepared(self._pgconn, self._statement, 6, values, NULL, NULL, 1):
+        if not PQsendQueryPrepared(self._pgconn, self._statement, 5, values, NULL, NULL, 1):
             raise LoopError(_conn_error(self._pgconn))
         self._flush()
         res = self._results(error)
@@ -619,7 +590,7 @@ cdef class BatchLoop:
                 raise LoopError(error[0])
             # One outcome made PostgreSQL reject the statement, claim and
             # all: write the outcomes apart, then carry on with nothing claimed.
-            done = [(self._sent_done[i], self._sent_attempts[i]) for i in range(self._nsent)]
+            done = [self._sent_done[i] for i in range(self._nsent)]
             self._nsent = 0
             _isolate(self._write, done, failures, error[0])
         self._nsent = 0

@@ -205,11 +205,11 @@ class BatchLoop:
         self._cap = batch_max
         self.stale = 0  # outcomes dropped because their job no longer ran that attempt here
         self._rows: list[tuple[int, str, bytes, int, int]] = []
+        # Jobs completed at their first attempt (by id), and every other outcome.
         self._done: list[int] = []
-        self._done_attempts: list[int] = []
         self._failures: list[Outcome] = []
         # The outcomes of the statement in flight, isolated if PostgreSQL rejects it.
-        self._sent_outcomes: tuple[list[int], list[int], list[Outcome]] = ([], [], [])
+        self._sent_outcomes: tuple[list[int], list[Outcome]] = ([], [])
 
     def prepare(self) -> None:
         for name, text in self._statements.values():
@@ -220,22 +220,21 @@ class BatchLoop:
     def _send(self, limit: int) -> None:
         """Send the outcomes gathered so far and a claim of `limit` jobs."""
         done = ("{" + ",".join(map(str, self._done)) + "}").encode()
-        attempts = ("{" + ",".join(map(str, self._done_attempts)) + "}").encode()
         failures = handlers.encode(self._failures)
         index = self._turn % len(self._queues)
         queue = self._queues[index]
         self._turn += 1
         self.completed += len(self._done)
         if self._failures:
-            failed, retried, discarded = handlers.tally(self._failures)
+            completed, failed, retried, discarded = handlers.tally(self._failures)
+            self.completed += completed
             self.failed += failed
             self.retried += retried
             self.discarded += discarded
-        self._sent_outcomes = (self._done, self._done_attempts, self._failures)
+        self._sent_outcomes = (self._done, self._failures)
         self._done = []
-        self._done_attempts = []
         self._failures = []
-        params = [done, failures, queue, str(limit).encode(), self._worker_id, attempts]
+        params = [done, failures, queue, str(limit).encode(), self._worker_id]
         now = time.monotonic()
         mark = self._marks[index]
         full = limit == 0 or mark is None or now >= self._next_full[index]
@@ -291,11 +290,10 @@ class BatchLoop:
             handlers.say_stale(stale[::-1])
         return int(n)
 
-    def _write(self, done: list[handlers.Completed], failures: list[Outcome]) -> str | None:
+    def _write(self, done: list[int], failures: list[Outcome]) -> str | None:
         """Write outcomes alone, claiming nothing; the error if one of them is rejected."""
-        ids = ("{" + ",".join(str(job_id) for job_id, _ in done) + "}").encode()
-        attempts = ("{" + ",".join(str(attempt) for _, attempt in done) + "}").encode()
-        params = [ids, handlers.encode(failures), self._queues[0], b"0", self._worker_id, attempts]
+        ids = ("{" + ",".join(map(str, done)) + "}").encode()
+        params = [ids, handlers.encode(failures), self._queues[0], b"0", self._worker_id]
         self._pgconn.send_query_prepared(self._full_name, params, result_format=1)
         while self._pgconn.flush():
             _wait(self._pgconn, write=True)
@@ -311,15 +309,15 @@ class BatchLoop:
         rows: list[tuple[int, str, bytes, int, int]] = []
         res, error, isolatable = self._results()
         if error is not None:
-            done, attempts, failures = self._sent_outcomes
-            self._sent_outcomes = ([], [], [])
+            done, failures = self._sent_outcomes
+            self._sent_outcomes = ([], [])
             if not (isolatable and (done or failures)):
                 raise LoopError(error)
             # One outcome made PostgreSQL reject the statement, claim and
             # all: write the outcomes apart, then carry on with nothing claimed.
-            handlers.isolate(self._write, list(zip(done, attempts, strict=True)), failures, error)
+            handlers.isolate(self._write, done, failures, error)
             res = None
-        self._sent_outcomes = ([], [], [])
+        self._sent_outcomes = ([], [])
         n = self._claimed(res) if res is not None else 0
         if n:
             self._mark(res, n)
@@ -410,7 +408,6 @@ class BatchLoop:
 
     def _run(self, rows: list[tuple[int, str, bytes, int, int]]) -> None:
         done = self._done
-        done_attempts = self._done_attempts
         failures = self._failures
         specs = self._specs
         executor = self._executor
@@ -476,8 +473,10 @@ class BatchLoop:
                 executor.cancelled.discard(job_id)
                 failures.append(handlers.cancelled(job_id, attempt))
                 continue
-            done.append(job_id)
-            done_attempts.append(attempt)
+            if attempt == 1:
+                done.append(job_id)
+            else:
+                failures.append(handlers.completed(job_id, attempt))
         # Which job a crash from here on would be blamed on (see
         # sql.job_release_unstarted): unknown among concurrent slow jobs, none after.
         if self._progress is not None:
@@ -502,8 +501,11 @@ class BatchLoop:
     ) -> None:
         """Take the executor's completions with their attempts, and fill in those its releases lack."""
         attempts = {job[1]: job[3] for job in slow}
-        self._done.extend(slow_done)
-        self._done_attempts.extend(attempts[job_id] for job_id in slow_done)
         for outcome in failures[first:]:
             if not outcome["attempt"]:
                 outcome["attempt"] = attempts.get(outcome["id"], 0)
+        for job_id in slow_done:
+            if attempts[job_id] == 1:
+                self._done.append(job_id)
+            else:
+                failures.append(handlers.completed(job_id, attempts[job_id]))

@@ -229,6 +229,11 @@ def unknown_kind(job_id: int, kind: str, attempt: int, max_attempts: int) -> Out
     return failure(None, job_id, attempt, max_attempts, f"no handler registered for job kind {kind!r}")
 
 
+def completed(job_id: int, attempt: int) -> Outcome:
+    """A job completed at an attempt other than its first (the first's travel as bare ids)."""
+    return _outcome(job_id, attempt, "completed")
+
+
 def release(job_id: int, attempt: int = 0) -> Outcome:
     """A claimed job that never started (shutdown, or the batch was aborted): available again, uncounted.
 
@@ -268,21 +273,22 @@ def unrecorded(job_id: int, attempt: int, what: str, reason: str, last: bool = F
     return _outcome(job_id, attempt, "retryable", delay=delay, error=error)
 
 
-def tally(outcomes: list[Outcome]) -> tuple[int, int, int]:
-    """(failed, retried, discarded) among outcomes: failed attempts are those with an error.
+def tally(outcomes: list[Outcome]) -> tuple[int, int, int, int]:
+    """(completed, failed, retried, discarded) among outcomes: failed attempts are those with an error.
 
     Snoozes and releases give their attempt back: not failures, even with a note.
     """
-    failed = retried = discarded = 0
+    done = failed = retried = discarded = 0
     for outcome in outcomes:
         if outcome["error"] is None or outcome["uncount"]:
+            done += outcome["state"] == "completed"
             continue
         failed += 1
         if outcome["state"] == "discarded":
             discarded += 1
         elif outcome["state"] in ("retryable", "available"):
             retried += 1
-    return failed, retried, discarded
+    return done, failed, retried, discarded
 
 
 def encode(outcomes: list[Outcome]) -> bytes:
@@ -313,14 +319,13 @@ OUTCOME_ERROR_CLASSES = frozenset({"22", "23", "54", "P0"})
 # The most lines a worker prints about stale outcomes per statement; the rest are counted.
 STALE_LINES = 10
 
-# A completed job among the outcomes being isolated: (id, attempt).
-Completed = tuple[int, int]
-# Writes some outcomes alone (no claim): None, or the error of an outcome
+# Writes some outcomes alone (no claim): the ids of jobs completed at their
+# first attempt, and outcome records. None, or the error of an outcome
 # (OUTCOME_ERROR_CLASSES); any other error it raises.
-Write = Callable[[list[Completed], list[Outcome]], "str | None"]
+Write = Callable[[list[int], list[Outcome]], "str | None"]
 
 
-def isolate(write: Write, completed: list[Completed], failures: list[Outcome], reason: str) -> None:
+def isolate(write: Write, completed: list[int], failures: list[Outcome], reason: str) -> None:
     """Write the outcomes of a batch statement PostgreSQL rejected with `reason`, isolating the bad ones.
 
     Halves are written alone (a bad outcome costs about 2 log2(n) small
@@ -328,13 +333,13 @@ def isolate(write: Write, completed: list[Completed], failures: list[Outcome], r
     replaced by `unrecorded`, then by its last fallback (discarded, no error),
     and if even that is rejected it is left running for the rescuer.
     """
-    items: list[Completed | Outcome] = [*completed, *failures]
+    items: list[int | Outcome] = [*completed, *failures]
 
-    def written(part: list[Completed | Outcome]) -> str | None:
-        done = [item for item in part if isinstance(item, tuple)]
-        return write(done, [item for item in part if not isinstance(item, tuple)])
+    def written(part: list[int | Outcome]) -> str | None:
+        done = [item for item in part if isinstance(item, int)]
+        return write(done, [item for item in part if not isinstance(item, int)])
 
-    def settle(part: list[Completed | Outcome], reason: str) -> None:
+    def settle(part: list[int | Outcome], reason: str) -> None:
         if len(part) > 1:
             middle = len(part) // 2
             for half in (part[:middle], part[middle:]):
@@ -343,8 +348,8 @@ def isolate(write: Write, completed: list[Completed], failures: list[Outcome], r
                     settle(half, error)
             return
         [item] = part
-        job_id, attempt = item if isinstance(item, tuple) else (item["id"], item["attempt"])
-        what = "completed" if isinstance(item, tuple) else str(item["state"])
+        job_id, attempt = (item, 1) if isinstance(item, int) else (item["id"], item["attempt"])
+        what = "completed" if isinstance(item, int) else str(item["state"])
         _say_rejected(job_id, attempt, reason)
         for last in (False, True):
             error = write([], [unrecorded(job_id, attempt, what, reason, last=last)])

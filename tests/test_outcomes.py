@@ -19,6 +19,7 @@ from typing import Any
 import psycopg
 import pytest
 
+import fastjobs
 from fastjobs import App, control, handlers, sql
 from fastjobs.errors import Cancel, Retry, Snooze
 
@@ -106,6 +107,33 @@ def test_a_late_outcome_of_an_attempt_whose_row_was_taken_is_dropped(
         f"dropped the stale outcome ({STALE_STATES[outcome]}) of job {job_id} attempt 1:"
         in capfd.readouterr().err
     )
+
+
+@pytest.mark.parametrize("keep_completed", [False, True], ids=["delete", "keep"])
+@pytest.mark.parametrize("attempt", [1, 2])
+def test_a_late_success_is_dropped_at_any_attempt_whether_completed_jobs_are_kept_or_not(
+    app: App, dsn: str, keep_completed: bool, attempt: int
+) -> None:
+    """Completions of a first attempt travel as bare ids, those of later ones as outcome records."""
+    taken: list[dict[str, Any]] = []
+
+    @app.job(kind="slow")
+    def slow() -> None:
+        if len(taken) or fastjobs.current_job().attempt < attempt:  # type: ignore[union-attr]
+            raise Retry(0)
+        query(dsn, f"UPDATE fastjobs_jobs SET {TAKEOVERS['claimed-by-another']} WHERE id = %s", (job_id,))
+        taken.append(_row(dsn, job_id))
+
+    job_id = app.enqueue("slow")
+    worker = drain(app, worker_id=WORKER, keep_completed=keep_completed)
+    [before] = taken
+    assert (before["state"], before["attempt"], before["attempted_by"]) == (
+        "running",
+        attempt + 1,
+        "another-worker",
+    )
+    assert _row(dsn, job_id) == {**before, "run_in": pytest.approx(before["run_in"], abs=5)}
+    assert (worker.loop.stale, worker.loop.completed) == (1, 0)
 
 
 def test_a_stale_release_is_dropped(app: App, dsn: str) -> None:

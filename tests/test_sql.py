@@ -78,12 +78,11 @@ def _claim_arguments(name: str, batch: int) -> str:
     if name == "job_claim_many":
         return claim
     completed = "'{" + ",".join(str(i) for i in range(50_001, 51_001)) + "}'"
-    attempts = "'{" + ",".join("1" for _ in range(50_001, 51_001)) + "}'"
     failed = [
         {"id": i, "attempt": 1, "state": "retryable", "delay": 1.0, "uncount": 0, "error": {"error": "boom"}}
         for i in range(51_001, 51_101)
-    ]
-    arguments = f"{completed}, '{json.dumps(failed)}', {claim}, {attempts}"
+    ] + [{"id": i, "attempt": 2, "state": "completed"} for i in range(51_101, 51_201)]
+    arguments = f"{completed}, '{json.dumps(failed)}', {claim}"
     if "_after" in name:
         arguments += ", 0, 0"  # the mark: priority 0, run_at 2000-01-01
     return arguments
@@ -159,7 +158,7 @@ def test_the_claim_after_the_mark_skips_the_dead_entries_a_held_snapshot_keeps(d
 
             def buffers(name: str, *extra: object) -> int:
                 cur.execute(f"PREPARE {name} AS {sql.statements()[name]}")
-                args = ("'{}'", "'[]'", "'default'", "100", "'w'", "'{}'", *map(str, extra))
+                args = ("'{}'", "'[]'", "'default'", "100", "'w'", *map(str, extra))
                 explain = "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE"
                 row = cur.execute(f"{explain} {name}({', '.join(args)})").fetchone()
                 assert row is not None
@@ -281,24 +280,18 @@ def test_the_search_for_stale_outcomes_runs_only_when_an_outcome_did_not_apply(d
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(
             "INSERT INTO fastjobs_jobs (kind, state, attempt, attempted_by)"
-            " SELECT 'k', 'running', 1, 'worker-1' FROM generate_series(1, 400)"
+            " SELECT 'k', 'running', CASE WHEN i > 200 THEN 2 ELSE 1 END, 'worker-1'"
+            "   FROM generate_series(1, 400) i"
         )
     name = "job_finish_claim_many"
+    ids = "'{" + ",".join(str(i) for i in range(1, 101)) + "}'"
+    outcomes = [
+        {"id": i, "attempt": 1, "state": "retryable", "delay": 1.0, "uncount": 0} for i in range(101, 111)
+    ]
+    outcomes += [{"id": i, "attempt": 2, "state": "completed"} for i in range(201, 211)]
+    arguments = f"{ids}, '{json.dumps(outcomes)}', 'q1', 0, 'worker-1'"
 
-    def execute(completed: range, failed: range, stale: int) -> tuple[list[Any], list[dict[str, Any]]]:
-        ids = "'{" + ",".join(str(i) for i in completed) + "}'"
-        attempts = "'{" + ",".join("2" if i == stale else "1" for i in completed) + "}'"
-        outcomes = [
-            {
-                "id": i,
-                "attempt": 2 if i == stale + 100 else 1,
-                "state": "retryable",
-                "delay": 1.0,
-                "uncount": 0,
-            }
-            for i in failed
-        ]
-        arguments = f"{ids}, '{json.dumps(outcomes)}', 'q1', 0, 'worker-1', {attempts}"
+    def execute() -> tuple[list[Any], list[dict[str, Any]]]:
         with psycopg.connect(dsn) as conn, psycopg.RawCursor(conn) as cur:
             cur.execute(sql.worker_session)
             cur.execute(f"PREPARE {name} AS {sql.statements()[name]}")
@@ -311,13 +304,18 @@ def test_the_search_for_stale_outcomes_runs_only_when_an_outcome_did_not_apply(d
         scans = [n for n in _plan_nodes(row[0][0]["Plan"]) if n["Node Type"] == "Function Scan"]
         return rows, scans
 
-    rows, scans = execute(range(1, 101), range(101, 111), stale=0)
+    rows, scans = execute()
     assert rows == []
-    # unnest and jsonb_to_recordset for the outcomes, and again for the stale ones (never run).
+    # The outcome records for the completions and the failures, and again
+    # for the stale ones (never run), and the ids for the stale ones (never run).
     assert sorted(n["Actual Loops"] for n in scans) == [0, 0, 1, 1], scans
-    rows, scans = execute(range(1, 101), range(101, 111), stale=7)
+    query = "UPDATE fastjobs_jobs SET attempt = attempt + 1 WHERE id IN (7, 107, 207)"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(query)
+    rows, scans = execute()
     assert sorted((r[0], r[1], r[2], r[3]) for r in rows) == [
-        (7, None, "completed", 2),
-        (107, None, "retryable", 2),
+        (7, None, "completed", 1),
+        (107, None, "retryable", 1),
+        (207, None, "completed", 2),
     ]
     assert sorted(n["Actual Loops"] for n in scans) == [1, 1, 1, 1], scans
