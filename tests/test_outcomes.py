@@ -111,8 +111,9 @@ def test_a_late_outcome_of_an_attempt_whose_row_was_taken_is_dropped(
 
 @pytest.mark.parametrize("keep_completed", [False, True], ids=["delete", "keep"])
 @pytest.mark.parametrize("attempt", [1, 2])
+@pytest.mark.parametrize("takeover", ["rescued", "claimed-by-another"])
 def test_a_late_success_is_dropped_at_any_attempt_whether_completed_jobs_are_kept_or_not(
-    app: App, dsn: str, keep_completed: bool, attempt: int
+    app: App, dsn: str, keep_completed: bool, attempt: int, takeover: str
 ) -> None:
     """Completions of a first attempt travel as bare ids, those of later ones as outcome records."""
     taken: list[dict[str, Any]] = []
@@ -121,17 +122,17 @@ def test_a_late_success_is_dropped_at_any_attempt_whether_completed_jobs_are_kep
     def slow() -> None:
         if len(taken) or fastjobs.current_job().attempt < attempt:  # type: ignore[union-attr]
             raise Retry(0)
-        query(dsn, f"UPDATE fastjobs_jobs SET {TAKEOVERS['claimed-by-another']} WHERE id = %s", (job_id,))
+        query(dsn, f"UPDATE fastjobs_jobs SET {TAKEOVERS[takeover]} WHERE id = %s", (job_id,))
         taken.append(_row(dsn, job_id))
 
     job_id = app.enqueue("slow")
     worker = drain(app, worker_id=WORKER, keep_completed=keep_completed)
     [before] = taken
-    assert (before["state"], before["attempt"], before["attempted_by"]) == (
-        "running",
-        attempt + 1,
-        "another-worker",
-    )
+    if takeover == "rescued":
+        expected = ("retryable", attempt, WORKER)
+    else:
+        expected = ("running", attempt + 1, "another-worker")
+    assert (before["state"], before["attempt"], before["attempted_by"]) == expected
     assert _row(dsn, job_id) == {**before, "run_in": pytest.approx(before["run_in"], abs=5)}
     assert (worker.loop.stale, worker.loop.completed) == (1, 0)
 
