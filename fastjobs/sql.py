@@ -135,14 +135,14 @@ RETURNING j.id, j.kind, j.args, j.attempt, j.max_attempts, j.priority, j.run_at"
 # still be running that attempt for this worker ($5), or it was taken
 # meanwhile (the rescuer, an operator) and the outcome is stale.
 # A job whose cancellation was requested ends cancelled instead of running
-# again (released, snoozed, retried), and a failure on its last attempt is
-# discarded whatever the outcome says (the fallback record of a poison
-# outcome does not know max_attempts).
+# again (released, snoozed, retried), and a failed attempt (an error, the
+# attempt counted) that was the last is discarded whatever the outcome says
+# (the fallback record of a poison outcome does not know max_attempts).
 _OUTCOMES = "jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state"
 _RUNNING_HERE = "j.attempted_by = $5 AND j.state::text = 'running'"
 _FINISH_STATE = """CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
                      THEN 'cancelled'
-                     WHEN f.error IS NOT NULL AND f.state IN ('available', 'retryable')
+                     WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
                           AND j.attempt >= j.max_attempts THEN 'discarded'
                      ELSE f.state END::fastjobs_state"""
 _FINISH_FAILED = f"""

@@ -287,6 +287,22 @@ def test_snooze_forever_is_a_counted_failure_and_ends_discarded(app: App, dsn: s
     assert (row["state"], row["attempt"]) == ("discarded", 1)
 
 
+def test_a_snooze_with_a_note_on_the_last_attempt_is_not_a_failure(app: App, dsn: str) -> None:
+    runs: list[int] = []
+
+    @app.job(kind="nap", max_attempts=1)
+    def nap() -> None:
+        runs.append(1)
+        if len(runs) == 1:
+            raise Snooze(-1)  # due at once, noted; the attempt is given back
+
+    job_id = app.enqueue("nap")
+    drain(app, keep_completed=True)
+    row = _row(dsn, job_id)
+    assert (row["state"], row["attempt"], len(runs)) == ("completed", 1, 2)
+    assert "negative" in _errors(row)[0]["error"]
+
+
 def _policy_raises(attempt: int, rand: float) -> float:
     raise ZeroDivisionError("policy bug")
 
