@@ -44,6 +44,8 @@ cdef extern from "libpq-fe.h" nogil:
     PGresult *PQgetResult(PGconn *conn)
     ExecStatusType PQresultStatus(const PGresult *res)
     char *PQresultErrorMessage(const PGresult *res)
+    char *PQresultErrorField(const PGresult *res, int fieldcode)
+    int PQgetisnull(const PGresult *res, int row, int column)
     char *PQerrorMessage(const PGconn *conn)
     int PQntuples(const PGresult *res)
     char *PQgetvalue(const PGresult *res, int row, int column)
@@ -87,6 +89,12 @@ cdef object _unknown_kind = handlers.unknown_kind
 cdef object _returned_coroutine = handlers.returned_coroutine
 cdef object _tally = handlers.tally
 cdef object _cancelled = handlers.cancelled
+cdef object _completed = handlers.completed
+cdef object _encode = handlers.encode
+cdef object _isolate = handlers.isolate
+cdef object _say_stale = handlers.say_stale
+cdef frozenset _OUTCOME_ERROR_CLASSES = handlers.OUTCOME_ERROR_CLASSES
+cdef int _PG_DIAG_SQLSTATE = ord("C")
 
 
 cdef struct Buffer:
@@ -250,16 +258,22 @@ cdef class BatchLoop:
     cdef double _duty
     cdef public Py_ssize_t batch_min, batch_max, size
     cdef public bint overlap, stopping
-    cdef public Py_ssize_t claimed, completed, failed, retried, discarded
+    cdef public Py_ssize_t claimed, completed, failed, retried, discarded, stale
     cdef bint _in_flight
     cdef Py_ssize_t _limit
     cdef bint _full
     cdef Py_ssize_t _cap
     cdef PGresult *_rows
     cdef int _nrows
+    # Jobs completed at their first attempt (by id; every other outcome is a
+    # record in _failures) gathered for the next statement, and those of the
+    # statement in flight (swapped at each send), isolated if PostgreSQL rejects it.
     cdef int64_t *_done
     cdef Py_ssize_t _ndone, _done_cap
+    cdef int64_t *_sent_done
+    cdef Py_ssize_t _nsent, _sent_cap
     cdef list _failures
+    cdef list _sent_failures
     cdef char *_text
     cdef Py_ssize_t _text_cap
     # Cache of the last kind seen: batches are mostly one kind, and a memcmp
@@ -289,6 +303,7 @@ cdef class BatchLoop:
         self._running = NULL
         self._rows = NULL
         self._done = NULL
+        self._sent_done = NULL
         self._text = NULL
 
     def __init__(self, conn, dict specs, executor, str worker_id, list queues, bint keep_completed=False,
@@ -320,7 +335,7 @@ cdef class BatchLoop:
         self.size = batch_min
         self.overlap = overlap
         self.stopping = False
-        self.claimed = self.completed = self.failed = self.retried = self.discarded = 0
+        self.claimed = self.completed = self.failed = self.retried = self.discarded = self.stale = 0
         self._in_flight = False
         self._limit = 0
         self._full = False
@@ -329,7 +344,10 @@ cdef class BatchLoop:
         self._write_failed = False
         self._ndone = 0
         self._done_cap = 0
+        self._nsent = 0
+        self._sent_cap = 0
         self._failures = []
+        self._sent_failures = []
         self._text_cap = 0
         self._last_kind = None
         if running is not None:
@@ -342,6 +360,7 @@ cdef class BatchLoop:
         if self._rows != NULL:
             PQclear(self._rows)
         free(self._done)
+        free(self._sent_done)
         free(self._text)
 
     def prepare(self):
@@ -359,8 +378,12 @@ cdef class BatchLoop:
             PQclear(res)
         return 0
 
-    cdef int _add_done(self, int64_t job_id) except -1:
+    cdef int _add_done(self, int64_t job_id, int attempt) except -1:
+        """A job completed: its id when at its first attempt, else an outcome record (see sql)."""
         cdef int64_t *grown
+        if attempt != 1:
+            self._failures.append(_completed(job_id, attempt))
+            return 0
         if self._ndone == self._done_cap:
             self._done_cap = self._done_cap * 2 if self._done_cap else 1024
             grown = <int64_t *>realloc(self._done, self._done_cap * sizeof(int64_t))
@@ -371,11 +394,30 @@ cdef class BatchLoop:
         self._ndone += 1
         return 0
 
+    cdef int _literal(self, Py_ssize_t count, int64_t *ids) except -1:
+        """The ids as an int8[] literal, {1,2,3}, in self._text; 21 bytes bound each."""
+        cdef Py_ssize_t i, pos = 0
+        cdef Py_ssize_t need = 2 + count * 21
+        cdef char *grown
+        if need > self._text_cap:
+            grown = <char *>realloc(self._text, need + 1)
+            if grown == NULL:
+                raise MemoryError()
+            self._text = grown
+            self._text_cap = need
+        self._text[pos] = b"{"
+        pos += 1
+        for i in range(count):
+            if i:
+                self._text[pos] = b","
+                pos += 1
+            pos += snprintf(self._text + pos, 21, "%lld", <long long>ids[i])
+        self._text[pos] = b"}"
+        self._text[pos + 1] = 0
+        return 0
+
     cdef int _send(self, Py_ssize_t limit) except -1:
         """Send the outcomes gathered so far and a claim of `limit` jobs."""
-        cdef Py_ssize_t i, pos = 0
-        cdef Py_ssize_t need = 2 + self._ndone * 21
-        cdef char *grown
         cdef char limit_text[24]
         cdef char priority_text[8]
         cdef char run_at_text[24]
@@ -387,37 +429,31 @@ cdef class BatchLoop:
         cdef bytes failures
         cdef bytes queue
         cdef int rc
-        if need > self._text_cap:
-            grown = <char *>realloc(self._text, need + 1)
-            if grown == NULL:
-                raise MemoryError()
-            self._text = grown
-            self._text_cap = need
-        # The completed ids as an int8[] literal: {1,2,3}; 21 bytes bound each.
-        self._text[pos] = b"{"
-        pos += 1
-        for i in range(self._ndone):
-            if i:
-                self._text[pos] = b","
-                pos += 1
-            pos += snprintf(self._text + pos, 21, "%lld", <long long>self._done[i])
-        self._text[pos] = b"}"
-        self._text[pos + 1] = 0
+        cdef int64_t *ids
+        cdef Py_ssize_t cap
+        self._literal(self._ndone, self._done)
         if self._running != NULL and not self._write_failed:
             self._running[1] = len(self._failures)
             self._running[2] = self._failures[0]["id"] if self._failures else 0
-        failures = _dumps(self._failures)
+        failures = _encode(self._failures)
         index = self._turn % len(self._queues)
         queue = self._queues[index]
         self._turn += 1
         snprintf(limit_text, sizeof(limit_text), "%zd", limit)
         self.completed += self._ndone
         if self._failures:
-            failed, retried, discarded = _tally(self._failures)
+            completed, failed, retried, discarded = _tally(self._failures)
+            self.completed += completed
             self.failed += failed
             self.retried += retried
             self.discarded += discarded
+        # Swap the gathered outcomes with the (empty) in-flight ones: kept until the result comes back.
+        ids, cap = self._sent_done, self._sent_cap
+        self._sent_done, self._sent_cap = self._done, self._done_cap
+        self._done, self._done_cap = ids, cap
+        self._nsent = self._ndone
         self._ndone = 0
+        self._sent_failures = self._failures
         self._failures = []
         values[0] = self._text
         values[1] = PyBytes_AS_STRING(failures)
@@ -438,6 +474,13 @@ cdef class BatchLoop:
             rc = PQsendQueryPrepared(self._pgconn, self._after_statement, 7, values, NULL, NULL, 1)
         if not rc:
             raise LoopError(_conn_error(self._pgconn))
+        self._flush()
+        self._in_flight = True
+        self._limit = limit
+        return 0
+
+    cdef int _flush(self) except -1:
+        cdef int rc
         while True:
             rc = PQflush(self._pgconn)
             if rc == 0:
@@ -447,19 +490,13 @@ cdef class BatchLoop:
             _wait(self._pgconn, POLLIN | POLLOUT)
             if not PQconsumeInput(self._pgconn):
                 raise LoopError(_conn_error(self._pgconn))
-        self._in_flight = True
-        self._limit = limit
         return 0
 
-    cdef int _receive(self) except -1:
-        """Collect the in-flight statement's result: the claimed rows go to self._rows."""
+    cdef PGresult *_results(self, list error) except? NULL:
+        """The in-flight statement's rows, or NULL with [message, whether an outcome is why] in `error`."""
         cdef PGresult *res
-        cdef object error = None
-        cdef int n
-        if self._rows != NULL:
-            PQclear(self._rows)
-            self._rows = NULL
-        self._nrows = 0
+        cdef PGresult *rows = NULL
+        cdef const char *state
         if not PQconsumeInput(self._pgconn):
             self._in_flight = False
             raise LoopError(_conn_error(self._pgconn))
@@ -468,29 +505,112 @@ cdef class BatchLoop:
                 _wait(self._pgconn, POLLIN)
                 if not PQconsumeInput(self._pgconn):
                     self._in_flight = False
+                    if rows != NULL:
+                        PQclear(rows)
                     raise LoopError(_conn_error(self._pgconn))
             res = PQgetResult(self._pgconn)
             if res == NULL:
                 break
-            if PQresultStatus(res) == PGRES_TUPLES_OK and error is None:
-                if self._rows != NULL:
-                    PQclear(self._rows)
-                self._rows = res
-                self._nrows = PQntuples(res)
+            if PQresultStatus(res) == PGRES_TUPLES_OK and not error:
+                if rows != NULL:
+                    PQclear(rows)
+                rows = res
             else:
-                if error is None:
-                    error = PQresultErrorMessage(res).decode("utf-8", "replace")
+                if not error:
+                    state = PQresultErrorField(res, _PG_DIAG_SQLSTATE)
+                    error.append(PQresultErrorMessage(res).decode("utf-8", "replace"))
+                    error.append(state != NULL
+                                 and state[:2].decode("ascii", "replace") in _OUTCOME_ERROR_CLASSES)
                 PQclear(res)
         self._in_flight = False
-        if error is not None:
-            if self._rows != NULL:
-                PQclear(self._rows)
-                self._rows = NULL
-            self._nrows = 0
-            self._write_failed = True
-            raise LoopError(error)
+        if error and rows != NULL:
+            PQclear(rows)
+            rows = NULL
+        if not error and rows == NULL:
+            error.extend((_conn_error(self._pgconn), False))
+        return rows
+
+    cdef int _claimed(self, PGresult *res) except -1:
+        """How many rows of `res` are claimed jobs; the stale outcomes after them are counted and logged."""
+        cdef int n = PQntuples(res)
+        cdef list stale
+        cdef str state
+        if n and PQgetisnull(res, n - 1, 1):
+            stale = []
+            while n and PQgetisnull(res, n - 1, 1):
+                n -= 1
+                # jsonb's binary format: a version byte, then the JSON text.
+                state = _loads(PQgetvalue(res, n, 2)[1:PQgetlength(res, n, 2)])
+                stale.append((_int8(PQgetvalue(res, n, 0)), _int2(PQgetvalue(res, n, 3)), state))
+                if state == "completed":
+                    self.completed -= 1
+            self.stale += len(stale)
+            _say_stale(stale[::-1])
+        return n
+
+    def _write(self, list done, list failures):
+        """Write outcomes alone, claiming nothing; the error if one of them is rejected."""
+        cdef Py_ssize_t i, count = len(done)
+        cdef int64_t *ids = <int64_t *>realloc(NULL, (count + 1) * sizeof(int64_t))
+        cdef const char *values[5]
+        cdef bytes encoded
+        cdef list error = []
+        cdef PGresult *res
+        try:
+            if ids == NULL:
+                raise MemoryError()
+            for i in range(count):
+                ids[i] = done[i]
+            self._literal(count, ids)
+        finally:
+            free(ids)
+        encoded = _encode(failures)
+        values[0] = self._text
+        values[1] = PyBytes_AS_STRING(encoded)
+        values[2] = PyBytes_AS_STRING(self._queues[0])
+        values[3] = b"0"
+        values[4] = PyBytes_AS_STRING(self._worker_id)
+        if not PQsendQueryPrepared(self._pgconn, self._statement, 5, values, NULL, NULL, 1):
+            raise LoopError(_conn_error(self._pgconn))
+        self._flush()
+        res = self._results(error)
+        if res != NULL:
+            try:
+                self._claimed(res)
+            finally:
+                PQclear(res)
+            return None
+        if not error[1]:
+            raise LoopError(error[0])
+        return error[0]
+
+    cdef int _receive(self) except -1:
+        """Collect the in-flight statement's result: the claimed rows go to self._rows."""
+        cdef list error = []
+        cdef int n
+        cdef Py_ssize_t i
+        cdef list failures
+        if self._rows != NULL:
+            PQclear(self._rows)
+            self._rows = NULL
+        self._nrows = 0
+        self._rows = self._results(error)
+        if error:
+            failures, self._sent_failures = self._sent_failures, []
+            if not (error[1] and (self._nsent or failures)):
+                self._nsent = 0
+                self._write_failed = True
+                raise LoopError(error[0])
+            # One outcome made PostgreSQL reject the statement, claim and
+            # all: write the outcomes apart, then carry on with nothing claimed.
+            done = [self._sent_done[i] for i in range(self._nsent)]
+            self._nsent = 0
+            _isolate(self._write, done, failures, error[0])
+        self._nsent = 0
+        self._sent_failures = []
         if self._running != NULL and not self._write_failed:
             self._running[1] = 0
+        self._nrows = self._claimed(self._rows) if self._rows != NULL else 0
         n = self._nrows
         self.claimed += n
         if self._limit > 0:
@@ -576,7 +696,8 @@ cdef class BatchLoop:
         if self._in_flight:
             self._receive()
         for i in range(self._nrows):
-            self._failures.append(_release(_int8(PQgetvalue(self._rows, i, 0))))
+            self._failures.append(_release(_int8(PQgetvalue(self._rows, i, 0)),
+                                           _int2(PQgetvalue(self._rows, i, 3))))
         if self._rows != NULL:
             PQclear(self._rows)
             self._rows = NULL
@@ -601,7 +722,7 @@ cdef class BatchLoop:
             job_id = _int8(PQgetvalue(rows, i, 0))
             if self.stopping:
                 for j in range(i, n):
-                    failures.append(_release(_int8(PQgetvalue(rows, j, 0))))
+                    failures.append(_release(_int8(PQgetvalue(rows, j, 0)), _int2(PQgetvalue(rows, j, 3))))
                 break
             if self._running != NULL:
                 self._progress[0] += 1
@@ -662,9 +783,9 @@ cdef class BatchLoop:
                 context.id = 0
                 failures.append(_failure(spec, job_id, attempt, max_attempts, exc))
                 for j in range(i + 1, n):
-                    failures.append(_release(_int8(PQgetvalue(rows, j, 0))))
+                    failures.append(_release(_int8(PQgetvalue(rows, j, 0)), _int2(PQgetvalue(rows, j, 3))))
                 for job in slow:
-                    failures.append(_release(job[1]))
+                    failures.append(_release(job[1], job[3]))
                 self.stopping = True
                 self.finish()
                 raise
@@ -678,21 +799,30 @@ cdef class BatchLoop:
                 self._cancelled.discard(job_id)
                 failures.append(_cancelled(job_id, attempt))
                 continue
-            self._add_done(job_id)
+            self._add_done(job_id, attempt)
         # No fast job runs from here on: see the reference.
         if self._running != NULL:
             self._running[0] = 0
         if slow:
             done = []
+            first = len(failures)
             try:
                 self._executor.run(slow, done, failures)
             except BaseException:
                 # Every slow job is recorded by now: write it all, then stop.
-                for job_id in done:
-                    self._add_done(job_id)
+                self._attempts_of(slow, done, failures, first)
                 self.stopping = True
                 self.finish()
                 raise
-            for job_id in done:
-                self._add_done(job_id)
+            self._attempts_of(slow, done, failures, first)
+        return 0
+
+    cdef int _attempts_of(self, list slow, list done, list failures, Py_ssize_t first) except -1:
+        """Take the executor's completions with their attempts, and fill in those its releases lack."""
+        cdef dict attempts = {job[1]: job[3] for job in slow}
+        for job_id in done:
+            self._add_done(job_id, attempts[job_id])
+        for outcome in failures[first:]:
+            if not outcome["attempt"]:
+                outcome["attempt"] = attempts.get(outcome["id"], 0)
         return 0

@@ -214,9 +214,13 @@ class BatchLoop:
         self._limit = 0
         self._full = False
         self._cap = batch_max
+        self.stale = 0  # outcomes dropped because their job no longer ran that attempt here
         self._rows: list[tuple[int, str, bytes, int, int]] = []
+        # Jobs completed at their first attempt (by id), and every other outcome.
         self._done: list[int] = []
         self._failures: list[Outcome] = []
+        # The outcomes of the statement in flight, isolated if PostgreSQL rejects it.
+        self._sent_outcomes: tuple[list[int], list[Outcome]] = ([], [])
 
     def prepare(self) -> None:
         for name, text in self._statements.values():
@@ -230,16 +234,18 @@ class BatchLoop:
         if self._running is not None and not self._write_failed:
             self._running[1] = len(self._failures)
             self._running[2] = self._failures[0]["id"] if self._failures else 0
-        failures = orjson.dumps(self._failures)
+        failures = handlers.encode(self._failures)
         index = self._turn % len(self._queues)
         queue = self._queues[index]
         self._turn += 1
         self.completed += len(self._done)
         if self._failures:
-            failed, retried, discarded = handlers.tally(self._failures)
+            completed, failed, retried, discarded = handlers.tally(self._failures)
+            self.completed += completed
             self.failed += failed
             self.retried += retried
             self.discarded += discarded
+        self._sent_outcomes = (self._done, self._failures)
         self._done = []
         self._failures = []
         params = [done, failures, queue, str(limit).encode(), self._worker_id]
@@ -258,10 +264,12 @@ class BatchLoop:
         self._in_flight = True
         self._limit = limit
 
-    def _receive(self) -> list[tuple[int, str, bytes, int, int]]:
+    def _results(self) -> tuple[Any, str | None, bool]:
+        """The in-flight statement's result: (rows, None, _) or (None, error, whether an outcome is why)."""
         pgconn = self._pgconn
-        rows: list[tuple[int, str, bytes, int, int]] = []
+        result = None
         error = None
+        isolatable = False
         pgconn.consume_input()
         while True:
             while pgconn.is_busy():
@@ -271,26 +279,75 @@ class BatchLoop:
             if res is None:
                 break
             if res.status == pq.ExecStatus.TUPLES_OK:
-                if res.ntuples:
-                    self._mark(res)
-                for i in range(res.ntuples):
-                    rows.append(
-                        (
-                            _int(res.get_value(i, 0)),
-                            res.get_value(i, 1).decode(),
-                            res.get_value(i, 2),
-                            _int(res.get_value(i, 3)),
-                            _int(res.get_value(i, 4)),
-                        )
-                    )
-            else:
+                result = res
+            elif error is None:
                 error = res.error_message.decode(errors="replace")
+                state = res.error_field(pq.DiagnosticField.SQLSTATE) or b""
+                isolatable = state[:2].decode() in handlers.OUTCOME_ERROR_CLASSES
         self._in_flight = False
-        if error is not None:
-            self._write_failed = True
+        if error is None and result is None:
+            error = pgconn.error_message.decode(errors="replace")
+        return (None if error is not None else result), error, isolatable
+
+    def _claimed(self, res: Any) -> int:
+        """How many rows of `res` are claimed jobs; the stale outcomes after them are counted and logged."""
+        n = res.ntuples
+        if n and res.get_value(n - 1, 1) is None:
+            stale = []
+            while n and res.get_value(n - 1, 1) is None:
+                n -= 1
+                state = orjson.loads(res.get_value(n, 2)[1:])
+                stale.append((_int(res.get_value(n, 0)), _int(res.get_value(n, 3)), state))
+                if state == "completed":
+                    self.completed -= 1
+            self.stale += len(stale)
+            handlers.say_stale(stale[::-1])
+        return int(n)
+
+    def _write(self, done: list[int], failures: list[Outcome]) -> str | None:
+        """Write outcomes alone, claiming nothing; the error if one of them is rejected."""
+        ids = ("{" + ",".join(map(str, done)) + "}").encode()
+        params = [ids, handlers.encode(failures), self._queues[0], b"0", self._worker_id]
+        self._pgconn.send_query_prepared(self._full_name, params, result_format=1)
+        while self._pgconn.flush():
+            _wait(self._pgconn, write=True)
+        res, error, isolatable = self._results()
+        if error is None:
+            self._claimed(res)
+            return None
+        if not isolatable:
             raise LoopError(error)
+        return error
+
+    def _receive(self) -> list[tuple[int, str, bytes, int, int]]:
+        rows: list[tuple[int, str, bytes, int, int]] = []
+        res, error, isolatable = self._results()
+        if error is not None:
+            done, failures = self._sent_outcomes
+            self._sent_outcomes = ([], [])
+            if not (isolatable and (done or failures)):
+                self._write_failed = True
+                raise LoopError(error)
+            # One outcome made PostgreSQL reject the statement, claim and
+            # all: write the outcomes apart, then carry on with nothing claimed.
+            handlers.isolate(self._write, done, failures, error)
+            res = None
+        self._sent_outcomes = ([], [])
         if self._running is not None and not self._write_failed:
             self._running[1] = 0
+        n = self._claimed(res) if res is not None else 0
+        if n:
+            self._mark(res, n)
+        for i in range(n):
+            rows.append(
+                (
+                    _int(res.get_value(i, 0)),
+                    res.get_value(i, 1).decode(),
+                    res.get_value(i, 2),
+                    _int(res.get_value(i, 3)),
+                    _int(res.get_value(i, 4)),
+                )
+            )
         self.claimed += len(rows)
         index, from_front, sent = self._sent
         if self._limit > 0:
@@ -307,10 +364,10 @@ class BatchLoop:
         self.size = min(self.batch_max, self._cap, max(self.batch_min, 2 * len(rows)))
         return rows
 
-    def _mark(self, res: Any) -> None:
+    def _mark(self, res: Any, n: int) -> None:
         """Remember where this claim ended: its lowest priority, and the latest run_at within it."""
         lowest, latest = 1 << 15, 0
-        for i in range(res.ntuples):
+        for i in range(n):
             priority, run_at = _int(res.get_value(i, 5)), _int(res.get_value(i, 6))
             if priority < lowest:
                 lowest, latest = priority, run_at
@@ -370,7 +427,7 @@ class BatchLoop:
         """Give back the batch claimed ahead and write every outcome still held."""
         if self._in_flight:
             self._rows = self._receive()
-        self._failures.extend(handlers.release(row[0]) for row in self._rows)
+        self._failures.extend(handlers.release(row[0], row[3]) for row in self._rows)
         self._rows = []
         if self._done or self._failures:
             self._send(0)
@@ -385,7 +442,7 @@ class BatchLoop:
         slow: list[handlers.SlowJob] = []
         for index, (job_id, kind, raw, attempt, max_attempts) in enumerate(rows):
             if self.stopping:
-                failures.extend(handlers.release(row[0]) for row in rows[index:])
+                failures.extend(handlers.release(row[0], row[3]) for row in rows[index:])
                 break
             if self._running is not None:
                 self._progress[0] += 1
@@ -426,8 +483,8 @@ class BatchLoop:
                 # back, write it all, then let the exception stop the worker.
                 context.id = 0
                 failures.append(handlers.failure(spec, job_id, attempt, max_attempts, exc))
-                failures.extend(handlers.release(row[0]) for row in rows[index + 1 :])
-                failures.extend(handlers.release(job[1]) for job in slow)
+                failures.extend(handlers.release(row[0], row[3]) for row in rows[index + 1 :])
+                failures.extend(handlers.release(job[1], job[3]) for job in slow)
                 self.stopping = True
                 self.finish()
                 raise
@@ -443,16 +500,37 @@ class BatchLoop:
                 executor.cancelled.discard(job_id)
                 failures.append(handlers.cancelled(job_id, attempt))
                 continue
-            done.append(job_id)
+            if attempt == 1:
+                done.append(job_id)
+            else:
+                failures.append(handlers.completed(job_id, attempt))
         # No fast job runs from here on: the executor records the slow ones
         # it starts (stats.SlowJobs), and a crash is blamed on those alone.
         if self._running is not None:
             self._running[0] = 0
         if slow:
+            slow_done: list[int] = []
+            first = len(failures)
             try:
-                executor.run(slow, done, failures)
+                executor.run(slow, slow_done, failures)
             except BaseException:
                 # Every slow job is recorded by now: write it all, then stop.
+                self._attempts_of(slow, slow_done, failures, first)
                 self.stopping = True
                 self.finish()
                 raise
+            self._attempts_of(slow, slow_done, failures, first)
+
+    def _attempts_of(
+        self, slow: list[handlers.SlowJob], slow_done: list[int], failures: list[Outcome], first: int
+    ) -> None:
+        """Take the executor's completions with their attempts, and fill in those its releases lack."""
+        attempts = {job[1]: job[3] for job in slow}
+        for outcome in failures[first:]:
+            if not outcome["attempt"]:
+                outcome["attempt"] = attempts.get(outcome["id"], 0)
+        for job_id in slow_done:
+            if attempts[job_id] == 1:
+                self._done.append(job_id)
+            else:
+                failures.append(handlers.completed(job_id, attempts[job_id]))

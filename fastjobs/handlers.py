@@ -13,6 +13,7 @@ import contextlib
 import contextvars
 import datetime as dt
 import inspect
+import math
 import random
 import signal
 import sys
@@ -22,6 +23,8 @@ import traceback
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
+
+import orjson
 
 from .errors import Cancel, JobTimeout, Retry, Snooze
 from .retry import default_backoff
@@ -56,6 +59,16 @@ def _bounded(text: str, keep_end: bool = False) -> str:
     return f"{text[:half]}{marker} ...] {text[-half:]}"
 
 
+# The longest delay an outcome may set (Retry, Snooze, a retry= policy, the
+# default backoff past attempt ~1,700): a year. Far beyond any sane backoff
+# (the default's 25th attempt waits 4.5 days), so a longer one is almost
+# surely a unit slip (milliseconds for seconds) or a runaway policy; a job
+# meant for a date that far off is better enqueued with run_at. It also keeps
+# run_at inside timestamptz (which ends in 294276 AD: a delay of 1e14 s would
+# fail the whole batch statement). A clamped delay is noted in the job's error.
+MAX_DELAY = 365 * 24 * 3600.0
+
+
 def _message(exc: BaseException) -> str:
     """`Type: message`, even for an exception whose __str__ raises (which would kill the worker)."""
     try:
@@ -65,54 +78,150 @@ def _message(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {message}"
 
 
-def _error(attempt: int, exc: BaseException | str, with_traceback: bool = True) -> dict[str, Any]:
+def clean(text: str) -> str:
+    """`text` as jsonb can store it: NUL written as `\\x00`, lone surrogates (a file name
+    from os.fsdecode) as `\\udcXX`. Either would fail the batch statement or its encoding."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    if not text.isascii():
+        try:
+            text.encode()
+        except UnicodeEncodeError:
+            text = text.encode("utf-8", "backslashreplace").decode()
+    return text
+
+
+def _traceback(exc: BaseException) -> str:
+    try:
+        return _bounded(clean("".join(traceback.format_exception(exc))), keep_end=True)
+    except Exception as failed:  # a broken exception object must not kill the worker
+        return f"<traceback could not be formatted: {type(failed).__name__}>"
+
+
+def _error(
+    attempt: int, exc: BaseException | str, with_traceback: bool = True, note: str | None = None
+) -> dict[str, Any]:
+    """One attempt's error record; `note` (what fastjobs changed: a clamped delay) follows the message."""
     if isinstance(exc, str):
         text, trace = exc, None
     else:
         text = _message(exc)
-        trace = _bounded("".join(traceback.format_exception(exc)), keep_end=True) if with_traceback else None
-    return {
-        "at": dt.datetime.now(dt.UTC).isoformat(),
-        "attempt": attempt,
-        "error": _bounded(text),
-        "traceback": trace,
-    }
+        trace = _traceback(exc) if with_traceback else None
+    text = _bounded(clean(text))
+    if note is not None:
+        text = f"{text} [fastjobs: {clean(note)}]"
+    return {"at": dt.datetime.now(dt.UTC).isoformat(), "attempt": attempt, "error": text, "traceback": trace}
 
 
 def _outcome(
     job_id: int,
+    attempt: int,
     state: str,
     *,
     delay: float | None = None,
     uncount: int = 0,
     error: dict[str, Any] | None = None,
 ) -> Outcome:
-    """One row of the batch statement's outcomes ($2 of sql.job_finish_claim_many)."""
-    return {"id": job_id, "state": state, "delay": delay, "uncount": uncount, "error": error}
+    """One row of the batch statement's outcomes ($2 of sql.job_finish_claim_many).
+
+    `attempt` is the attempt that produced it: the statement applies it only
+    while the row still runs that attempt for this worker.
+    """
+    return {
+        "id": job_id,
+        "attempt": attempt,
+        "state": state,
+        "delay": delay,
+        "uncount": uncount,
+        "error": error,
+    }
+
+
+def _delay(value: Any, what: str) -> tuple[float | None, str | None]:
+    """(seconds, note): a delay within [0, MAX_DELAY], or None when `value` is no delay at all.
+
+    The note says what was changed or rejected, for the job's error.
+    """
+    if isinstance(value, dt.timedelta):
+        value = value.total_seconds()
+    if value is None or isinstance(value, str | bytes):
+        return None, f"{what} gave {value!r}, not a number of seconds"
+    try:
+        seconds = float(value)
+    except Exception:
+        return None, f"{what} gave {_repr(value)}, not a number of seconds"
+    if not math.isfinite(seconds):
+        return None, f"{what} gave {seconds!r} seconds, not a finite delay"
+    if seconds < 0:
+        return 0.0, f"{what} gave a negative delay ({seconds:g} s): due at once"
+    if seconds > MAX_DELAY:
+        return (
+            MAX_DELAY,
+            f"{what} gave {seconds:g} s, more than the maximum delay: clamped to {MAX_DELAY:g} s",
+        )
+    return seconds, None
+
+
+def _repr(value: Any) -> str:
+    try:
+        return _bounded(repr(value))
+    except Exception:
+        return f"<{type(value).__name__}>"
+
+
+def _backoff(spec: JobSpec | None, attempt: int) -> tuple[float, str | None]:
+    """The retry policy's delay after failed attempt `attempt`, falling back to the default with a note."""
+    policy = spec.retry if spec is not None and spec.retry is not None else default_backoff
+    try:
+        delay, note = _delay(policy(attempt, random.random()), "the retry policy")
+    except Exception as exc:
+        delay, note = None, f"the retry policy raised {_message(exc)}"
+    if delay is None:
+        fallback, clamped = _delay(default_backoff(attempt, random.random()), "the default backoff")
+        assert fallback is not None
+        return fallback, f"{note}; the default backoff applied" + (f" ({clamped})" if clamped else "")
+    return delay, note
 
 
 def failure(
     spec: JobSpec | None, job_id: int, attempt: int, max_attempts: int, exc: BaseException | str
 ) -> Outcome:
-    """The outcome of an attempt that raised `exc` (or failed for the reason `exc`)."""
+    """The outcome of an attempt that raised `exc` (or failed for the reason `exc`).
+
+    No value a handler or policy returns can make this fail or produce an
+    outcome the batch statement rejects: delays are clamped into
+    [0, MAX_DELAY], one that is no number at all (None, NaN, infinity) fails
+    the attempt with the default backoff, and either is noted in the error.
+    """
+    note = None
     if isinstance(exc, Snooze):
-        return _outcome(job_id, "scheduled" if exc.delay > 0 else "available", delay=exc.delay, uncount=1)
+        delay, note = _delay(exc.delay, "Snooze")
+        if delay is not None:
+            state = "scheduled" if delay > 0 else "available"
+            error = None if note is None else _error(attempt, exc, with_traceback=False, note=note)
+            return _outcome(job_id, attempt, state, delay=delay, uncount=1, error=error)
+        # Snooze(inf) or NaN is no delay: it fails the attempt (counted), so it cannot rerun forever.
     if isinstance(exc, Cancel):
-        return _outcome(job_id, "cancelled", error=_error(attempt, f"Cancel: {exc.reason}"))
-    error = _error(attempt, exc, with_traceback=not isinstance(exc, Retry))
+        return _outcome(job_id, attempt, "cancelled", error=_error(attempt, f"Cancel: {exc.reason}"))
+    quiet = isinstance(exc, Retry | Snooze)  # asked for by the handler: no traceback
     if attempt >= max_attempts:
-        return _outcome(job_id, "discarded", error=error)
+        return _outcome(job_id, attempt, "discarded", error=_error(attempt, exc, not quiet, note))
+    delay = None
     if isinstance(exc, Retry):
-        delay = max(exc.delay, 0.0)
-    else:
-        policy = spec.retry if spec is not None and spec.retry is not None else default_backoff
-        delay = max(float(policy(attempt, random.random())), 0.0)
-    return _outcome(job_id, "retryable" if delay > 0 else "available", delay=delay, error=error)
+        delay, note = _delay(exc.delay, "Retry")
+    if delay is None:
+        if note is None:  # a plain failure: the job's policy
+            delay, note = _backoff(spec, attempt)
+        else:  # Retry or Snooze that gave no delay
+            delay, clamped = _backoff(None, attempt)
+            note = f"{note}; the default backoff applied" + (f" ({clamped})" if clamped else "")
+    error = _error(attempt, exc, not quiet, note)
+    return _outcome(job_id, attempt, "retryable" if delay > 0 else "available", delay=delay, error=error)
 
 
 def discard(job_id: int, attempt: int, reason: str) -> Outcome:
     """A job that can never succeed (its args do not decode): discarded at once."""
-    return _outcome(job_id, "discarded", error=_error(attempt, reason))
+    return _outcome(job_id, attempt, "discarded", error=_error(attempt, reason))
 
 
 def unknown_kind(job_id: int, kind: str, attempt: int, max_attempts: int) -> Outcome:
@@ -120,30 +229,160 @@ def unknown_kind(job_id: int, kind: str, attempt: int, max_attempts: int) -> Out
     return failure(None, job_id, attempt, max_attempts, f"no handler registered for job kind {kind!r}")
 
 
-def release(job_id: int) -> Outcome:
-    """A claimed job that never started (shutdown, or the batch was aborted): available again, uncounted."""
-    return _outcome(job_id, "available", uncount=1)
+def completed(job_id: int, attempt: int) -> Outcome:
+    """A job completed at an attempt other than its first (the first's travel as bare ids)."""
+    return _outcome(job_id, attempt, "completed")
+
+
+def release(job_id: int, attempt: int = 0) -> Outcome:
+    """A claimed job that never started (shutdown, or the batch was aborted): available again, uncounted.
+
+    Attempt 0 means the caller did not know it: the hot loop fills it in
+    from the batch before the outcome is written.
+    """
+    return _outcome(job_id, attempt, "available", uncount=1)
 
 
 def cancelled(job_id: int, attempt: int) -> Outcome:
     """A job whose cancellation was requested while it was claimed or running."""
     return _outcome(
-        job_id, "cancelled", error=_error(attempt, "Cancel: cancellation requested while it was running")
+        job_id,
+        attempt,
+        "cancelled",
+        error=_error(attempt, "Cancel: cancellation requested while it was running"),
     )
 
 
-def tally(outcomes: list[Outcome]) -> tuple[int, int, int]:
-    """(failed, retried, discarded) among outcomes: failed attempts are those with an error."""
-    failed = retried = discarded = 0
+def unrecorded(job_id: int, attempt: int, what: str, reason: str, last: bool = False) -> Outcome:
+    """The stand-in for an outcome the batch statement rejected (or orjson could not encode).
+
+    A failed attempt with a minimal error of fastjobs's own, retried with the
+    default backoff (the statement discards it if it was the last attempt);
+    with `last`, the final fallback: discarded, no error appended.
+    """
+    if last:
+        return _outcome(job_id, attempt, "discarded")
+    message = f"fastjobs could not record this attempt's outcome ({clean(what)}): {clean(reason)}"
+    error = {
+        "at": dt.datetime.now(dt.UTC).isoformat(),
+        "attempt": attempt,
+        "error": _bounded(message.encode("ascii", "backslashreplace").decode()),
+        "traceback": None,
+    }
+    delay, _ = _delay(default_backoff(attempt, random.random()), "the default backoff")
+    return _outcome(job_id, attempt, "retryable", delay=delay, error=error)
+
+
+def tally(outcomes: list[Outcome]) -> tuple[int, int, int, int]:
+    """(completed, failed, retried, discarded) among outcomes: failed attempts are those with an error.
+
+    Snoozes and releases give their attempt back: not failures, even with a note.
+    """
+    done = failed = retried = discarded = 0
     for outcome in outcomes:
-        if outcome["error"] is None:
+        if outcome["error"] is None or outcome["uncount"]:
+            done += outcome["state"] == "completed"
             continue
         failed += 1
         if outcome["state"] == "discarded":
             discarded += 1
         elif outcome["state"] in ("retryable", "available"):
             retried += 1
-    return failed, retried, discarded
+    return done, failed, retried, discarded
+
+
+def encode(outcomes: list[Outcome]) -> bytes:
+    """The outcomes as the batch statement's JSON; one orjson cannot encode is replaced by its stand-in."""
+    try:
+        return orjson.dumps(outcomes)
+    except Exception as exc:
+        reason = _message(exc)
+    kept = []
+    for outcome in outcomes:
+        try:
+            orjson.dumps(outcome)
+        except Exception:
+            _say_rejected(outcome["id"], outcome["attempt"], reason)
+            outcome = unrecorded(
+                outcome["id"], outcome["attempt"], f"{outcome['state']}, unencodable", reason
+            )
+        kept.append(outcome)
+    return orjson.dumps(kept)
+
+
+# SQLSTATE classes an outcome can cause (data exception, integrity, program
+# limit such as jsonb's size, an exception raised by a trigger): a statement
+# failing with one of these is retried outcome by outcome. Any other error
+# (the connection, a deadlock, a cancelled query) is the loop's to raise.
+OUTCOME_ERROR_CLASSES = frozenset({"22", "23", "54", "P0"})
+
+# The most lines a worker prints about stale outcomes per statement; the rest are counted.
+STALE_LINES = 10
+
+# Writes some outcomes alone (no claim): the ids of jobs completed at their
+# first attempt, and outcome records. None, or the error of an outcome
+# (OUTCOME_ERROR_CLASSES); any other error it raises.
+Write = Callable[[list[int], list[Outcome]], "str | None"]
+
+
+def isolate(write: Write, completed: list[int], failures: list[Outcome], reason: str) -> None:
+    """Write the outcomes of a batch statement PostgreSQL rejected with `reason`, isolating the bad ones.
+
+    Halves are written alone (a bad outcome costs about 2 log2(n) small
+    statements, on this error path only); a rejected single outcome is
+    replaced by `unrecorded`, then by its last fallback (discarded, no error),
+    and if even that is rejected it is left running for the rescuer.
+    """
+    items: list[int | Outcome] = [*completed, *failures]
+
+    def written(part: list[int | Outcome]) -> str | None:
+        done = [item for item in part if isinstance(item, int)]
+        return write(done, [item for item in part if not isinstance(item, int)])
+
+    def settle(part: list[int | Outcome], reason: str) -> None:
+        if len(part) > 1:
+            middle = len(part) // 2
+            for half in (part[:middle], part[middle:]):
+                error = written(half)
+                if error is not None:
+                    settle(half, error)
+            return
+        [item] = part
+        job_id, attempt = (item, 1) if isinstance(item, int) else (item["id"], item["attempt"])
+        what = "completed" if isinstance(item, int) else str(item["state"])
+        _say_rejected(job_id, attempt, reason)
+        for last in (False, True):
+            error = write([], [unrecorded(job_id, attempt, what, reason, last=last)])
+            if error is None:
+                return
+            reason = error
+        print(
+            f"fastjobs: no record of job {job_id} attempt {attempt} could be written ({reason});"
+            " it stays running until the rescuer takes it",
+            file=sys.stderr,
+        )
+
+    settle(items, reason)
+
+
+def _say_rejected(job_id: int, attempt: int, reason: str) -> None:
+    print(
+        f"fastjobs: the outcome of job {job_id} attempt {attempt} could not be recorded ({reason.strip()});"
+        " recording a failure of its own instead",
+        file=sys.stderr,
+    )
+
+
+def say_stale(stale: list[tuple[int, int, str]]) -> None:
+    """Report outcomes the batch statement dropped: their job no longer runs that attempt here."""
+    for job_id, attempt, state in stale[:STALE_LINES]:
+        print(
+            f"fastjobs: dropped the stale outcome ({state}) of job {job_id} attempt {attempt}: the job is no"
+            " longer running that attempt on this worker (rescued, or changed by hand)",
+            file=sys.stderr,
+        )
+    if len(stale) > STALE_LINES:
+        print(f"fastjobs: ... and {len(stale) - STALE_LINES} more stale outcomes dropped", file=sys.stderr)
 
 
 def returned_coroutine(spec: JobSpec) -> str:

@@ -152,20 +152,64 @@ UPDATE fastjobs_jobs j
 RETURNING j.id, j.kind, j.args, j.attempt, j.max_attempts, j.priority, j.run_at"""
 
 # The outcomes of a batch ($2, a JSON array written by fastjobs.handlers):
-# {id, state, delay (seconds, null keeps run_at), uncount (1 gives the attempt
-# back: snoozed and released jobs), error (appended to errors, or null)}.
-_FINISH_FAILED = """
+# {id, attempt, state, delay (seconds, null keeps run_at), uncount (1 gives
+# the attempt back: snoozed and released jobs), error (appended to errors,
+# or null)}. State 'completed' is a job completed at an attempt other than
+# the first (those of the first travel as ids, $1).
+# An outcome applies only to the attempt that produced it: the row must
+# still be running that attempt for this worker ($5), or it was taken
+# meanwhile (the rescuer, an operator) and the outcome is stale.
+# A job whose cancellation was requested ends cancelled instead of running
+# again (released, snoozed, retried), and a failed attempt (an error, the
+# attempt counted) that was the last is discarded whatever the outcome says
+# (the fallback record of a poison outcome does not know max_attempts).
+_OUTCOMES = "jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state"
+_RUNNING_HERE = "j.attempted_by = $5 AND j.state::text = 'running'"
+_FINISH_STATE = """CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
+                     THEN 'cancelled'
+                     WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
+                          AND j.attempt >= j.max_attempts THEN 'discarded'
+                     ELSE f.state END::fastjobs_state"""
+_FINISH_FAILED = f"""
     UPDATE fastjobs_jobs j
-       SET state = f.state,
+       SET state = {_FINISH_STATE},
            run_at = CASE WHEN f.delay IS NULL THEN j.run_at
                          ELSE now() + make_interval(secs => f.delay) END,
            attempt = j.attempt - f.uncount,
-           finalized_at = CASE WHEN f.state IN ('discarded', 'cancelled') THEN now() END,
-           errors = CASE WHEN f.error IS NULL THEN j.errors
-                         ELSE coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(f.error) END
-      FROM jsonb_to_recordset($2::jsonb)
-           AS f(id bigint, state fastjobs_state, delay float8, uncount smallint, error jsonb)
-     WHERE j.id = f.id AND j.state::text = 'running'"""
+           finalized_at = CASE WHEN {_FINISH_STATE} IN ('discarded', 'cancelled') THEN now() END,
+           errors = CASE WHEN f.error IS NOT NULL
+                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(f.error)
+                         WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
+                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
+                              'at', now(), 'attempt', j.attempt, 'traceback', NULL,
+                              'error', 'Cancel: cancellation requested before it could run again'))
+                         ELSE j.errors END
+      FROM {_OUTCOMES}, delay float8, uncount smallint, error jsonb)
+     WHERE f.state <> 'completed' AND j.id = f.id AND j.attempt = f.attempt AND {_RUNNING_HERE}
+    RETURNING j.id, j.queue, j.state"""
+
+# The completions: the ids of jobs completed at their first attempt ($1, an
+# int8 array: the usual case, found by the primary key in one index scan),
+# and the 'completed' outcomes of later attempts. Deleted, or with `keep`
+# kept as 'completed' rows for the cleaner to remove after the retention period.
+_COMPLETE_FIRST = f"""
+    DELETE FROM fastjobs_jobs j
+     WHERE j.id = ANY($1::bigint[]) AND j.attempt = 1 AND {_RUNNING_HERE}
+    RETURNING j.id"""
+_COMPLETE_LATER = f"""
+    DELETE FROM fastjobs_jobs j
+     USING {_OUTCOMES})
+     WHERE f.state = 'completed' AND j.id = f.id AND j.attempt = f.attempt AND {_RUNNING_HERE}
+    RETURNING j.id"""
+_KEEP_FIRST = f"""
+    UPDATE fastjobs_jobs j SET state = 'completed', finalized_at = now()
+     WHERE j.id = ANY($1::bigint[]) AND j.attempt = 1 AND {_RUNNING_HERE}
+    RETURNING j.id"""
+_KEEP_LATER = f"""
+    UPDATE fastjobs_jobs j SET state = 'completed', finalized_at = now()
+      FROM {_OUTCOMES})
+     WHERE f.state = 'completed' AND j.id = f.id AND j.attempt = f.attempt AND {_RUNNING_HERE}
+    RETURNING j.id"""
 
 # The same claim inside the finish statement, its parameters renumbered.
 _CLAIM = "\n    ".join(job_claim_many.replace("$3", "$5").replace("$2", "$4").replace("$1", "$3").split("\n"))
@@ -189,9 +233,35 @@ _CLAIM_AFTER = _CLAIM.replace(
 )
 assert _CLAIM_AFTER != _CLAIM
 
+# After the claimed rows, one row per outcome that did not apply (stale: its
+# job is no longer running that attempt for this worker), kind NULL, the
+# outcome's state in args; each branch runs only when its count of applied
+# rows falls short (a one-time filter: nothing to do in the usual batch).
+# Last, the wake-up of each queue an outcome made available at once
+# (Retry(0), Snooze(0), a release): pg_notify returns void, so that branch
+# yields no row. Claimed rows come first: an Append runs its branches in order.
+_FINISH_RESULT = """
+SELECT id, kind, args, attempt, max_attempts, priority, run_at FROM claimed
+UNION ALL
+SELECT c.id, NULL, to_jsonb('completed'::text), 1::smallint, NULL, NULL, NULL
+  FROM unnest($1::bigint[]) AS c(id)
+ WHERE (SELECT count(*) FROM completed) < cardinality($1::bigint[])
+   AND c.id NOT IN (SELECT id FROM completed)
+UNION ALL
+SELECT f.id, NULL, to_jsonb(f.state), f.attempt, NULL, NULL, NULL
+  FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state text)
+ WHERE (SELECT count(*) FROM failed) + (SELECT count(*) FROM completed_later) < jsonb_array_length($2::jsonb)
+   AND f.id NOT IN (SELECT id FROM failed UNION ALL SELECT id FROM completed_later)
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL
+  FROM (SELECT DISTINCT queue FROM failed WHERE state = 'available') AS woken
+ WHERE pg_notify('fastjobs', woken.queue)::text IS NULL"""
+
 # job_finish_claim_many: the hot loop's one statement, one round trip per batch.
-# Deletes the completed jobs ($1, an int8 array), records the other outcomes
-# ($2), and claims up to $4 jobs of queue $3 for worker $5 (LIMIT 0: none).
+# Completes the jobs of $1 and the 'completed' outcomes of $2 (_COMPLETE_*),
+# records the other outcomes of $2, claims up to $4 jobs of queue $3 for
+# worker $5 (LIMIT 0: none), then lists the stale outcomes and wakes the
+# queues (_FINISH_RESULT).
 # The guards read `state::text = 'running'` so no plan can answer them from
 # the partial index of running jobs: a queue table's statistics are often
 # those of a moment it was empty, and then the generic plan scanned every
@@ -199,26 +269,22 @@ assert _CLAIM_AFTER != _CLAIM
 # 0.55 x the raw limit instead of 1.2 x, measured). Finding the rows by id is
 # the only plan left.
 job_finish_claim_many: Final = f"""
-WITH completed AS (
-    DELETE FROM fastjobs_jobs WHERE id = ANY($1::bigint[]) AND state::text = 'running'
+WITH completed AS ({_COMPLETE_FIRST}
+), completed_later AS ({_COMPLETE_LATER}
 ), failed AS ({_FINISH_FAILED}
 ), claimed AS ({_CLAIM}
-)
-SELECT id, kind, args, attempt, max_attempts, priority, run_at FROM claimed"""
+){_FINISH_RESULT}"""
 
 # job_finish_claim_after: the same, claiming after the mark ($6, $7) left by the last claim.
 job_finish_claim_after: Final = job_finish_claim_many.replace(_CLAIM, _CLAIM_AFTER)
 
-# job_finish_claim_many_keep: the same, keeping completed jobs as 'completed'
-# rows for the cleaner to remove after the retention period.
+# job_finish_claim_many_keep: the same, keeping completed jobs as 'completed' rows.
 job_finish_claim_many_keep: Final = f"""
-WITH completed AS (
-    UPDATE fastjobs_jobs SET state = 'completed', finalized_at = now()
-     WHERE id = ANY($1::bigint[]) AND state::text = 'running'
+WITH completed AS ({_KEEP_FIRST}
+), completed_later AS ({_KEEP_LATER}
 ), failed AS ({_FINISH_FAILED}
 ), claimed AS ({_CLAIM}
-)
-SELECT id, kind, args, attempt, max_attempts, priority, run_at FROM claimed"""
+){_FINISH_RESULT}"""
 
 # job_finish_claim_after_keep: keeping completed jobs, claiming after the mark.
 job_finish_claim_after_keep: Final = job_finish_claim_many_keep.replace(_CLAIM, _CLAIM_AFTER)
@@ -426,13 +492,14 @@ SELECT id FROM fastjobs_jobs WHERE state = 'running' AND attempted_by = $1 AND c
 
 # job_retry: a discarded, cancelled or completed job back to available, now,
 # with an attempt to spare and its crash allowance back (the claim counts
-# attempts up to smallint's maximum, and so does this).
+# attempts up to smallint's maximum, and so does this); its queue's workers
+# are woken (an UPDATE fires no enqueue trigger).
 job_retry: Final = """
 UPDATE fastjobs_jobs
    SET state = 'available', run_at = now(), finalized_at = NULL, cancel_requested = false,
        max_attempts = greatest(max_attempts, least(attempt, 32766) + 1), crashes = 0
  WHERE id = $1 AND state IN ('discarded', 'cancelled', 'completed')
-RETURNING state::text"""
+RETURNING state::text, pg_notify('fastjobs', queue)"""
 
 # job_discard: a job that is not running becomes discarded now.
 job_discard: Final = """

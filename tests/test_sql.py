@@ -84,16 +84,17 @@ def seeded(template_db: str) -> Iterator[str]:
 def _claim_arguments(name: str, batch: int) -> str:
     """EXECUTE arguments of a claiming statement: finished jobs among the running ones, then the claim."""
     claim = f"'q1', {batch}, 'worker-1'"
-    if "_after" in name:
-        claim += ", 0, 0"  # the mark: priority 0, run_at 2000-01-01
     if name == "job_claim_many":
         return claim
     completed = "'{" + ",".join(str(i) for i in range(50_001, 51_001)) + "}'"
     failed = [
-        {"id": i, "state": "retryable", "delay": 1.0, "uncount": 0, "error": {"error": "boom"}}
+        {"id": i, "attempt": 1, "state": "retryable", "delay": 1.0, "uncount": 0, "error": {"error": "boom"}}
         for i in range(51_001, 51_101)
-    ]
-    return f"{completed}, '{json.dumps(failed)}', {claim}"
+    ] + [{"id": i, "attempt": 2, "state": "completed"} for i in range(51_101, 51_201)]
+    arguments = f"{completed}, '{json.dumps(failed)}', {claim}"
+    if "_after" in name:
+        arguments += ", 0, 0"  # the mark: priority 0, run_at 2000-01-01
+    return arguments
 
 
 # A worker executes its claim as a prepared statement for its whole life, so
@@ -279,3 +280,51 @@ def test_rolled_back_enqueue_does_not_notify(app: App, dsn, listener):
         app.enqueue_many("k", [{"n": i} for i in range(100)], conn=conn, queue="never")
         conn.rollback()
     assert _notifications(listener, dsn) == {}
+
+
+@pytest.mark.parametrize("plan_cache_mode", ["force_custom_plan", "force_generic_plan"])
+def test_the_search_for_stale_outcomes_runs_only_when_an_outcome_did_not_apply(dsn, plan_cache_mode):
+    """Every outcome applied (the usual batch): the branches that list stale outcomes stop at
+    their one-time filter. One stale outcome of each kind: they run, and report just those."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO fastjobs_jobs (kind, state, attempt, attempted_by)"
+            " SELECT 'k', 'running', CASE WHEN i > 200 THEN 2 ELSE 1 END, 'worker-1'"
+            "   FROM generate_series(1, 400) i"
+        )
+    name = "job_finish_claim_many"
+    ids = "'{" + ",".join(str(i) for i in range(1, 101)) + "}'"
+    outcomes = [
+        {"id": i, "attempt": 1, "state": "retryable", "delay": 1.0, "uncount": 0} for i in range(101, 111)
+    ]
+    outcomes += [{"id": i, "attempt": 2, "state": "completed"} for i in range(201, 211)]
+    arguments = f"{ids}, '{json.dumps(outcomes)}', 'q1', 0, 'worker-1'"
+
+    def execute() -> tuple[list[Any], list[dict[str, Any]]]:
+        with psycopg.connect(dsn) as conn, psycopg.RawCursor(conn) as cur:
+            cur.execute(sql.worker_session)
+            cur.execute(f"PREPARE {name} AS {sql.statements()[name]}")
+            cur.execute(f"SET plan_cache_mode = {plan_cache_mode}")
+            row = cur.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE {name}({arguments})").fetchone()
+            assert row is not None
+            conn.rollback()
+            rows = cur.execute(f"EXECUTE {name}({arguments})").fetchall()
+            conn.rollback()
+        scans = [n for n in _plan_nodes(row[0][0]["Plan"]) if n["Node Type"] == "Function Scan"]
+        return rows, scans
+
+    rows, scans = execute()
+    assert rows == []
+    # The outcome records for the completions and the failures, and again
+    # for the stale ones (never run), and the ids for the stale ones (never run).
+    assert sorted(n["Actual Loops"] for n in scans) == [0, 0, 1, 1], scans
+    query = "UPDATE fastjobs_jobs SET attempt = attempt + 1 WHERE id IN (7, 107, 207)"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(query)
+    rows, scans = execute()
+    assert sorted((r[0], r[1], r[2], r[3]) for r in rows) == [
+        (7, None, "completed", 1),
+        (107, None, "retryable", 1),
+        (207, None, "completed", 2),
+    ]
+    assert sorted(n["Actual Loops"] for n in scans) == [1, 1, 1, 1], scans
