@@ -478,6 +478,10 @@ def backend_kind(query: str, leads: bool) -> str:
     """What a fastjobs connection is, by the lock it holds or the last statement it ran."""
     if leads:
         return "leader"
+    # First: the batch statement names cancel_requested too (a cancel sticks through its
+    # outcomes), and pg_stat_activity keeps only its first 1,024 bytes.
+    if "WITH completed AS" in query:
+        return "hot loop"
     if (
         query.startswith("LISTEN fastjobs_cancel")
         or "fastjobs_workers" in query
@@ -486,8 +490,6 @@ def backend_kind(query: str, leads: bool) -> str:
         return "control"  # a worker's heartbeat and cancellation thread
     if query.startswith("LISTEN") or "fastjobs_ping" in query:
         return "listen"
-    if "claimed" in query:
-        return "hot loop"
     return "other"
 
 
