@@ -366,3 +366,26 @@ def test_the_slot_records_the_slow_jobs_running_and_says_when_it_cannot() -> Non
         assert slot.crash_report() == ([14, 12, 7], 0)
     finally:
         slots.close(unlink=True)
+
+
+def test_the_master_supervises_with_one_thread_and_no_socket(
+    masters: procs.Masters, app: App, db: psycopg.Connection[Any]
+) -> None:
+    """gunicorn's arbiter: while it supervises (a worker just died and was released, metrics are
+    served) the master has one thread and holds no socket: no database connection, no listener."""
+    master = masters.start("--processes", "1", "--metrics-port", "0")
+    victim = master.wait_child("fastjobs: worker 1 ")
+    master.wait_child("fastjobs: metrics")
+    os.kill(victim, signal.SIGKILL)
+    master.wait_child("fastjobs: worker 1 ", exclude=(victim,))
+    app.enqueue("record", {"n": 1})
+    wait_for(lambda: runs(db)[1] == 1, "the replacement to run a job")
+    assert os.listdir(f"/proc/{master.pid}/task") == [str(master.pid)]
+    held = []
+    for fd in os.listdir(f"/proc/{master.pid}/fd"):
+        try:
+            held.append(os.readlink(f"/proc/{master.pid}/fd/{fd}"))
+        except FileNotFoundError:  # closed meanwhile
+            continue
+    assert not [target for target in held if target.startswith("socket:")], held
+    assert master.stop() == 0, master.stderr()
