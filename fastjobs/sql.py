@@ -100,7 +100,7 @@ schema_exists: Final = "SELECT to_regclass('fastjobs_migrations') IS NOT NULL"
 schema_version: Final = "SELECT max(version) FROM fastjobs_migrations"
 
 # The states in which a unique key is taken are the partial unique index's
-# predicate (migrations/001_initial.sql): job_insert, job_get_unique and
+# predicate (migrations/002_maintenance.sql): job_insert, job_get_unique and
 # job_insert_staged spell it as UNIQUE_STATES does (tests/test_sql.py checks).
 UNIQUE_STATES: Final = "state IN ('available', 'scheduled', 'running', 'retryable')"
 

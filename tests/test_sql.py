@@ -157,6 +157,16 @@ def test_the_finish_statements_differ_only_where_their_variant_does(name, siblin
             assert sibling_ctes[cte] == _kept(ctes[cte]) != ctes[cte], cte
 
 
+def test_an_outcome_is_finalized_by_the_state_it_is_given():
+    """The failed CTE spells the outcome's new state twice (SET cannot read the new
+    value of another column): finalized_at must test the very state that SET writes."""
+    failed = _parts(sql.job_finish_claim_many)[0]["failed"]
+    match = re.search(r"SET state = (CASE .*? END::fastjobs_state),", failed)
+    assert match is not None
+    assert failed.count(match[1]) == 2
+    assert f"finalized_at = CASE WHEN {match[1]} IN ('discarded', 'cancelled') THEN now() END," in failed
+
+
 @pytest.mark.parametrize("name", ["job_finish_claim_many", "job_finish_claim_many_keep"])
 def test_the_finish_statements_claim_as_job_claim_many_does(name):
     """Their claim is job_claim_many's, its parameters $1, $2, $3 moved to $3, $4, $5."""
