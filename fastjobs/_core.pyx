@@ -318,11 +318,10 @@ cdef class BatchLoop:
         self._worker_id = worker_id.encode()
         self._queues = [q.encode() for q in queues]
         self._turn = 0
-        keep = "_keep" if keep_completed else ""
-        self._statement = f"job_finish_claim_many{keep}".encode()
-        self._after_statement = f"job_finish_claim_after{keep}".encode()
-        self._sql = getattr(sql, self._statement.decode()).encode()
-        self._after_sql = getattr(sql, self._after_statement.decode()).encode()
+        name, text = sql.FINISH[bool(keep_completed), False]
+        self._statement, self._sql = name.encode(), text.encode()
+        name, text = sql.FINISH[bool(keep_completed), True]
+        self._after_statement, self._after_sql = name.encode(), text.encode()
         self._marks = [None] * len(queues)
         self._next_full = [0.0] * len(queues)
         self._sent_index = 0

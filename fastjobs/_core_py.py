@@ -187,10 +187,9 @@ class BatchLoop:
         self._worker_id = worker_id.encode()
         self._queues = [q.encode() for q in queues]
         self._turn = 0
-        keep = "_keep" if keep_completed else ""
         self._statements = {
-            name: (name.encode(), getattr(sql, name))
-            for name in (f"job_finish_claim_many{keep}", f"job_finish_claim_after{keep}")
+            name: (name.encode(), text)
+            for name, text in (sql.FINISH[keep_completed, False], sql.FINISH[keep_completed, True])
         }
         self._full_name, self._after_name = (name for name, _ in self._statements.values())
         # Per queue: where its last claim ended (priority, run_at as binary

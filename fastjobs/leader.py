@@ -33,12 +33,18 @@ if TYPE_CHECKING:
     from .app import App
 
 
-# libpq's side of the leader's keepalives (ignored on Unix sockets).
+# The leader's keepalives, on both ends of its connection (ignored on Unix
+# sockets): silent for KEEPALIVE_IDLE seconds, probed every KEEPALIVE_INTERVAL,
+# given up after KEEPALIVE_COUNT unanswered probes.
+KEEPALIVE_IDLE = 5
+KEEPALIVE_INTERVAL = 2
+KEEPALIVE_COUNT = 3
+# libpq's side; the server's is sql.leader_keepalive.
 KEEPALIVES = {
     "keepalives": 1,
-    "keepalives_idle": 5,
-    "keepalives_interval": 2,
-    "keepalives_count": 3,
+    "keepalives_idle": KEEPALIVE_IDLE,
+    "keepalives_interval": KEEPALIVE_INTERVAL,
+    "keepalives_count": KEEPALIVE_COUNT,
     "tcp_user_timeout": 10_000,
 }
 
@@ -453,7 +459,10 @@ class Leader:
             )
             schema.check(conn)
             with psycopg.RawCursor(conn) as cur:
-                cur.execute(sql.leader_keepalive, (int(self.config.lease * 1000),))
+                lease = int(self.config.lease * 1000)
+                cur.execute(
+                    sql.leader_keepalive, (KEEPALIVE_IDLE, KEEPALIVE_INTERVAL, KEEPALIVE_COUNT, lease)
+                )
             return conn
         except DatabaseUnavailable as exc:
             print(f"fastjobs: leader cannot connect, retrying: {exc}", file=sys.stderr, flush=True)

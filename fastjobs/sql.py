@@ -1,12 +1,17 @@
 """Every SQL statement fastjobs runs, named, with its purpose.
 
-The constant's name is the prepared statement's name and the test id.
-Placeholders are PostgreSQL's own `$n`: the statements run unchanged through
-psycopg's RawCursor and through libpq in the Cython hot loop.
+Each statement is written out whole, as one string literal: nothing is
+composed at run time, so what is read here is what PostgreSQL runs. The
+constant's name is the prepared statement's name and the test id; STATEMENTS
+lists them all, FINISH picks the hot loop's. Placeholders are PostgreSQL's own
+`$n`: the statements run unchanged through psycopg's RawCursor and through
+libpq in the Cython hot loop.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Final
 
 # Key of the transaction-level advisory lock `fastjobs migrate` holds, so two
@@ -17,12 +22,26 @@ MIGRATION_LOCK_KEY: Final = 0x66_61_73_74_6A_6F_62
 # application can choose another so it cannot collide with its own locks.
 LEADER_LOCK_KEY: Final = 0x66_6A_6C_65_61_64  # "fjlead"
 
+# The literals below are written into the statements (and the migrations)
+# as they are: a LISTEN or a statement's pg_notify cannot take its channel as
+# a parameter without an extra parameter per batch. tests/test_sql.py checks
+# that every literal of every statement and migration is one of these.
+
 # Channel every wake-up is sent on; the payload is the queue name.
 NOTIFY_CHANNEL: Final = "fastjobs"
 # Channel of the listeners' health checks; the payload is the pinging listener's id.
 PING_CHANNEL: Final = "fastjobs_ping"
 # Channel of cancellation requests for running jobs; the payload is the job id.
 CANCEL_CHANNEL: Final = "fastjobs_cancel"
+CHANNELS: Final = frozenset({NOTIFY_CHANNEL, PING_CHANNEL, CANCEL_CHANNEL})
+
+# The highest attempt a claim or a retry counts from (`least(attempt, 32766) + 1`):
+# smallint's maximum less one, so the count never overflows the column.
+ATTEMPT_CAP: Final = 32766
+
+# How far before the last claim's run_at a claim after the mark starts, in
+# microseconds ($7::int8 - 100000): room for transactions that committed late.
+CLAIM_MARK_MARGIN: Final = 100_000
 
 # listen_jobs, listen_ping, listen_cancel: subscribe a connection to a channel.
 listen_jobs: Final = "LISTEN fastjobs"
@@ -80,24 +99,30 @@ schema_exists: Final = "SELECT to_regclass('fastjobs_migrations') IS NOT NULL"
 # schema_version: the newest applied migration.
 schema_version: Final = "SELECT max(version) FROM fastjobs_migrations"
 
-# The states in which a unique key is taken (the partial unique index's predicate).
-_UNIQUE_STATES = "state IN ('available', 'scheduled', 'running', 'retryable')"
+# The states in which a unique key is taken are the partial unique index's
+# predicate (migrations/002_maintenance.sql): job_insert, job_get_unique and
+# job_insert_staged spell it as UNIQUE_STATES does (tests/test_sql.py checks).
+UNIQUE_STATES: Final = "state IN ('available', 'scheduled', 'running', 'retryable')"
 
 # job_insert: one job; scheduled when its run_at ($6, or now + $7 seconds) is
 # in the future. With a unique key ($8) already taken, nothing is inserted and
 # no row returned (job_get_unique then finds the holder).
-job_insert: Final = f"""
+job_insert: Final = """
 INSERT INTO fastjobs_jobs (queue, kind, args, priority, max_attempts, state, run_at, unique_key)
 SELECT $1, $2, $3::jsonb, $4, $5,
        CASE WHEN t.run_at > now() THEN 'scheduled' ELSE 'available' END::fastjobs_state,
        t.run_at, $8
   FROM (SELECT coalesce($6::timestamptz,
                         now() + make_interval(secs => coalesce($7::float8, 0)))) AS t(run_at)
-ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL AND {_UNIQUE_STATES} DO NOTHING
+ON CONFLICT (unique_key)
+   WHERE unique_key IS NOT NULL AND state IN ('available', 'scheduled', 'running', 'retryable')
+   DO NOTHING
 RETURNING id"""
 
 # job_get_unique: the pending or running job holding unique key $1.
-job_get_unique: Final = f"SELECT id FROM fastjobs_jobs WHERE unique_key = $1 AND {_UNIQUE_STATES}"
+job_get_unique: Final = """
+SELECT id FROM fastjobs_jobs
+ WHERE unique_key = $1 AND state IN ('available', 'scheduled', 'running', 'retryable')"""
 
 # job_copy_staged: bulk unique jobs go through a temporary table, since COPY cannot skip conflicts.
 job_copy_staged: Final = (
@@ -113,12 +138,14 @@ CREATE TEMP TABLE IF NOT EXISTS fastjobs_staged (
 ) ON COMMIT DELETE ROWS"""
 
 # job_insert_staged: move staged jobs in, skipping keys already taken; one statement, one notification.
-job_insert_staged: Final = f"""
+job_insert_staged: Final = """
 INSERT INTO fastjobs_jobs (queue, kind, args, priority, max_attempts, state, run_at, unique_key)
 SELECT queue, kind, args, priority, max_attempts,
        coalesce(state, 'available'), coalesce(run_at, now()), unique_key
   FROM fastjobs_staged
-ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL AND {_UNIQUE_STATES} DO NOTHING"""
+ON CONFLICT (unique_key)
+   WHERE unique_key IS NOT NULL AND state IN ('available', 'scheduled', 'running', 'retryable')
+   DO NOTHING"""
 
 # job_stage_clear: empty the staging table (a caller's transaction may stage again before commit).
 job_stage_clear: Final = "DELETE FROM fastjobs_staged"
@@ -136,7 +163,7 @@ job_copy_at: Final = (
 # Priority and run_at come back so the hot loop knows where the claim ended.
 # The ids go through ARRAY(...): joined as a subquery instead, a large batch
 # makes the planner hash-join it against a Seq Scan of the whole table.
-# The attempt stops at smallint's maximum: a row already there (written by
+# The attempt stops at smallint's maximum (ATTEMPT_CAP): a row already there (written by
 # hand) would otherwise fail the whole statement, so every claim of its queue;
 # it runs as its last attempt instead (max_attempts is a smallint too).
 job_claim_many: Final = """
@@ -151,32 +178,85 @@ UPDATE fastjobs_jobs j
               FOR UPDATE SKIP LOCKED))
 RETURNING j.id, j.kind, j.args, j.attempt, j.max_attempts, j.priority, j.run_at"""
 
-# The outcomes of a batch ($2, a JSON array written by fastjobs.handlers):
-# {id, attempt, state, delay (seconds, null keeps run_at), uncount (1 gives
-# the attempt back: snoozed and released jobs), error (appended to errors,
-# or null)}. State 'completed' is a job completed at an attempt other than
-# the first (those of the first travel as ids, $1).
-# An outcome applies only to the attempt that produced it: the row must
-# still be running that attempt for this worker ($5), or it was taken
-# meanwhile (the rescuer, an operator) and the outcome is stale.
-# A job whose cancellation was requested ends cancelled instead of running
-# again (released, snoozed, retried), and a failed attempt (an error, the
-# attempt counted) that was the last is discarded whatever the outcome says
-# (the fallback record of a poison outcome does not know max_attempts).
-_OUTCOMES = "jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state"
-_RUNNING_HERE = "j.attempted_by = $5 AND j.state::text = 'running'"
-_FINISH_STATE = """CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
-                     THEN 'cancelled'
-                     WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
-                          AND j.attempt >= j.max_attempts THEN 'discarded'
-                     ELSE f.state END::fastjobs_state"""
-_FINISH_FAILED = f"""
+# The hot loop's one statement per batch, one round trip: job_finish_claim_many
+# and its three variants (tests/test_sql.py pins what they share: the _keep
+# ones differ only in their completed and completed_later CTEs, the _after
+# ones only in their claim's predicate). Each, in order:
+# completed: the ids of jobs completed at their first attempt ($1, an int8
+#   array: the usual case, found by the primary key in one index scan),
+#   deleted, or (_keep) kept as 'completed' rows for the cleaner to remove
+#   after the retention period;
+# completed_later: the same for the 'completed' outcomes of $2 (jobs
+#   completed at an attempt other than the first);
+# failed: the other outcomes of $2 recorded. $2 is a JSON array written by
+#   fastjobs.handlers of {id, attempt, state, delay (seconds, null keeps
+#   run_at), uncount (1 gives the attempt back: snoozed and released jobs),
+#   error (appended to errors, or null)}. A job whose cancellation was
+#   requested ends cancelled instead of running again (released, snoozed,
+#   retried), and a failed attempt (an error, the attempt counted) that was
+#   the last is discarded whatever the outcome says (the fallback record of a
+#   poison outcome does not know max_attempts);
+# claimed: job_claim_many's claim, its parameters renumbered: up to $4 jobs of
+#   queue $3 for worker $5 (LIMIT 0: none);
+# then the claimed rows, and after them one row per outcome that did not
+#   apply (stale: its job is no longer running that attempt for this worker),
+#   kind NULL, the outcome's state in args; each of those branches runs only
+#   when its count of applied rows falls short (a one-time filter: nothing to
+#   do in the usual batch). Last, the wake-up of each queue an outcome made
+#   available at once (Retry(0), Snooze(0), a release): pg_notify returns
+#   void, so that branch yields no row. Claimed rows come first: an Append
+#   runs its branches in order.
+# An outcome applies only to the attempt that produced it: the row must still
+# be running that attempt for this worker ($5), or it was taken meanwhile (the
+# rescuer, an operator) and the outcome is stale.
+# The guards read `state::text = 'running'` so no plan can answer them from
+# the partial index of running jobs: a queue table's statistics are often
+# those of a moment it was empty, and then the generic plan scanned every
+# running job per batch, filtering each against the id array (a drain at
+# 0.55 x the raw limit instead of 1.2 x, measured). Finding the rows by id is
+# the only plan left.
+# The _after variants claim from where the last claim ended ($6 priority, $7
+# run_at in microseconds since 2000-01-01, the binary timestamptz the claim
+# returned, less a margin of CLAIM_MARK_MARGIN for transactions that committed
+# late). Claimed jobs leave dead entries at the front of the claim index until
+# VACUUM removes them, and a scan from the front wades through all of them: a
+# million after a minute at 30k jobs/s, or whenever a long transaction holds
+# the horizon back (measured: 17 ms against 2.5 ms per claim of 1,000 behind
+# 900,000 dead). The hot loop claims from the front only as often as that
+# costs it 10% of its time (fastjobs._core_py.FULL_CLAIM_DUTY), which is
+# nearly always when the index is clean; jobs behind the mark (promoted,
+# retried, of another priority) wait for that claim.
+
+# job_finish_claim_many: finish a batch (completed jobs deleted) and claim the next from the front.
+job_finish_claim_many: Final = """
+WITH completed AS (
+    DELETE FROM fastjobs_jobs j
+     WHERE j.id = ANY($1::bigint[]) AND j.attempt = 1
+       AND j.attempted_by = $5 AND j.state::text = 'running'
+    RETURNING j.id
+), completed_later AS (
+    DELETE FROM fastjobs_jobs j
+     USING jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state)
+     WHERE f.state = 'completed' AND j.id = f.id AND j.attempt = f.attempt
+       AND j.attempted_by = $5 AND j.state::text = 'running'
+    RETURNING j.id
+), failed AS (
     UPDATE fastjobs_jobs j
-       SET state = {_FINISH_STATE},
+       SET state = CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
+                        THEN 'cancelled'
+                        WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
+                             AND j.attempt >= j.max_attempts THEN 'discarded'
+                        ELSE f.state END::fastjobs_state,
            run_at = CASE WHEN f.delay IS NULL THEN j.run_at
                          ELSE now() + make_interval(secs => f.delay) END,
            attempt = j.attempt - f.uncount,
-           finalized_at = CASE WHEN {_FINISH_STATE} IN ('discarded', 'cancelled') THEN now() END,
+           finalized_at = CASE
+               WHEN CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
+                         THEN 'cancelled'
+                         WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
+                              AND j.attempt >= j.max_attempts THEN 'discarded'
+                         ELSE f.state END::fastjobs_state IN ('discarded', 'cancelled')
+               THEN now() END,
            errors = CASE WHEN f.error IS NOT NULL
                          THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(f.error)
                          WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
@@ -184,63 +264,23 @@ _FINISH_FAILED = f"""
                               'at', now(), 'attempt', j.attempt, 'traceback', NULL,
                               'error', 'Cancel: cancellation requested before it could run again'))
                          ELSE j.errors END
-      FROM {_OUTCOMES}, delay float8, uncount smallint, error jsonb)
-     WHERE f.state <> 'completed' AND j.id = f.id AND j.attempt = f.attempt AND {_RUNNING_HERE}
-    RETURNING j.id, j.queue, j.state"""
-
-# The completions: the ids of jobs completed at their first attempt ($1, an
-# int8 array: the usual case, found by the primary key in one index scan),
-# and the 'completed' outcomes of later attempts. Deleted, or with `keep`
-# kept as 'completed' rows for the cleaner to remove after the retention period.
-_COMPLETE_FIRST = f"""
-    DELETE FROM fastjobs_jobs j
-     WHERE j.id = ANY($1::bigint[]) AND j.attempt = 1 AND {_RUNNING_HERE}
-    RETURNING j.id"""
-_COMPLETE_LATER = f"""
-    DELETE FROM fastjobs_jobs j
-     USING {_OUTCOMES})
-     WHERE f.state = 'completed' AND j.id = f.id AND j.attempt = f.attempt AND {_RUNNING_HERE}
-    RETURNING j.id"""
-_KEEP_FIRST = f"""
-    UPDATE fastjobs_jobs j SET state = 'completed', finalized_at = now()
-     WHERE j.id = ANY($1::bigint[]) AND j.attempt = 1 AND {_RUNNING_HERE}
-    RETURNING j.id"""
-_KEEP_LATER = f"""
-    UPDATE fastjobs_jobs j SET state = 'completed', finalized_at = now()
-      FROM {_OUTCOMES})
-     WHERE f.state = 'completed' AND j.id = f.id AND j.attempt = f.attempt AND {_RUNNING_HERE}
-    RETURNING j.id"""
-
-# The same claim inside the finish statement, its parameters renumbered.
-_CLAIM = "\n    ".join(job_claim_many.replace("$3", "$5").replace("$2", "$4").replace("$1", "$3").split("\n"))
-
-# The claim from where the last one ended ($6 priority, $7 run_at in
-# microseconds since 2000-01-01, the binary timestamptz the claim returned,
-# less a margin for transactions that committed late). Claimed jobs leave
-# dead entries at the front of the claim index until VACUUM removes them, and
-# a scan from the front wades through all of them: a million after a minute
-# at 30k jobs/s, or whenever a long transaction holds the horizon back
-# (measured: 17 ms against 2.5 ms per claim of 1,000 behind 900,000 dead).
-# The hot loop claims from the front only as often as that costs it 10% of
-# its time (fastjobs._core_py.FULL_CLAIM_DUTY), which is nearly always when
-# the index is clean; jobs behind the mark (promoted, retried, of another
-# priority) wait for that claim.
-_CLAIM_AFTER = _CLAIM.replace(
-    "AND run_at <= now()",
-    "AND run_at <= now() AND priority = $6\n"
-    "                  AND run_at >= timestamptz '2000-01-01 00:00:00+00'\n"
-    "                                + ($7::int8 - 100000) * interval '1 microsecond'",
+      FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
+                                              delay float8, uncount smallint, error jsonb)
+     WHERE f.state <> 'completed' AND j.id = f.id AND j.attempt = f.attempt
+       AND j.attempted_by = $5 AND j.state::text = 'running'
+    RETURNING j.id, j.queue, j.state
+), claimed AS (
+    UPDATE fastjobs_jobs j
+       SET state = 'running', attempt = least(j.attempt, 32766) + 1,
+           attempted_at = now(), attempted_by = $5
+     WHERE j.id = ANY(ARRAY(
+               SELECT id FROM fastjobs_jobs
+                WHERE state = 'available' AND queue = $3 AND run_at <= now()
+                ORDER BY priority DESC, run_at, id
+                LIMIT $4
+                  FOR UPDATE SKIP LOCKED))
+    RETURNING j.id, j.kind, j.args, j.attempt, j.max_attempts, j.priority, j.run_at
 )
-assert _CLAIM_AFTER != _CLAIM
-
-# After the claimed rows, one row per outcome that did not apply (stale: its
-# job is no longer running that attempt for this worker), kind NULL, the
-# outcome's state in args; each branch runs only when its count of applied
-# rows falls short (a one-time filter: nothing to do in the usual batch).
-# Last, the wake-up of each queue an outcome made available at once
-# (Retry(0), Snooze(0), a release): pg_notify returns void, so that branch
-# yields no row. Claimed rows come first: an Append runs its branches in order.
-_FINISH_RESULT = """
 SELECT id, kind, args, attempt, max_attempts, priority, run_at FROM claimed
 UNION ALL
 SELECT c.id, NULL, to_jsonb('completed'::text), 1::smallint, NULL, NULL, NULL
@@ -250,44 +290,230 @@ SELECT c.id, NULL, to_jsonb('completed'::text), 1::smallint, NULL, NULL, NULL
 UNION ALL
 SELECT f.id, NULL, to_jsonb(f.state), f.attempt, NULL, NULL, NULL
   FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state text)
- WHERE (SELECT count(*) FROM failed) + (SELECT count(*) FROM completed_later) < jsonb_array_length($2::jsonb)
+ WHERE (SELECT count(*) FROM failed) + (SELECT count(*) FROM completed_later)
+       < jsonb_array_length($2::jsonb)
    AND f.id NOT IN (SELECT id FROM failed UNION ALL SELECT id FROM completed_later)
 UNION ALL
 SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL
   FROM (SELECT DISTINCT queue FROM failed WHERE state = 'available') AS woken
  WHERE pg_notify('fastjobs', woken.queue)::text IS NULL"""
 
-# job_finish_claim_many: the hot loop's one statement, one round trip per batch.
-# Completes the jobs of $1 and the 'completed' outcomes of $2 (_COMPLETE_*),
-# records the other outcomes of $2, claims up to $4 jobs of queue $3 for
-# worker $5 (LIMIT 0: none), then lists the stale outcomes and wakes the
-# queues (_FINISH_RESULT).
-# The guards read `state::text = 'running'` so no plan can answer them from
-# the partial index of running jobs: a queue table's statistics are often
-# those of a moment it was empty, and then the generic plan scanned every
-# running job per batch, filtering each against the id array (a drain at
-# 0.55 x the raw limit instead of 1.2 x, measured). Finding the rows by id is
-# the only plan left.
-job_finish_claim_many: Final = f"""
-WITH completed AS ({_COMPLETE_FIRST}
-), completed_later AS ({_COMPLETE_LATER}
-), failed AS ({_FINISH_FAILED}
-), claimed AS ({_CLAIM}
-){_FINISH_RESULT}"""
+# job_finish_claim_after: finish a batch (completed jobs deleted) and claim after the mark ($6, $7).
+job_finish_claim_after: Final = """
+WITH completed AS (
+    DELETE FROM fastjobs_jobs j
+     WHERE j.id = ANY($1::bigint[]) AND j.attempt = 1
+       AND j.attempted_by = $5 AND j.state::text = 'running'
+    RETURNING j.id
+), completed_later AS (
+    DELETE FROM fastjobs_jobs j
+     USING jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state)
+     WHERE f.state = 'completed' AND j.id = f.id AND j.attempt = f.attempt
+       AND j.attempted_by = $5 AND j.state::text = 'running'
+    RETURNING j.id
+), failed AS (
+    UPDATE fastjobs_jobs j
+       SET state = CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
+                        THEN 'cancelled'
+                        WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
+                             AND j.attempt >= j.max_attempts THEN 'discarded'
+                        ELSE f.state END::fastjobs_state,
+           run_at = CASE WHEN f.delay IS NULL THEN j.run_at
+                         ELSE now() + make_interval(secs => f.delay) END,
+           attempt = j.attempt - f.uncount,
+           finalized_at = CASE
+               WHEN CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
+                         THEN 'cancelled'
+                         WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
+                              AND j.attempt >= j.max_attempts THEN 'discarded'
+                         ELSE f.state END::fastjobs_state IN ('discarded', 'cancelled')
+               THEN now() END,
+           errors = CASE WHEN f.error IS NOT NULL
+                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(f.error)
+                         WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
+                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
+                              'at', now(), 'attempt', j.attempt, 'traceback', NULL,
+                              'error', 'Cancel: cancellation requested before it could run again'))
+                         ELSE j.errors END
+      FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
+                                              delay float8, uncount smallint, error jsonb)
+     WHERE f.state <> 'completed' AND j.id = f.id AND j.attempt = f.attempt
+       AND j.attempted_by = $5 AND j.state::text = 'running'
+    RETURNING j.id, j.queue, j.state
+), claimed AS (
+    UPDATE fastjobs_jobs j
+       SET state = 'running', attempt = least(j.attempt, 32766) + 1,
+           attempted_at = now(), attempted_by = $5
+     WHERE j.id = ANY(ARRAY(
+               SELECT id FROM fastjobs_jobs
+                WHERE state = 'available' AND queue = $3 AND run_at <= now() AND priority = $6
+                  AND run_at >= timestamptz '2000-01-01 00:00:00+00'
+                                + ($7::int8 - 100000) * interval '1 microsecond'
+                ORDER BY priority DESC, run_at, id
+                LIMIT $4
+                  FOR UPDATE SKIP LOCKED))
+    RETURNING j.id, j.kind, j.args, j.attempt, j.max_attempts, j.priority, j.run_at
+)
+SELECT id, kind, args, attempt, max_attempts, priority, run_at FROM claimed
+UNION ALL
+SELECT c.id, NULL, to_jsonb('completed'::text), 1::smallint, NULL, NULL, NULL
+  FROM unnest($1::bigint[]) AS c(id)
+ WHERE (SELECT count(*) FROM completed) < cardinality($1::bigint[])
+   AND c.id NOT IN (SELECT id FROM completed)
+UNION ALL
+SELECT f.id, NULL, to_jsonb(f.state), f.attempt, NULL, NULL, NULL
+  FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state text)
+ WHERE (SELECT count(*) FROM failed) + (SELECT count(*) FROM completed_later)
+       < jsonb_array_length($2::jsonb)
+   AND f.id NOT IN (SELECT id FROM failed UNION ALL SELECT id FROM completed_later)
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL
+  FROM (SELECT DISTINCT queue FROM failed WHERE state = 'available') AS woken
+ WHERE pg_notify('fastjobs', woken.queue)::text IS NULL"""
 
-# job_finish_claim_after: the same, claiming after the mark ($6, $7) left by the last claim.
-job_finish_claim_after: Final = job_finish_claim_many.replace(_CLAIM, _CLAIM_AFTER)
+# job_finish_claim_many_keep: finish a batch (completed jobs kept) and claim the next from the front.
+job_finish_claim_many_keep: Final = """
+WITH completed AS (
+    UPDATE fastjobs_jobs j SET state = 'completed', finalized_at = now()
+     WHERE j.id = ANY($1::bigint[]) AND j.attempt = 1
+       AND j.attempted_by = $5 AND j.state::text = 'running'
+    RETURNING j.id
+), completed_later AS (
+    UPDATE fastjobs_jobs j SET state = 'completed', finalized_at = now()
+      FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state)
+     WHERE f.state = 'completed' AND j.id = f.id AND j.attempt = f.attempt
+       AND j.attempted_by = $5 AND j.state::text = 'running'
+    RETURNING j.id
+), failed AS (
+    UPDATE fastjobs_jobs j
+       SET state = CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
+                        THEN 'cancelled'
+                        WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
+                             AND j.attempt >= j.max_attempts THEN 'discarded'
+                        ELSE f.state END::fastjobs_state,
+           run_at = CASE WHEN f.delay IS NULL THEN j.run_at
+                         ELSE now() + make_interval(secs => f.delay) END,
+           attempt = j.attempt - f.uncount,
+           finalized_at = CASE
+               WHEN CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
+                         THEN 'cancelled'
+                         WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
+                              AND j.attempt >= j.max_attempts THEN 'discarded'
+                         ELSE f.state END::fastjobs_state IN ('discarded', 'cancelled')
+               THEN now() END,
+           errors = CASE WHEN f.error IS NOT NULL
+                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(f.error)
+                         WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
+                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
+                              'at', now(), 'attempt', j.attempt, 'traceback', NULL,
+                              'error', 'Cancel: cancellation requested before it could run again'))
+                         ELSE j.errors END
+      FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
+                                              delay float8, uncount smallint, error jsonb)
+     WHERE f.state <> 'completed' AND j.id = f.id AND j.attempt = f.attempt
+       AND j.attempted_by = $5 AND j.state::text = 'running'
+    RETURNING j.id, j.queue, j.state
+), claimed AS (
+    UPDATE fastjobs_jobs j
+       SET state = 'running', attempt = least(j.attempt, 32766) + 1,
+           attempted_at = now(), attempted_by = $5
+     WHERE j.id = ANY(ARRAY(
+               SELECT id FROM fastjobs_jobs
+                WHERE state = 'available' AND queue = $3 AND run_at <= now()
+                ORDER BY priority DESC, run_at, id
+                LIMIT $4
+                  FOR UPDATE SKIP LOCKED))
+    RETURNING j.id, j.kind, j.args, j.attempt, j.max_attempts, j.priority, j.run_at
+)
+SELECT id, kind, args, attempt, max_attempts, priority, run_at FROM claimed
+UNION ALL
+SELECT c.id, NULL, to_jsonb('completed'::text), 1::smallint, NULL, NULL, NULL
+  FROM unnest($1::bigint[]) AS c(id)
+ WHERE (SELECT count(*) FROM completed) < cardinality($1::bigint[])
+   AND c.id NOT IN (SELECT id FROM completed)
+UNION ALL
+SELECT f.id, NULL, to_jsonb(f.state), f.attempt, NULL, NULL, NULL
+  FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state text)
+ WHERE (SELECT count(*) FROM failed) + (SELECT count(*) FROM completed_later)
+       < jsonb_array_length($2::jsonb)
+   AND f.id NOT IN (SELECT id FROM failed UNION ALL SELECT id FROM completed_later)
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL
+  FROM (SELECT DISTINCT queue FROM failed WHERE state = 'available') AS woken
+ WHERE pg_notify('fastjobs', woken.queue)::text IS NULL"""
 
-# job_finish_claim_many_keep: the same, keeping completed jobs as 'completed' rows.
-job_finish_claim_many_keep: Final = f"""
-WITH completed AS ({_KEEP_FIRST}
-), completed_later AS ({_KEEP_LATER}
-), failed AS ({_FINISH_FAILED}
-), claimed AS ({_CLAIM}
-){_FINISH_RESULT}"""
-
-# job_finish_claim_after_keep: keeping completed jobs, claiming after the mark.
-job_finish_claim_after_keep: Final = job_finish_claim_many_keep.replace(_CLAIM, _CLAIM_AFTER)
+# job_finish_claim_after_keep: finish a batch (completed jobs kept) and claim after the mark ($6, $7).
+job_finish_claim_after_keep: Final = """
+WITH completed AS (
+    UPDATE fastjobs_jobs j SET state = 'completed', finalized_at = now()
+     WHERE j.id = ANY($1::bigint[]) AND j.attempt = 1
+       AND j.attempted_by = $5 AND j.state::text = 'running'
+    RETURNING j.id
+), completed_later AS (
+    UPDATE fastjobs_jobs j SET state = 'completed', finalized_at = now()
+      FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state)
+     WHERE f.state = 'completed' AND j.id = f.id AND j.attempt = f.attempt
+       AND j.attempted_by = $5 AND j.state::text = 'running'
+    RETURNING j.id
+), failed AS (
+    UPDATE fastjobs_jobs j
+       SET state = CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
+                        THEN 'cancelled'
+                        WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
+                             AND j.attempt >= j.max_attempts THEN 'discarded'
+                        ELSE f.state END::fastjobs_state,
+           run_at = CASE WHEN f.delay IS NULL THEN j.run_at
+                         ELSE now() + make_interval(secs => f.delay) END,
+           attempt = j.attempt - f.uncount,
+           finalized_at = CASE
+               WHEN CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
+                         THEN 'cancelled'
+                         WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
+                              AND j.attempt >= j.max_attempts THEN 'discarded'
+                         ELSE f.state END::fastjobs_state IN ('discarded', 'cancelled')
+               THEN now() END,
+           errors = CASE WHEN f.error IS NOT NULL
+                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(f.error)
+                         WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
+                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
+                              'at', now(), 'attempt', j.attempt, 'traceback', NULL,
+                              'error', 'Cancel: cancellation requested before it could run again'))
+                         ELSE j.errors END
+      FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
+                                              delay float8, uncount smallint, error jsonb)
+     WHERE f.state <> 'completed' AND j.id = f.id AND j.attempt = f.attempt
+       AND j.attempted_by = $5 AND j.state::text = 'running'
+    RETURNING j.id, j.queue, j.state
+), claimed AS (
+    UPDATE fastjobs_jobs j
+       SET state = 'running', attempt = least(j.attempt, 32766) + 1,
+           attempted_at = now(), attempted_by = $5
+     WHERE j.id = ANY(ARRAY(
+               SELECT id FROM fastjobs_jobs
+                WHERE state = 'available' AND queue = $3 AND run_at <= now() AND priority = $6
+                  AND run_at >= timestamptz '2000-01-01 00:00:00+00'
+                                + ($7::int8 - 100000) * interval '1 microsecond'
+                ORDER BY priority DESC, run_at, id
+                LIMIT $4
+                  FOR UPDATE SKIP LOCKED))
+    RETURNING j.id, j.kind, j.args, j.attempt, j.max_attempts, j.priority, j.run_at
+)
+SELECT id, kind, args, attempt, max_attempts, priority, run_at FROM claimed
+UNION ALL
+SELECT c.id, NULL, to_jsonb('completed'::text), 1::smallint, NULL, NULL, NULL
+  FROM unnest($1::bigint[]) AS c(id)
+ WHERE (SELECT count(*) FROM completed) < cardinality($1::bigint[])
+   AND c.id NOT IN (SELECT id FROM completed)
+UNION ALL
+SELECT f.id, NULL, to_jsonb(f.state), f.attempt, NULL, NULL, NULL
+  FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state text)
+ WHERE (SELECT count(*) FROM failed) + (SELECT count(*) FROM completed_later)
+       < jsonb_array_length($2::jsonb)
+   AND f.id NOT IN (SELECT id FROM failed UNION ALL SELECT id FROM completed_later)
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL
+  FROM (SELECT DISTINCT queue FROM failed WHERE state = 'available') AS woken
+ WHERE pg_notify('fastjobs', woken.queue)::text IS NULL"""
 
 # job_schedule_many: scheduled and retryable jobs whose time has come become
 # available, at most $1 per statement, oldest first; returns their queues so
@@ -308,14 +534,17 @@ SELECT queue, count(*), pg_notify('fastjobs', queue) FROM promoted GROUP BY queu
 # leader_try_lock: become the leader if nobody is (session level: released when the session dies).
 leader_try_lock: Final = "SELECT pg_try_advisory_lock($1)"
 
-# leader_keepalive: let the server notice within seconds that the leader's
-# client vanished (a cut network), so the lock frees for another leader; and
-# end the session of a leader stopped inside a transaction after $1 ms (its lease).
+# leader_keepalive: the server's side of the leader's keepalives.
+# Idle $1, interval $2 seconds, count $3 (fastjobs.leader.KEEPALIVE_*, which
+# its libpq side uses too): the server notices within seconds that the
+# leader's client vanished (a cut network), so the lock frees for another
+# leader; and it ends the session of a leader stopped inside a transaction
+# after $4 ms (its lease).
 leader_keepalive: Final = """
-SELECT set_config('tcp_keepalives_idle', '5', false),
-       set_config('tcp_keepalives_interval', '2', false),
-       set_config('tcp_keepalives_count', '3', false),
-       set_config('idle_in_transaction_session_timeout', $1::text, false)"""
+SELECT set_config('tcp_keepalives_idle', $1::text, false),
+       set_config('tcp_keepalives_interval', $2::text, false),
+       set_config('tcp_keepalives_count', $3::text, false),
+       set_config('idle_in_transaction_session_timeout', $4::text, false)"""
 
 # leader_renew: a statement on the lock's session, so pg_stat_activity shows
 # the leader alive (state_change) and no candidate takes over (leader_take_over).
@@ -625,6 +854,81 @@ NOT_PREPARABLE: Final = frozenset(
 )
 
 
-def statements() -> dict[str, str]:
-    """Every named statement of this module, by name."""
-    return {name: value for name, value in globals().items() if name[0].islower() and isinstance(value, str)}
+# Every statement above, by its name: the name it is prepared as and its test
+# id (tests/test_sql.py prepares each, and checks that this lists every one).
+STATEMENTS: Final[Mapping[str, str]] = MappingProxyType(
+    {
+        "listen_jobs": listen_jobs,
+        "listen_ping": listen_ping,
+        "listen_cancel": listen_cancel,
+        "listener_ping": listener_ping,
+        "migration_table_create": migration_table_create,
+        "migration_lock": migration_lock,
+        "migration_unlock": migration_unlock,
+        "migration_lock_timeout": migration_lock_timeout,
+        "migration_index_invalid": migration_index_invalid,
+        "migration_index_drop": migration_index_drop,
+        "migration_blockers": migration_blockers,
+        "migration_applied_list": migration_applied_list,
+        "migration_record": migration_record,
+        "schema_exists": schema_exists,
+        "schema_version": schema_version,
+        "job_insert": job_insert,
+        "job_get_unique": job_get_unique,
+        "job_copy_staged": job_copy_staged,
+        "job_stage_create": job_stage_create,
+        "job_insert_staged": job_insert_staged,
+        "job_stage_clear": job_stage_clear,
+        "job_copy": job_copy,
+        "job_copy_at": job_copy_at,
+        "job_claim_many": job_claim_many,
+        "job_finish_claim_many": job_finish_claim_many,
+        "job_finish_claim_after": job_finish_claim_after,
+        "job_finish_claim_many_keep": job_finish_claim_many_keep,
+        "job_finish_claim_after_keep": job_finish_claim_after_keep,
+        "job_schedule_many": job_schedule_many,
+        "leader_try_lock": leader_try_lock,
+        "leader_keepalive": leader_keepalive,
+        "leader_renew": leader_renew,
+        "leader_take_over": leader_take_over,
+        "leader_unlock": leader_unlock,
+        "worker_session": worker_session,
+        "worker_register": worker_register,
+        "worker_heartbeat": worker_heartbeat,
+        "worker_delete": worker_delete,
+        "job_rescue_many": job_rescue_many,
+        "releaser_session": releaser_session,
+        "job_release_unstarted": job_release_unstarted,
+        "job_clean_completed_many": job_clean_completed_many,
+        "job_clean_discarded_many": job_clean_discarded_many,
+        "worker_prune_many": worker_prune_many,
+        "periodic_advance": periodic_advance,
+        "db_now": db_now,
+        "job_cancel": job_cancel,
+        "job_state": job_state,
+        "job_cancel_requested": job_cancel_requested,
+        "job_retry": job_retry,
+        "job_discard": job_discard,
+        "job_list": job_list,
+        "job_get": job_get,
+        "job_stats_by_queue": job_stats_by_queue,
+        "jobs_dead_rows": jobs_dead_rows,
+        "vacuum_jobs": vacuum_jobs,
+        "mvcc_horizon": mvcc_horizon,
+        "mvcc_tables": mvcc_tables,
+        "database_identity": database_identity,
+        "metrics_session": metrics_session,
+        "notify_queue_usage": notify_queue_usage,
+    }
+)
+
+# The hot loop's statement by (keep completed jobs, claim after the mark): the
+# name it is prepared as, and its text.
+FINISH: Final[Mapping[tuple[bool, bool], tuple[str, str]]] = MappingProxyType(
+    {
+        (False, False): ("job_finish_claim_many", job_finish_claim_many),
+        (False, True): ("job_finish_claim_after", job_finish_claim_after),
+        (True, False): ("job_finish_claim_many_keep", job_finish_claim_many_keep),
+        (True, True): ("job_finish_claim_after_keep", job_finish_claim_after_keep),
+    }
+)

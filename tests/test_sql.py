@@ -2,36 +2,72 @@
 
 from __future__ import annotations
 
+import ast
 import datetime as dt
 import json
 import os
+import re
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 
-from fastjobs import App, sql
+from fastjobs import App, leader, schema, sql, types
 from fastjobs.bench import queries as bench_queries
 
 from .conftest import _create_database, _drop_database
 
-PREPARABLE = sorted(set(sql.statements()) - sql.NOT_PREPARABLE)
+PREPARABLE = sorted(set(sql.STATEMENTS) - sql.NOT_PREPARABLE)
 
 
 def test_statements_are_named_and_the_exclusions_exist():
-    names = sql.statements()
+    names = sql.STATEMENTS
     assert {"job_insert", "job_copy", "job_copy_at", "job_claim_many", "job_get"} <= set(names)
     assert set(names) >= sql.NOT_PREPARABLE, "NOT_PREPARABLE names a statement that does not exist"
     assert all(text.strip() for text in names.values())
+
+
+def test_the_registry_lists_every_statement_under_its_own_name():
+    """STATEMENTS (what every statement test iterates) is written by hand: it must hold
+    each statement of the module, under the name of its constant, and nothing else."""
+    constants = {
+        name: value
+        for name, value in vars(sql).items()
+        if name[0].islower() and not name.startswith("_") and isinstance(value, str)
+    }
+    assert set(sql.STATEMENTS) == set(constants)
+    assert [name for name, text in sql.STATEMENTS.items() if text is not constants[name]] == []
+    assert sorted(sql.FINISH) == [(False, False), (False, True), (True, False), (True, True)]
+    assert [name for name, text in sql.FINISH.values() if sql.STATEMENTS[name] is not text] == []
+
+
+def test_every_statement_is_written_out_whole():
+    """Each statement's constant is one string literal in fastjobs/sql.py: no f-string,
+    no .replace(), no concatenation; what is read there is what PostgreSQL runs."""
+    tree = ast.parse(Path(sql.__file__).read_text(encoding="utf-8"))
+    values: dict[str, ast.expr | None] = {}
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            values[node.target.id] = node.value
+        elif isinstance(node, ast.Assign):
+            values.update((t.id, node.value) for t in node.targets if isinstance(t, ast.Name))
+    composed = [
+        name
+        for name in sql.STATEMENTS
+        if not (isinstance(value := values.get(name), ast.Constant) and isinstance(value.value, str))
+    ]
+    assert composed == []
+    assert [n.lineno for n in ast.walk(tree) if isinstance(n, ast.JoinedStr)] == []
 
 
 @pytest.mark.parametrize("name", PREPARABLE)
 def test_statement_prepares(conn, name):
     with psycopg.RawCursor(conn) as cur:
         cur.execute(sql.job_stage_create)  # the staging statements refer to the session's temp table
-        cur.execute(f"PREPARE {name} AS {sql.statements()[name]}")
+        cur.execute(f"PREPARE {name} AS {sql.STATEMENTS[name]}")
         row = cur.execute("SELECT count(*) FROM pg_prepared_statements WHERE name = $1", (name,)).fetchone()
     assert row == (1,)
 
@@ -42,6 +78,191 @@ def test_bench_statement_prepares(conn, name):
         cur.execute(f"PREPARE {name} AS {bench_queries.statements()[name]}")
         row = cur.execute("SELECT count(*) FROM pg_prepared_statements WHERE name = $1", (name,)).fetchone()
     assert row == (1,)
+
+
+def _parts(text: str) -> tuple[dict[str, str], str]:
+    """The CTEs of a `WITH a AS (...), b AS (...) SELECT ...` statement by name, and
+    its final query; whitespace normalised (the layout of a statement is free)."""
+    text = " ".join(text.split())
+    assert text.startswith("WITH "), text[:40]
+    ctes: dict[str, str] = {}
+    at = len("WITH ")
+    while match := re.compile(r"(\w+) AS \(").match(text, at):
+        depth, quoted = 0, False
+        for end in range(match.end() - 1, len(text)):
+            char = text[end]
+            if char == "'":
+                quoted = not quoted
+            elif not quoted and char in "()":
+                depth += 1 if char == "(" else -1
+                if depth == 0:
+                    break
+        ctes[match[1]] = text[match.end() : end].strip()
+        at = end + 1
+        if not text.startswith(", ", at):
+            break
+        at += 2
+    return ctes, text[at:].strip()
+
+
+# A claim after the mark adds this predicate to the claim from the front, and nothing else.
+AFTER_THE_MARK = (
+    "AND priority = $6 AND run_at >= timestamptz '2000-01-01 00:00:00+00'"
+    f" + ($7::int8 - {sql.CLAIM_MARK_MARGIN}) * interval '1 microsecond'"
+)
+
+
+def _kept(completion: str) -> str:
+    """A completion CTE that deletes, as it reads when it keeps the rows instead."""
+    kept = "UPDATE fastjobs_jobs j SET state = 'completed', finalized_at = now()"
+    return completion.replace("DELETE FROM fastjobs_jobs j", kept).replace(" USING ", " FROM ")
+
+
+def _after(claim: str) -> str:
+    """A claim from the front, as it reads when it claims after the mark."""
+    return claim.replace("AND run_at <= now()", f"AND run_at <= now() {AFTER_THE_MARK}")
+
+
+FINISH_SIBLINGS = [
+    pytest.param(
+        "job_finish_claim_many", "job_finish_claim_many_keep", {"completed", "completed_later"}, id="keep"
+    ),
+    pytest.param(
+        "job_finish_claim_after",
+        "job_finish_claim_after_keep",
+        {"completed", "completed_later"},
+        id="after-keep",
+    ),
+    pytest.param("job_finish_claim_many", "job_finish_claim_after", {"claimed"}, id="after"),
+    pytest.param("job_finish_claim_many_keep", "job_finish_claim_after_keep", {"claimed"}, id="keep-after"),
+]
+
+
+@pytest.mark.parametrize(("name", "sibling", "differing"), FINISH_SIBLINGS)
+def test_the_finish_statements_differ_only_where_their_variant_does(name, sibling, differing):
+    """The four finish statements are written out whole: an edit made to one and not
+    to its siblings fails here. A _keep variant differs from its deleting sibling only
+    in its completion CTEs, which keep the rows they would delete; an _after variant
+    differs only in its claim's predicate."""
+    ctes, query = _parts(sql.STATEMENTS[name])
+    sibling_ctes, sibling_query = _parts(sql.STATEMENTS[sibling])
+    assert list(ctes) == list(sibling_ctes) == ["completed", "completed_later", "failed", "claimed"]
+    assert query == sibling_query
+    for cte in ctes:
+        if cte not in differing:
+            assert sibling_ctes[cte] == ctes[cte], cte
+        elif cte == "claimed":
+            assert sibling_ctes[cte] == _after(ctes[cte]) != ctes[cte]
+        else:
+            assert sibling_ctes[cte] == _kept(ctes[cte]) != ctes[cte], cte
+
+
+def test_an_outcome_is_finalized_by_the_state_it_is_given():
+    """The failed CTE spells the outcome's new state twice (SET cannot read the new
+    value of another column): finalized_at must test the very state that SET writes."""
+    failed = _parts(sql.job_finish_claim_many)[0]["failed"]
+    match = re.search(r"SET state = (CASE .*? END::fastjobs_state),", failed)
+    assert match is not None
+    assert failed.count(match[1]) == 2
+    assert f"finalized_at = CASE WHEN {match[1]} IN ('discarded', 'cancelled') THEN now() END," in failed
+
+
+@pytest.mark.parametrize("name", ["job_finish_claim_many", "job_finish_claim_many_keep"])
+def test_the_finish_statements_claim_as_job_claim_many_does(name):
+    """Their claim is job_claim_many's, its parameters $1, $2, $3 moved to $3, $4, $5."""
+    moved = {"1": "3", "2": "4", "3": "5"}
+    claim = re.sub(r"\$(\d)", lambda m: "$" + moved[m[1]], " ".join(sql.job_claim_many.split()))
+    assert _parts(sql.STATEMENTS[name])[0]["claimed"] == claim
+
+
+def _channels(text: str) -> set[str]:
+    """The channels a statement (or a migration, its comments left out) listens or notifies on."""
+    text = re.sub(r"--[^\n]*", "", text)
+    found = set(re.findall(r"pg_notify\('([^']*)'", text))
+    return found | set(re.findall(r"\b(?:LISTEN|NOTIFY)\s+(\w+)", text))
+
+
+def test_every_channel_a_statement_names_is_a_channel_constant():
+    names = {name: _channels(text) for name, text in sql.STATEMENTS.items()}
+    names.update({m.label: _channels(m.sql) for m in schema.migrations()})
+    wake = {sql.NOTIFY_CHANNEL}
+    assert {name: channels for name, channels in names.items() if channels} == {
+        "001_initial": wake,  # the enqueue trigger
+        "listen_jobs": wake,
+        "listen_ping": {sql.PING_CHANNEL},
+        "listen_cancel": {sql.CANCEL_CHANNEL},
+        "listener_ping": {sql.PING_CHANNEL},
+        "job_finish_claim_many": wake,
+        "job_finish_claim_after": wake,
+        "job_finish_claim_many_keep": wake,
+        "job_finish_claim_after_keep": wake,
+        "job_schedule_many": wake,
+        "job_release_unstarted": wake,
+        "job_cancel": {sql.CANCEL_CHANNEL},
+        "job_retry": wake,
+    }
+    assert {sql.NOTIFY_CHANNEL, sql.PING_CHANNEL, sql.CANCEL_CHANNEL} == sql.CHANNELS
+
+
+def test_every_limit_a_statement_carries_is_its_constant():
+    assert sql.ATTEMPT_CAP == types.MAX_ATTEMPTS_LIMIT - 1  # smallint's maximum less one
+    caps = {
+        name: re.findall(r"least\((?:j\.)?attempt, (\d+)\)", text) for name, text in sql.STATEMENTS.items()
+    }
+    counting = {name: [int(cap) for cap in found] for name, found in caps.items() if found}
+    assert set(counting) == {
+        "job_claim_many",
+        "job_finish_claim_many",
+        "job_finish_claim_after",
+        "job_finish_claim_many_keep",
+        "job_finish_claim_after_keep",
+        "job_retry",
+    }
+    assert {cap for found in counting.values() for cap in found} == {sql.ATTEMPT_CAP}
+    # No other spelling of the cap (or of the margin) hides elsewhere.
+    text = "\n".join(sql.STATEMENTS.values())
+    assert text.count(str(sql.ATTEMPT_CAP)) == sum(len(found) for found in counting.values())
+    margins = re.findall(r"\$7::int8 - (\d+)\)", text)
+    assert [int(m) for m in margins] == [sql.CLAIM_MARK_MARGIN] * 2
+    assert text.count(str(sql.CLAIM_MARK_MARGIN)) == 2
+
+
+def test_every_unique_key_predicate_is_the_unique_index_predicate():
+    """The ON CONFLICT clauses name the partial unique index by its predicate, and
+    job_get_unique looks the holder up by the same: all spell UNIQUE_STATES."""
+    assert f"WHERE unique_key IS NOT NULL AND {sql.UNIQUE_STATES};" in " ".join(
+        "\n".join(m.sql for m in schema.migrations()).split()
+    )
+    spelled = {
+        name: text.count(sql.UNIQUE_STATES) for name, text in sql.STATEMENTS.items() if "unique_key" in text
+    }
+    assert {name: count for name, count in spelled.items() if count} == {
+        "job_insert": 1,
+        "job_get_unique": 1,
+        "job_insert_staged": 1,
+    }
+    assert [text.count("unique_key IS NOT NULL") for text in sql.STATEMENTS.values()].count(1) == 2
+
+
+def test_the_leaders_session_keeps_alive_as_its_client_does(app: App) -> None:
+    """Both ends of the leader's connection probe with the same figures (leader.KEEPALIVE_*)."""
+    conn = leader.Leader(app, leader.LeaderConfig())._connect()
+    assert conn is not None
+    with conn:
+        if conn.info.host.startswith("/"):
+            pytest.skip("keepalives do not apply on a Unix socket")
+        server = conn.execute(
+            "SELECT name, setting::int FROM pg_settings WHERE name IN"
+            " ('tcp_keepalives_idle', 'tcp_keepalives_interval', 'tcp_keepalives_count')"
+        ).fetchall()
+        client = conn.info.get_parameters()
+    figures = {
+        "idle": leader.KEEPALIVE_IDLE,
+        "interval": leader.KEEPALIVE_INTERVAL,
+        "count": leader.KEEPALIVE_COUNT,
+    }
+    assert dict(server) == {f"tcp_keepalives_{name}": value for name, value in figures.items()}
+    assert {name: int(client[f"keepalives_{name}"]) for name in figures} == figures
 
 
 def _plan_nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -123,7 +344,7 @@ CLAIM_PLANS = [
 @pytest.mark.parametrize(("name", "batch", "plan_cache_mode"), CLAIM_PLANS)
 def test_claim_uses_the_partial_claim_index(seeded, name, batch, plan_cache_mode):
     with psycopg.connect(seeded) as conn, psycopg.RawCursor(conn) as cur:
-        cur.execute(f"PREPARE {name} AS {sql.statements()[name]}")
+        cur.execute(f"PREPARE {name} AS {sql.STATEMENTS[name]}")
         cur.execute(f"SET plan_cache_mode = {plan_cache_mode}")
         row = cur.execute(f"EXPLAIN (FORMAT JSON) EXECUTE {name}({_claim_arguments(name, batch)})").fetchone()
     assert row is not None
@@ -166,7 +387,7 @@ def test_the_claim_after_the_mark_skips_the_dead_entries_a_held_snapshot_keeps(d
             micros = (run_at - dt.datetime(2000, 1, 1, tzinfo=dt.UTC)) // dt.timedelta(microseconds=1)
 
             def buffers(name: str, *extra: object) -> int:
-                cur.execute(f"PREPARE {name} AS {sql.statements()[name]}")
+                cur.execute(f"PREPARE {name} AS {sql.STATEMENTS[name]}")
                 args = ("'{}'", "'[]'", "'default'", "100", "'w'", *map(str, extra))
                 explain = "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE"
                 row = cur.execute(f"{explain} {name}({', '.join(args)})").fetchone()
@@ -201,7 +422,7 @@ def test_outcomes_find_their_jobs_by_primary_key_whatever_the_statistics(dsn, na
         )
     with psycopg.connect(dsn) as conn, psycopg.RawCursor(conn) as cur:
         cur.execute(sql.worker_session)  # as the worker's connection runs it
-        cur.execute(f"PREPARE {name} AS {sql.statements()[name]}")
+        cur.execute(f"PREPARE {name} AS {sql.STATEMENTS[name]}")
         cur.execute(f"SET plan_cache_mode = {plan_cache_mode}")
         row = cur.execute(f"EXPLAIN (FORMAT JSON) EXECUTE {name}({_claim_arguments(name, 100)})").fetchone()
     assert row is not None
@@ -303,7 +524,7 @@ def test_the_search_for_stale_outcomes_runs_only_when_an_outcome_did_not_apply(d
     def execute() -> tuple[list[Any], list[dict[str, Any]]]:
         with psycopg.connect(dsn) as conn, psycopg.RawCursor(conn) as cur:
             cur.execute(sql.worker_session)
-            cur.execute(f"PREPARE {name} AS {sql.statements()[name]}")
+            cur.execute(f"PREPARE {name} AS {sql.STATEMENTS[name]}")
             cur.execute(f"SET plan_cache_mode = {plan_cache_mode}")
             row = cur.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE {name}({arguments})").fetchone()
             assert row is not None
