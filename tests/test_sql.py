@@ -72,10 +72,10 @@ def test_statement_prepares(conn, name):
     assert row == (1,)
 
 
-@pytest.mark.parametrize("name", sorted(bench_queries.statements()))
+@pytest.mark.parametrize("name", sorted(bench_queries.STATEMENTS))
 def test_bench_statement_prepares(conn, name):
     with psycopg.RawCursor(conn) as cur:
-        cur.execute(f"PREPARE {name} AS {bench_queries.statements()[name]}")
+        cur.execute(f"PREPARE {name} AS {bench_queries.STATEMENTS[name]}")
         row = cur.execute("SELECT count(*) FROM pg_prepared_statements WHERE name = $1", (name,)).fetchone()
     assert row == (1,)
 

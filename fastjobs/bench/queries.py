@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Final
 
 # bench_available_count: progress of a benchmark drain (reads only the claim index).
@@ -23,6 +25,12 @@ bench_raw_complete_keep: Final = (
 )
 
 
-def statements() -> dict[str, str]:
-    """Every named statement of this module, by name."""
-    return {name: value for name, value in globals().items() if name[0].islower() and isinstance(value, str)}
+# Every statement of this module, by name (as fastjobs.sql.STATEMENTS).
+STATEMENTS: Final[Mapping[str, str]] = MappingProxyType(
+    {
+        "bench_available_count": bench_available_count,
+        "bench_seed_finished": bench_seed_finished,
+        "bench_raw_complete": bench_raw_complete,
+        "bench_raw_complete_keep": bench_raw_complete_keep,
+    }
+)
