@@ -157,10 +157,10 @@ def test_configure_points_an_app_in_use_at_another_database(dsn, other_dsn):
     app = App(dsn)
     try:
         app.enqueue("before")  # leaves an idle pooled connection to `dsn`
-        with app.connection():  # one in use while the app is configured
+        with app.connection():  # one in use while the app is configured, given back after an enqueue
             app.configure(dsn=other_dsn)
-        assert app.dsn == other_dsn
-        app.enqueue("after")
+            assert app.dsn == other_dsn
+            app.enqueue("after")
         app.enqueue("after again")
     finally:
         app.close()
@@ -174,7 +174,7 @@ async def test_configure_points_the_async_enqueues_at_another_database(dsn, othe
         await app.enqueue_async("before")
         async with app.connection_async():
             app.configure(dsn=other_dsn)
-        await app.enqueue_async("after")
+            await app.enqueue_async("after")
         await app.enqueue_async("after again")
     finally:
         await app.aclose()
