@@ -348,14 +348,14 @@ class Worker:
     batch finishes its started job, the jobs claimed but not started go back
     uncounted, and every outcome is written before `run` returns.
 
-    Settings come in `config`. Under a master (`supervision`: its pid, the
-    worker's slot and title), SIGTERM and SIGINT only ever mean a graceful
+    `config` holds its settings. Under a master (`supervision`: the master's
+    pid, the worker's slot, title and careful start), SIGTERM and SIGINT only ever mean a graceful
     stop, however often they come: Ctrl-C, systemd and `kill -PGID` signal the
     whole process group, and the master relays the same stop. Only the master
     decides to stop now, with SIGQUIT. A worker whose master died
     (PR_SET_PDEATHSIG, and getppid() polled as a fallback) stops the same way,
     stops now when its grace is over, and exits regardless soon after.
-    `worker_id` is the master's for its workers, random otherwise.
+    `worker_id` is chosen by the master for its workers, at random otherwise.
     `exit_when_empty` and `on_ready` are for tests and benchmarks: return
     once nothing is due, and a call once the worker is ready to claim.
     """
