@@ -16,7 +16,7 @@ from .errors import (
 from .handlers import JobContext, current_job
 from .retry import default_backoff
 from .types import JobSpec, JobState
-from .worker import Worker
+from .worker import Worker, WorkerConfig
 
 __all__ = [
     "App",
@@ -35,6 +35,7 @@ __all__ = [
     "SchemaTooNew",
     "Snooze",
     "Worker",
+    "WorkerConfig",
     "current_job",
     "default_backoff",
 ]

@@ -19,7 +19,7 @@ from . import control, database, enqueue, schema
 from .cron import Cron
 from .enqueue import check_max_attempts, check_priority, check_queue
 from .retry import RetryPolicy
-from .types import DEFAULT_MAX_ATTEMPTS, DEFAULT_QUEUE, JobSpec
+from .types import DEFAULT_MAX_ATTEMPTS, DEFAULT_PRIORITY, DEFAULT_QUEUE, JobSpec
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -63,12 +63,26 @@ class App:
             self._dsn = database.resolve_dsn(None)
         return self._dsn
 
+    def configure(self, *, dsn: str) -> None:
+        """Point the app at another database (`fastjobs --dsn` does, after importing the app).
+
+        `dsn` takes the place of the one given to the constructor or
+        resolved from the environment. Idle pooled connections to the
+        previous database are closed, and those in use at the time are closed
+        when given back: nothing enqueued from here on goes there. A Worker
+        reads the DSN when it starts: configure before running workers.
+        """
+        if not isinstance(dsn, str) or not dsn:
+            raise ValueError(f"dsn must be a non-empty string, not {dsn!r}")
+        self.close()
+        self._dsn = dsn
+
     def job(
         self,
         kind: str | None = None,
         *,
         queue: str = DEFAULT_QUEUE,
-        priority: int = 0,
+        priority: int = DEFAULT_PRIORITY,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         timeout: float | None = None,
         retry: RetryPolicy | None = None,
@@ -233,14 +247,15 @@ class App:
     @contextlib.asynccontextmanager
     async def connection_async(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
         """An autocommit async connection, pooled per event loop."""
+        dsn = self.dsn
         idle = self._async_pools.setdefault(asyncio.get_running_loop(), [])
-        conn = idle.pop() if idle else await database.connect_async(self.dsn, autocommit=True)
+        conn = idle.pop() if idle else await database.connect_async(dsn, autocommit=True)
         try:
             yield conn
         except BaseException:
             await conn.close()
             raise
-        if not conn.closed and len(idle) < _Pool.MAX_IDLE:
+        if not conn.closed and len(idle) < _Pool.MAX_IDLE and dsn == self._dsn:
             idle.append(conn)
         else:
             await conn.close()
@@ -353,7 +368,9 @@ class _Pool:
     """A few idle autocommit connections, for enqueues made without `conn`.
 
     After a fork the child must not touch the parent's sockets (closing one
-    would end the parent's session), so a pid change drops them unclosed.
+    would end the parent's session), so a pid change drops them unclosed. The
+    idle connections are to one DSN: asked for another (App.configure), the
+    pool closes them, and keeps none of the previous one given back later.
     """
 
     MAX_IDLE = 4
@@ -362,13 +379,19 @@ class _Pool:
         self._lock = threading.Lock()
         self._idle: list[psycopg.Connection[Any]] = []
         self._pid = os.getpid()
+        self._dsn: str | None = None  # the DSN of the idle connections
 
     @contextlib.contextmanager
     def connection(self, dsn: str) -> Iterator[psycopg.Connection[Any]]:
+        stale: list[psycopg.Connection[Any]] = []
         with self._lock:
             if self._pid != os.getpid():
                 self._idle, self._pid = [], os.getpid()
+            if dsn != self._dsn:
+                stale, self._idle, self._dsn = self._idle, [], dsn
             conn = self._idle.pop() if self._idle else None
+        for old in stale:
+            old.close()
         if conn is not None and not _healthy(conn):
             conn.close()
             conn = None
@@ -380,7 +403,12 @@ class _Pool:
             conn.close()
             raise
         with self._lock:
-            if not conn.closed and len(self._idle) < self.MAX_IDLE and self._pid == os.getpid():
+            if (
+                not conn.closed
+                and len(self._idle) < self.MAX_IDLE
+                and self._pid == os.getpid()
+                and self._dsn == dsn
+            ):
                 self._idle.append(conn)
                 return
         conn.close()

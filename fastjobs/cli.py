@@ -18,9 +18,10 @@ from .app import App
 from .errors import ConfigurationError, FastjobsError
 from .impl import IMPLEMENTATION
 from .leader import DEFAULT_LEASE, LeaderConfig, RescuerConfig
-from .master import Master, parse_queues
+from .master import DEFAULT_WORKER_TIMEOUT, Master, parse_queues
 from .stats import HORIZON_WARNING
 from .types import JobState
+from .worker import WorkerConfig
 
 DEFAULT_RESULTS = Path("bench") / "results.jsonl"
 
@@ -52,6 +53,7 @@ def _int64(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    worker = WorkerConfig()  # the defaults of the workers' settings
     parser = argparse.ArgumentParser(prog="fastjobs", description="PostgreSQL-backed background jobs")
     parser.add_argument("--dsn", help="PostgreSQL URL (default: FASTJOBS_DSN, DATABASE_URL, embedded)")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -87,12 +89,18 @@ def _parser() -> argparse.ArgumentParser:
         help="queues and their concurrency, e.g. default:8,emails:2 (default: every registered queue,"
         " concurrency 10 per process)",
     )
-    run.add_argument("--grace", type=float, default=30.0, help="seconds to finish in-flight jobs on stop")
+    run.add_argument(
+        "--grace",
+        type=float,
+        default=worker.grace,
+        help="seconds to finish in-flight jobs on stop (default %(default)g)",
+    )
     run.add_argument(
         "--worker-timeout",
         type=float,
         help="kill a worker or leader whose process sent no heartbeat this long: hung holding the GIL,"
-        " or stopped (it beats every second, whatever length of job it runs; default 60, at least 2)",
+        " or stopped (it beats every second, whatever length of job it runs;"
+        f" default {DEFAULT_WORKER_TIMEOUT:g}, at least 2)",
     )
     run.add_argument("--metrics-port", type=int, help="serve Prometheus text on this port")
     run.add_argument(
@@ -109,7 +117,12 @@ def _parser() -> argparse.ArgumentParser:
         " before another takes over (default %(default)g, at least 3)",
     )
     run.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
-    run.add_argument("--batch-max", type=_positive_int, default=1000, help="largest batch one claim takes")
+    run.add_argument(
+        "--batch-max",
+        type=_positive_int,
+        default=worker.batch_max,
+        help="largest batch one claim takes (default %(default)d)",
+    )
     run.add_argument("--keep-completed", action="store_true", help="keep completed jobs instead of deleting")
     run.add_argument(
         "--rescue-after",
@@ -155,7 +168,9 @@ def _parser() -> argparse.ArgumentParser:
     run_bench = commands.add_parser("bench", help="measure fastjobs beside the raw-SQL limit")
     run_bench.add_argument("--jobs", type=int, default=100_000)
     run_bench.add_argument("--processes", type=int, default=2, help="worker processes draining")
-    run_bench.add_argument("--batch", type=_positive_int, default=1000, help="largest batch per claim")
+    run_bench.add_argument(
+        "--batch", type=_positive_int, default=worker.batch_max, help="largest batch per claim"
+    )
     run_bench.add_argument("--repeat", type=int, default=3, help="runs per measurement; medians are reported")
     run_bench.add_argument(
         "--compare-sync",
@@ -225,7 +240,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def load_app(target: str, dsn: str | None = None) -> App:
-    """Import `module` or `module:attr` and return its App; a clear error otherwise."""
+    """Import `module` or `module:attr` and return its App; a clear error otherwise.
+
+    With `dsn` (`fastjobs --dsn`), the App is pointed at that database
+    (`App.configure`), whatever its own DSN.
+    """
     module_name, _, attr = target.partition(":")
     sys.path.insert(0, os.getcwd())
     try:
@@ -245,11 +264,16 @@ def load_app(target: str, dsn: str | None = None) -> App:
             )
         app = apps[0]
     if dsn:
-        app._dsn = dsn
+        app.configure(dsn=dsn)
     return app
 
 
 def _run(args: argparse.Namespace) -> int:
+    # The settings are checked before the application is imported.
+    worker = WorkerConfig(batch_max=args.batch_max, keep_completed=args.keep_completed, grace=args.grace)
+    leader = LeaderConfig(
+        lock_key=args.leader_key, rescuer=RescuerConfig.after(args.rescue_after), lease=args.leader_lease
+    )
     app = load_app(args.module, args.dsn)
     registered = sorted({spec.queue for spec in app.jobs.values()})
     queues = parse_queues(args.queues, registered, args.processes)
@@ -258,16 +282,10 @@ def _run(args: argparse.Namespace) -> int:
         app,
         args.processes,
         queues,
-        grace=args.grace,
+        worker=worker,
+        leader=leader,
         worker_timeout=args.worker_timeout,
-        batch_max=args.batch_max,
-        keep_completed=args.keep_completed,
         metrics=metrics,
-        leader=LeaderConfig(
-            lock_key=args.leader_key,
-            rescuer=RescuerConfig.after(args.rescue_after),
-            lease=args.leader_lease,
-        ),
     )
     code = master.run()
     print("fastjobs: stopped", file=sys.stderr, flush=True)

@@ -18,7 +18,15 @@ from psycopg.rows import tuple_row
 from . import schema, sql
 from .errors import FastjobsError
 from .impl import core
-from .types import MAX_ATTEMPTS_LIMIT, PRIORITY_MAX, PRIORITY_MIN, JobSpec
+from .types import (
+    DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_PRIORITY,
+    DEFAULT_QUEUE,
+    MAX_ATTEMPTS_LIMIT,
+    PRIORITY_MAX,
+    PRIORITY_MIN,
+    JobSpec,
+)
 
 # Rows encoded per write to the COPY stream: bounded memory for any iterable,
 # large enough that the per-write cost vanishes.
@@ -77,9 +85,11 @@ def options(
         raise ValueError(f"job kind must be a non-empty string, not {kind!r}")
     if len(kind) > 512:
         raise ValueError(f"job kinds are at most 512 characters, this one has {len(kind)}")
-    queue = queue if queue is not None else (spec.queue if spec else "default")
-    priority = priority if priority is not None else (spec.priority if spec else 0)
-    max_attempts = max_attempts if max_attempts is not None else (spec.max_attempts if spec else 25)
+    queue = queue if queue is not None else (spec.queue if spec else DEFAULT_QUEUE)
+    priority = priority if priority is not None else (spec.priority if spec else DEFAULT_PRIORITY)
+    max_attempts = (
+        max_attempts if max_attempts is not None else (spec.max_attempts if spec else DEFAULT_MAX_ATTEMPTS)
+    )
     check_queue(queue)
     check_priority(priority)
     check_max_attempts(max_attempts)

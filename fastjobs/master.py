@@ -20,7 +20,7 @@ import socket
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import psycopg
 
@@ -31,7 +31,8 @@ from .impl import IMPLEMENTATION
 from .leader import Leader, LeaderConfig
 from .metrics import MetricsProcess
 from .stats import LEADER, WORKER, Slot, Slots, database_identity
-from .worker import Worker, make_worker_id
+from .types import DEFAULT_QUEUE
+from .worker import Supervision, Worker, WorkerConfig, make_worker_id
 
 # Exit codes of a child. BOOT_ERROR means "could not start, do not restart":
 # the whole master stops with it rather than restart-looping.
@@ -74,7 +75,7 @@ def _stop_with_parent(master_pid: int) -> None:
 def parse_queues(spec: str | None, registered: list[str], processes: int) -> dict[str, int]:
     """`default:8,emails:2` -> {queue: concurrency}; a bare name gets DEFAULT_CONCURRENCY per process."""
     if not spec:
-        return {q: processes * DEFAULT_CONCURRENCY for q in (registered or ["default"])}
+        return {q: processes * DEFAULT_CONCURRENCY for q in (registered or [DEFAULT_QUEUE])}
     queues: dict[str, int] = {}
     for part in spec.split(","):
         name, _, count = part.strip().partition(":")
@@ -130,7 +131,11 @@ class Child:
 
 
 class Master:
-    """`fastjobs run`: N workers and one leader under supervision."""
+    """`fastjobs run`: N workers and one leader under supervision.
+
+    `worker` holds the workers' settings (its `grace` is also the master's
+    deadline on stop); each worker's concurrency is its share of `queues`.
+    """
 
     def __init__(
         self,
@@ -138,12 +143,10 @@ class Master:
         processes: int,
         queues: dict[str, int],
         *,
-        grace: float = 30.0,
-        worker_timeout: float | None = None,
-        batch_max: int = 1000,
-        keep_completed: bool = False,
-        metrics: tuple[str, int] | None = None,
+        worker: WorkerConfig | None = None,
         leader: LeaderConfig | None = None,
+        worker_timeout: float | None = None,
+        metrics: tuple[str, int] | None = None,
     ) -> None:
         if processes < 1:
             raise ConfigurationError("--processes must be at least 1")
@@ -154,9 +157,8 @@ class Master:
                 "--worker-timeout must be at least 2 seconds (children beat every second)"
             )
         self.worker_timeout = worker_timeout or DEFAULT_WORKER_TIMEOUT
-        self.grace = grace
-        self.batch_max = batch_max
-        self.keep_completed = keep_completed
+        self.worker_config = worker or WorkerConfig()
+        self.grace = self.worker_config.grace
         self.metrics = metrics
         self.leader_config = leader or LeaderConfig()
         self.children = [Child(i, WORKER) for i in range(processes)] + [Child(processes, LEADER)]
@@ -550,16 +552,10 @@ class Master:
         worker = Worker(
             self.app,
             queues,
-            batch_max=self.batch_max,
-            concurrency=max(1, sum(share.values())),
-            keep_completed=self.keep_completed,
-            schedule=False,
-            slot=slot,
-            title=title,
+            # The leader promotes due jobs; the share of the plan bounds the async jobs in flight.
+            config=replace(self.worker_config, concurrency=max(1, sum(share.values())), schedule=False),
             worker_id=worker_id,
-            parent=self.pid,
-            grace=self.grace,
-            careful=child.careful,
+            supervision=Supervision(parent=self.pid, slot=slot, title=title, careful=child.careful),
         )
         worker.install_signals()
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)

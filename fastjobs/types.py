@@ -10,8 +10,12 @@ from typing import Any
 PRIORITY_MIN = -32768  # the column is a smallint
 PRIORITY_MAX = 32767
 MAX_ATTEMPTS_LIMIT = 32767
-DEFAULT_MAX_ATTEMPTS = 25  # Sidekiq's and River's default: about three weeks of backoff
+# A job's defaults (JobSpec's, `@app.job`'s and an enqueue's of an unregistered
+# kind); the jobs table's column defaults in migrations/001 are the same
+# (tests/test_migrations.py checks).
 DEFAULT_QUEUE = "default"
+DEFAULT_PRIORITY = 0
+DEFAULT_MAX_ATTEMPTS = 25  # Sidekiq's and River's default: about three weeks of backoff
 
 
 class JobState(enum.StrEnum):
@@ -33,7 +37,7 @@ class JobSpec:
     kind: str
     func: Callable[..., Any]
     queue: str = DEFAULT_QUEUE
-    priority: int = 0
+    priority: int = DEFAULT_PRIORITY
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     timeout: float | None = None
     is_async: bool = False

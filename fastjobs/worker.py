@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -19,10 +20,11 @@ from setproctitle import setproctitle
 
 from . import database, leader, schema, sql
 from .app import App
-from .errors import DatabaseUnavailable
+from .errors import ConfigurationError, DatabaseUnavailable
 from .handlers import Executor
 from .impl import core
 from .stats import Slot
+from .types import DEFAULT_QUEUE
 
 HEARTBEAT_INTERVAL = leader.HEARTBEAT_INTERVAL
 LISTENER_CHECK_INTERVAL = 30.0
@@ -293,6 +295,52 @@ def _signals_held() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """A worker's settings, checked once here: `fastjobs run` builds one from its options.
+
+    Each field's default is the setting's only default: the CLI's options,
+    the master and the benchmark refer to it. Under a master, `concurrency`
+    becomes the worker's share of the `--queues` plan and `schedule` is off
+    (the leader promotes due jobs).
+    """
+
+    batch_max: int = 1000  # the largest batch one claim takes (a worker starts at one and doubles)
+    poll_interval: float = 1.0  # seconds between claims when no notification wakes the worker
+    concurrency: int = 100  # async jobs in flight at once (sync jobs run one at a time)
+    keep_completed: bool = False  # keep completed jobs' rows instead of deleting them
+    overlap: bool = True  # send the next claim while the batch's handlers run
+    schedule: bool = True  # promote due scheduled and retryable jobs when idle
+    # Seconds a stop waits for in-flight jobs: the master's deadline, and how
+    # long a worker whose master died finishes before it stops now.
+    grace: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("batch_max", "concurrency"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigurationError(
+                    f"the worker's {name} must be an integer of at least 1, not {value!r}"
+                )
+        if not 0 < self.poll_interval < float("inf"):
+            raise ConfigurationError(
+                "the worker's poll_interval must be a finite number of seconds above 0,"
+                f" not {self.poll_interval!r}"
+            )
+        if not self.grace >= 0:
+            raise ConfigurationError(f"the grace period must be at least 0 seconds, not {self.grace!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Supervision:
+    """What a worker under a master gets from it besides its settings (see Master._child_main)."""
+
+    parent: int  # the master's pid: the worker stops when it is gone
+    slot: Slot  # its shared-memory slot: beats, counters, the running jobs
+    title: str  # process title prefix; the live rate is appended each second
+    careful: bool = False  # one job per batch for CAREFUL_FOR seconds (see Master._blame)
+
+
 class Worker:
     """One worker: claims from `queues` until stopped.
 
@@ -300,12 +348,16 @@ class Worker:
     batch finishes its started job, the jobs claimed but not started go back
     uncounted, and every outcome is written before `run` returns.
 
-    Under a master (`parent`, its pid), SIGTERM and SIGINT only ever mean a
-    graceful stop, however often they come: Ctrl-C, systemd and `kill -PGID`
-    signal the whole process group, and the master relays the same stop. Only
-    the master decides to stop now, with SIGQUIT. A worker whose master died
+    `config` holds its settings. Under a master (`supervision`: the master's
+    pid, the worker's slot, title and careful start), SIGTERM and SIGINT only ever mean a graceful
+    stop, however often they come: Ctrl-C, systemd and `kill -PGID` signal the
+    whole process group, and the master relays the same stop. Only the master
+    decides to stop now, with SIGQUIT. A worker whose master died
     (PR_SET_PDEATHSIG, and getppid() polled as a fallback) stops the same way,
-    stops now when its `grace` is over, and exits regardless soon after.
+    stops now when its grace is over, and exits regardless soon after.
+    `worker_id` is chosen by the master for its workers, at random otherwise.
+    `exit_when_empty` and `on_ready` are for tests and benchmarks: return
+    once nothing is due, and a call once the worker is ready to claim.
     """
 
     def __init__(
@@ -313,38 +365,23 @@ class Worker:
         app: App,
         queues: list[str] | None = None,
         *,
+        config: WorkerConfig = WorkerConfig(),
         worker_id: str | None = None,
-        batch_max: int = 1000,
-        poll_interval: float = 1.0,
-        concurrency: int = 100,
-        keep_completed: bool = False,
-        overlap: bool = True,
+        supervision: Supervision | None = None,
         exit_when_empty: bool = False,
         on_ready: Callable[[], None] | None = None,
-        schedule: bool = True,
-        slot: Slot | None = None,
-        title: str | None = None,
-        parent: int | None = None,
-        grace: float = 30.0,
-        careful: bool = False,
     ) -> None:
         self.app = app
-        self.queues = queues or sorted({spec.queue for spec in app.jobs.values()}) or ["default"]
+        self.queues = queues or sorted({spec.queue for spec in app.jobs.values()}) or [DEFAULT_QUEUE]
+        self.config = config
         self.worker_id = worker_id or make_worker_id(uuid.uuid4().hex[:12])
-        self.batch_max = batch_max
-        self.poll_interval = poll_interval
-        self.executor = Executor(concurrency)
-        self.keep_completed = keep_completed
-        self.overlap = overlap
+        self.executor = Executor(config.concurrency)
         self.exit_when_empty = exit_when_empty
         self.on_ready = on_ready
-        # Standalone workers promote due jobs when idle; under a master the leader does.
-        self.schedule = schedule
-        self.slot = slot
-        self.title = title  # process title prefix; with a slot, the live rate is appended each second
-        self.parent = parent
-        self.grace = grace
-        self.careful = careful
+        self.slot = supervision.slot if supervision is not None else None
+        self.parent = supervision.parent if supervision is not None else None
+        self.title = supervision.title if supervision is not None else None
+        self.careful = supervision is not None and supervision.careful
         self.loop: Any = None
         self._stop = False
         self._stopping_now = False
@@ -393,21 +430,21 @@ class Worker:
         """
         if self.parent is None or os.getppid() == self.parent:
             return
+        grace = self.config.grace
         with self._orphan_lock:
             now = time.monotonic()
             if self._orphaned_at is None:
                 self._orphaned_at = now
                 print(
-                    f"fastjobs: worker (pid {os.getpid()}): its master is gone; stopping"
-                    f" (grace {self.grace:g}s)",
+                    f"fastjobs: worker (pid {os.getpid()}): its master is gone; stopping (grace {grace:g}s)",
                     file=sys.stderr,
                     flush=True,
                 )
                 self.stop()
                 return
-            if not escalate or now < self._orphaned_at + self.grace:
+            if not escalate or now < self._orphaned_at + grace:
                 return
-            if now >= self._orphaned_at + self.grace + ORPHAN_EXIT_AFTER:
+            if now >= self._orphaned_at + grace + ORPHAN_EXIT_AFTER:
                 print(
                     f"fastjobs: worker (pid {os.getpid()}): still running {ORPHAN_EXIT_AFTER:g}s after"
                     " stopping now; exiting (its jobs are left to the rescuer)",
@@ -444,9 +481,9 @@ class Worker:
                 self.executor,
                 self.worker_id,
                 self.queues,
-                keep_completed=self.keep_completed,
-                batch_max=self.batch_max,
-                overlap=self.overlap,
+                keep_completed=self.config.keep_completed,
+                batch_max=self.config.batch_max,
+                overlap=self.config.overlap,
                 progress=self.slot.progress_view() if self.slot is not None else None,
                 running=self.slot.running_view() if self.slot is not None else None,
             )
@@ -478,7 +515,8 @@ class Worker:
     def _loop(self, conn: psycopg.Connection[Any], listener: Listener) -> None:
         loop = self.loop
         slot = self.slot
-        next_schedule = 0.0 if self.schedule else float("inf")
+        config = self.config
+        next_schedule = 0.0 if config.schedule else float("inf")
         next_title = time.monotonic() + 1.0
         careful_until = 0.0
         if self.careful:
@@ -501,11 +539,11 @@ class Worker:
                         setproctitle(f"{self.title} {slot['rate']:,.0f} jobs/s")
                     if careful_until and now >= careful_until:
                         careful_until = 0.0
-                        loop.batch_max, loop.overlap = self.batch_max, self.overlap
+                        loop.batch_max, loop.overlap = config.batch_max, config.overlap
                 if ran:
                     continue
                 if now >= next_schedule:
-                    next_schedule = now + self.poll_interval
+                    next_schedule = now + config.poll_interval
                     if leader.schedule_once(conn):
                         continue
                 if self.exit_when_empty and loop.recheck == float("inf"):
@@ -514,7 +552,7 @@ class Worker:
                     listener.check()
                 # A claim that started after the last one's end found nothing:
                 # look from the front of the queue when the loop next may.
-                listener.wait(min(self.poll_interval, loop.recheck))
+                listener.wait(min(config.poll_interval, loop.recheck))
                 if slot is not None:
                     slot.beat()
                     slot.listener(listener.conn is not None, listener.healthy_at, listener.reconnects)

@@ -15,7 +15,7 @@ from psycopg.rows import dict_row
 from fastjobs import App
 from fastjobs.handlers import Executor
 from fastjobs.impl import core
-from fastjobs.worker import Worker
+from fastjobs.worker import Worker, WorkerConfig
 
 # Every behaviour must be the same with the claim sent ahead of the handlers and without.
 OVERLAP = pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sequential"])
@@ -55,9 +55,12 @@ def insert_raw(dsn: str, kind: str, args_json: str, queue: str = "default") -> i
     return int(rows[0]["id"])
 
 
-def drain(app: App, queues: list[str] | None = None, **options: Any) -> Worker:
-    """Run a worker in-process until the queue is empty; returns it for its counters."""
-    worker = Worker(app, queues, exit_when_empty=True, **options)
+def drain(app: App, queues: list[str] | None = None, worker_id: str | None = None, **settings: Any) -> Worker:
+    """Run a worker in-process until the queue is empty; returns it for its counters.
+
+    `settings` are WorkerConfig's fields.
+    """
+    worker = Worker(app, queues, config=WorkerConfig(**settings), worker_id=worker_id, exit_when_empty=True)
     worker.run()
     return worker
 

@@ -8,7 +8,7 @@ import time
 
 from fastjobs import App
 from fastjobs.handlers import Executor
-from fastjobs.worker import Worker
+from fastjobs.worker import Worker, WorkerConfig
 
 from .helpers import OVERLAP, WorkerThread, batch_loop, jobs, run_one_batch, wait_for
 
@@ -34,7 +34,7 @@ def test_async_jobs_run_as_many_at_once_as_their_concurrency(app: App, dsn, over
 
     nap.enqueue_many({"n": n} for n in range(30))
     began = time.monotonic()
-    with WorkerThread(Worker(app, concurrency=10, overlap=overlap)):
+    with WorkerThread(Worker(app, config=WorkerConfig(concurrency=10, overlap=overlap))):
         assert wait_for(lambda: done[0] == 30, timeout=6.0), f"{done[0]} done, at most {peak[0]} at once"
         took = time.monotonic() - began
     assert peak[0] >= 8, peak[0]

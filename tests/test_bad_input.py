@@ -115,7 +115,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
-from fastjobs import App, FastjobsError, SchemaMissing, Worker, database, leader, schema, sql
+from fastjobs import App, FastjobsError, SchemaMissing, Worker, WorkerConfig, database, leader, schema, sql
 from fastjobs.cli import _parser, main
 from fastjobs.master import EXIT_BOOT_ERROR
 
@@ -805,7 +805,10 @@ def test_a_live_worker_running_a_job_longer_than_the_rescue_delay_keeps_it(app: 
     app.enqueue("long")
     config = leader.RescuerConfig(stale_after=3.0)
     rescued: list[dict[str, int]] = []
-    with WorkerThread(Worker(app, poll_interval=60.0)), psycopg.connect(dsn, autocommit=True) as conn:
+    with (
+        WorkerThread(Worker(app, config=WorkerConfig(poll_interval=60.0))),
+        psycopg.connect(dsn, autocommit=True) as conn,
+    ):
         assert started.wait(10)
         began = time.monotonic()
         tick = threading.Event()

@@ -19,7 +19,7 @@ import psycopg
 import pytest
 
 import fastjobs
-from fastjobs import App, JobNotFound, Worker, control
+from fastjobs import App, JobNotFound, Worker, WorkerConfig, control
 from fastjobs.handlers import Executor
 from fastjobs.impl import core
 from fastjobs.worker import Control
@@ -136,7 +136,7 @@ def test_a_running_sync_job_that_checks_the_flag_ends_cancelled(
 ) -> None:
     started, seen = register_poller(app, "poller", **options)
     job_id = app.enqueue("poller")
-    with WorkerThread(Worker(app, poll_interval=0.1)):
+    with WorkerThread(Worker(app, config=WorkerConfig(poll_interval=0.1))):
         assert started.wait(10), "the handler did not start"
         asked = time.monotonic()
         assert app.cancel(job_id) == "cancelling"
@@ -157,7 +157,7 @@ def test_a_running_sync_job_that_checks_the_flag_ends_cancelled(
 def test_current_job_is_none_outside_a_handler_while_a_worker_thread_runs_one(app: App, dsn: str) -> None:
     started, _ = register_poller(app, "poller")
     job_id = app.enqueue("poller")
-    with WorkerThread(Worker(app, poll_interval=0.1)):
+    with WorkerThread(Worker(app, config=WorkerConfig(poll_interval=0.1))):
         assert started.wait(10)
         try:
             outside = fastjobs.current_job()
@@ -182,7 +182,7 @@ def test_a_running_async_job_is_cancelled_promptly(app: App, dsn: str) -> None:
         finished.append("slept")
 
     job_id = app.enqueue("sleeper")
-    with WorkerThread(Worker(app, poll_interval=0.1)):
+    with WorkerThread(Worker(app, config=WorkerConfig(poll_interval=0.1))):
         assert started.wait(10), "the handler did not start"
         asked = time.monotonic()
         assert app.cancel(job_id) == "cancelling"
@@ -214,7 +214,7 @@ def test_cancelling_one_async_job_leaves_the_others_running(app: App, dsn: str) 
         done.append(n)
 
     ids = [app.enqueue("waiter", {"n": n}) for n in range(3)]
-    with WorkerThread(Worker(app, poll_interval=0.1)):
+    with WorkerThread(Worker(app, config=WorkerConfig(poll_interval=0.1))):
         assert started.wait(10)
         assert app.cancel(ids[0]) == "cancelling"
         assert cancelled.wait(10), "job 0 was not cancelled"
@@ -298,7 +298,7 @@ def test_cancel_requested_is_cleared_by_retry(app: App, dsn: str) -> None:
     """A job cancelled while running and retried by hand is available, its request cleared."""
     started, _ = register_poller(app, "poller")
     job_id = app.enqueue("poller")
-    with WorkerThread(Worker(app, poll_interval=0.1)):
+    with WorkerThread(Worker(app, config=WorkerConfig(poll_interval=0.1))):
         assert started.wait(10)
         app.cancel(job_id)
         assert wait_for(lambda: state(dsn, job_id) == "cancelled", timeout=5)

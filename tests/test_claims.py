@@ -8,7 +8,7 @@ import time
 from psycopg.types.json import Jsonb
 
 from fastjobs import App
-from fastjobs.worker import Worker
+from fastjobs.worker import Worker, WorkerConfig
 
 from .helpers import OVERLAP, WorkerThread, batch_loop, by_state, handler_event, query, wait_for
 
@@ -52,7 +52,7 @@ def test_a_higher_priority_job_waits_about_one_batch_behind_slow_jobs(app: App, 
 
     slow.enqueue_many({"n": n} for n in range(150))
     waits = []
-    with WorkerThread(Worker(app, poll_interval=60.0, overlap=overlap)):
+    with WorkerThread(Worker(app, config=WorkerConfig(poll_interval=60.0, overlap=overlap))):
         assert wait_for(lambda: len(ran) >= 10)
         for k in range(5):
             urgent_ran.clear()

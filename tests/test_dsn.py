@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import psycopg
 import pytest
 
-from fastjobs import App, ConfigurationError, DatabaseUnavailable, FastjobsError, database
-from fastjobs.cli import main
+from fastjobs import App, ConfigurationError, DatabaseUnavailable, FastjobsError, database, schema
+from fastjobs.cli import load_app, main
 
 PASSWORD = "s3cretpw"
 UNREACHABLE = f"postgresql://u:{PASSWORD}@127.0.0.1:1/db"
@@ -137,3 +138,72 @@ def test_without_any_database_the_error_says_how_to_fix_it(no_env, tmp_path, cap
 
     assert main(["migrate"]) == 1
     assert "FASTJOBS_DSN" in capsys.readouterr().err
+
+
+def _kinds(dsn: str) -> list[str]:
+    with psycopg.connect(dsn) as conn:
+        return [row[0] for row in conn.execute("SELECT kind FROM fastjobs_jobs ORDER BY id")]
+
+
+@pytest.fixture
+def other_dsn(empty_dsn: str) -> str:
+    """A second migrated database."""
+    with psycopg.connect(empty_dsn) as conn:
+        schema.migrate(conn)
+    return empty_dsn
+
+
+def test_configure_points_an_app_in_use_at_another_database(dsn, other_dsn):
+    app = App(dsn)
+    try:
+        app.enqueue("before")  # leaves an idle pooled connection to `dsn`
+        with app.connection():  # one in use while the app is configured, given back after an enqueue
+            app.configure(dsn=other_dsn)
+            assert app.dsn == other_dsn
+            app.enqueue("after")
+        app.enqueue("after again")
+    finally:
+        app.close()
+    assert _kinds(dsn) == ["before"]
+    assert _kinds(other_dsn) == ["after", "after again"]
+
+
+async def test_configure_points_the_async_enqueues_at_another_database(dsn, other_dsn):
+    app = App(dsn)
+    try:
+        await app.enqueue_async("before")
+        async with app.connection_async():
+            app.configure(dsn=other_dsn)
+            await app.enqueue_async("after")
+        await app.enqueue_async("after again")
+    finally:
+        await app.aclose()
+    assert _kinds(dsn) == ["before"]
+    assert _kinds(other_dsn) == ["after", "after again"]
+
+
+@pytest.mark.parametrize("bad", ["", None, 5])
+def test_configure_rejects_what_is_not_a_dsn(bad):
+    app = App("postgresql://kept/db")
+    with pytest.raises(ValueError, match="dsn must be a non-empty string"):
+        app.configure(dsn=bad)
+    assert app.dsn == "postgresql://kept/db"
+
+
+def test_the_cli_dsn_points_the_loaded_app_at_its_database(dsn, other_dsn, tmp_path: Path, monkeypatch):
+    """`fastjobs --dsn` wins over the App's own DSN, even for an app that enqueued at import."""
+    (tmp_path / "fj_configured_app.py").write_text(
+        f"import fastjobs\napp = fastjobs.App({dsn!r})\napp.enqueue('at import')\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "fj_configured_app", raising=False)
+    app = load_app("fj_configured_app", other_dsn)
+    try:
+        assert app.dsn == other_dsn
+        app.enqueue("after load")
+    finally:
+        app.close()
+        sys.modules.pop("fj_configured_app", None)
+    assert _kinds(dsn) == ["at import"]
+    assert _kinds(other_dsn) == ["after load"]

@@ -276,7 +276,12 @@ def test_a_module_that_cannot_load_fails_fast_and_forks_nothing(
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [(["--queues", "default:0"], "--queues"), (["--processes", "0"], "--processes")],
+    [
+        (["--queues", "default:0"], "--queues"),
+        (["--processes", "0"], "--processes"),
+        (["--grace", "-1"], "grace period must be at least 0"),
+        (["--grace", "nan"], "grace period must be at least 0"),
+    ],
 )
 def test_bad_options_fail_fast_and_fork_nothing(
     masters: procs.Masters, args: list[str], message: str

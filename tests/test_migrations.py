@@ -16,9 +16,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from fastjobs import App, FastjobsError, SchemaMissing, SchemaTooNew, schema, sql
+from fastjobs import App, FastjobsError, SchemaMissing, SchemaTooNew, enqueue, schema, sql
 from fastjobs.cli import main
 from fastjobs.master import EXIT_BOOT_ERROR
+from fastjobs.types import DEFAULT_MAX_ATTEMPTS, DEFAULT_PRIORITY, DEFAULT_QUEUE, JobSpec
 
 from . import procs
 from .procs import wait_for
@@ -433,3 +434,21 @@ def test_a_rolling_upgrade_with_jobs_in_flight_loses_nothing_and_runs_nothing_tw
 
 def runs_left(db: psycopg.Connection[Any]) -> int:
     return procs.count(db, "SELECT count(*) FROM fastjobs_jobs")
+
+
+def test_the_jobs_tables_column_defaults_are_the_python_ones(dsn):
+    """A row inserted by SQL with only a kind gets the queue, priority and max_attempts that
+    JobSpec, `@app.job` and an enqueue of an unregistered kind default to."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "INSERT INTO fastjobs_jobs (kind) VALUES ('k') RETURNING queue, priority, max_attempts"
+        ).fetchone()
+    expected = (DEFAULT_QUEUE, DEFAULT_PRIORITY, DEFAULT_MAX_ATTEMPTS)
+    assert row == expected
+    spec = JobSpec(kind="k", func=print)
+    assert (spec.queue, spec.priority, spec.max_attempts) == expected
+    app = App("postgresql://unused")
+    registered = app.job(kind="registered")(print).spec
+    assert (registered.queue, registered.priority, registered.max_attempts) == expected
+    opts = enqueue.options("unregistered", None)
+    assert (opts.queue, opts.priority, opts.max_attempts) == expected

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import math
 import os
 import threading
 import time
@@ -15,8 +16,9 @@ import pytest
 from psycopg.types.json import Jsonb
 
 import fastjobs.worker
-from fastjobs import App
-from fastjobs.worker import Listener, Worker
+from fastjobs import App, ConfigurationError
+from fastjobs.cli import _parser
+from fastjobs.worker import Listener, Worker, WorkerConfig
 
 from .helpers import (
     OVERLAP,
@@ -136,6 +138,51 @@ def test_default_queues_are_the_registered_ones(app: App):
     app.job(kind="x", queue="mail")(lambda: None)
     app.job(kind="y", queue="billing")(lambda: None)
     assert Worker(app).queues == ["billing", "mail"]
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"batch_max": 0}, "batch_max must be an integer of at least 1"),
+        ({"batch_max": 2.5}, "batch_max must be an integer of at least 1"),
+        ({"batch_max": True}, "batch_max must be an integer of at least 1"),
+        ({"concurrency": 0}, "concurrency must be an integer of at least 1"),
+        ({"poll_interval": 0.0}, "poll_interval must be a finite number of seconds above 0"),
+        ({"poll_interval": -1.0}, "poll_interval must be a finite number of seconds above 0"),
+        ({"poll_interval": math.inf}, "poll_interval must be a finite number of seconds above 0"),
+        ({"poll_interval": math.nan}, "poll_interval must be a finite number of seconds above 0"),
+        ({"grace": -0.5}, "grace period must be at least 0 seconds"),
+        ({"grace": math.nan}, "grace period must be at least 0 seconds"),
+    ],
+)
+def test_worker_config_rejects_bad_settings_when_built(settings, message):
+    with pytest.raises(ConfigurationError, match=message):
+        WorkerConfig(**settings)
+
+
+def test_worker_config_takes_edge_values_and_is_frozen():
+    config = WorkerConfig(batch_max=1, concurrency=1, poll_interval=0.001, grace=0.0)
+    assert WorkerConfig(grace=math.inf).grace == math.inf  # wait for in-flight jobs however long
+    with pytest.raises(AttributeError):
+        config.batch_max = 2  # type: ignore[misc]
+
+
+def test_the_cli_defaults_are_the_worker_configs():
+    """One default per setting: `fastjobs run` and `fastjobs bench` take WorkerConfig's."""
+    defaults = WorkerConfig()
+    run = _parser().parse_args(["run", "somemodule"])
+    assert (run.batch_max, run.grace, run.keep_completed) == (
+        defaults.batch_max,
+        defaults.grace,
+        defaults.keep_completed,
+    )
+    assert _parser().parse_args(["bench"]).batch == defaults.batch_max
+
+
+def test_a_worker_takes_its_settings_from_its_config(app: App):
+    worker = Worker(app, config=WorkerConfig(concurrency=7, batch_max=3))
+    assert worker.config.batch_max == 3 and worker.executor.concurrency == 7
+    assert Worker(app).config == WorkerConfig()
 
 
 # --- rows no handler can run ---
@@ -402,7 +449,7 @@ def test_worker_bounds_async_concurrency(app: App, dsn, concurrency):
 
 def _stop_after_ten(app: App, dsn: str, overlap: bool, timeout: float | None) -> None:
     ran: list[int] = []
-    worker = Worker(app, overlap=overlap, keep_completed=True)
+    worker = Worker(app, config=WorkerConfig(overlap=overlap, keep_completed=True))
 
     @app.job(kind="n", timeout=timeout)
     def n(n: int) -> None:
@@ -491,7 +538,7 @@ def spy(monkeypatch):
 def test_idle_worker_wakes_on_enqueue(app: App, spy):
     ran, seen = handler_event(app, "wake")
     # Polling once a minute: only the notification can wake it within the test.
-    with WorkerThread(Worker(app, poll_interval=60.0)):
+    with WorkerThread(Worker(app, config=WorkerConfig(poll_interval=60.0))):
         assert wait_for(lambda: bool(spy) and spy[0].sleeping.is_set())
         spy[0].sleeping.clear()  # set again once the worker is back asleep after the job
         app.enqueue("wake", {"n": 1})
@@ -505,7 +552,7 @@ def test_idle_worker_wakes_on_enqueue(app: App, spy):
 
 def test_idle_worker_ignores_other_queues(app: App, dsn, spy):
     ran, _ = handler_event(app, "wake", queue="mine")
-    with WorkerThread(Worker(app, ["mine"], poll_interval=60.0)):
+    with WorkerThread(Worker(app, ["mine"], config=WorkerConfig(poll_interval=60.0))):
         assert wait_for(lambda: bool(spy) and spy[0].sleeping.is_set())
         app.enqueue("wake", {"n": 1}, queue="theirs")
         app.enqueue("wake", {"n": 2}, queue="mine")
@@ -515,7 +562,7 @@ def test_idle_worker_ignores_other_queues(app: App, dsn, spy):
 
 def test_worker_polls_while_its_listener_is_down_and_reconnects(app: App, dsn, spy):
     ran, seen = handler_event(app, "wake")
-    with WorkerThread(Worker(app, poll_interval=0.2)):
+    with WorkerThread(Worker(app, config=WorkerConfig(poll_interval=0.2))):
         assert wait_for(lambda: bool(spy) and spy[0].sleeping.is_set())
         listener = spy[0]
         old_pid = listener.conn.info.backend_pid
@@ -622,7 +669,7 @@ def test_claims_start_where_the_last_ended_and_look_from_the_front_when_idle(app
 
 def test_a_job_behind_the_last_claim_still_runs_at_once(app: App, dsn) -> None:
     _, seen = handler_event(app, "behind")
-    with WorkerThread(Worker(app, poll_interval=60.0)):
+    with WorkerThread(Worker(app, config=WorkerConfig(poll_interval=60.0))):
         app.enqueue("behind", {"n": 1})
         assert wait_for(lambda: seen == [1])
         _insert_behind(dsn, 2)

@@ -33,7 +33,7 @@ from ..impl import IMPLEMENTATION, core
 from ..leader import CleanerConfig, clean_once
 from ..master import DEFAULT_CONCURRENCY, Master
 from ..stats import Slots, find
-from ..worker import Worker
+from ..worker import Worker, WorkerConfig
 from . import queries
 
 BENCH_DB = "fastjobs_bench"
@@ -187,9 +187,8 @@ def _fastjobs_drainer(dsn: str, batch: int, overlap: bool, keep: bool, ready: An
         ready.wait()
         start.wait()
 
-    worker = Worker(
-        app, batch_max=batch, overlap=overlap, keep_completed=keep, exit_when_empty=True, on_ready=on_ready
-    )
+    config = WorkerConfig(batch_max=batch, overlap=overlap, keep_completed=keep)
+    worker = Worker(app, config=config, exit_when_empty=True, on_ready=on_ready)
     worker.run()
 
 
@@ -299,7 +298,8 @@ def master_running(
     if pid == 0:
         os.dup2(log.fileno(), 2)
         queues = {"default": processes * DEFAULT_CONCURRENCY}
-        os._exit(Master(make_app(), processes, queues, batch_max=batch, keep_completed=keep).run())
+        config = WorkerConfig(batch_max=batch, keep_completed=keep)
+        os._exit(Master(make_app(), processes, queues, worker=config).run())
     try:
         slots = _await_slots(pid, processes)
         try:
@@ -518,7 +518,7 @@ def _latency_worker(dsn: str, batch: int, out: Any, ready: Any, start: Any) -> N
         ready.wait()
         start.wait()
 
-    worker = Worker(app, batch_max=batch, on_ready=on_ready)
+    worker = Worker(app, config=WorkerConfig(batch_max=batch), on_ready=on_ready)
     worker.install_signals()
     worker.run()
     out.put(started)
