@@ -18,6 +18,7 @@ import psycopg
 from setproctitle import setproctitle
 
 from . import database, leader, schema, sql
+from .abc import BatchLoop
 from .app import App
 from .errors import DatabaseUnavailable
 from .handlers import Executor
@@ -345,7 +346,7 @@ class Worker:
         self.parent = parent
         self.grace = grace
         self.careful = careful
-        self.loop: Any = None
+        self.loop: BatchLoop | None = None
         self._stop = False
         self._stopping_now = False
         self._orphaned_at: float | None = None
@@ -477,6 +478,7 @@ class Worker:
 
     def _loop(self, conn: psycopg.Connection[Any], listener: Listener) -> None:
         loop = self.loop
+        assert loop is not None
         slot = self.slot
         next_schedule = 0.0 if self.schedule else float("inf")
         next_title = time.monotonic() + 1.0
