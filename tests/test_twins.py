@@ -12,6 +12,7 @@ import random
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,7 +173,7 @@ FAILING = ["boom", "retry", "retry_now", "snooze", "coroutine", "slow_timeout", 
 
 BATCHES = [
     Batch("first attempts", [Job(kind) for kind in KINDS] + ODD, keep_completed=True),
-    Batch("later attempts", [Job(j.kind, j.args, attempt=2, cancelled=j.cancelled) for j in ODD], overlap=True),
+    Batch("later attempts", [Job(j.kind, j.args, 2, cancelled=j.cancelled) for j in ODD], overlap=True),
     Batch("later attempts, kept", [Job(kind, attempt=2) for kind in KINDS], keep_completed=True),
     Batch("last attempts", [Job(kind, attempt=2, max_attempts=3) for kind in [*FAILING, "ok", "nobody"]]),
     Batch("stopped by SystemExit", [Job("slow_ok"), Job("ok"), Job("exit"), Job("ok")]),
@@ -294,7 +295,8 @@ def test_the_twins_leave_the_same_rows_and_counters(twin_dsns: tuple[str, str], 
         ("cancelled", 1, 0),
     ]
     # Cancelled jobs count as failed attempts; the stale completion is taken back.
-    assert first[1:4] == (27, None, dict(claimed=27, completed=4, failed=20, retried=11, discarded=2, stale=1))
+    counters = dict(claimed=27, completed=4, failed=20, retried=11, discarded=2, stale=1)
+    assert first[1:4] == (27, None, counters)
     assert [row and row[:3] for row in later[4]] == [
         ("retryable", 3, 81),
         ("discarded", 3, 0),
@@ -302,7 +304,8 @@ def test_the_twins_leave_the_same_rows_and_counters(twin_dsns: tuple[str, str], 
         ("cancelled", 3, 0),
         ("cancelled", 3, 0),
     ]
-    assert {job.kind: row[:3] for job, row in zip(BATCHES[2].jobs, later_kept[4]) if row[0] != "completed"} == {
+    kept = zip(KINDS, later_kept[4], strict=True)
+    assert {kind: row[:3] for kind, row in kept if row[0] != "completed"} == {
         "boom": ("retryable", 3, 81),
         "retry": ("retryable", 3, 30),
         "retry_now": ("available", 3, 0),
@@ -335,7 +338,12 @@ def test_the_twins_leave_the_same_rows_and_counters(twin_dsns: tuple[str, str], 
     # SystemExit: the job before it completed, it failed, the others (the slow one set aside
     # for after the fast ones, the one after it) went back uncounted.
     assert stopped[1:3] == (-1, 3)
-    assert [row and row[:2] for row in stopped[4]] == [("available", 0), None, ("retryable", 1), ("available", 0)]
+    assert [row and row[:2] for row in stopped[4]] == [
+        ("available", 0),
+        None,
+        ("retryable", 1),
+        ("available", 0),
+    ]
 
 
 def _loop(core: Core, app: App, conn: psycopg.Connection[Any]) -> BatchLoop:
@@ -416,27 +424,33 @@ def _statement_failed(core: Core, dsn: str) -> str:
         app.close()
 
 
+def _both(scenario: Callable[[Core, str], str], twin_dsns: tuple[str, str]) -> tuple[str, str]:
+    """The scenario's LoopError message with the Python loop, then with the C loop."""
+    return scenario(_core_py, twin_dsns[0]), scenario(_core, twin_dsns[1])
+
+
 def test_a_lost_connection_is_a_loop_error_with_libpq_s_message_on_both(twin_dsns: tuple[str, str]) -> None:
-    python, c = (_connection_lost_between_statements(core, dsn) for core, dsn in zip(TWINS, twin_dsns))
+    python, c = _both(_connection_lost_between_statements, twin_dsns)
     assert python == c
     assert python.startswith("FATAL:  terminating connection due to administrator command\n")
     assert issubclass(LoopError, FastjobsError)
 
 
 def test_a_connection_lost_in_a_statement_keeps_its_first_error_on_both(twin_dsns: tuple[str, str]) -> None:
-    python, c = (_connection_lost_in_a_statement(core, dsn) for core, dsn in zip(TWINS, twin_dsns))
+    python, c = _both(_connection_lost_in_a_statement, twin_dsns)
     # The server's error first, then libpq's "server closed the connection": one message, in that order.
-    assert python.splitlines()[0] == c.splitlines()[0] == "FATAL:  terminating connection due to administrator command"
+    first = "FATAL:  terminating connection due to administrator command"
+    assert python.splitlines()[0] == c.splitlines()[0] == first
     assert "server closed the connection unexpectedly" in python
     assert python.splitlines()[-3:] == c.splitlines()[-3:]
 
 
 def test_a_failed_statement_is_a_loop_error_with_postgres_message_on_both(twin_dsns: tuple[str, str]) -> None:
-    python, c = (_statement_failed(core, dsn) for core, dsn in zip(TWINS, twin_dsns))
+    python, c = _both(_statement_failed, twin_dsns)
     assert python.splitlines()[0] == c.splitlines()[0] == "ERROR:  canceling statement due to lock timeout"
 
 
 def test_the_c_module_imports_no_python_twin() -> None:
-    probe = "import sys, fastjobs._core; print(sorted(m for m in sys.modules if m.startswith('fastjobs._core')))"
+    probe = "import sys, fastjobs._core; print(sorted(m for m in sys.modules if m.startswith('fastjobs._c')))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "['fastjobs._core']"
