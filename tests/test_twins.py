@@ -8,6 +8,7 @@ of its own, and compares what they leave, so that drift between them fails CI.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import subprocess
 import sys
@@ -452,5 +453,6 @@ def test_a_failed_statement_is_a_loop_error_with_postgres_message_on_both(twin_d
 
 def test_the_c_module_imports_no_python_twin() -> None:
     probe = "import sys, fastjobs._core; print(sorted(m for m in sys.modules if m.startswith('fastjobs._c')))"
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    env = {**os.environ, "FASTJOBS_IMPL": "c"}  # the package itself imports the implementation it chooses
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=env)
     assert out.stdout.strip() == "['fastjobs._core']"
