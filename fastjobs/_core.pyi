@@ -1,5 +1,11 @@
+# What Python sees of the C module `_core.pyx`; mypy checks it against fastjobs.abc.Core in impl.py.
 from collections.abc import Iterator
 from typing import Any
+
+import psycopg
+
+from .handlers import Executor
+from .types import JobSpec
 
 IMPLEMENTATION: str
 
@@ -13,3 +19,35 @@ def encode_copy_rows(
     params: frozenset[str] | None,
     required: frozenset[str],
 ) -> tuple[bytes, int]: ...
+
+class BatchLoop:
+    claimed: int
+    completed: int
+    failed: int
+    retried: int
+    discarded: int
+    stale: int
+    size: int
+    batch_min: int
+    batch_max: int
+    overlap: bool
+    stopping: bool
+    recheck: float
+    def __init__(
+        self,
+        conn: psycopg.Connection[Any],
+        specs: dict[str, JobSpec],
+        executor: Executor,
+        worker_id: str,
+        queues: list[str],
+        keep_completed: bool = False,
+        batch_min: int = 1,
+        batch_max: int = 1000,
+        overlap: bool = True,
+        progress: memoryview | None = None,
+        full_claim_duty: float = ...,
+        running: memoryview | None = None,
+    ) -> None: ...
+    def prepare(self) -> None: ...
+    def step(self) -> int: ...
+    def finish(self) -> None: ...

@@ -21,9 +21,9 @@ import inspect
 import orjson
 
 from fastjobs import handlers, sql
-from fastjobs._core_py import (BATCH_SECONDS, FULL_CLAIM_DUTY, FULL_CLAIM_MAX_WAIT, MARK_RUN_AT_MAX,
-                               MARK_RUN_AT_MIN, LoopError)
-from fastjobs._core_py import dump_args as _dump_args_py
+from fastjobs.abc import BATCH_SECONDS, FULL_CLAIM_DUTY, FULL_CLAIM_MAX_WAIT, MARK_RUN_AT_MAX, MARK_RUN_AT_MIN
+from fastjobs.args import dump_args as _dump_args_checked
+from fastjobs.errors import LoopError
 
 
 cdef extern from "libpq-fe.h" nogil:
@@ -83,10 +83,8 @@ cdef object _JSONDecodeError = orjson.JSONDecodeError
 cdef tuple _NO_ARGS = ()
 cdef object _iscoroutine = inspect.iscoroutine
 cdef object _release = handlers.release
-cdef object _failure = handlers.failure
 cdef object _discard = handlers.discard
 cdef object _unknown_kind = handlers.unknown_kind
-cdef object _returned_coroutine = handlers.returned_coroutine
 cdef object _tally = handlers.tally
 cdef object _cancelled = handlers.cancelled
 cdef object _completed = handlers.completed
@@ -135,8 +133,8 @@ cdef inline void _put_int32(Buffer *buf, Py_ssize_t value) noexcept:
 
 def dump_args(kind, args, params, required):
     """Check one job's arguments against its handler and serialise them with orjson."""
-    # The slow checks only run when the fast ones fail, and then the reference
-    # produces the exact error message.
+    # The slow checks only run when the fast ones fail, and then fastjobs.args
+    # (the Python implementation's dump_args) produces the exact error message.
     cdef bytes data
     if type(args) is dict and (params is None or params.issuperset(args)) and required.issubset(args):
         try:
@@ -146,7 +144,7 @@ def dump_args(kind, args, params, required):
         else:
             if b"\\u0000" not in data:
                 return data
-    return _dump_args_py(kind, args, params, required)
+    return _dump_args_checked(kind, args, params, required)
 
 
 def encode_copy_rows(str kind, rows, bytes prefix, bytes suffix, Py_ssize_t limit, params,
@@ -771,16 +769,10 @@ cdef class BatchLoop:
                 # as is, where func(**args) would copy it.
                 result = PyObject_Call(self._last_func, _NO_ARGS, args)
             except Exception as exc:
-                context.id = 0
-                if context.cancelled:
-                    self._cancelled.discard(job_id)
-                    failures.append(_cancelled(job_id, attempt))
-                else:
-                    failures.append(_failure(spec, job_id, attempt, max_attempts, exc))
+                failures.append(self._executor.raised(spec, job_id, attempt, max_attempts, exc))
                 continue
             except BaseException as exc:
-                context.id = 0
-                failures.append(_failure(spec, job_id, attempt, max_attempts, exc))
+                failures.append(self._executor.raised(spec, job_id, attempt, max_attempts, exc))
                 for j in range(i + 1, n):
                     failures.append(_release(_int8(PQgetvalue(rows, j, 0)), _int2(PQgetvalue(rows, j, 3))))
                 for job in slow:
@@ -788,17 +780,18 @@ cdef class BatchLoop:
                 self.stopping = True
                 self.finish()
                 raise
-            context.id = 0
-            if result is not None and _iscoroutine(result):
-                result.close()
-                failures.append(_failure(spec, job_id, attempt, max_attempts, _returned_coroutine(spec)))
+            if not context.cancelled and (result is None or not _iscoroutine(result)):
+                # This loop's only shortcut (handlers.Executor.returned is the
+                # rule): a plain return, not cancelled, completes the job inline,
+                # so a successful job costs no Python call beyond its handler.
+                context.id = 0
+                self._add_done(job_id, attempt)
                 continue
-            if context.cancelled:
-                # Told to stop while it ran: it finishes as cancelled, whatever it returned.
-                self._cancelled.discard(job_id)
-                failures.append(_cancelled(job_id, attempt))
-                continue
-            self._add_done(job_id, attempt)
+            outcome = self._executor.returned(spec, job_id, attempt, max_attempts, result)
+            if outcome is None:
+                self._add_done(job_id, attempt)
+            else:
+                failures.append(outcome)
         # No fast job runs from here on: see the reference.
         if self._running != NULL:
             self._running[0] = 0

@@ -2,76 +2,25 @@
 
 from __future__ import annotations
 
-import inspect
 import select
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
+import psycopg
 from psycopg import pq
 
 from . import handlers, sql
-from .errors import args_error
+from .abc import BATCH_SECONDS, FULL_CLAIM_DUTY, FULL_CLAIM_MAX_WAIT, MARK_RUN_AT_MAX, MARK_RUN_AT_MIN
+from .args import dump_args as dump_args
+from .errors import LoopError
 from .handlers import Executor, Outcome
 from .types import JobSpec
 
 IMPLEMENTATION = "python"
 
 _JSONB_VERSION = b"\x01"
-
-
-def dump_args(kind: str, args: Any, params: frozenset[str] | None, required: frozenset[str]) -> bytes:
-    """Check one job's arguments against its handler and serialise them with orjson."""
-    if type(args) is not dict:
-        if not isinstance(args, Mapping):
-            raise args_error(kind, f"args must be a mapping of argument names, not {type(args).__name__}")
-        args = dict(args)
-    if params is not None and not params.issuperset(args):
-        unknown = sorted(str(k) for k in args if k not in params)
-        raise args_error(kind, f"unexpected argument(s) {', '.join(unknown)}")
-    if not required.issubset(args):
-        missing = sorted(required.difference(args))
-        raise args_error(kind, f"missing argument(s) {', '.join(missing)}")
-    try:
-        data = orjson.dumps(args)
-    except TypeError as exc:
-        key = _non_str_key(args)
-        detail = f"dict keys must be str, not {type(key).__name__} ({key!r})" if key is not None else str(exc)
-        raise args_error(kind, detail) from None
-    # jsonb cannot store NUL; failing here keeps the caller's transaction
-    # usable. The byte search is the fast test, `_has_nul` the exact one (an
-    # escaped backslash followed by "u0000" is no NUL).
-    if b"\\u0000" in data and _has_nul(args):
-        raise args_error(kind, "strings cannot contain NUL (\\x00): PostgreSQL's jsonb cannot store it")
-    return data
-
-
-def _has_nul(value: Any) -> bool:
-    if isinstance(value, str):
-        return "\x00" in value
-    if isinstance(value, dict):
-        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
-    if isinstance(value, list | tuple):
-        return any(_has_nul(v) for v in value)
-    return False
-
-
-def _non_str_key(value: Any) -> Any:
-    """The first dict key that is not a str, anywhere in `value` (orjson's message does not name it)."""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                return key
-            found = _non_str_key(item)
-            if found is not None:
-                return found
-    elif isinstance(value, list | tuple):
-        for item in value:
-            found = _non_str_key(item)
-            if found is not None:
-                return found
-    return None
 
 
 def encode_copy_rows(
@@ -104,29 +53,6 @@ def encode_copy_rows(
     return b"".join(parts), count
 
 
-# What one batch should take at most, judged by the last batch's pace.
-BATCH_SECONDS = 0.1
-
-# A claim scans the claim index from its front only as often as costs 10% of
-# the loop's time (it wades through the dead entries of every job claimed
-# since the last VACUUM); in between it starts where the last claim ended
-# (sql.job_finish_claim_after). Its cost is the time the loop spent sending it
-# and waiting for its result: a claim sent ahead (overlap) is in flight while
-# the handlers run, and counting that time made the next claim from the front
-# due ~9 batches later on a clean index. At most this long between two.
-FULL_CLAIM_DUTY = 0.1
-FULL_CLAIM_MAX_WAIT = 10.0
-# A mark is kept only for a run_at a second or more inside timestamptz's range
-# (microseconds since 2000): the claim after it subtracts its margin, and
-# -infinity or 4713 BC would overflow.
-MARK_RUN_AT_MIN = -211_813_488_000_000_000 + 1_000_000
-MARK_RUN_AT_MAX = 9_223_371_331_200_000_000 - 1_000_000
-
-
-class LoopError(Exception):
-    """A statement of the hot loop failed; its message is PostgreSQL's."""
-
-
 def _int(value: bytes) -> int:
     return int.from_bytes(value, "big", signed=True)
 
@@ -157,7 +83,7 @@ class BatchLoop:
 
     def __init__(
         self,
-        conn: Any,
+        conn: psycopg.Connection[Any],
         specs: dict[str, JobSpec],
         executor: Executor,
         worker_id: str,
@@ -166,9 +92,9 @@ class BatchLoop:
         batch_min: int = 1,
         batch_max: int = 1000,
         overlap: bool = True,
-        progress: Any = None,
+        progress: memoryview | None = None,
         full_claim_duty: float = FULL_CLAIM_DUTY,
-        running: Any = None,
+        running: memoryview | None = None,
     ) -> None:
         self._pgconn = conn.pgconn
         # Shared memory written per job started (plain stores): a float
@@ -177,8 +103,8 @@ class BatchLoop:
         # worker was running. Per statement, `running[1:3]`: how many failed
         # jobs' outcomes it carries, and the job when there is one, so a
         # worker that dies writing an outcome implicates that job alone.
-        self._progress = progress
-        self._running = running
+        self._progress: Any = progress
+        self._running: Any = running
         # Once a statement failed, its record stays: the worker dies of it,
         # though `finish` may still write other outcomes first.
         self._write_failed = False
@@ -223,9 +149,26 @@ class BatchLoop:
 
     def prepare(self) -> None:
         for name, text in self._statements.values():
-            res = self._pgconn.prepare(name, text.encode())
+            try:
+                res = self._pgconn.prepare(name, text.encode())
+            except psycopg.OperationalError:
+                raise self._lost() from None
             if res.status != pq.ExecStatus.COMMAND_OK:
                 raise LoopError(res.error_message.decode(errors="replace"))
+
+    def _lost(self) -> LoopError:
+        """The error of a failed libpq call: libpq's message, without psycopg's prefix (as in C)."""
+        self._in_flight = False
+        return LoopError(self._pgconn.error_message.decode(errors="replace"))
+
+    def _send_prepared(self, name: bytes, params: list[bytes]) -> None:
+        try:
+            self._pgconn.send_query_prepared(name, params, result_format=1)
+            while self._pgconn.flush():
+                _wait(self._pgconn, write=True)
+                self._pgconn.consume_input()
+        except psycopg.OperationalError:
+            raise self._lost() from None
 
     def _send(self, limit: int) -> None:
         """Send the outcomes gathered so far and a claim of `limit` jobs."""
@@ -255,11 +198,7 @@ class BatchLoop:
             assert mark is not None
             params += [str(mark[0]).encode(), str(mark[1]).encode()]
         self._sent = (index, full, now)
-        self._pgconn.send_query_prepared(
-            self._full_name if full else self._after_name, params, result_format=1
-        )
-        while self._pgconn.flush():
-            _wait(self._pgconn, write=True)
+        self._send_prepared(self._full_name if full else self._after_name, params)
         self._in_flight = True
         self._limit = limit
 
@@ -269,20 +208,23 @@ class BatchLoop:
         result = None
         error = None
         isolatable = False
-        pgconn.consume_input()
-        while True:
-            while pgconn.is_busy():
-                _wait(pgconn)
-                pgconn.consume_input()
-            res = pgconn.get_result()
-            if res is None:
-                break
-            if res.status == pq.ExecStatus.TUPLES_OK:
-                result = res
-            elif error is None:
-                error = res.error_message.decode(errors="replace")
-                state = res.error_field(pq.DiagnosticField.SQLSTATE) or b""
-                isolatable = state[:2].decode() in handlers.OUTCOME_ERROR_CLASSES
+        try:
+            pgconn.consume_input()
+            while True:
+                while pgconn.is_busy():
+                    _wait(pgconn)
+                    pgconn.consume_input()
+                res = pgconn.get_result()
+                if res is None:
+                    break
+                if res.status == pq.ExecStatus.TUPLES_OK:
+                    result = res
+                elif error is None:
+                    error = res.error_message.decode(errors="replace")
+                    state = res.error_field(pq.DiagnosticField.SQLSTATE) or b""
+                    isolatable = state[:2].decode() in handlers.OUTCOME_ERROR_CLASSES
+        except psycopg.OperationalError:
+            raise self._lost() from None
         self._in_flight = False
         if error is None and result is None:
             error = pgconn.error_message.decode(errors="replace")
@@ -307,9 +249,7 @@ class BatchLoop:
         """Write outcomes alone, claiming nothing; the error if one of them is rejected."""
         ids = ("{" + ",".join(map(str, done)) + "}").encode()
         params = [ids, handlers.encode(failures), self._queues[0], b"0", self._worker_id]
-        self._pgconn.send_query_prepared(self._full_name, params, result_format=1)
-        while self._pgconn.flush():
-            _wait(self._pgconn, write=True)
+        self._send_prepared(self._full_name, params)
         res, error, isolatable = self._results()
         if error is None:
             self._claimed(res)
@@ -335,8 +275,6 @@ class BatchLoop:
         if self._running is not None and not self._write_failed:
             self._running[1] = 0
         n = self._claimed(res) if res is not None else 0
-        if n:
-            self._mark(res, n)
         for i in range(n):
             rows.append(
                 (
@@ -347,33 +285,37 @@ class BatchLoop:
                     _int(res.get_value(i, 4)),
                 )
             )
-        self.claimed += len(rows)
-        index, from_front, sent = self._sent
+        self.claimed += n
         if self._limit > 0:
-            now = time.monotonic()
-            if from_front:
-                wait = (now - sent) * (1.0 - self._duty) / self._duty
-                self._next_full[index] = now + min(wait, FULL_CLAIM_MAX_WAIT)
-            elif not rows:
-                # An empty claim after the mark may have missed a job behind
-                # it: an idle loop claims from the front as soon as that is due
-                # (step() resets this; the soonest over the queues tried wins).
-                self.recheck = min(self.recheck, max(0.0, self._next_full[index] - now))
-        self._full = len(rows) >= self._limit > 0
-        self.size = min(self.batch_max, self._cap, max(self.batch_min, 2 * len(rows)))
+            self._mark(res, n)
+        self._full = self._limit > 0 and n >= self._limit
+        self.size = min(self.batch_max, self._cap, max(self.batch_min, 2 * n))
         return rows
 
     def _mark(self, res: Any, n: int) -> None:
-        """Remember where this claim ended: its lowest priority, and the latest run_at within it."""
+        """Remember where this claim ended, and when to claim from the front of its queue.
+
+        Where it ended: its lowest priority, and the latest run_at within it.
+        """
         lowest, latest = 1 << 15, 0
+        now = time.monotonic()
+        index, from_front, sent = self._sent
         for i in range(n):
             priority, run_at = _int(res.get_value(i, 5)), _int(res.get_value(i, 6))
             if priority < lowest:
                 lowest, latest = priority, run_at
             elif priority == lowest and run_at > latest:
                 latest = run_at
-        finite = MARK_RUN_AT_MIN < latest < MARK_RUN_AT_MAX
-        self._marks[self._sent[0]] = (lowest, latest) if finite else None
+        if n:
+            self._marks[index] = (lowest, latest) if MARK_RUN_AT_MIN < latest < MARK_RUN_AT_MAX else None
+        if from_front:
+            wait = (now - sent) * (1.0 - self._duty) / self._duty
+            self._next_full[index] = now + min(wait, FULL_CLAIM_MAX_WAIT)
+        elif not n:
+            # An empty claim after the mark may have missed a job behind
+            # it: an idle loop claims from the front as soon as that is due
+            # (step() resets this; the soonest over the queues tried wins).
+            self.recheck = min(self.recheck, max(0.0, self._next_full[index] - now))
 
     def _claim(self) -> list[tuple[int, str, bytes, int, int]]:
         """Claim synchronously, trying each queue once before giving up.
@@ -470,36 +412,21 @@ class BatchLoop:
             try:
                 result = spec.func(**args)
             except Exception as exc:
-                context.id = 0
-                if context.cancelled:
-                    executor.cancelled.discard(job_id)
-                    failures.append(handlers.cancelled(job_id, attempt))
-                else:
-                    failures.append(handlers.failure(spec, job_id, attempt, max_attempts, exc))
+                failures.append(executor.raised(spec, job_id, attempt, max_attempts, exc))
                 continue
             except BaseException as exc:
                 # SystemExit, KeyboardInterrupt: record this job, give the rest
                 # back, write it all, then let the exception stop the worker.
-                context.id = 0
-                failures.append(handlers.failure(spec, job_id, attempt, max_attempts, exc))
+                failures.append(executor.raised(spec, job_id, attempt, max_attempts, exc))
                 failures.extend(handlers.release(row[0], row[3]) for row in rows[index + 1 :])
                 failures.extend(handlers.release(job[1], job[3]) for job in slow)
                 self.stopping = True
                 self.finish()
                 raise
-            context.id = 0
-            if result is not None and inspect.iscoroutine(result):
-                result.close()
-                failures.append(
-                    handlers.failure(spec, job_id, attempt, max_attempts, handlers.returned_coroutine(spec))
-                )
-                continue
-            if context.cancelled:
-                # Told to stop while it ran: it finishes as cancelled, whatever it returned.
-                executor.cancelled.discard(job_id)
-                failures.append(handlers.cancelled(job_id, attempt))
-                continue
-            if attempt == 1:
+            outcome = executor.returned(spec, job_id, attempt, max_attempts, result)
+            if outcome is not None:
+                failures.append(outcome)
+            elif attempt == 1:
                 done.append(job_id)
             else:
                 failures.append(handlers.completed(job_id, attempt))

@@ -19,17 +19,16 @@ class DatabaseUnavailable(FastjobsError):
     """PostgreSQL could not be reached."""
 
 
+class LoopError(FastjobsError):
+    """A statement of a worker's hot loop failed, or its connection did; the message is libpq's."""
+
+
 class SchemaMissing(FastjobsError):
     """The fastjobs schema is missing or out of date in this database: run `fastjobs migrate`."""
 
 
 class SchemaTooNew(SchemaMissing):
     """The fastjobs schema in this database is newer than this fastjobs runs on: upgrade fastjobs."""
-
-
-def args_error(kind: str, detail: str) -> TypeError:
-    """The TypeError every enqueue path raises for arguments it cannot store."""
-    return TypeError(f"arguments of job kind {kind!r} cannot be enqueued: {detail}")
 
 
 class JobTimeout(FastjobsError):

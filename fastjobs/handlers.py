@@ -461,6 +461,47 @@ class Executor:
         if task is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(task.cancel)
 
+    # The one place a sync handler's call becomes an outcome, for both hot
+    # loops and the slow path below. The C loop's only shortcut: a call that
+    # returned no coroutine and was not cancelled is completed inline (what
+    # `returned` would say), so a successful job costs no call here.
+
+    def raised(
+        self, spec: JobSpec, job_id: int, attempt: int, max_attempts: int, exc: BaseException
+    ) -> Outcome:
+        """The outcome of a sync handler's call that raised `exc`.
+
+        Cancelled if its cancellation arrived while it ran (an Exception
+        only: SystemExit or KeyboardInterrupt, which stop the worker, fail it).
+        """
+        context = self.context
+        context.id = 0
+        if context.cancelled:
+            self.cancelled.discard(job_id)
+            if isinstance(exc, Exception):
+                return cancelled(job_id, attempt)
+        return failure(spec, job_id, attempt, max_attempts, exc)
+
+    def returned(
+        self, spec: JobSpec, job_id: int, attempt: int, max_attempts: int, result: Any
+    ) -> Outcome | None:
+        """The outcome of a sync handler's call that returned `result`; None for a success.
+
+        A coroutine (a plain def that should be `async def`) fails the
+        attempt; a cancellation that arrived while it ran cancels the job,
+        whatever it returned. The caller records a success.
+        """
+        context = self.context
+        context.id = 0
+        if context.cancelled:
+            self.cancelled.discard(job_id)
+        if result is not None and inspect.iscoroutine(result):
+            result.close()
+            return failure(spec, job_id, attempt, max_attempts, returned_coroutine(spec))
+        if context.cancelled:
+            return cancelled(job_id, attempt)
+        return None
+
     def run(self, jobs: list[SlowJob], completed: list[int], failures: list[Outcome]) -> None:
         """Run the slow jobs of a batch: sync ones in order, then async ones concurrently.
 
@@ -504,28 +545,23 @@ class Executor:
             started.add(job_id)
             if self.running is not None:
                 self.running.add(job_id)
+            outcome: Outcome | None
             try:
                 result = _call_with_timeout(spec.func, args, spec.timeout)
-                if inspect.iscoroutine(result):
-                    result.close()
-                    failures.append(failure(spec, job_id, attempt, max_attempts, returned_coroutine(spec)))
-                    continue
             except Exception as exc:
-                if context.cancelled:
-                    failures.append(cancelled(job_id, attempt))
-                else:
-                    failures.append(failure(spec, job_id, attempt, max_attempts, exc))
+                outcome = self.raised(spec, job_id, attempt, max_attempts, exc)
+            except BaseException as exc:
+                failures.append(self.raised(spec, job_id, attempt, max_attempts, exc))
+                raise
             else:
-                if context.cancelled:
-                    failures.append(cancelled(job_id, attempt))
-                else:
-                    completed.append(job_id)
+                outcome = self.returned(spec, job_id, attempt, max_attempts, result)
             finally:
                 if self.running is not None:
                     self.running.discard(job_id)
-                if context.cancelled:
-                    self.cancelled.discard(job_id)
-                context.id = 0
+            if outcome is None:
+                completed.append(job_id)
+            else:
+                failures.append(outcome)
         if pending_async:
             self.ran_async = True
             if self._loop is None:

@@ -4,20 +4,24 @@ The C module drives psycopg's connection through libpq directly, which is only
 sound when psycopg uses the same system libpq: its `c` or `python`
 implementation, not `binary` (which bundles its own). FASTJOBS_IMPL=c|python
 forces one; forcing `c` where it cannot run is an error, not a fallback.
+
+Both modules are returned as `abc.Core`: that is where mypy checks each
+against the contract (`_core.pyi` standing for the C module).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from types import ModuleType
+from typing import TYPE_CHECKING
 
 import psycopg
 
+from .abc import Core
 from .errors import ConfigurationError
 
 
-def _choose() -> ModuleType:
+def _choose() -> Core:
     forced = os.environ.get("FASTJOBS_IMPL", "").strip().lower()
     if forced not in ("", "c", "python"):
         raise ConfigurationError(f"FASTJOBS_IMPL must be 'c' or 'python', not {forced!r}")
@@ -41,6 +45,14 @@ def _choose() -> ModuleType:
     from . import _core_py
 
     return _core_py
+
+
+if TYPE_CHECKING:
+    from . import _core, _core_py
+    from .abc import BatchLoop
+
+    def _loops(c: _core.BatchLoop, py: _core_py.BatchLoop) -> list[BatchLoop]:
+        return [c, py]  # a mismatch named attribute by attribute (the check above names only the class)
 
 
 core = _choose()

@@ -38,6 +38,7 @@ from typing import Any
 import psycopg
 
 from . import database, sql
+from .abc import BatchLoop
 
 MAGIC = 0x66_6A_73_74  # "fjst"
 VERSION = 5
@@ -110,7 +111,7 @@ class Slot:
         self.view[F["index"]] = index
         self.view[F["started"]] = self.view[F["heartbeat"]] = time.time()
 
-    def record(self, loop: Any, busy: float) -> None:
+    def record(self, loop: BatchLoop, busy: float) -> None:
         """Copy a BatchLoop's counters into the slot (after each batch)."""
         view = self.view
         view[_CLAIMED] = loop.claimed

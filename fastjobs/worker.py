@@ -19,6 +19,7 @@ import psycopg
 from setproctitle import setproctitle
 
 from . import database, leader, schema, sql
+from .abc import BatchLoop
 from .app import App
 from .errors import ConfigurationError, DatabaseUnavailable
 from .handlers import Executor
@@ -382,7 +383,7 @@ class Worker:
         self.parent = supervision.parent if supervision is not None else None
         self.title = supervision.title if supervision is not None else None
         self.careful = supervision is not None and supervision.careful
-        self.loop: Any = None
+        self.loop: BatchLoop | None = None
         self._stop = False
         self._stopping_now = False
         self._orphaned_at: float | None = None
@@ -514,6 +515,7 @@ class Worker:
 
     def _loop(self, conn: psycopg.Connection[Any], listener: Listener) -> None:
         loop = self.loop
+        assert loop is not None
         slot = self.slot
         config = self.config
         next_schedule = 0.0 if config.schedule else float("inf")

@@ -90,6 +90,15 @@ def dsn(template_db: str) -> Iterator[str]:
 
 
 @pytest.fixture
+def twin_dsns(template_db: str) -> Iterator[tuple[str, str]]:
+    """Two fresh, migrated databases: one per implementation, for tests that run both side by side."""
+    names = [f"fastjobs_t_{os.getpid()}_{next(_counter)}" for _ in range(2)]
+    yield _create_database(names[0], template_db), _create_database(names[1], template_db)
+    for name in names:
+        _drop_database(name)
+
+
+@pytest.fixture
 def empty_dsn() -> Iterator[str]:
     """A fresh database without the fastjobs schema."""
     name = f"fastjobs_e_{os.getpid()}_{next(_counter)}"

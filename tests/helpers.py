@@ -13,6 +13,7 @@ import pytest
 from psycopg.rows import dict_row
 
 from fastjobs import App
+from fastjobs.abc import BatchLoop
 from fastjobs.handlers import Executor
 from fastjobs.impl import core
 from fastjobs.worker import Worker, WorkerConfig
@@ -76,7 +77,7 @@ def batch_loop(
     concurrency: int = 100,
     executor: Executor | None = None,
     **loop_options: Any,
-) -> Iterator[Any]:
+) -> Iterator[BatchLoop]:
     """The implementation's BatchLoop with a fixed batch size, on a connection of its own.
 
     Tests that must see several jobs in one batch use it directly: a Worker

@@ -102,6 +102,7 @@ def test_a_late_outcome_of_an_attempt_whose_row_was_taken_is_dropped(
     [before] = taken
     assert before["state"] in ("running", "retryable")
     assert _row(dsn, job_id) == {**before, "run_in": pytest.approx(before["run_in"], abs=5)}
+    assert worker.loop is not None
     assert worker.loop.stale == 1
     assert (
         f"dropped the stale outcome ({STALE_STATES[outcome]}) of job {job_id} attempt 1:"
@@ -134,6 +135,7 @@ def test_a_late_success_is_dropped_at_any_attempt_whether_completed_jobs_are_kep
         expected = ("running", attempt + 1, "another-worker")
     assert (before["state"], before["attempt"], before["attempted_by"]) == expected
     assert _row(dsn, job_id) == {**before, "run_in": pytest.approx(before["run_in"], abs=5)}
+    assert worker.loop is not None
     assert (worker.loop.stale, worker.loop.completed) == (1, 0)
 
 
@@ -178,6 +180,7 @@ def test_outcomes_of_the_attempt_that_holds_the_row_still_apply(app: App, dsn: s
     for what in ["success", "failure", "retry", "snooze", "cancel"]:
         mixed.enqueue(what=what)
     worker = drain(app, worker_id=WORKER, keep_completed=True)
+    assert worker.loop is not None
     assert worker.loop.stale == 0
     assert [(row["args"]["what"], row["state"], row["attempt"]) for row in jobs(dsn)] == [
         ("success", "completed", 1),

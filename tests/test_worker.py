@@ -50,6 +50,7 @@ def test_each_job_runs_once_and_completed_jobs_are_deleted(app: App, dsn, overla
 
     assert sorted(seen) == [(n, f"x{n}") for n in range(300)]
     assert jobs(dsn) == []
+    assert worker.loop is not None
     assert worker.loop.completed == 300
     assert not query(dsn, "SELECT * FROM fastjobs_workers")
 

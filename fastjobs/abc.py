@@ -1,0 +1,114 @@
+"""The hot path's contract: what `_core` (C) and `_core_py` (Python) both provide, and the figures both use.
+
+As psycopg's `pq/abc.py`: the implementations are checked against these
+Protocols by mypy where `fastjobs.impl` chooses one (`_core.pyi` stands for
+the C module there), and tests/test_twins.py runs both on the same batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import psycopg
+
+    from .handlers import Executor
+    from .types import JobSpec
+
+# What one batch should take at most, judged by the last batch's pace.
+BATCH_SECONDS = 0.1
+
+# A claim scans the claim index from its front only as often as costs 10% of
+# the loop's time (it wades through the dead entries of every job claimed
+# since the last VACUUM); in between it starts where the last claim ended
+# (sql.job_finish_claim_after). Its cost is the time the loop spent sending it
+# and waiting for its result: a claim sent ahead (overlap) is in flight while
+# the handlers run, and counting that time made the next claim from the front
+# due ~9 batches later on a clean index. At most this long between two.
+FULL_CLAIM_DUTY = 0.1
+FULL_CLAIM_MAX_WAIT = 10.0
+# A mark is kept only for a run_at a second or more inside timestamptz's range
+# (microseconds since 2000): the claim after it subtracts its margin, and
+# -infinity or 4713 BC would overflow.
+MARK_RUN_AT_MIN = -211_813_488_000_000_000 + 1_000_000
+MARK_RUN_AT_MAX = 9_223_371_331_200_000_000 - 1_000_000
+
+
+class BatchLoop(Protocol):
+    """One worker's hot loop: claims, runs and completes batches on one connection.
+
+    A statement or connection failure raises errors.LoopError. The counters
+    count outcomes as they are sent (a stale one is taken back when PostgreSQL
+    drops it); the worker copies them into its stats slot after each batch.
+    """
+
+    claimed: int
+    completed: int
+    failed: int
+    retried: int
+    discarded: int
+    stale: int  # outcomes dropped because their job no longer ran that attempt here
+    size: int  # the next claim's size, between batch_min and batch_max
+    batch_min: int
+    batch_max: int
+    overlap: bool  # send the next claim before the handlers run (from a deep queue)
+    stopping: bool  # set from a signal handler: claim no more, give back what was not started
+    recheck: float  # after an empty step: seconds until a claim from the front is due (inf: none)
+
+    def prepare(self) -> None:
+        """Prepare the loop's statements on its connection."""
+
+    def step(self) -> int:
+        """Run one batch; 0 when there was nothing to claim (outcomes are flushed then)."""
+
+    def finish(self) -> None:
+        """Give back the batch claimed ahead and write every outcome still held."""
+
+
+class NewBatchLoop(Protocol):
+    """The BatchLoop class of an implementation: its constructor."""
+
+    def __call__(
+        self,
+        conn: psycopg.Connection[Any],
+        specs: dict[str, JobSpec],
+        executor: Executor,
+        worker_id: str,
+        queues: list[str],
+        *,
+        keep_completed: bool = ...,
+        batch_min: int = ...,
+        batch_max: int = ...,
+        overlap: bool = ...,
+        progress: memoryview | None = ...,  # the slot's float64 [0]: counts the jobs started
+        full_claim_duty: float = ...,
+        running: memoryview | None = ...,  # the slot's int64 [0:3]: the job running, the outcomes written
+    ) -> BatchLoop: ...
+
+
+class Core(Protocol):
+    """An implementation of the hot path: the module `_core` or `_core_py`."""
+
+    @property
+    def IMPLEMENTATION(self) -> str: ...
+
+    @property
+    def BatchLoop(self) -> NewBatchLoop: ...
+
+    def dump_args(
+        self, kind: str, args: Any, params: frozenset[str] | None, required: frozenset[str]
+    ) -> bytes:
+        """Check one job's arguments against its handler and serialise them with orjson."""
+
+    def encode_copy_rows(
+        self,
+        kind: str,
+        rows: Iterator[Any],
+        prefix: bytes,
+        suffix: bytes,
+        limit: int,
+        params: frozenset[str] | None,
+        required: frozenset[str],
+    ) -> tuple[bytes, int]:
+        """Encode up to `limit` rows of binary COPY data: prefix, the args as jsonb, suffix."""
