@@ -9,12 +9,15 @@ forces one; forcing `c` where it cannot run is an error, not a fallback.
 from __future__ import annotations
 
 import os
-import sys
 from types import ModuleType
 
 import psycopg
 
 from .errors import ConfigurationError
+
+# Why the Python reference runs though nobody asked for it (None otherwise). Not
+# logged here, at import, before anyone could configure logging: `fastjobs` logs it.
+FALLBACK: str | None = None
 
 
 def _choose() -> ModuleType:
@@ -37,7 +40,8 @@ def _choose() -> ModuleType:
             reason = f"the C extension is not built ({exc})"
     if forced == "c":
         raise ConfigurationError(f"FASTJOBS_IMPL=c, but {reason}")
-    print(f"fastjobs: running the Python reference hot path: {reason}", file=sys.stderr)
+    global FALLBACK
+    FALLBACK = f"running the Python reference hot path: {reason}"
     from . import _core_py
 
     return _core_py
