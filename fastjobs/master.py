@@ -522,7 +522,7 @@ class Master:
             logger.error("%s: %s", self._name(child), exc)
             code = EXIT_BOOT_ERROR
         except BaseException:
-            logger.exception("%s crashed", self._name(child))
+            logger.exception("%s (pid %d) crashed", self._name(child), os.getpid())
             code = EXIT_CRASH
         finally:
             sys.stdout.flush()

@@ -40,6 +40,15 @@ app = fastjobs.App()
 @app.job("boom", retry=lambda attempt, r: 0.0)
 def boom(n):
     raise ValueError(f"boom {n}")
+
+
+class Abort(BaseException):
+    pass
+
+
+@app.job("abort")
+def abort(n):
+    raise Abort(f"abort {n}")
 '''
 
 # Imports fastjobs, enqueues, and runs a Worker in-process off the main thread
@@ -168,6 +177,21 @@ def test_fastjobs_run_logs_json_lines_with_the_fields_of_a_failed_job(
     assert ("fastjobs.master", "INFO", "stopping (grace 30s)") in messages
     assert messages[-1] == ("fastjobs.cli", "INFO", "stopped")
     assert {r["pid"] for r in failed} < set(master.forks())
+
+
+def test_a_crashed_worker_logs_its_traceback(masters: procs.Masters, app: App) -> None:
+    master = masters.start("--processes", "1", module=FAILING, options=("--log-format", "json"))
+    job_id = app.enqueue("abort", {"n": 5}, max_attempts=1)
+    victim = int(master.wait_stderr(r'"worker 1 \(pid (\d+)\) exited with 1; restarting')[1])
+    assert master.stop() == 0, master.stderr()
+    records = _json_lines(master.stderr())
+    [crash] = [r for r in records if r["message"] == f"worker 1 (pid {victim}) crashed"]
+    assert (crash["logger"], crash["level"], crash["pid"]) == ("fastjobs.master", "ERROR", victim)
+    assert crash["exc"].startswith("Traceback (most recent call last):")
+    assert crash["exc"].endswith("Abort: abort 5")
+    [job] = [r for r in records if r.get("job_id") == job_id]
+    assert (job["level"], job["kind"], job["attempt"], job["pid"]) == ("ERROR", "abort", 1, victim)
+    assert job["message"] == f"job {job_id} (abort) attempt 1 failed; discarded: Abort: abort 5"
 
 
 def test_fastjobs_run_logs_text_as_before(masters: procs.Masters, app: App) -> None:
