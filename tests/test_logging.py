@@ -205,7 +205,7 @@ def test_fastjobs_run_logs_text_as_before(masters: procs.Masters, app: App) -> N
         rf"^fastjobs: job {job_id} \(boom\) attempt 1 failed; retrying in 0s: ValueError: boom 3$", err, re.M
     )
     assert re.search(
-        r"^fastjobs: master pid \d+, 1 workers \+ leader, 1 job kinds, \w+ implementation$", err, re.M
+        r"^fastjobs: master pid \d+, 1 workers \+ leader, 2 job kinds, \w+ implementation$", err, re.M
     )
     assert "fastjobs:   worker 1: default:10\n" in err
     assert err.endswith("fastjobs: stopping (grace 30s)\nfastjobs: stopped\n")
