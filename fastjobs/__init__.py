@@ -1,5 +1,7 @@
 """fastjobs: a PostgreSQL-backed background job queue built for throughput."""
 
+import logging
+
 from .app import App, Job
 from .errors import (
     Cancel,
@@ -18,6 +20,11 @@ from .handlers import JobContext, current_job
 from .retry import default_backoff
 from .types import JobSpec, JobState
 from .worker import Worker, WorkerConfig
+
+# A library configures no output: its records reach nothing (not even logging's
+# last-resort stderr) until the application configures logging (README, Logging).
+# No module logs at import, so this comes in time.
+logging.getLogger("fastjobs").addHandler(logging.NullHandler())
 
 __all__ = [
     "App",

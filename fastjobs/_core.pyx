@@ -660,6 +660,7 @@ cdef class BatchLoop:
             self._claim()
             if self._nrows == 0:
                 return 0
+        self._executor.queue = self._queues[self._sent_index]  # the rows' queue, for the records of failures
         # Take ownership of the claimed rows: _receive below fills self._rows anew.
         batch = self._rows
         n = self._nrows

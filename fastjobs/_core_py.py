@@ -339,6 +339,7 @@ class BatchLoop:
         self._rows = []
         if not rows:
             return 0
+        self._executor.queue = self._queues[self._sent[0]]  # the rows' queue, for the records of failures
         # Claim ahead only from a deep queue (the last claim came back full):
         # on a shallow one it would mostly return nothing, one more round trip
         # per wake-up.

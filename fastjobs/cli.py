@@ -7,21 +7,25 @@ import dataclasses
 import datetime as dt
 import importlib
 import json
+import logging
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from . import control, database, schema, sql, stats
+from . import control, database, logs, schema, sql, stats
 from .app import App
 from .errors import ConfigurationError, FastjobsError
-from .impl import IMPLEMENTATION
+from .impl import FALLBACK, IMPLEMENTATION
 from .leader import DEFAULT_LEASE, LeaderConfig, RescuerConfig
 from .master import DEFAULT_WORKER_TIMEOUT, Master, parse_queues
 from .stats import HORIZON_WARNING
 from .types import JobState
 from .worker import WorkerConfig
+
+# By name: run as `python -m fastjobs.cli`, __name__ is "__main__", outside the "fastjobs" logger.
+logger = logging.getLogger("fastjobs.cli")
 
 DEFAULT_RESULTS = Path("bench") / "results.jsonl"
 
@@ -56,6 +60,19 @@ def _parser() -> argparse.ArgumentParser:
     worker = WorkerConfig()  # the defaults of the workers' settings
     parser = argparse.ArgumentParser(prog="fastjobs", description="PostgreSQL-backed background jobs")
     parser.add_argument("--dsn", help="PostgreSQL URL (default: FASTJOBS_DSN, DATABASE_URL, embedded)")
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=logs.LEVELS,
+        default="INFO",
+        help="the least severe messages shown on stderr (default %(default)s)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=logs.FORMATS,
+        default="text",
+        help="stderr messages as text lines or one JSON object per line (default %(default)s)",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     migrate = commands.add_parser("migrate", help="create or upgrade the schema")
@@ -222,6 +239,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    with logs.configured(args.log_level, args.log_format):
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
+    if FALLBACK:
+        logger.warning(FALLBACK)
     try:
         if args.command == "migrate":
             return _migrate(args)
@@ -234,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             return _bench(args)
     except (FastjobsError, ValueError) as exc:
-        print(f"fastjobs: {exc}", file=sys.stderr)
+        logger.error("%s", exc)
         return 1
     return 2
 
@@ -288,7 +312,7 @@ def _run(args: argparse.Namespace) -> int:
         metrics=metrics,
     )
     code = master.run()
-    print("fastjobs: stopped", file=sys.stderr, flush=True)
+    logger.info("stopped")
     return code
 
 
@@ -302,11 +326,11 @@ def _jobs(args: argparse.Namespace) -> int:
                 conn, queue=args.queue, state=args.state, kind=args.kind, limit=args.limit
             )
             if args.json:
-                print(json.dumps(rows, default=str, indent=2))
+                _echo(json.dumps(rows, default=str, indent=2))
                 return 0
-            print(f"{'id':>10}  {'queue':<16}{'kind':<32}{'state':<11}{'attempt':>8}  run_at")
+            _echo(f"{'id':>10}  {'queue':<16}{'kind':<32}{'state':<11}{'attempt':>8}  run_at")
             for r in rows:
-                print(
+                _echo(
                     f"{r['id']:>10}  {_safe(r['queue']):<16}{_safe(r['kind']):<32}{r['state']:<11}"
                     f"{r['attempt']:>4}/{r['max_attempts']:<3}  {_when(r['run_at'])}"
                 )
@@ -314,25 +338,25 @@ def _jobs(args: argparse.Namespace) -> int:
         if command == "show":
             job = control.show(conn, args.id)
             if args.json:
-                print(json.dumps(job, default=str, indent=2))
+                _echo(json.dumps(job, default=str, indent=2))
                 return 0
             for key, value in job.items():
                 if key in ("errors", "args", "meta"):
                     continue
-                print(f"{key:>16}: {_safe(str(value))}")
-            print(f"{'args':>16}: {_safe(json.dumps(job['args'], ensure_ascii=False))}")
+                _echo(f"{key:>16}: {_safe(str(value))}")
+            _echo(f"{'args':>16}: {_safe(json.dumps(job['args'], ensure_ascii=False))}")
             for error in job["errors"] or []:
                 head = f"attempt {error.get('attempt')} at {error.get('at')}: {error.get('error')}"
-                print(f"\n--- {_safe(head)}")
+                _echo(f"\n--- {_safe(head)}")
                 if error.get("traceback"):
-                    print(_safe(str(error["traceback"]).rstrip(), lines=True))
+                    _echo(_safe(str(error["traceback"]).rstrip(), lines=True))
             return 0
         action = {"retry": control.retry, "cancel": control.cancel, "discard": control.discard}[command]
         state = action(conn, args.id)
         if args.json:
-            print(json.dumps({"id": args.id, "state": state}))
+            _echo(json.dumps({"id": args.id, "state": state}))
         else:
-            print(f"job {args.id}: {state}")
+            _echo(f"job {args.id}: {state}")
         return 0
 
 
@@ -340,6 +364,11 @@ def _jobs(args: argparse.Namespace) -> int:
 # terminal: C0 and C1 controls, ESC and DEL among them, print as \xNN.
 _CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
 _CONTROLS_BUT_NEWLINES = {c: text for c, text in _CONTROLS.items() if c not in (0x09, 0x0A)}
+
+
+def _echo(text: str) -> None:
+    """A line of the command's output (stdout): what it was asked for, unlike its log on stderr."""
+    sys.stdout.write(f"{text}\n")
 
 
 def _safe(text: str, lines: bool = False) -> str:
@@ -363,7 +392,7 @@ def _stats(args: argparse.Namespace) -> int:
     found, skipped = stats.live_masters(None if args.all_masters else identity)
     for skip in skipped:
         removed = " (removed)" if skip.stale and skip.ours else ""
-        print(f"fastjobs: skipped {skip.path}: {skip.reason}{removed}", file=sys.stderr)
+        logger.warning("skipped %s: %s%s", skip.path, skip.reason, removed)
     masters: list[dict[str, Any]] = [
         {"master_pid": m.master_pid, "database": m.database, "file": str(m.path), "processes": m.processes}
         for m in found
@@ -375,32 +404,32 @@ def _stats(args: argparse.Namespace) -> int:
             "health": dataclasses.asdict(health),
             "warnings": warnings,
         }
-        print(json.dumps(doc, indent=2))
+        _echo(json.dumps(doc, indent=2))
         return 0
-    print(f"{'queue':<24}{'state':<12}{'jobs':>10}{'oldest':>12}")
+    _echo(f"{'queue':<24}{'state':<12}{'jobs':>10}{'oldest':>12}")
     for d in depths:
         oldest = "" if d.oldest_seconds is None else f"{d.oldest_seconds:,.1f}s"
-        print(f"{d.queue:<24}{d.state:<12}{d.count:>10,}{oldest:>12}")
+        _echo(f"{d.queue:<24}{d.state:<12}{d.count:>10,}{oldest:>12}")
     if not depths:
-        print("(no jobs)")
+        _echo("(no jobs)")
     now = time.time()
     for m in masters:
         elsewhere = "" if m["database"] == identity else f", database {m['database']}"
-        print(f"\nmaster pid {m['master_pid']} on this host{elsewhere}")
-        print(
+        _echo(f"\nmaster pid {m['master_pid']} on this host{elsewhere}")
+        _echo(
             f"{'process':<12}{'pid':>8}{'jobs/s':>10}{'completed':>12}{'failed':>9}{'retried':>9}{'discarded':>10}"
             f"{'beat':>8}  listener"
         )
         for p in m["processes"]:
             name = f"{stats.ROLES.get(int(p['role']), '?')} {int(p['index']) + 1}"
-            print(
+            _echo(
                 f"{name:<12}{int(p['pid']):>8}{p['rate']:>10,.0f}{int(p['completed']):>12,}{int(p['failed']):>9,}"
                 f"{int(p['retried']):>9,}{int(p['discarded']):>10,}{now - p['heartbeat']:>7.1f}s"
                 f"  {_listener(p, now)}"
             )
     _print_health(health, now)
     for line in warnings:
-        print(f"\n{line}")
+        _echo(f"\n{line}")
     return 0
 
 
@@ -412,19 +441,19 @@ def _listener(p: dict[str, float], now: float) -> str:
 
 
 def _print_health(health: stats.Health, now: float) -> None:
-    print("\nMVCC health")
+    _echo("\nMVCC health")
     h = health.horizon
     if h is None:
-        print("oldest snapshot: none open")
+        _echo("oldest snapshot: none open")
     else:
         held = "" if h.seconds is None else f" open {h.seconds:,.1f}s,"
-        print(f"oldest snapshot: {h.source} {h.ident},{held} {h.xid_age or 0:,} xids old ({h.detail})")
-    print(f"NOTIFY queue: {health.notify_queue:.1%} used")
-    print(f"{'table':<22}{'live':>12}{'dead':>12}{'table':>10}{'indexes':>10}  last vacuum")
+        _echo(f"oldest snapshot: {h.source} {h.ident},{held} {h.xid_age or 0:,} xids old ({h.detail})")
+    _echo(f"NOTIFY queue: {health.notify_queue:.1%} used")
+    _echo(f"{'table':<22}{'live':>12}{'dead':>12}{'table':>10}{'indexes':>10}  last vacuum")
     for t in health.tables:
         last = max((v for v in (t.last_vacuum, t.last_autovacuum) if v is not None), default=None)
         vacuumed = "never" if last is None else f"{now - last:,.0f}s ago"
-        print(
+        _echo(
             f"{t.table:<22}{t.live:>12,}{t.dead:>12,}{_size(t.table_bytes):>10}{_size(t.index_bytes):>10}"
             f"  {vacuumed} ({t.autovacuums:,} autovacuums)"
         )
@@ -499,9 +528,9 @@ def _migrate(args: argparse.Namespace) -> int:
         applied = schema.migrate(conn, dsn=dsn, lock_timeout=args.lock_timeout, retries=args.lock_retries)
     where = database.describe(dsn)
     if not applied:
-        print(f"fastjobs: schema at {where} is up to date")
+        _echo(f"fastjobs: schema at {where} is up to date")
     for m in applied:
-        print(f"fastjobs: applied {m.version:03d}_{m.name} to {where}")
+        _echo(f"fastjobs: applied {m.version:03d}_{m.name} to {where}")
     return 0
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
-import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +14,8 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from .errors import ConfigurationError, DatabaseUnavailable
+
+logger = logging.getLogger(__name__)
 
 _embedded_dsn: str | None = None
 
@@ -33,7 +35,7 @@ def data_dir() -> Path:
 
 
 def embedded_dsn() -> str:
-    """Start (or join) the embedded PostgreSQL and return its DSN; say so once on stderr."""
+    """Start (or join) the embedded PostgreSQL and return its DSN; say so once (logged)."""
     global _embedded_dsn
     if _embedded_dsn is not None:
         return _embedded_dsn
@@ -41,7 +43,7 @@ def embedded_dsn() -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     server = start_embedded(path, cleanup_mode="stop")
     _embedded_dsn = server.get_uri("postgres")
-    print(f"fastjobs: no FASTJOBS_DSN or DATABASE_URL; using embedded PostgreSQL in {path}", file=sys.stderr)
+    logger.info("no FASTJOBS_DSN or DATABASE_URL; using embedded PostgreSQL in %s", path)
     return _embedded_dsn
 
 

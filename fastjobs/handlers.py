@@ -13,10 +13,10 @@ import contextlib
 import contextvars
 import datetime as dt
 import inspect
+import logging
 import math
 import random
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -27,8 +27,11 @@ from typing import Any
 import orjson
 
 from .errors import Cancel, JobTimeout, Retry, Snooze
+from .logs import job_fields
 from .retry import default_backoff
 from .types import JobSpec
+
+logger = logging.getLogger(__name__)
 
 Outcome = dict[str, Any]
 
@@ -186,6 +189,44 @@ def _backoff(spec: JobSpec | None, attempt: int) -> tuple[float, str | None]:
 def failure(
     spec: JobSpec | None, job_id: int, attempt: int, max_attempts: int, exc: BaseException | str
 ) -> Outcome:
+    """The outcome of an attempt that raised `exc` (or failed for the reason `exc`), logged."""
+    outcome = _failure(spec, job_id, attempt, max_attempts, exc)
+    _say_outcome(outcome, spec.kind if spec is not None else None)
+    return outcome
+
+
+def _say_outcome(outcome: Outcome, kind: str | None) -> None:
+    """Log a failed, snoozed or cancelled attempt, with the job's fields (on the failure path only)."""
+    state, error = outcome["state"], outcome["error"]
+    if outcome["uncount"]:
+        level, text = logging.DEBUG, f"snoozed for {outcome['delay']:g}s"
+    elif state == "cancelled":
+        level, text = logging.INFO, "cancelled"
+    elif state == "discarded":
+        level, text = logging.ERROR, "failed; discarded"
+    else:
+        level, text = logging.WARNING, f"failed; retrying in {outcome['delay']:g}s"
+    if not logger.isEnabledFor(level):
+        return
+    fields = _job_fields(outcome["id"], outcome["attempt"], kind, of_batch=True)
+    why = f": {error['error']}" if error is not None else ""
+    logger.log(
+        level, "job %d (%s) attempt %d %s%s", outcome["id"], kind, outcome["attempt"], text, why, extra=fields
+    )
+
+
+def _job_fields(job_id: int, attempt: int, kind: str | None = None, of_batch: bool = False) -> dict[str, Any]:
+    """The record fields of a job of this thread's worker; `of_batch`: of the batch running, its queue."""
+    executor = getattr(_thread, "executor", None)
+    queue = getattr(executor, "queue", None) if of_batch else None
+    if isinstance(queue, bytes):
+        queue = queue.decode()
+    return job_fields(job_id, kind, queue, attempt, getattr(executor, "worker", None))
+
+
+def _failure(
+    spec: JobSpec | None, job_id: int, attempt: int, max_attempts: int, exc: BaseException | str
+) -> Outcome:
     """The outcome of an attempt that raised `exc` (or failed for the reason `exc`).
 
     No value a handler or policy returns can make this fail or produce an
@@ -221,12 +262,16 @@ def failure(
 
 def discard(job_id: int, attempt: int, reason: str) -> Outcome:
     """A job that can never succeed (its args do not decode): discarded at once."""
-    return _outcome(job_id, attempt, "discarded", error=_error(attempt, reason))
+    outcome = _outcome(job_id, attempt, "discarded", error=_error(attempt, reason))
+    _say_outcome(outcome, None)
+    return outcome
 
 
 def unknown_kind(job_id: int, kind: str, attempt: int, max_attempts: int) -> Outcome:
     """A kind this worker has no handler for: retried, since another deploy may have it."""
-    return failure(None, job_id, attempt, max_attempts, f"no handler registered for job kind {kind!r}")
+    outcome = _failure(None, job_id, attempt, max_attempts, f"no handler registered for job kind {kind!r}")
+    _say_outcome(outcome, kind)
+    return outcome
 
 
 def completed(job_id: int, attempt: int) -> Outcome:
@@ -356,33 +401,41 @@ def isolate(write: Write, completed: list[int], failures: list[Outcome], reason:
             if error is None:
                 return
             reason = error
-        print(
-            f"fastjobs: no record of job {job_id} attempt {attempt} could be written ({reason});"
+        logger.error(
+            "no record of job %d attempt %d could be written (%s);"
             " it stays running until the rescuer takes it",
-            file=sys.stderr,
+            job_id,
+            attempt,
+            reason,
+            extra=_job_fields(job_id, attempt),
         )
 
     settle(items, reason)
 
 
 def _say_rejected(job_id: int, attempt: int, reason: str) -> None:
-    print(
-        f"fastjobs: the outcome of job {job_id} attempt {attempt} could not be recorded ({reason.strip()});"
-        " recording a failure of its own instead",
-        file=sys.stderr,
+    logger.error(
+        "the outcome of job %d attempt %d could not be recorded (%s); recording a failure of its own instead",
+        job_id,
+        attempt,
+        reason.strip(),
+        extra=_job_fields(job_id, attempt),
     )
 
 
 def say_stale(stale: list[tuple[int, int, str]]) -> None:
     """Report outcomes the batch statement dropped: their job no longer runs that attempt here."""
     for job_id, attempt, state in stale[:STALE_LINES]:
-        print(
-            f"fastjobs: dropped the stale outcome ({state}) of job {job_id} attempt {attempt}: the job is no"
+        logger.warning(
+            "dropped the stale outcome (%s) of job %d attempt %d: the job is no"
             " longer running that attempt on this worker (rescued, or changed by hand)",
-            file=sys.stderr,
+            state,
+            job_id,
+            attempt,
+            extra=_job_fields(job_id, attempt),
         )
     if len(stale) > STALE_LINES:
-        print(f"fastjobs: ... and {len(stale) - STALE_LINES} more stale outcomes dropped", file=sys.stderr)
+        logger.warning("... and %d more stale outcomes dropped", len(stale) - STALE_LINES)
 
 
 def returned_coroutine(spec: JobSpec) -> str:
@@ -442,6 +495,10 @@ class Executor:
         self.stopping = False  # set by Worker.stop: jobs not yet started go back
         self.ran_async = False
         self.context = JobContext()
+        # For the records of its jobs' failures: the worker's id, and the queue
+        # of the batch running now (the hot loop sets it once per batch).
+        self.worker: str | None = None
+        self.queue: bytes | str | None = None
         self.cancelled: set[int] = set()
         # The worker's slot (stats.SlowJobs): the jobs whose handlers run now,
         # which alone count a crash if the worker dies.
@@ -452,6 +509,7 @@ class Executor:
     def bind(self) -> None:
         """Make this executor's context the calling thread's `current_job()`."""
         _thread.job = self.context
+        _thread.executor = self  # whose worker and queue the job records carry (_job_fields)
 
     def cancel(self, job_id: int) -> None:
         self.cancelled.add(job_id)
@@ -646,10 +704,9 @@ _warned_thread_timeout = False
 def _warn_thread_timeout() -> None:
     global _warned_thread_timeout
     _warned_thread_timeout = True
-    print(
-        "fastjobs: this worker runs off the main thread, so sync handlers' timeouts cannot interrupt"
-        " them (SIGALRM); async handlers' timeouts still apply",
-        file=sys.stderr,
+    logger.warning(
+        "this worker runs off the main thread, so sync handlers' timeouts cannot interrupt"
+        " them (SIGALRM); async handlers' timeouts still apply"
     )
 
 

@@ -12,13 +12,16 @@ against the contract (`_core.pyi` standing for the C module).
 from __future__ import annotations
 
 import os
-import sys
 from typing import TYPE_CHECKING
 
 import psycopg
 
 from .abc import Core
 from .errors import ConfigurationError
+
+# Why the Python reference runs though nobody asked for it (None otherwise). Not
+# logged here, at import, before anyone could configure logging: `fastjobs` logs it.
+FALLBACK: str | None = None
 
 
 def _choose() -> Core:
@@ -41,7 +44,8 @@ def _choose() -> Core:
             reason = f"the C extension is not built ({exc})"
     if forced == "c":
         raise ConfigurationError(f"FASTJOBS_IMPL=c, but {reason}")
-    print(f"fastjobs: running the Python reference hot path: {reason}", file=sys.stderr)
+    global FALLBACK
+    FALLBACK = f"running the Python reference hot path: {reason}"
     from . import _core_py
 
     return _core_py

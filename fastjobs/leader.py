@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import logging
 import os
 import random
 import select
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +31,8 @@ from .types import JobSpec
 
 if TYPE_CHECKING:
     from .app import App
+
+logger = logging.getLogger(__name__)
 
 
 # The leader's keepalives, on both ends of its connection (ignored on Unix
@@ -319,11 +321,11 @@ class Vacuumer:
                     if time.monotonic() >= next_horizon:
                         next_horizon = time.monotonic() + self.config.horizon_interval
                         for line in health(self._conn).warnings(self.config.horizon_warning):
-                            print(f"fastjobs: leader: {line}", file=sys.stderr, flush=True)
+                            logger.warning("leader: %s", line)
                     wait = self.vacuum_once(self._conn)
                 except (psycopg.Error, DatabaseUnavailable) as exc:
                     if not self._stop.is_set():
-                        print(f"fastjobs: leader vacuum: {exc}", file=sys.stderr, flush=True)
+                        logger.warning("leader vacuum: %s", exc)
                     if self._conn is not None:
                         self._conn.close()
                     self._conn = None
@@ -424,7 +426,7 @@ class Leader:
                     try:
                         self._turn(conn)
                     except psycopg.OperationalError as exc:
-                        print(f"fastjobs: leader lost its connection: {exc}", file=sys.stderr, flush=True)
+                        logger.warning("leader lost its connection: %s", exc)
                         self._step_down()
                         conn.close()
                         conn = None
@@ -447,7 +449,7 @@ class Leader:
 
     def _step_down(self) -> None:
         if self.leading:
-            print(f"fastjobs: leader (pid {os.getpid()}) stepped down", file=sys.stderr, flush=True)
+            logger.warning("leader (pid %d) stepped down", os.getpid())
         self.leading = False
 
     def _connect(self) -> psycopg.Connection[Any] | None:
@@ -465,7 +467,7 @@ class Leader:
                 )
             return conn
         except DatabaseUnavailable as exc:
-            print(f"fastjobs: leader cannot connect, retrying: {exc}", file=sys.stderr, flush=True)
+            logger.warning("leader cannot connect, retrying: %s", exc)
             return None
 
     def _next_due(self) -> float:
@@ -477,7 +479,7 @@ class Leader:
             self.leading = self._try_lock(conn, wait=1.0 if self._take_over(conn) else 0.0)
             if not self.leading:
                 return
-            print(f"fastjobs: leader elected (pid {os.getpid()})", file=sys.stderr, flush=True)
+            logger.info("leader elected (pid %d)", os.getpid())
             self._due = {}
             self._renewed = time.monotonic()
         elif time.monotonic() - self._renewed >= self.config.lease / 4:
@@ -506,7 +508,9 @@ class Leader:
             if name == "cleaner" and spent >= config.cleaner.budget:
                 self._due[name] = time.monotonic() + config.cleaner.rest(spent)  # a backlog: paced
             if result and (not isinstance(result, dict) or any(result.values())):
-                print(f"fastjobs: leader {name}: {_describe(result)}", file=sys.stderr, flush=True)
+                # Rescued jobs are trouble (their workers died or fell silent); the rest is routine.
+                level = logging.WARNING if name == "rescuer" else logging.INFO
+                logger.log(level, "leader %s: %s", name, _describe(result))
 
     def _try_lock(self, conn: psycopg.Connection[Any], wait: float = 0.0) -> bool:
         """Take the lock if it is free; keep trying for `wait` seconds (a terminated holder exits soon)."""
@@ -532,18 +536,17 @@ class Leader:
             # Another role's leader (or a superuser's): only its session's end frees the lock.
             if not self._warned_privilege:
                 self._warned_privilege = True
-                print(
-                    f"fastjobs: leader (pid {os.getpid()}) cannot take over a silent leader: {exc}",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                logger.warning("leader (pid %d) cannot take over a silent leader: %s", os.getpid(), exc)
             return False
         for pid, client, idle, _ in rows:
-            print(
-                f"fastjobs: leader (pid {os.getpid()}): the leader's session (backend {pid}, client"
-                f" {client}) was silent for {idle:.1f}s, past its lease of {lease:g}s: terminated it",
-                file=sys.stderr,
-                flush=True,
+            logger.warning(
+                "leader (pid %d): the leader's session (backend %s, client %s) was silent for %.1fs, past its"
+                " lease of %gs: terminated it",
+                os.getpid(),
+                pid,
+                client,
+                idle,
+                lease,
             )
         return bool(rows)
 

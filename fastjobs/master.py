@@ -12,6 +12,7 @@ held is given back by a releaser, a short-lived child it forks (see _release).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import select
@@ -19,7 +20,6 @@ import signal
 import socket
 import sys
 import time
-import traceback
 from dataclasses import dataclass, replace
 
 import psycopg
@@ -29,6 +29,7 @@ from .app import App
 from .errors import ConfigurationError, DatabaseUnavailable, FastjobsError, SchemaMissing
 from .impl import IMPLEMENTATION
 from .leader import Leader, LeaderConfig
+from .logs import job_fields
 from .metrics import MetricsProcess
 from .stats import LEADER, WORKER, Slot, Slots, database_identity
 from .types import DEFAULT_QUEUE
@@ -57,6 +58,8 @@ RELEASE_WAIT = 15.0
 # A releaser gives up on a database that does not answer within this many seconds.
 RELEASE_TIMEOUT = 10
 
+
+logger = logging.getLogger(__name__)
 
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGCHLD}
 
@@ -185,7 +188,7 @@ class Master:
         try:
             identity = self._check_database(dsn)
         except (ConfigurationError, DatabaseUnavailable, SchemaMissing) as exc:
-            print(f"fastjobs: {exc}", file=sys.stderr, flush=True)
+            logger.error("%s", exc)
             return EXIT_BOOT_ERROR
         # Each slot can record as many running slow jobs as a worker's concurrency.
         capacity = max((sum(share.values()) for share in self.plan), default=1)
@@ -269,7 +272,7 @@ class Master:
                 self.stopping = True
                 self._stop_at = now
                 self.deadline = now + self.grace
-                print(f"fastjobs: stopping (grace {self.grace:g}s)", file=sys.stderr, flush=True)
+                logger.info("stopping (grace %gs)", self.grace)
                 self._kill_all(signal.SIGTERM, None)
                 return
             if now - self._stop_at < SAME_STOP_WINDOW:
@@ -277,7 +280,7 @@ class Master:
         self.stopping = True
         # The workers record the running job as failed and give the rest back.
         self.deadline = min(self.deadline or float("inf"), now + 2.0)
-        print("fastjobs: stopping now", file=sys.stderr, flush=True)
+        logger.warning("stopping now")
         self._kill_all(signal.SIGQUIT, None)
 
     def _sleep(self, timeout: float) -> None:
@@ -298,9 +301,7 @@ class Master:
             if pid in self.releasers:
                 name = self.releasers.pop(pid)
                 if os.waitstatus_to_exitcode(status) != 0:
-                    print(
-                        f"fastjobs: releasing {name}'s jobs failed (see above)", file=sys.stderr, flush=True
-                    )
+                    logger.error("releasing %s's jobs failed (see above)", name)
                 continue
             child = next((c for c in self.children if c.pid == pid), None)
             if child is None:
@@ -318,14 +319,10 @@ class Master:
         child.pid = 0
         if self.stopping:
             if code not in (EXIT_OK, -signal.SIGTERM):
-                print(f"fastjobs: {name} exited with {code} while stopping", file=sys.stderr, flush=True)
+                logger.warning("%s exited with %s while stopping", name, code)
             return
         if code == EXIT_BOOT_ERROR:
-            print(
-                f"fastjobs: {name} could not start; stopping (see its error above)",
-                file=sys.stderr,
-                flush=True,
-            )
+            logger.error("%s could not start; stopping (see its error above)", name)
             self.exit_code = EXIT_BOOT_ERROR
             self.handle_stop(signal.SIGTERM)
             return
@@ -333,7 +330,7 @@ class Master:
         child.failures = 0 if lived >= STABLE_AFTER else child.failures + 1
         delay = min(RESTART_BACKOFF_MAX, 0.5 * 2 ** max(child.failures - 1, 0)) if child.failures else 0.0
         how = "was killed by signal " + str(-code) if code < 0 else f"exited with {code}"
-        print(f"fastjobs: {name} {how}; restarting in {delay:g}s", file=sys.stderr, flush=True)
+        logger.warning("%s %s; restarting in %gs", name, how, delay)
         child.restart_at = time.monotonic() + delay
 
     def _blame(self, child: Child, name: str) -> None:
@@ -353,28 +350,30 @@ class Master:
         assert self.slots is not None
         running, writing = self.slots[child.index].crash_report()
         if running is None:
-            print(
-                f"fastjobs: {name} ran more slow jobs than its slot records: its jobs are left to the"
+            logger.warning(
+                "%s ran more slow jobs than its slot records: its jobs are left to the"
                 " rescuer (each counts a crash)",
-                file=sys.stderr,
-                flush=True,
+                name,
+                extra=job_fields(None, worker=child.worker_id),
             )
             return
         if not running and writing == 1:
             suspect = self.slots[child.index].suspect()
             running = [suspect]
-            print(
-                f"fastjobs: {name} died writing the outcome of job {suspect}: it counts a crash",
-                file=sys.stderr,
-                flush=True,
+            logger.warning(
+                "%s died writing the outcome of job %s: it counts a crash",
+                name,
+                suspect,
+                extra=job_fields(suspect, worker=child.worker_id),
             )
         elif not running and writing > 1:
             child.careful = True
-            print(
-                f"fastjobs: {name} died writing the outcomes of {writing} failed jobs; its replacement"
+            logger.warning(
+                "%s died writing the outcomes of %d failed jobs; its replacement"
                 " runs one job per batch for a while, to find the one that kills it",
-                file=sys.stderr,
-                flush=True,
+                name,
+                writing,
+                extra=job_fields(None, worker=child.worker_id),
             )
         self._release(child.worker_id, running, name)
 
@@ -412,20 +411,22 @@ class Master:
                 cur.execute(sql.releaser_session, (f"{RELEASE_TIMEOUT}s",))
                 released = sum(row[1] for row in cur.execute(sql.job_release_unstarted, (worker_id, running)))
             if released:
-                print(
-                    f"fastjobs: {name} had claimed {released} jobs it never started: released",
-                    file=sys.stderr,
-                    flush=True,
+                logger.info(
+                    "%s had claimed %d jobs it never started: released",
+                    name,
+                    released,
+                    extra=job_fields(None, worker=worker_id),
                 )
             code = EXIT_OK
         except (FastjobsError, psycopg.Error) as exc:
-            print(
-                f"fastjobs: {name}'s unstarted jobs are left to the rescuer: {exc}",
-                file=sys.stderr,
-                flush=True,
+            logger.warning(
+                "%s's unstarted jobs are left to the rescuer: %s",
+                name,
+                exc,
+                extra=job_fields(None, worker=worker_id),
             )
         except BaseException:
-            traceback.print_exc()
+            logger.exception("releasing %s's jobs crashed", name)
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -439,11 +440,8 @@ class Master:
             if self.releasers:
                 self._sleep(0.05)
         for pid, name in self.releasers.items():
-            print(
-                f"fastjobs: releasing {name}'s jobs took over {RELEASE_WAIT:g}s;"
-                " they are left to the rescuer",
-                file=sys.stderr,
-                flush=True,
+            logger.warning(
+                "releasing %s's jobs took over %gs; they are left to the rescuer", name, RELEASE_WAIT
             )
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -474,11 +472,10 @@ class Master:
                 child.seen_progress = progress
                 child.last_progress = now
             elif now - child.last_progress > self.worker_timeout:
-                print(
-                    f"fastjobs: {self._name(child)} sent no heartbeat for {self.worker_timeout:g}s"
-                    " (hung or stopped); killing it",
-                    file=sys.stderr,
-                    flush=True,
+                logger.error(
+                    "%s sent no heartbeat for %gs (hung or stopped); killing it",
+                    self._name(child),
+                    self.worker_timeout,
                 )
                 child.killed = True
                 with contextlib.suppress(ProcessLookupError):
@@ -486,7 +483,7 @@ class Master:
 
     def _kill_all(self, sig: int, reason: str | None) -> None:
         if reason:
-            print(f"fastjobs: {reason}: sending {signal.Signals(sig).name}", file=sys.stderr, flush=True)
+            logger.warning("%s: sending %s", reason, signal.Signals(sig).name)
         for child in self.children:
             if child.pid:
                 with contextlib.suppress(ProcessLookupError):
@@ -524,10 +521,10 @@ class Master:
             slot.claim(child.role, child.index)
             code = self._child_main(child, slot, make_worker_id(token, os.getpid(), self.host))
         except (ConfigurationError, SchemaMissing) as exc:
-            print(f"fastjobs: {self._name(child)}: {exc}", file=sys.stderr, flush=True)
+            logger.error("%s: %s", self._name(child), exc)
             code = EXIT_BOOT_ERROR
         except BaseException:
-            traceback.print_exc()
+            logger.exception("%s (pid %d) crashed", self._name(child), os.getpid())
             code = EXIT_CRASH
         finally:
             sys.stdout.flush()
@@ -570,15 +567,16 @@ class Master:
     # --- reporting ------------------------------------------------------------------------
 
     def _print_plan(self) -> None:
-        print(
-            f"fastjobs: master pid {os.getpid()}, {len(self.plan)} workers + leader, "
-            f"{len(self.app.jobs)} job kinds, {IMPLEMENTATION} implementation",
-            file=sys.stderr,
+        logger.info(
+            "master pid %d, %d workers + leader, %d job kinds, %s implementation",
+            os.getpid(),
+            len(self.plan),
+            len(self.app.jobs),
+            IMPLEMENTATION,
         )
         for index, share in enumerate(self.plan):
             shown = ", ".join(f"{q}:{n}" for q, n in sorted(share.items())) or "(no queue: not started)"
-            print(f"fastjobs:   worker {index + 1}: {shown}", file=sys.stderr)
-        sys.stderr.flush()
+            logger.info("  worker %d: %s", index + 1, shown)
 
     def _titles(self, now: float) -> None:
         """Write each worker's rate to its slot once a second, and the master's title."""
@@ -609,4 +607,4 @@ class Master:
             host, port, self.slots, self.app.dsn, close_in_child=(self._wake_r, self._wake_w)
         )
         self._metrics.start()
-        print(f"fastjobs: metrics on {self._metrics.url}", file=sys.stderr)
+        logger.info("metrics on %s", self._metrics.url)

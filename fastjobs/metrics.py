@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import select
 import selectors
@@ -32,7 +33,6 @@ import signal
 import socket
 import sys
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,6 +41,8 @@ import psycopg
 from . import database, sql
 from .errors import FastjobsError
 from .stats import Health, QueueDepth, Slots, health, prometheus, queue_depths
+
+logger = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 32
 REQUEST_TIMEOUT = 10.0  # a connection's whole life: its request in, the answer out
@@ -114,7 +116,7 @@ class MetricsProcess:
         delay = min(RESTART_BACKOFF_MAX, 0.5 * 2 ** max(self.failures - 1, 0)) if self.failures else 0.0
         code = os.waitstatus_to_exitcode(status)
         how = f"was killed by signal {-code}" if code < 0 else f"exited with {code}"
-        print(f"fastjobs: metrics process {how}; restarting in {delay:g}s", file=sys.stderr, flush=True)
+        logger.warning("metrics process %s; restarting in %gs", how, delay)
         self.restart_at = time.monotonic() + delay
         return True
 
@@ -155,7 +157,7 @@ class MetricsProcess:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
             code = _main(self.host, self.port, self.slots, self.dsn, ready)
         except BaseException:
-            traceback.print_exc()
+            logger.exception("metrics process crashed")
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -182,7 +184,7 @@ def _main(host: str, port: int, slots: Slots, dsn: str, ready: int | None) -> in
     except OSError as exc:
         message = exc.strerror or str(exc)
         if ready is None:
-            print(f"fastjobs: metrics process: cannot listen on {host}:{port}: {message}", file=sys.stderr)
+            logger.error("metrics process: cannot listen on %s:%d: %s", host, port, message)
             return _EXIT_CRASH
         os.write(ready, f"error {message}\n".encode())
         return _EXIT_BOOT_ERROR

@@ -21,9 +21,9 @@ on an older or a newer one (`check`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 import re
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,6 +38,8 @@ from psycopg import sql as pgsql
 
 from . import database, sql
 from .errors import FastjobsError, SchemaMissing, SchemaTooNew
+
+logger = logging.getLogger(__name__)
 
 _FILE = re.compile(r"^(\d{3})_([a-z0-9_]+)\.sql$")
 _MARKER = re.compile(r"^-- fastjobs: (transaction|concurrently)[ \t]*$", re.MULTILINE)
@@ -115,7 +117,7 @@ def migrations(directory: Path | Traversable | None = None) -> list[Migration]:
 
 
 def _say(line: str) -> None:
-    print(f"fastjobs: migrate: {line}", file=sys.stderr, flush=True)
+    logger.warning("migrate: %s", line)
 
 
 def migrate(

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import select
 import signal
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -26,6 +26,8 @@ from .handlers import Executor
 from .impl import core
 from .stats import Slot
 from .types import DEFAULT_QUEUE
+
+logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL = leader.HEARTBEAT_INTERVAL
 LISTENER_CHECK_INTERVAL = 30.0
@@ -118,7 +120,7 @@ class Control(threading.Thread):
             except (psycopg.Error, DatabaseUnavailable, OSError) as exc:
                 if self._stop_event.is_set():
                     break
-                print(f"fastjobs: worker control connection failed, retrying: {exc}", file=sys.stderr)
+                logger.warning("worker control connection failed, retrying: %s", exc)
                 if conn is not None:
                     with contextlib.suppress(psycopg.Error):
                         conn.close()
@@ -195,7 +197,7 @@ class Listener:
             self.healthy_at = time.time()
             return True
         except (psycopg.Error, DatabaseUnavailable) as exc:
-            print(f"fastjobs: listener connection failed, polling meanwhile: {exc}", file=sys.stderr)
+            logger.warning("listener connection failed, polling meanwhile: %s", exc)
             self.conn = None
             return False
 
@@ -274,7 +276,7 @@ class Listener:
         return self.connect()
 
     def _lost(self) -> None:
-        print("fastjobs: listener connection lost; reconnecting, polling meanwhile", file=sys.stderr)
+        logger.warning("listener connection lost; reconnecting, polling meanwhile")
         self.reconnects += 1
         if self.conn is not None:
             with contextlib.suppress(psycopg.Error):
@@ -436,29 +438,24 @@ class Worker:
             now = time.monotonic()
             if self._orphaned_at is None:
                 self._orphaned_at = now
-                print(
-                    f"fastjobs: worker (pid {os.getpid()}): its master is gone; stopping (grace {grace:g}s)",
-                    file=sys.stderr,
-                    flush=True,
+                logger.warning(
+                    "worker (pid %d): its master is gone; stopping (grace %gs)", os.getpid(), grace
                 )
                 self.stop()
                 return
             if not escalate or now < self._orphaned_at + grace:
                 return
             if now >= self._orphaned_at + grace + ORPHAN_EXIT_AFTER:
-                print(
-                    f"fastjobs: worker (pid {os.getpid()}): still running {ORPHAN_EXIT_AFTER:g}s after"
-                    " stopping now; exiting (its jobs are left to the rescuer)",
-                    file=sys.stderr,
-                    flush=True,
+                logger.error(
+                    "worker (pid %d): still running %gs after stopping now; exiting (its jobs are left to the"
+                    " rescuer)",
+                    os.getpid(),
+                    ORPHAN_EXIT_AFTER,
                 )
                 os._exit(1)
             if not self._stopping_now:
-                print(
-                    f"fastjobs: worker (pid {os.getpid()}): grace period over without its master;"
-                    " stopping now",
-                    file=sys.stderr,
-                    flush=True,
+                logger.warning(
+                    "worker (pid %d): grace period over without its master; stopping now", os.getpid()
                 )
                 os.kill(os.getpid(), signal.SIGQUIT)
 
@@ -492,6 +489,7 @@ class Worker:
                 self.executor.running = self.slot.slow_jobs()
             self.loop.stopping = self._stop
             self.loop.prepare()
+            self.executor.worker = self.worker_id  # for the records of its jobs' failures
             self.executor.bind()
             watch = (lambda: self._check_parent(escalate=True)) if self.parent is not None else None
             control = Control(dsn, self.worker_id, self.executor, register, watch, self.slot)

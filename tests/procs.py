@@ -168,7 +168,14 @@ class Master:
     """One `fastjobs run` subprocess."""
 
     def __init__(
-        self, cwd: Path, dsn: str, args: list[str], module: str, name: str, wrapper: tuple[str, ...] = ()
+        self,
+        cwd: Path,
+        dsn: str,
+        args: list[str],
+        module: str,
+        name: str,
+        wrapper: tuple[str, ...] = (),
+        options: tuple[str, ...] = (),
     ) -> None:
         self.cwd = cwd
         self.stderr_path = cwd / f"{name}.stderr"
@@ -178,7 +185,7 @@ class Master:
         env["FJ_TEST_FORK_LOG"] = str(self.fork_log)
         hooks = cwd / "hooks"
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(hooks), env.get("PYTHONPATH")) if p)
-        cmd = [*wrapper, sys.executable, "-m", "fastjobs.cli", "--dsn", dsn, "run", *args, module]
+        cmd = [*wrapper, sys.executable, "-m", "fastjobs.cli", "--dsn", dsn, *options, "run", *args, module]
         with self.stderr_path.open("wb") as err:
             self.proc = subprocess.Popen(
                 cmd,
@@ -301,11 +308,16 @@ class Masters:
         (cwd / "hooks" / "sitecustomize.py").write_text(SITECUSTOMIZE)
 
     def start(
-        self, *args: str, module: str = MODULE, dsn: str | None = None, wrapper: tuple[str, ...] = ()
+        self,
+        *args: str,
+        module: str = MODULE,
+        dsn: str | None = None,
+        wrapper: tuple[str, ...] = (),
+        options: tuple[str, ...] = (),
     ) -> Master:
-        """`fastjobs run ARGS MODULE`, under `wrapper` (a command that runs the rest) if given."""
+        """`fastjobs OPTIONS run ARGS MODULE`, under `wrapper` (a command that runs the rest) if given."""
         name = f"master{len(self.started)}"
-        master = Master(self.cwd, dsn or self.dsn, list(args), module, name, wrapper)
+        master = Master(self.cwd, dsn or self.dsn, list(args), module, name, wrapper, options)
         self.started.append(master)
         return master
 

@@ -512,7 +512,7 @@ def test_no_vacuum_again_while_the_snapshot_that_held_the_last_one_back_stays_op
 
 
 def test_the_leader_warns_of_a_snapshot_holding_cleanup_back(
-    app: App, dsn: str, capfd: pytest.CaptureFixture[str]
+    app: App, dsn: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     vacuum = VacuumConfig(interval=0.1, horizon_warning=0.3, horizon_interval=0.2)
     with LeaderThread(app, LeaderConfig(retry_interval=0.1, vacuum=vacuum)) as leader:
@@ -520,8 +520,10 @@ def test_the_leader_warns_of_a_snapshot_holding_cleanup_back(
         with psycopg.connect(dsn, application_name="report") as holder:
             holder.execute("SELECT txid_current()")
             pid = holder.info.backend_pid
-            pinned = rf"fastjobs: leader: WARNING: cleanup horizon pinned for \d+s by backend {pid} \(report,"
-            wait_for(lambda: re.search(pinned, capfd.readouterr().err), "the leader's warning")
+            pinned = rf"^leader: WARNING: cleanup horizon pinned for \d+s by backend {pid} \(report,"
+            wait_for(
+                lambda: any(re.search(pinned, message) for message in caplog.messages), "the leader's warning"
+            )
 
 
 def test_the_leader_vacuums_while_it_leads(app: App, dsn: str) -> None:

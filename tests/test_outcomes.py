@@ -84,7 +84,7 @@ def _late(outcome: str) -> None:
 @pytest.mark.parametrize("takeover", list(TAKEOVERS))
 @pytest.mark.parametrize("outcome", ["success", "failure", "retry", "snooze", "cancel"])
 def test_a_late_outcome_of_an_attempt_whose_row_was_taken_is_dropped(
-    app: App, dsn: str, capfd: pytest.CaptureFixture[str], takeover: str, outcome: str
+    app: App, dsn: str, caplog: pytest.LogCaptureFixture, takeover: str, outcome: str
 ) -> None:
     taken: list[dict[str, Any]] = []
 
@@ -104,10 +104,11 @@ def test_a_late_outcome_of_an_attempt_whose_row_was_taken_is_dropped(
     assert _row(dsn, job_id) == {**before, "run_in": pytest.approx(before["run_in"], abs=5)}
     assert worker.loop is not None
     assert worker.loop.stale == 1
-    assert (
-        f"dropped the stale outcome ({STALE_STATES[outcome]}) of job {job_id} attempt 1:"
-        in capfd.readouterr().err
-    )
+    [record] = [r for r in caplog.records if "stale outcome" in r.getMessage()]
+    stale = f"dropped the stale outcome ({STALE_STATES[outcome]}) of job {job_id} attempt 1:"
+    assert stale in record.getMessage()
+    fields = [getattr(record, name) for name in ("levelname", "job_id", "attempt", "worker")]
+    assert fields == ["WARNING", job_id, 1, WORKER]
 
 
 @pytest.mark.parametrize("keep_completed", [False, True], ids=["delete", "keep"])
@@ -357,7 +358,7 @@ def test_the_default_backoff_of_a_very_late_attempt_stays_within_timestamptz(app
 
 
 def test_a_statement_postgresql_rejects_is_written_outcome_by_outcome(
-    app: App, dsn: str, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+    app: App, dsn: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """With the sanitiser disabled, a NUL reaches PostgreSQL and fails the whole statement:
     the bad job gets fastjobs's own failure record, every other outcome and claim survives."""
@@ -383,7 +384,7 @@ def test_a_statement_postgresql_rejects_is_written_outcome_by_outcome(
     assert error["error"].startswith("fastjobs could not record this attempt's outcome (retryable): ")
     assert "\x00" not in error["error"]
     assert _errors(rows[ids[7]])[0]["error"] == "RuntimeError: an ordinary failure"
-    assert f"the outcome of job {ids[5]} attempt 1 could not be recorded" in capfd.readouterr().err
+    assert f"the outcome of job {ids[5]} attempt 1 could not be recorded" in caplog.text
 
 
 def test_outcomes_orjson_cannot_encode_are_replaced(
@@ -451,7 +452,7 @@ def test_a_job_that_cannot_even_take_an_error_is_discarded(app: App, dsn: str) -
 
 
 def test_a_row_that_refuses_every_change_is_left_to_the_rescuer(
-    app: App, dsn: str, capfd: pytest.CaptureFixture[str]
+    app: App, dsn: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     @app.job(kind="job")
     def job(n: int) -> None:
@@ -462,7 +463,7 @@ def test_a_row_that_refuses_every_change_is_left_to_the_rescuer(
     drain(app)
     states = {row["id"]: row["state"] for row in jobs(dsn)}
     assert states == {ids[0]: "discarded", ids[1]: "running", ids[2]: "discarded"}
-    assert f"no record of job {ids[1]} attempt 1 could be written" in capfd.readouterr().err
+    assert f"no record of job {ids[1]} attempt 1 could be written" in caplog.text
 
 
 # --- 3. cancellation sticks -----------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import logging
 import multiprocessing
 import os
 import signal
@@ -35,6 +36,8 @@ from ..master import DEFAULT_CONCURRENCY, Master
 from ..stats import Slots, find
 from ..worker import Worker, WorkerConfig
 from . import queries
+
+logger = logging.getLogger(__name__)
 
 BENCH_DB = "fastjobs_bench"
 BENCH_KIND = "fastjobs.bench.noop"
@@ -215,9 +218,7 @@ def _child(target: Callable[..., None], *args: Any) -> None:
     try:
         target(*args)
     except BaseException:
-        import traceback
-
-        traceback.print_exc()
+        logger.exception("benchmark process %d failed", os.getpid())
         os._exit(1)
     os._exit(0)
 
