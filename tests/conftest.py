@@ -20,6 +20,8 @@ from psycopg.conninfo import make_conninfo
 from fastjobs import App, database, schema
 from fastjobs.impl import IMPLEMENTATION
 
+from . import procs
+
 _counter = itertools.count()
 _server: dict[str, str] = {}
 
@@ -117,3 +119,18 @@ def app(dsn: str) -> Iterator[App]:
     application = App(dsn)
     yield application
     application.close()
+
+
+@pytest.fixture
+def db(dsn: str) -> Iterator[psycopg.Connection[Any]]:
+    """An autocommit connection to the test's database."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        yield conn
+
+
+@pytest.fixture
+def masters(tmp_path: Path, dsn: str) -> Iterator[procs.Masters]:
+    """Real `fastjobs run` masters of tests/procs.py's jobs module, each execution a row of `runs`."""
+    procs.create_runs_table(dsn)
+    with procs.Masters(tmp_path, dsn) as m:
+        yield m

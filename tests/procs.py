@@ -18,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -336,3 +337,8 @@ def count(conn: psycopg.Connection[Any], query: str, *params: Any) -> int:
     row = conn.execute(query, params or None).fetchone()
     assert row is not None
     return int(row[0])
+
+
+def runs(db: psycopg.Connection[Any]) -> Counter[int]:
+    """How many times each job (by its `n`) was executed."""
+    return Counter({n: c for n, c in db.execute("SELECT n, count(*) FROM runs GROUP BY n")})

@@ -121,6 +121,7 @@ from fastjobs.master import EXIT_BOOT_ERROR
 
 from . import procs
 from .helpers import OVERLAP, WorkerThread, by_state, drain, insert_raw, jobs, query, run_one_batch, wait_for
+from .procs import runs
 
 MB = 1 << 20
 
@@ -703,17 +704,6 @@ def masters(tmp_path: Path, dsn: str) -> Iterator[procs.Masters]:
     (tmp_path / f"{BAD_MODULE}.py").write_text(textwrap.dedent(BAD_JOBS))
     with procs.Masters(tmp_path, dsn) as m:
         yield m
-
-
-@pytest.fixture
-def db(dsn: str) -> Iterator[psycopg.Connection[Any]]:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        yield conn
-
-
-def runs(db: psycopg.Connection[Any]) -> Counter[int]:
-    """How many times each job (by its `n`) was executed."""
-    return Counter({n: c for n, c in db.execute("SELECT n, count(*) FROM runs GROUP BY n")})
 
 
 def job_row(db: psycopg.Connection[Any], job_id: int) -> tuple[str, int, list[Any]] | None:

@@ -13,7 +13,6 @@ import re
 import signal
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ from fastjobs.master import (
 )
 
 from . import procs
-from .procs import count, wait_for
+from .procs import count, runs, wait_for
 
 # --- sharding: the rule shard() documents --------------------------------------------------
 
@@ -125,24 +124,6 @@ def test_the_worker_timeout_must_exceed_the_beat() -> None:
 
 
 # --- fastjobs run as a process tree ----------------------------------------------------------
-
-
-@pytest.fixture
-def masters(tmp_path: Path, dsn: str) -> Iterator[procs.Masters]:
-    procs.create_runs_table(dsn)
-    with procs.Masters(tmp_path, dsn) as m:
-        yield m
-
-
-@pytest.fixture
-def db(dsn: str) -> Iterator[psycopg.Connection[Any]]:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        yield conn
-
-
-def runs(db: psycopg.Connection[Any]) -> Counter[int]:
-    """How many times each job (by its `n`) was executed."""
-    return Counter({n: c for n, c in db.execute("SELECT n, count(*) FROM runs GROUP BY n")})
 
 
 def jobs_left(db: psycopg.Connection[Any]) -> list[tuple[int, str, int, str | None]]:

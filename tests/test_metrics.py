@@ -9,31 +9,16 @@ import socket
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
-import pytest
 
 from fastjobs import App
 
 from . import procs
 from .procs import wait_for
 from .test_stats import samples
-
-
-@pytest.fixture
-def masters(tmp_path: Path, dsn: str) -> Iterator[procs.Masters]:
-    procs.create_runs_table(dsn)
-    with procs.Masters(tmp_path, dsn) as m:
-        yield m
-
-
-@pytest.fixture
-def db(dsn: str) -> Iterator[psycopg.Connection[Any]]:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        yield conn
 
 
 def metrics_port(master: procs.Master) -> int:

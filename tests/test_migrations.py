@@ -9,7 +9,6 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -358,13 +357,6 @@ def test_code_runs_on_a_schema_one_migration_ahead_and_refuses_two(dsn: str) -> 
         f"the fastjobs schema is at {latest + 2:03d}, newer than this fastjobs runs on"
         f" ({latest:03d} to {latest + 1:03d}): upgrade fastjobs on this host"
     )
-
-
-@pytest.fixture
-def masters(tmp_path: Path, dsn: str) -> Iterator[procs.Masters]:
-    procs.create_runs_table(dsn)
-    with procs.Masters(tmp_path, dsn) as m:
-        yield m
 
 
 def test_fastjobs_run_on_a_schema_too_new_stops_with_the_boot_error_and_forks_nothing(

@@ -15,7 +15,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,19 +27,6 @@ from fastjobs.stats import LEADER, WORKER, Slots, shm_dir
 from . import procs
 from .conftest import _create_database, _drop_database
 from .procs import count, wait_for
-
-
-@pytest.fixture
-def masters(tmp_path: Path, dsn: str) -> Iterator[procs.Masters]:
-    procs.create_runs_table(dsn)
-    with procs.Masters(tmp_path, dsn) as m:
-        yield m
-
-
-@pytest.fixture
-def db(dsn: str) -> Iterator[psycopg.Connection[Any]]:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        yield conn
 
 
 def runs_by_pid(db: psycopg.Connection[Any]) -> dict[int, int]:

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,25 +26,7 @@ from fastjobs.leader import HEARTBEAT_INTERVAL
 from fastjobs.stats import WORKER, Slots
 
 from . import procs
-from .procs import count, wait_for
-
-
-@pytest.fixture
-def masters(tmp_path: Path, dsn: str) -> Iterator[procs.Masters]:
-    procs.create_runs_table(dsn)
-    with procs.Masters(tmp_path, dsn) as m:
-        yield m
-
-
-@pytest.fixture
-def db(dsn: str) -> Iterator[psycopg.Connection[Any]]:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        yield conn
-
-
-def runs(db: psycopg.Connection[Any]) -> Counter[int]:
-    """How many times each job (by its `n`) was executed."""
-    return Counter({n: c for n, c in db.execute("SELECT n, count(*) FROM runs GROUP BY n")})
+from .procs import count, runs, wait_for
 
 
 def job(db: psycopg.Connection[Any], job_id: int) -> tuple[str, int, int, str | None, bool]:
