@@ -347,6 +347,8 @@ cdef class BatchLoop:
         self._sent_failures = []
         self._text_cap = 0
         self._last_kind = None
+        if (progress is None) != (running is None):
+            raise ValueError("progress and running are the one slot's: pass both or neither")
         if running is not None:
             self._progress_view = progress
             self._progress = &self._progress_view[0]

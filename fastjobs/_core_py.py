@@ -103,6 +103,8 @@ class BatchLoop:
         # worker was running. Per statement, `running[1:3]`: how many failed
         # jobs' outcomes it carries, and the job when there is one, so a
         # worker that dies writing an outcome implicates that job alone.
+        if (progress is None) != (running is None):
+            raise ValueError("progress and running are the one slot's: pass both or neither")
         self._progress: Any = progress
         self._running: Any = running
         # Once a statement failed, its record stays: the worker dies of it,

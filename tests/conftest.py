@@ -17,10 +17,11 @@ import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
-from fastjobs import App, database, schema
+from fastjobs import App, database, schema, sql
 from fastjobs.impl import IMPLEMENTATION
 
 from . import procs
+from .helpers import NOTIFY_END
 
 _counter = itertools.count()
 _server: dict[str, str] = {}
@@ -134,3 +135,12 @@ def masters(tmp_path: Path, dsn: str) -> Iterator[procs.Masters]:
     procs.create_runs_table(dsn)
     with procs.Masters(tmp_path, dsn) as m:
         yield m
+
+
+@pytest.fixture
+def listener(dsn: str) -> Iterator[psycopg.Connection[Any]]:
+    """A connection listening on the fastjobs channel (see helpers.notifications)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f"LISTEN {sql.NOTIFY_CHANNEL}")
+        conn.execute(f"LISTEN {NOTIFY_END}")
+        yield conn

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -12,7 +13,7 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from fastjobs import App
+from fastjobs import App, sql
 from fastjobs.abc import BatchLoop
 from fastjobs.handlers import Executor
 from fastjobs.impl import core
@@ -163,3 +164,23 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
             return False
         tick.wait(0.005)
     return True
+
+
+# Channel of the marker `notifications` sends after the work under test.
+NOTIFY_END = "fastjobs_test_end"
+
+
+def notifications(listener: psycopg.Connection[Any], dsn: str) -> Counter[str]:
+    """Payloads notified on the fastjobs channel so far (the `listener` fixture's), counted.
+
+    Notifications arrive in commit order, so a marker notified after the work
+    under test is committed ends the wait: no sleeping on a timeout.
+    """
+    query(dsn, f"NOTIFY {NOTIFY_END}")
+    seen: Counter[str] = Counter()
+    for note in listener.notifies(timeout=30):
+        if note.channel == NOTIFY_END:
+            return seen
+        assert note.channel == sql.NOTIFY_CHANNEL
+        seen[note.payload] += 1
+    raise AssertionError(f"the end marker never arrived; got {seen}")

@@ -20,10 +20,10 @@ import psycopg
 import pytest
 
 import fastjobs
-from fastjobs import App, control, handlers, sql
+from fastjobs import App, control, handlers
 from fastjobs.errors import Cancel, Retry, Snooze
 
-from .helpers import batch_loop, drain, jobs, query
+from .helpers import batch_loop, drain, jobs, notifications, query
 
 WORKER = "outcomes-test-worker"
 YEAR = 365 * 24 * 3600
@@ -525,28 +525,6 @@ def test_a_job_that_fails_after_a_cancel_request_ends_cancelled(app: App, dsn: s
 # --- 4. outcomes that make a job available wake the workers -----------------------------------------
 
 
-_END = "fastjobs_outcomes_test_end"
-
-
-@pytest.fixture
-def listener(dsn: str) -> Iterator[psycopg.Connection[Any]]:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(f"LISTEN {sql.NOTIFY_CHANNEL}")
-        conn.execute(f"LISTEN {_END}")
-        yield conn
-
-
-def _notifications(listener: psycopg.Connection[Any], dsn: str) -> Counter[str]:
-    """Payloads on the fastjobs channel so far; a marker notified last ends the wait."""
-    query(dsn, f"NOTIFY {_END}")
-    seen: Counter[str] = Counter()
-    for note in listener.notifies(timeout=10):
-        if note.channel == _END:
-            return seen
-        seen[note.payload] += 1
-    raise AssertionError(f"the end marker never arrived; got {seen}")
-
-
 def test_retry_and_snooze_without_delay_notify_their_queue_once_per_statement(
     app: App, dsn: str, listener: psycopg.Connection[Any]
 ) -> None:
@@ -561,7 +539,7 @@ def test_retry_and_snooze_without_delay_notify_their_queue_once_per_statement(
     for what in ("retry", "snooze", "retry"):
         again.enqueue(what=what)
     later.enqueue()
-    assert _notifications(listener, dsn) == {"alpha": 3, "beta": 1}  # the enqueues
+    assert notifications(listener, dsn) == {"alpha": 3, "beta": 1}  # the enqueues
     with batch_loop(app, 3, overlap=False, queues=["alpha"]) as loop:
         assert loop.step() == 3
         loop.stopping = True
@@ -570,7 +548,7 @@ def test_retry_and_snooze_without_delay_notify_their_queue_once_per_statement(
         assert loop.step() == 1
         loop.stopping = True
         loop.finish()
-    assert _notifications(listener, dsn) == {"alpha": 1}
+    assert notifications(listener, dsn) == {"alpha": 1}
 
 
 def test_jobs_given_back_by_a_stopping_worker_notify_their_queue(
@@ -584,12 +562,12 @@ def test_jobs_given_back_by_a_stopping_worker_notify_their_queue(
 
     for n in range(3):
         app.enqueue("job", {"n": n}, queue="gamma")
-    assert _notifications(listener, dsn) == {"gamma": 3}
+    assert notifications(listener, dsn) == {"gamma": 3}
     with batch_loop(app, 3, overlap=False, queues=["gamma"]) as loop:
         holder.append(loop)
         assert loop.step() == 3
         loop.finish()
-    assert _notifications(listener, dsn) == {"gamma": 1}
+    assert notifications(listener, dsn) == {"gamma": 1}
     assert Counter(row["state"] for row in jobs(dsn)) == {"available": 2}
 
 
@@ -597,7 +575,7 @@ def test_jobs_retry_notifies_the_queue(app: App, dsn: str, listener: psycopg.Con
     app.job(kind="job", queue="delta")(lambda: None)
     job_id = app.enqueue("job", queue="delta")
     drain(app, keep_completed=True)
-    assert _notifications(listener, dsn) == {"delta": 1}  # the enqueue
+    assert notifications(listener, dsn) == {"delta": 1}  # the enqueue
     with psycopg.connect(dsn, autocommit=True) as conn:
         assert control.retry(conn, job_id) == "available"
-    assert _notifications(listener, dsn) == {"delta": 1}
+    assert notifications(listener, dsn) == {"delta": 1}

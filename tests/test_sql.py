@@ -7,7 +7,6 @@ import datetime as dt
 import json
 import os
 import re
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from fastjobs import App, leader, schema, sql, types
 from fastjobs.bench import queries as bench_queries
 
 from .conftest import _create_database, _drop_database
+from .helpers import notifications
 
 PREPARABLE = sorted(set(sql.STATEMENTS) - sql.NOT_PREPARABLE)
 
@@ -439,39 +439,11 @@ def test_notify_trigger_is_statement_level(conn):
     assert row[0] & 1 == 0, "a FOR EACH ROW trigger would notify once per inserted row"
 
 
-_END = "fastjobs_test_end"
-
-
-@pytest.fixture
-def listener(dsn: str) -> Iterator[psycopg.Connection[Any]]:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(f"LISTEN {sql.NOTIFY_CHANNEL}")
-        conn.execute(f"LISTEN {_END}")
-        yield conn
-
-
-def _notifications(listener: psycopg.Connection[Any], dsn: str) -> Counter[str]:
-    """Payloads notified on the fastjobs channel so far, counted.
-
-    Notifications arrive in commit order, so a marker notified after the work
-    under test is committed ends the wait: no sleeping on a timeout.
-    """
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(f"NOTIFY {_END}")
-    seen: Counter[str] = Counter()
-    for note in listener.notifies(timeout=30):
-        if note.channel == _END:
-            return seen
-        assert note.channel == sql.NOTIFY_CHANNEL
-        seen[note.payload] += 1
-    raise AssertionError(f"the end marker never arrived; got {seen}")
-
-
 def test_bulk_enqueue_notifies_once_per_queue(app: App, dsn, listener):
     for queue in ("alpha", "beta"):
         count = app.enqueue_many("k", ({"n": i} for i in range(10_000)), queue=queue)
         assert count == 10_000
-    assert _notifications(listener, dsn) == {"alpha": 1, "beta": 1}
+    assert notifications(listener, dsn) == {"alpha": 1, "beta": 1}
 
 
 def test_one_insert_statement_into_two_queues_notifies_once_per_queue(conn, dsn, listener):
@@ -480,12 +452,12 @@ def test_one_insert_statement_into_two_queues_notifies_once_per_queue(conn, dsn,
            SELECT CASE WHEN i % 2 = 0 THEN 'alpha' ELSE 'beta' END, 'k' FROM generate_series(1, 10000) i"""
     )
     conn.commit()
-    assert _notifications(listener, dsn) == {"alpha": 1, "beta": 1}
+    assert notifications(listener, dsn) == {"alpha": 1, "beta": 1}
 
 
 def test_single_enqueue_notifies_once(app: App, dsn, listener):
     app.enqueue("k", {"n": 1}, queue="gamma")
-    assert _notifications(listener, dsn) == {"gamma": 1}
+    assert notifications(listener, dsn) == {"gamma": 1}
 
 
 def test_scheduled_jobs_do_not_notify(app: App, dsn, listener):
@@ -494,14 +466,14 @@ def test_scheduled_jobs_do_not_notify(app: App, dsn, listener):
     app.enqueue("k", {"n": 2}, queue="later", run_at=future)
     assert app.enqueue_many("k", [{"n": i} for i in range(100)], queue="later", delay=3600) == 100
     assert app.enqueue_many("k", [{"n": i} for i in range(100)], queue="later", run_at=future) == 100
-    assert _notifications(listener, dsn) == {}
+    assert notifications(listener, dsn) == {}
 
 
 def test_rolled_back_enqueue_does_not_notify(app: App, dsn, listener):
     with psycopg.connect(dsn) as conn:
         app.enqueue_many("k", [{"n": i} for i in range(100)], conn=conn, queue="never")
         conn.rollback()
-    assert _notifications(listener, dsn) == {}
+    assert notifications(listener, dsn) == {}
 
 
 @pytest.mark.parametrize("plan_cache_mode", ["force_custom_plan", "force_generic_plan"])

@@ -27,9 +27,9 @@ from fastjobs.handlers import Executor
 
 from .helpers import query, wait_for
 
-if psycopg.pq.__impl__ == "binary":
-    pytest.skip("the C loop needs psycopg to use the system libpq", allow_module_level=True)
-_core = pytest.importorskip("fastjobs._core", reason="the C extension is not built")
+# The suite installs psycopg[c] and builds the extension: both twins are always there.
+assert psycopg.pq.__impl__ != "binary", "the C loop needs psycopg to use the system libpq (psycopg[c])"
+from fastjobs import _core  # noqa: E402 (after the check that says why it could not load)
 
 TWINS: list[Core] = [_core_py, _core]
 WORKER = "twin-worker"
@@ -456,3 +456,12 @@ def test_the_c_module_imports_no_python_twin() -> None:
     env = {**os.environ, "FASTJOBS_IMPL": "c"}  # the package itself imports the implementation it chooses
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=env)
     assert out.stdout.strip() == "['fastjobs._core']"
+
+
+@pytest.mark.parametrize("core", TWINS, ids=lambda core: core.IMPLEMENTATION)
+def test_the_slot_views_come_together_or_not_at_all(core: Core, app: App) -> None:
+    """The hot loop writes the job it runs beside the count it bumps: half a slot is refused."""
+    progress: Any = memoryview(bytearray(8)).cast("d")
+    refused = pytest.raises(ValueError, match="both or neither")
+    with psycopg.connect(app.dsn, autocommit=True) as conn, refused:
+        core.BatchLoop(conn, dict(app.jobs), Executor(), WORKER, ["default"], progress=progress)
