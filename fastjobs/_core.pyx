@@ -736,7 +736,7 @@ cdef class BatchLoop:
                 self._last_kind = PyBytes_FromStringAndSize(kind, kind_len)
                 self._last_spec = self._specs.get(self._last_kind)
                 if self._last_spec is not None:
-                    self._last_func = self._last_spec.func
+                    self._last_func = self._last_spec.target
                     self._last_kind_str = self._last_spec.kind
                     self._last_fast = not self._last_spec.is_async and self._last_spec.timeout is None
             spec = self._last_spec

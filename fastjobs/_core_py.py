@@ -413,7 +413,7 @@ class BatchLoop:
                 continue
             context.id, context.kind, context.attempt, context.cancelled = job_id, kind, attempt, False
             try:
-                result = spec.func(**args)
+                result = spec.target(**args)
             except Exception as exc:
                 failures.append(executor.raised(spec, job_id, attempt, max_attempts, exc))
                 continue

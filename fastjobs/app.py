@@ -142,6 +142,15 @@ class App:
 
         return register
 
+    def runnable(self) -> dict[str, JobSpec]:
+        """The registered specs as a worker runs them, taken once when it starts.
+
+        Each spec's `call` is where the handler gets wrapped (middleware,
+        argument conversion); a spec with nothing to wrap keeps `call=None`,
+        so the hot loop calls the handler itself.
+        """
+        return dict(self.jobs)
+
     def enqueue(
         self,
         kind: str,

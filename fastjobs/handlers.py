@@ -605,7 +605,7 @@ class Executor:
                 self.running.add(job_id)
             outcome: Outcome | None
             try:
-                result = _call_with_timeout(spec.func, args, spec.timeout)
+                result = _call_with_timeout(spec.target, args, spec.timeout)
             except Exception as exc:
                 outcome = self.raised(spec, job_id, attempt, max_attempts, exc)
             except BaseException as exc:
@@ -654,7 +654,7 @@ class Executor:
                 self._tasks[job_id] = task
                 try:
                     async with asyncio.timeout(spec.timeout):
-                        await spec.func(**args)
+                        await spec.target(**args)
                 except asyncio.CancelledError as stray:
                     if job_id in self.cancelled:
                         failures.append(cancelled(job_id, attempt))

@@ -50,3 +50,12 @@ class JobSpec:
     unique: bool | tuple[str, ...] = False
     # A cron expression: the leader enqueues this kind (with no args) at each tick.
     cron: str | None = None
+    # What the hot loops and the executor call instead of `func` when set: the
+    # handler behind the app's middleware and argument conversion, built once
+    # per worker by App.runnable (None: `func` itself, at no cost per job).
+    call: Callable[..., Any] | None = None
+
+    @property
+    def target(self) -> Callable[..., Any]:
+        """The callable a worker runs for this kind's jobs."""
+        return self.func if self.call is None else self.call

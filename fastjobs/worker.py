@@ -475,7 +475,7 @@ class Worker:
                 cur.execute(sql.worker_register, register)
             self.loop = core.BatchLoop(
                 conn,
-                dict(self.app.jobs),
+                self.app.runnable(),
                 self.executor,
                 self.worker_id,
                 self.queues,
