@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 import psycopg
 import pytest
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCKS = re.findall(r"```(\w*)\n(.*?)```", README.read_text(), flags=re.S)
-PYTHON = [code for lang, code in BLOCKS if lang == "python"]
+# A block whose first line names a file (`# jobs.py`) is a file of the tutorial, run by
+# test_the_tutorial_runs_as_written; every other Python block is a script of its own.
+FILE_NAME = re.compile(r"# (\w+\.py)\n")
+PYTHON = [code for lang, code in BLOCKS if lang == "python" and not FILE_NAME.match(code)]
+TUTORIAL = README.read_text().split("## Your first job in five minutes\n")[1].split("\n## ")[0]
 COMMANDS = [
     line.split("#")[0].strip()
     for lang, code in BLOCKS
@@ -73,3 +81,98 @@ def test_every_option_a_documented_command_names_exists(command):
     ).stdout
     for option in options:
         assert option in helps.stdout or option in global_help, f"{command}: {option} is not an option"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait(predicate: Callable[[], object], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_the_tutorial_runs_as_written(dsn, tmp_path):
+    """The five-minute tutorial, command by command, as a new user would run it: its files are
+    written out, its shell lines run in order (`pip install` aside: CI installed the packages;
+    the DSN and the web port are this test's), the two `# terminal` lines in the background,
+    and what it says happens does: Ada is welcomed, Bob's job fails, is retried, and the
+    commands that watch it show it."""
+    blocks = re.findall(r"```(\w*)\n(.*?)```", TUTORIAL, flags=re.S)
+    for lang, code in blocks:
+        if lang == "python":
+            match = FILE_NAME.match(code)
+            assert match, f"a tutorial Python block must start with its file name: {code[:40]!r}"
+            (tmp_path / match.group(1)).write_text(code)
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "FASTJOBS_TEST_DSN")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    background: list[subprocess.Popen[str]] = []
+    logs: list[IO[str]] = []
+    outputs: dict[str, str] = {}
+
+    def run(line: str) -> None:
+        command = line.split("  #")[0].strip().replace("5000", str(port))
+        if command.startswith("pip install"):
+            return
+        if command.startswith("export FASTJOBS_DSN="):
+            env["FASTJOBS_DSN"] = dsn
+            return
+        if "# terminal" in line:
+            log = (tmp_path / f"terminal-{len(background)}.log").open("w")
+            logs.append(log)
+            background.append(
+                subprocess.Popen(  # exec: the command itself is the process told to stop below
+                    f"exec {command}", shell=True, cwd=tmp_path, env=env, stdout=log, stderr=log, text=True
+                )
+            )
+            return
+        if command.startswith("curl"):
+            _wait(
+                lambda: (
+                    subprocess.run(["curl", "-s", f"localhost:{port}/"], capture_output=True).returncode == 0
+                ),
+                "the web application to listen",
+            )
+        done = subprocess.run(
+            command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, f"{command}: {done.stderr}"
+        outputs[command.split(" localhost")[0]] = done.stdout
+
+    def db(query: str) -> object:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            row = conn.execute(query).fetchone()
+        return None if row is None else row[0]
+
+    shell = [code for lang, code in blocks if lang == "sh"]
+    assert len(shell) == 3, "the tutorial's steps: install, run and sign up, watch"
+    try:
+        for block in shell[:2]:
+            for line in block.splitlines():
+                run(line)
+        assert '"job":1' in outputs["curl -d email=ada@example.com"]
+        assert '"job":2' in outputs["curl -d email=bob@example.invalid"]
+        _wait(lambda: db("SELECT welcomed_at FROM users WHERE email = 'ada@example.com'"), "Ada's welcome")
+        _wait(
+            lambda: db("SELECT attempt >= 2 AND state = 'retryable' FROM fastjobs_jobs WHERE id = 2"),
+            "Bob's job to fail twice",
+        )
+        assert db("SELECT welcomed_at FROM users WHERE email = 'bob@example.invalid'") is None
+        for line in shell[2].splitlines():
+            run(line)
+    finally:
+        for process in background:  # the command itself (exec), told to stop as systemd would
+            process.terminate()
+        for process in background:
+            process.wait(timeout=30)
+        for log in logs:
+            log.close()
+    assert "emails" in outputs["fastjobs stats"]
+    listed = outputs["fastjobs jobs list --state retryable"]
+    assert "jobs.send_welcome" in listed and re.search(r"\b2\b", listed)
+    assert "cannot deliver to bob@example.invalid" in outputs["fastjobs jobs show 2"]
