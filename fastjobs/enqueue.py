@@ -153,6 +153,30 @@ def check_max_attempts(max_attempts: object) -> None:
         raise ValueError(f"max_attempts must be between 1 and {MAX_ATTEMPTS_LIMIT}, not {max_attempts}")
 
 
+def check_conn(conn: object, expected: type[Any]) -> None:
+    """Refuse a `conn=` that cannot take the jobs, before anything is sent on it.
+
+    `expected` is psycopg.Connection or psycopg.AsyncConnection. A closed
+    connection, or one whose transaction failed, would lose the jobs with
+    the caller's rollback anyway: better said at the call.
+    """
+    if not isinstance(conn, expected):
+        if isinstance(conn, psycopg.AsyncConnection):
+            raise TypeError("conn= is a psycopg.AsyncConnection: use enqueue_async or enqueue_many_async")
+        if isinstance(conn, psycopg.Connection):
+            raise TypeError("conn= is a psycopg.Connection: the async methods take an AsyncConnection")
+        raise TypeError(
+            f"conn= must be a psycopg 3 {expected.__name__} (psycopg2 and other drivers are not "
+            f"supported), not {type(conn).__module__}.{type(conn).__qualname__}; pass the psycopg "
+            "connection underneath (Django: django.db.connection.connection; SQLAlchemy: "
+            "connection.connection.driver_connection)"
+        )
+    if conn.closed:
+        raise ValueError("conn= is closed")
+    if conn.info.transaction_status == pq.TransactionStatus.INERROR:
+        raise ValueError("conn= is in a failed transaction: roll it back before enqueueing")
+
+
 def insert_params(opts: Options, args: Any) -> tuple[Any, ...]:
     """Parameters of sql.job_insert; raises TypeError for arguments that cannot be stored."""
     args = {} if args is None else args

@@ -59,5 +59,9 @@ class Cancel(FastjobsError):
         self.reason = reason
 
 
+class UnknownKind(FastjobsError, ValueError):
+    """This App has no handler for the job kind, and the kind was not declared with `app.declare`."""
+
+
 class JobNotFound(FastjobsError, LookupError):
     """No job has this id."""
