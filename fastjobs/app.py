@@ -47,8 +47,9 @@ class EnqueueOptions(BulkOptions, total=False):
 class App:
     """A set of registered jobs and the database they live in.
 
-    The DSN is resolved on first use: `dsn` > FASTJOBS_DSN > DATABASE_URL >
-    an embedded PostgreSQL (the `embedded` extra).
+    The DSN is resolved on first use: `dsn` > FASTJOBS_DSN > DATABASE_URL;
+    "embedded" chooses the embedded PostgreSQL (the `embedded` extra), and
+    none at all is a ConfigurationError: an App never falls back on it.
 
     An App that knows kinds (registered with `@app.job`, or declared with
     `app.declare` for handlers that run in another service) refuses to
@@ -69,8 +70,8 @@ class App:
 
     @property
     def dsn(self) -> str:
-        if self._dsn is None:
-            self._dsn = database.resolve_dsn(None)
+        if self._dsn is None or self._dsn == database.EMBEDDED:
+            self._dsn = database.resolve_dsn(self._dsn)
         return self._dsn
 
     def configure(self, *, dsn: str) -> None:

