@@ -173,7 +173,7 @@ def check_conn(conn: object, expected: type[Any]) -> None:
         )
     if conn.closed:
         raise ValueError("conn= is closed")
-    if conn.info.transaction_status == pq.TransactionStatus.INERROR:
+    if conn.pgconn.transaction_status == pq.TransactionStatus.INERROR:  # conn.info's costs 0.7 us
         raise ValueError("conn= is in a failed transaction: roll it back before enqueueing")
 
 
