@@ -18,7 +18,7 @@ import psycopg
 
 from . import control, database, enqueue, schema
 from .cron import Cron
-from .enqueue import check_max_attempts, check_priority, check_queue
+from .enqueue import check_kind, check_max_attempts, check_priority, check_queue
 from .errors import UnknownKind
 from .retry import RetryPolicy
 from .types import DEFAULT_MAX_ATTEMPTS, DEFAULT_PRIORITY, DEFAULT_QUEUE, JobSpec
@@ -173,7 +173,7 @@ class App:
         check_queue(queue)
         check_priority(priority)
         check_max_attempts(max_attempts)
-        enqueue.options(kind, None)  # the kind's own checks (a non-empty string, its length)
+        check_kind(kind)
         if kind in self.jobs:
             raise ValueError(f"job kind {kind!r} is registered here to {self.jobs[kind].func!r}")
 
@@ -193,12 +193,16 @@ class App:
 
     def _spec(self, kind: str) -> JobSpec | None:
         """The spec an enqueue of `kind` uses: None in an app that knows no kinds; else UnknownKind."""
-        spec = self.jobs.get(kind)
+        try:
+            spec = self.jobs.get(kind)
+        except TypeError:  # unhashable: no kind at all, which enqueue.options says
+            return None
         if spec is not None:
             return spec
         spec = self.declared.get(kind)
-        if spec is not None or not (self.jobs or self.declared) or not isinstance(kind, str):
-            return spec  # a kind that is no string is refused by enqueue.options, saying why
+        if spec is not None or not (self.jobs or self.declared):
+            return spec
+        check_kind(kind)  # an empty or overlong kind is refused as such
         known = sorted(self.jobs.keys() | self.declared.keys())
         close = _close_matches(kind, known)
         if close:

@@ -81,10 +81,7 @@ def options(
     """Validate everything but the arguments; each bad value raises with its reason."""
     if unique_key is not None and (not isinstance(unique_key, str) or not unique_key):
         raise ValueError(f"unique_key must be a non-empty string, not {unique_key!r}")
-    if not isinstance(kind, str) or not kind:
-        raise ValueError(f"job kind must be a non-empty string, not {kind!r}")
-    if len(kind) > 512:
-        raise ValueError(f"job kinds are at most 512 characters, this one has {len(kind)}")
+    check_kind(kind)
     queue = queue if queue is not None else (spec.queue if spec else DEFAULT_QUEUE)
     priority = priority if priority is not None else (spec.priority if spec else DEFAULT_PRIORITY)
     max_attempts = (
@@ -130,6 +127,13 @@ def options(
         unique_key,
         spec.unique if spec else False,
     )
+
+
+def check_kind(kind: object) -> None:
+    if not isinstance(kind, str) or not kind:
+        raise ValueError(f"job kind must be a non-empty string, not {kind!r}")
+    if len(kind) > 512:
+        raise ValueError(f"job kinds are at most 512 characters, this one has {len(kind)}")
 
 
 def check_queue(queue: object) -> None:

@@ -97,6 +97,25 @@ def test_an_app_with_handlers_refuses_a_typo_naming_the_close_match(emails: App,
     assert count(dsn) == 0
 
 
+@pytest.mark.parametrize(
+    ("kind", "reason"),
+    [
+        ("", "non-empty string"),
+        (None, "non-empty string"),
+        (["k"], "non-empty string"),
+        ("k" * 513, "at most 512"),
+    ],
+)
+def test_what_is_no_kind_is_refused_as_such_by_an_app_with_handlers(
+    emails: App, dsn: str, kind: Any, reason: str
+):
+    with pytest.raises(ValueError, match=reason):
+        emails.enqueue(kind, {})
+    with pytest.raises(ValueError, match=reason):
+        emails.enqueue_many(kind, [{}])
+    assert count(dsn) == 0
+
+
 def test_the_short_name_of_a_default_kind_finds_it(app: App, dsn: str):
     @app.job()
     def send_welcome(user_id: int) -> None: ...
