@@ -15,6 +15,7 @@ from .errors import (
     SchemaMissing,
     SchemaTooNew,
     Snooze,
+    UnknownKind,
 )
 from .handlers import JobContext, current_job
 from .retry import default_backoff
@@ -43,6 +44,7 @@ __all__ = [
     "SchemaMissing",
     "SchemaTooNew",
     "Snooze",
+    "UnknownKind",
     "Worker",
     "WorkerConfig",
     "current_job",

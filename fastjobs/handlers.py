@@ -530,13 +530,14 @@ class Executor:
         """The outcome of a sync handler's call that raised `exc`.
 
         Cancelled if its cancellation arrived while it ran (an Exception
-        only: SystemExit or KeyboardInterrupt, which stop the worker, fail it).
+        only: SystemExit or KeyboardInterrupt, which stop the worker, fail it),
+        with the handler's reason when it answered the request with Cancel.
         """
         context = self.context
         context.id = 0
         if context.cancelled:
             self.cancelled.discard(job_id)
-            if isinstance(exc, Exception):
+            if isinstance(exc, Exception) and not isinstance(exc, Cancel):
                 return cancelled(job_id, attempt)
         return failure(spec, job_id, attempt, max_attempts, exc)
 

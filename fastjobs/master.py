@@ -183,9 +183,8 @@ class Master:
     # --- the arbiter loop ----------------------------------------------------------------
 
     def run(self) -> int:
-        dsn = self.app.dsn  # resolved (an embedded server started) once, before forking
-        assert dsn
         try:
+            dsn = self.app.dsn  # resolved (an embedded server started) once, before forking
             identity = self._check_database(dsn)
         except (ConfigurationError, DatabaseUnavailable, SchemaMissing) as exc:
             logger.error("%s", exc)

@@ -10,6 +10,10 @@ or still queued) and the other jobs of its batch complete.
 # The matrix: input -> expected -> test (in this file unless a file is named).
 #
 # ROWS NO HANDLER CAN RUN
+# a kind the enqueuing App does not know (a typo) -> refused at the call, UnknownKind naming
+#     the close matches, nothing inserted (app.declare for kinds handled elsewhere); a conn= of
+#     another driver, of the other API, closed or in a failed transaction -> TypeError or
+#     ValueError, nothing sent: test_enqueue_mistakes
 # unknown kind in a batch of good jobs -> retryable (another deploy may know it), error
 #     naming the kind, the batch completes: test_worker::test_bad_rows_fail_alone_and_the_
 #     batch_completes; odd characters in it, and discarded at its last attempt:
@@ -965,6 +969,7 @@ API_CALLS: dict[str, Callable[[App], Any]] = {
 def test_the_api_on_a_database_without_the_schema_says_to_migrate(empty_dsn: str, call: str):
     app = App(empty_dsn)
     app.job(kind="unique", unique=True)(lambda a: None)  # its bulk enqueue is staged: another path
+    app.declare("k")  # enqueued by name beside it (handled elsewhere)
     try:
         with pytest.raises(SchemaMissing, match="run `fastjobs migrate`"):
             API_CALLS[call](app)

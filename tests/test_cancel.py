@@ -154,6 +154,53 @@ def test_a_running_sync_job_that_checks_the_flag_ends_cancelled(
     assert app.cancel(job_id) == "cancelled"
 
 
+@pytest.mark.parametrize("options", [{}, {"timeout": 60}], ids=["inline", "with-timeout"])
+def test_a_running_sync_job_that_raises_cancel_keeps_its_reason(
+    app: App, dsn: str, options: dict[str, Any]
+) -> None:
+    """The handler's own Cancel(reason), raised once it sees the request, is what its errors say."""
+    started = threading.Event()
+
+    @app.job("stopper", **options)
+    def stopper() -> None:
+        context = fastjobs.current_job()
+        assert context is not None
+        started.set()
+        pause = threading.Event()
+        deadline = time.monotonic() + 30
+        while not context.cancelled and time.monotonic() < deadline:
+            pause.wait(0.005)
+        raise fastjobs.Cancel("stopped at row 500 of 1000")
+
+    job_id = app.enqueue("stopper")
+    with WorkerThread(Worker(app, config=WorkerConfig(poll_interval=0.1))):
+        assert started.wait(10), "the handler did not start"
+        assert app.cancel(job_id) == "cancelling"
+        assert wait_for(lambda: state(dsn, job_id) == "cancelled", timeout=5)
+    errors = job(dsn, job_id)["errors"]
+    assert [e["error"] for e in errors] == ["Cancel: stopped at row 500 of 1000"]
+
+
+def test_a_running_async_job_that_raises_cancel_keeps_its_reason(app: App, dsn: str) -> None:
+    started = threading.Event()
+
+    @app.job("async_stopper")
+    async def async_stopper() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            raise fastjobs.Cancel("closed the upload first") from None
+
+    job_id = app.enqueue("async_stopper")
+    with WorkerThread(Worker(app, config=WorkerConfig(poll_interval=0.1))):
+        assert started.wait(10), "the handler did not start"
+        assert app.cancel(job_id) == "cancelling"
+        assert wait_for(lambda: state(dsn, job_id) == "cancelled", timeout=5)
+    errors = job(dsn, job_id)["errors"]
+    assert [e["error"] for e in errors] == ["Cancel: closed the upload first"]
+
+
 def test_current_job_is_none_outside_a_handler_while_a_worker_thread_runs_one(app: App, dsn: str) -> None:
     started, _ = register_poller(app, "poller")
     job_id = app.enqueue("poller")

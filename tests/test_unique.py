@@ -225,6 +225,8 @@ def test_unique_enqueues_in_a_rolled_back_transaction_leave_nothing(app: App, ds
     @app.job("u", unique=True)
     def u(n: int) -> None: ...
 
+    app.declare("k")  # a kind handled elsewhere, enqueued by name beside the registered one
+
     with psycopg.connect(dsn) as conn:
         with conn.transaction():
             first = app.enqueue("k", unique_key="tx", conn=conn)
@@ -260,6 +262,8 @@ async def test_async_enqueue_with_a_unique_key(app: App, dsn: str) -> None:
     @app.job("au", unique=("user",))
     def au(user: int, n: int = 0) -> None: ...
 
+    app.declare("k")  # a kind handled elsewhere, enqueued by name beside the registered one
+
     try:
         first = await app.enqueue_async("k", {"n": 1}, unique_key="async-key")
         assert await app.enqueue_async("k", {"n": 2}, unique_key="async-key") == first
@@ -276,6 +280,8 @@ async def test_async_enqueue_with_a_unique_key(app: App, dsn: str) -> None:
 async def test_async_unique_enqueues_in_a_rolled_back_transaction_leave_nothing(app: App, dsn: str) -> None:
     @app.job("au", unique=True)
     def au(n: int) -> None: ...
+
+    app.declare("k")  # a kind handled elsewhere, enqueued by name beside the registered one
 
     async with await psycopg.AsyncConnection.connect(dsn) as conn:
         async with conn.transaction():
