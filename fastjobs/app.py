@@ -11,7 +11,7 @@ import select
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from typing import Any, Generic, ParamSpec, TypedDict, TypeVar, Unpack
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypedDict, TypeVar, Unpack
 
 import psycopg
 
@@ -20,6 +20,9 @@ from .cron import Cron
 from .enqueue import check_max_attempts, check_priority, check_queue
 from .retry import RetryPolicy
 from .types import DEFAULT_MAX_ATTEMPTS, DEFAULT_PRIORITY, DEFAULT_QUEUE, JobSpec
+
+if TYPE_CHECKING:
+    from .testing import Mode, Testing
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -56,6 +59,8 @@ class App:
         self._async_pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[Any]] = (
             weakref.WeakKeyDictionary()
         )
+        # The testing kit in inline mode (fastjobs.testing): told of each enqueue.
+        self._testing: Testing | None = None
 
     @property
     def dsn(self) -> str:
@@ -169,9 +174,13 @@ class App:
         opts = enqueue.options(kind, self.jobs.get(kind), **options)
         params = enqueue.insert_params(opts, args)  # bad args fail before a connection is taken
         if conn is not None:
-            return enqueue.insert(conn, params)
-        with self.connection() as own:
-            return enqueue.insert(own, params)
+            job_id = enqueue.insert(conn, params)
+        else:
+            with self.connection() as own:
+                job_id = enqueue.insert(own, params)
+        if self._testing is not None:
+            self._testing.inserted(conn)
+        return job_id
 
     def enqueue_many(
         self,
@@ -191,9 +200,13 @@ class App:
         """
         opts = enqueue.options(kind, self.jobs.get(kind), **options)
         if conn is not None:
-            return enqueue.copy_many(conn, opts, args_iterable)
-        with self.connection() as own:
-            return enqueue.copy_many(own, opts, args_iterable)
+            count = enqueue.copy_many(conn, opts, args_iterable)
+        else:
+            with self.connection() as own:
+                count = enqueue.copy_many(own, opts, args_iterable)
+        if self._testing is not None:
+            self._testing.inserted(conn)
+        return count
 
     async def enqueue_async(
         self,
@@ -207,9 +220,13 @@ class App:
         opts = enqueue.options(kind, self.jobs.get(kind), **options)
         params = enqueue.insert_params(opts, args)
         if conn is not None:
-            return await enqueue.insert_async(conn, params)
-        async with self.connection_async() as own:
-            return await enqueue.insert_async(own, params)
+            job_id = await enqueue.insert_async(conn, params)
+        else:
+            async with self.connection_async() as own:
+                job_id = await enqueue.insert_async(own, params)
+        if self._testing is not None:
+            await self._testing.inserted_async(conn)
+        return job_id
 
     async def enqueue_many_async(
         self,
@@ -222,15 +239,32 @@ class App:
         """`enqueue_many` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs')."""
         opts = enqueue.options(kind, self.jobs.get(kind), **options)
         if conn is not None:
-            return await enqueue.copy_many_async(conn, opts, args_iterable)
-        async with self.connection_async() as own:
-            return await enqueue.copy_many_async(own, opts, args_iterable)
+            count = await enqueue.copy_many_async(conn, opts, args_iterable)
+        else:
+            async with self.connection_async() as own:
+                count = await enqueue.copy_many_async(own, opts, args_iterable)
+        if self._testing is not None:
+            await self._testing.inserted_async(conn)
+        return count
 
     def periodic(
         self, cron: str, *, kind: str | None = None, queue: str = DEFAULT_QUEUE, **options: Any
     ) -> Callable[[Callable[P, R]], Job[P, R]]:
         """Register a job the leader enqueues once per tick of `cron` ("*/5 * * * *", UTC)."""
         return self.job(kind, queue=queue, cron=cron, **options)
+
+    def testing(self, mode: Mode = "manual", *, dsn: str | None = None) -> Testing:
+        """The testing kit for this app (README, Testing your jobs); use it as a context manager.
+
+        `manual` (the default): enqueued jobs wait until `drain()` runs them.
+        `inline`: each enqueue runs its job at once through the worker's code
+        path, or, with `conn=` inside a transaction, when that transaction
+        commits (never if it rolls back). With `dsn`, the app uses that
+        database inside the block and its own again after.
+        """
+        from .testing import Testing  # imported on use: importing fastjobs never loads the kit
+
+        return Testing(self, mode, dsn=dsn)
 
     def cancel(self, job_id: int, *, conn: psycopg.Connection[Any] | None = None) -> str:
         """Cancel a job; returns what became of it.
