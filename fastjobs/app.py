@@ -291,7 +291,13 @@ class App:
     async def connection_async(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
         """An autocommit async connection, pooled per event loop."""
         dsn = self.dsn
-        idle = self._async_pools.setdefault(asyncio.get_running_loop(), [])
+        loop = asyncio.get_running_loop()
+        idle = self._async_pools.get(loop)
+        if idle is None:
+            # A loop that ends (asyncio.run, a test's) takes its pool with it:
+            # its connections are closed then, not left to warn when collected.
+            idle = self._async_pools[loop] = []
+            weakref.finalize(loop, _finish, idle)
         conn = idle.pop() if idle else await database.connect_async(dsn, autocommit=True)
         try:
             yield conn
@@ -311,9 +317,7 @@ class App:
         """
         self._pool.close()
         for idle in list(self._async_pools.values()):
-            while idle:
-                conn = idle.pop()  # held: dropped before finish(), it would warn it was left open
-                conn.pgconn.finish()
+            _finish(idle)
 
     async def aclose(self) -> None:
         """Close the pooled connections, the async ones of the running loop through their loop."""
@@ -393,6 +397,13 @@ def _signature(func: Callable[..., Any]) -> tuple[frozenset[str] | None, frozens
     if reserved := params & _RESERVED:
         raise TypeError(f"{func.__qualname__}: parameter name(s) {sorted(reserved)} are reserved by fastjobs")
     return (None if open_ended else frozenset(params)), frozenset(required)
+
+
+def _finish(idle: list[Any]) -> None:
+    """Close idle async connections at the libpq level, which needs no event loop."""
+    while idle:
+        conn = idle.pop()  # held: dropped before finish(), it would warn it was left open
+        conn.pgconn.finish()
 
 
 def _healthy(conn: psycopg.Connection[Any]) -> bool:

@@ -396,6 +396,7 @@ class Testing:
 
         The failure lists the jobs closest to what was expected.
         """
+        __tracebackhide__ = True  # pytest shows the test's line, not the kit's
         found, candidates, wanted = self._match(kind_or_job, args, queue, priority, state)
         if (len(found) == count) if count is not None else found:
             return found
@@ -415,6 +416,7 @@ class Testing:
         state: str | JobState | list[str] | list[JobState] | None = None,
     ) -> None:
         """Fail if any job matches; the failure lists those that do."""
+        __tracebackhide__ = True
         found, _, wanted = self._match(kind_or_job, args, queue, priority, state)
         if found:
             lines = "".join(f"\n  {_describe(job)}" for job in found[:_SHOWN])
