@@ -296,8 +296,11 @@ class Testing:
                             cur.execute(sql.testing_shift_due, (now, queues))
                         leader.schedule_once(conn)
                         due = [row[0] for row in cur.execute(sql.testing_queues_due, (queues,))]
-                    if not due:
-                        break
+                        if not due:
+                            break
+                        # A worker's settings, after the kit's own statements:
+                        # with seq scans off, the shift's would cost enough to be JIT-compiled.
+                        cur.execute(sql.worker_session)
                     loop = core.BatchLoop(
                         conn, self.app.runnable(), executor, WORKER_ID, due, batch_max=100, overlap=False
                     )
