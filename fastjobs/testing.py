@@ -6,7 +6,7 @@ process), in a database cloned from a template migrated once per process;
 `Testing.drain` runs them through the worker's own hot loop and executor, so
 retries, Snooze, Cancel, timeouts and middleware behave as in production.
 
-`fastjobs.pytest_plugin` turns this into fixtures; the module itself needs no
+The pytest plugin (`_fastjobs_pytest`) turns this into fixtures; the module itself needs no
 pytest. Importing `fastjobs` does not import it: `App.testing` does.
 """
 

