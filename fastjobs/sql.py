@@ -872,6 +872,10 @@ SELECT DISTINCT queue FROM fastjobs_jobs
  WHERE state = 'available' AND run_at <= now() AND ($1::text[] IS NULL OR queue = ANY($1::text[]))
  ORDER BY queue"""
 
+# testing_args_round_trip: job args as a worker reads them back (jsonb
+# normalises numbers: the float 1e16 comes back as the integer 10000000000000000).
+testing_args_round_trip: Final = "SELECT $1::jsonb::text"
+
 # testing_jobs_in_states: the jobs in states $1, oldest first, for the kit's assertions.
 testing_jobs_in_states: Final = """
 SELECT id, kind, queue, args, priority, state::text, run_at, attempt, max_attempts, errors, unique_key
@@ -944,6 +948,7 @@ STATEMENTS: Final[Mapping[str, str]] = MappingProxyType(
         "notify_queue_usage": notify_queue_usage,
         "testing_shift_due": testing_shift_due,
         "testing_queues_due": testing_queues_due,
+        "testing_args_round_trip": testing_args_round_trip,
         "testing_jobs_in_states": testing_jobs_in_states,
     }
 )

@@ -363,7 +363,8 @@ class Testing:
         if spec is None:
             raise ValueError(f"no handler registered for job kind {kind!r} in this App")
         params = enqueue.insert_params(enqueue.options(kind, spec), args)
-        return spec, orjson.loads(params[2])
+        with self.app.connection() as conn:
+            return spec, _through_jsonb(conn, params[2])
 
     # -- looking at what was enqueued
 
@@ -405,8 +406,7 @@ class Testing:
             return found
         expected = f"{count} job(s)" if count is not None else "a job"
         raise AssertionError(
-            f"expected {expected} {wanted}, found {len(found)}"
-            + _closest(candidates, kind_or_job, args, queue, priority, found)
+            f"expected {expected} {wanted}, found {len(found)}" + _closest(candidates, found)
         )
 
     def refute_enqueued(
@@ -437,14 +437,18 @@ class Testing:
         for s in states:
             JobState(s)  # an unknown state fails here, naming it
         kind = _kind(kind_or_job) if kind_or_job is not None else None
-        expected = _round_trip(args) if args is not None else None
         with self.app.connection() as conn, psycopg.RawCursor(conn) as cur:
+            expected = _through_jsonb(conn, _dumps(args)) if args is not None else None
             rows = cur.execute(sql.testing_jobs_in_states, (states,)).fetchall()
         jobs = [EnqueuedJob(*row) for row in rows]
         found = [job for job in jobs if _misses(job, kind, expected, queue, priority) == 0]
-        criteria = {"kind": kind, "args": expected, "queue": queue, "priority": priority}
+        given = dict(args) if args is not None else None  # as the test wrote them
+        criteria = {"kind": kind, "args": given, "queue": queue, "priority": priority}
         wanted = ", ".join(f"{k}={v!r}" for k, v in criteria.items() if v is not None)
         wanted = f"({wanted}) in state {'/'.join(states)}" if wanted else f"in state {'/'.join(states)}"
+        if not found:
+            # Fewest criteria missed first (each argument is one), then the newest.
+            jobs.sort(key=lambda job: (_misses(job, kind, expected, queue, priority), -job.id))
         return found, jobs, wanted
 
     # -- inline mode
@@ -541,12 +545,19 @@ def _kind(job: Any) -> str:
     return kind
 
 
-def _round_trip(args: Mapping[str, Any]) -> dict[str, Any]:
-    """`args` as they would come back from the jobs table."""
+def _dumps(args: Mapping[str, Any]) -> str:
     try:
-        value = orjson.loads(orjson.dumps(dict(args)))
+        return orjson.dumps(dict(args)).decode()
     except TypeError as exc:
         raise TypeError(f"args={args!r} could never match: they cannot be stored ({exc})") from None
+
+
+def _through_jsonb(conn: psycopg.Connection[Any], data: str) -> dict[str, Any]:
+    """JSON object text as a worker gets it back from the jobs table's jsonb."""
+    with psycopg.RawCursor(conn) as cur:
+        row = cur.execute(sql.testing_args_round_trip, (data,)).fetchone()
+    assert row is not None
+    value = orjson.loads(row[0])
     assert isinstance(value, dict)
     return value
 
@@ -562,22 +573,13 @@ def _misses(
     return int(missed)
 
 
-def _closest(
-    candidates: list[EnqueuedJob],
-    kind_or_job: Any,
-    args: Mapping[str, Any] | None,
-    queue: str | None,
-    priority: int | None,
-    found: list[EnqueuedJob],
-) -> str:
+def _closest(candidates: list[EnqueuedJob], found: list[EnqueuedJob]) -> str:
+    """The jobs a failed assertion shows: those found, or the candidates closest first."""
     if found:
         return ":" + "".join(f"\n  {_describe(job)}" for job in found[:_SHOWN])
     if not candidates:
         return "; no job at all was in those states"
-    kind = _kind(kind_or_job) if kind_or_job is not None else None
-    expected = _round_trip(args) if args is not None else None
-    ranked = sorted(candidates, key=lambda job: (_misses(job, kind, expected, queue, priority), -job.id))
-    lines = "".join(f"\n  {_describe(job)}" for job in ranked[:_SHOWN])
+    lines = "".join(f"\n  {_describe(job)}" for job in candidates[:_SHOWN])
     more = f"\n  ... and {len(candidates) - _SHOWN} more" if len(candidates) > _SHOWN else ""
     return f"; the closest jobs that were enqueued:{lines}{more}"
 
