@@ -282,6 +282,17 @@ def test_inline_runs_each_enqueue_at_once_through_the_worker(app: App):
     assert ran == [1, 2, 3, 4]
 
 
+def test_a_job_failing_inline_is_left_retryable_not_raised_into_the_enqueue(app: App):
+    @app.job(kind="boom")
+    def boom() -> None:
+        raise ValueError("boom")
+
+    with app.testing(mode="inline") as kit:
+        job_id = boom.enqueue()
+        [row] = kit.enqueued(boom, state="retryable")
+    assert row.id == job_id and row.errors is not None and row.errors[0]["error"] == "ValueError: boom"
+
+
 def test_inline_with_conn_runs_on_commit_and_never_on_rollback(app: App, dsn: str):
     ran: list[str] = []
 
