@@ -464,6 +464,8 @@ class Testing:
         # reaches sessions listening (this one included) only if it commits,
         # and psycopg hands it to the handler while processing the COMMIT.
         # A LISTEN made in a transaction that rolls back is undone with it.
+        # The jobs run while psycopg holds `conn`'s lock: a handler using this
+        # very connection object would wait forever (README says so).
         conn.execute(sql.listen_jobs)
         if conn not in self._listening:
             conn.add_notify_handler(self._on_notify)
