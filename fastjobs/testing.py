@@ -197,10 +197,6 @@ class Drained:
     cancelled: int = 0
     snoozed: int = 0
 
-    @property
-    def ran(self) -> int:
-        return self.completed + self.retried + self.discarded + self.cancelled + self.snoozed
-
 
 class Testing:
     """The testing kit bound to an App: `app.testing(mode=...)`, or the `fastjobs_testing` fixture.

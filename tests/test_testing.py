@@ -14,7 +14,7 @@ import pytest
 
 import fastjobs
 from fastjobs import App, Cancel, FastjobsError, Retry, Snooze, current_job
-from fastjobs.testing import Drained, databases
+from fastjobs.testing import Drained, databases, load_app
 
 from .helpers import by_state, jobs, query
 
@@ -431,6 +431,15 @@ def test_a_conftest_fixture_binds_the_app_and_async_tests_work(pytester: pytest.
         """
     )
     pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1)
+
+
+def test_a_misnamed_app_fails_with_what_was_wrong():
+    with pytest.raises(ValueError, match=r"'package\.module:attribute', not 'fastjobs\.App'"):
+        load_app("fastjobs.App")
+    with pytest.raises(TypeError, match=r"fastjobs:Job is a type, not a fastjobs\.App"):
+        load_app("fastjobs:Job")
+    with pytest.raises(AttributeError):
+        load_app("fastjobs:nothing")
 
 
 def test_without_an_app_the_fixture_says_how_to_name_one(pytester: pytest.Pytester):
