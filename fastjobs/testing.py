@@ -126,7 +126,8 @@ class Databases:
 
     def drop(self, name_or_dsn: str) -> None:
         """Drop a database (by name, or the database of a DSN), closing its sessions."""
-        name = conninfo_to_dict(name_or_dsn).get("dbname") if "=" in name_or_dsn else name_or_dsn
+        is_dsn = "=" in name_or_dsn or "://" in name_or_dsn
+        name = conninfo_to_dict(name_or_dsn).get("dbname") if is_dsn else name_or_dsn
         with psycopg.connect(self.server_dsn(), autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
