@@ -12,7 +12,7 @@ import select
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from typing import Any, Generic, ParamSpec, TypedDict, TypeVar, Unpack
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypedDict, TypeVar, Unpack
 
 import psycopg
 
@@ -22,6 +22,9 @@ from .enqueue import check_kind, check_max_attempts, check_priority, check_queue
 from .errors import UnknownKind
 from .retry import RetryPolicy
 from .types import DEFAULT_MAX_ATTEMPTS, DEFAULT_PRIORITY, DEFAULT_QUEUE, JobSpec
+
+if TYPE_CHECKING:
+    from .testing import Mode, Testing
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -67,6 +70,8 @@ class App:
         self._async_pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[Any]] = (
             weakref.WeakKeyDictionary()
         )
+        # The testing kit in inline mode (fastjobs.testing): told of each enqueue.
+        self._testing: Testing | None = None
 
     @property
     def dsn(self) -> str:
@@ -242,9 +247,13 @@ class App:
         params = enqueue.insert_params(opts, args)  # bad args fail before a connection is taken
         if conn is not None:
             enqueue.check_conn(conn, psycopg.Connection)
-            return enqueue.insert(conn, params)
-        with self.connection() as own:
-            return enqueue.insert(own, params)
+            job_id = enqueue.insert(conn, params)
+        else:
+            with self.connection() as own:
+                job_id = enqueue.insert(own, params)
+        if self._testing is not None:
+            self._testing.inserted(conn)
+        return job_id
 
     def enqueue_many(
         self,
@@ -265,9 +274,13 @@ class App:
         opts = enqueue.options(kind, self._spec(kind), **options)
         if conn is not None:
             enqueue.check_conn(conn, psycopg.Connection)
-            return enqueue.copy_many(conn, opts, args_iterable)
-        with self.connection() as own:
-            return enqueue.copy_many(own, opts, args_iterable)
+            count = enqueue.copy_many(conn, opts, args_iterable)
+        else:
+            with self.connection() as own:
+                count = enqueue.copy_many(own, opts, args_iterable)
+        if self._testing is not None:
+            self._testing.inserted(conn)
+        return count
 
     async def enqueue_async(
         self,
@@ -282,9 +295,13 @@ class App:
         params = enqueue.insert_params(opts, args)
         if conn is not None:
             enqueue.check_conn(conn, psycopg.AsyncConnection)
-            return await enqueue.insert_async(conn, params)
-        async with self.connection_async() as own:
-            return await enqueue.insert_async(own, params)
+            job_id = await enqueue.insert_async(conn, params)
+        else:
+            async with self.connection_async() as own:
+                job_id = await enqueue.insert_async(own, params)
+        if self._testing is not None:
+            await self._testing.inserted_async(conn)
+        return job_id
 
     async def enqueue_many_async(
         self,
@@ -298,15 +315,32 @@ class App:
         opts = enqueue.options(kind, self._spec(kind), **options)
         if conn is not None:
             enqueue.check_conn(conn, psycopg.AsyncConnection)
-            return await enqueue.copy_many_async(conn, opts, args_iterable)
-        async with self.connection_async() as own:
-            return await enqueue.copy_many_async(own, opts, args_iterable)
+            count = await enqueue.copy_many_async(conn, opts, args_iterable)
+        else:
+            async with self.connection_async() as own:
+                count = await enqueue.copy_many_async(own, opts, args_iterable)
+        if self._testing is not None:
+            await self._testing.inserted_async(conn)
+        return count
 
     def periodic(
         self, cron: str, *, kind: str | None = None, queue: str = DEFAULT_QUEUE, **options: Any
     ) -> Callable[[Callable[P, R]], Job[P, R]]:
         """Register a job the leader enqueues once per tick of `cron` ("*/5 * * * *", UTC)."""
         return self.job(kind, queue=queue, cron=cron, **options)
+
+    def testing(self, mode: Mode = "manual", *, dsn: str | None = None) -> Testing:
+        """The testing kit for this app (README, Testing your jobs); use it as a context manager.
+
+        `manual` (the default): enqueued jobs wait until `drain()` runs them.
+        `inline`: each enqueue runs its job at once through the worker's code
+        path, or, with `conn=` inside a transaction, when that transaction
+        commits (never if it rolls back). With `dsn`, the app uses that
+        database inside the block and its own again after.
+        """
+        from .testing import Testing  # imported on use: importing fastjobs never loads the kit
+
+        return Testing(self, mode, dsn=dsn)
 
     def cancel(self, job_id: int, *, conn: psycopg.Connection[Any] | None = None) -> str:
         """Cancel a job; returns what became of it.
@@ -334,7 +368,13 @@ class App:
     async def connection_async(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
         """An autocommit async connection, pooled per event loop."""
         dsn = self.dsn
-        idle = self._async_pools.setdefault(asyncio.get_running_loop(), [])
+        loop = asyncio.get_running_loop()
+        idle = self._async_pools.get(loop)
+        if idle is None:
+            # A loop that ends (asyncio.run, a test's) takes its pool with it:
+            # its connections are closed then, not left to warn when collected.
+            idle = self._async_pools[loop] = []
+            weakref.finalize(loop, _finish, idle)
         conn = idle.pop() if idle else await database.connect_async(dsn, autocommit=True)
         try:
             yield conn
@@ -354,9 +394,7 @@ class App:
         """
         self._pool.close()
         for idle in list(self._async_pools.values()):
-            while idle:
-                conn = idle.pop()  # held: dropped before finish(), it would warn it was left open
-                conn.pgconn.finish()
+            _finish(idle)
 
     async def aclose(self) -> None:
         """Close the pooled connections, the async ones of the running loop through their loop."""
@@ -449,6 +487,13 @@ def _signature(func: Callable[..., Any]) -> tuple[frozenset[str] | None, frozens
     if reserved := params & _RESERVED:
         raise TypeError(f"{func.__qualname__}: parameter name(s) {sorted(reserved)} are reserved by fastjobs")
     return (None if open_ended else frozenset(params)), frozenset(required)
+
+
+def _finish(idle: list[Any]) -> None:
+    """Close idle async connections at the libpq level, which needs no event loop."""
+    while idle:
+        conn = idle.pop()  # held: dropped before finish(), it would warn it was left open
+        conn.pgconn.finish()
 
 
 def _healthy(conn: psycopg.Connection[Any]) -> bool:

@@ -854,6 +854,33 @@ NOT_PREPARABLE: Final = frozenset(
 )
 
 
+# The testing kit's (fastjobs.testing): its drain claims and completes through
+# the hot loop's own statements; these only pick what it drains and move its clock.
+
+# testing_shift_due: time moved forward to $1 for the queues $2 (NULL: all).
+# Pending jobs due by $1 have their run_at moved back by ($1 - now()), all by
+# the same amount, so the real claim and scheduler find them due, in the
+# order they would have run.
+testing_shift_due: Final = """
+UPDATE fastjobs_jobs SET run_at = run_at - ($1::timestamptz - now())
+ WHERE state IN ('available', 'scheduled', 'retryable') AND run_at <= $1::timestamptz
+   AND $1::timestamptz > now() AND ($2::text[] IS NULL OR queue = ANY($2::text[]))"""
+
+# testing_queues_due: the queues among $1 (NULL: all) with a job available now.
+testing_queues_due: Final = """
+SELECT DISTINCT queue FROM fastjobs_jobs
+ WHERE state = 'available' AND run_at <= now() AND ($1::text[] IS NULL OR queue = ANY($1::text[]))
+ ORDER BY queue"""
+
+# testing_args_round_trip: job args as a worker reads them back (jsonb
+# normalises numbers: the float 1e16 comes back as the integer 10000000000000000).
+testing_args_round_trip: Final = "SELECT $1::jsonb::text"
+
+# testing_jobs_in_states: the jobs in states $1, oldest first, for the kit's assertions.
+testing_jobs_in_states: Final = """
+SELECT id, kind, queue, args, priority, state::text, run_at, attempt, max_attempts, errors, unique_key
+  FROM fastjobs_jobs WHERE state = ANY($1::fastjobs_state[]) ORDER BY id"""
+
 # Every statement above, by its name: the name it is prepared as and its test
 # id (tests/test_sql.py prepares each, and checks that this lists every one).
 STATEMENTS: Final[Mapping[str, str]] = MappingProxyType(
@@ -919,6 +946,10 @@ STATEMENTS: Final[Mapping[str, str]] = MappingProxyType(
         "database_identity": database_identity,
         "metrics_session": metrics_session,
         "notify_queue_usage": notify_queue_usage,
+        "testing_shift_due": testing_shift_due,
+        "testing_queues_due": testing_queues_due,
+        "testing_args_round_trip": testing_args_round_trip,
+        "testing_jobs_in_states": testing_jobs_in_states,
     }
 )
 

@@ -122,6 +122,7 @@ from psycopg.conninfo import make_conninfo
 from fastjobs import App, FastjobsError, SchemaMissing, Worker, WorkerConfig, database, leader, schema, sql
 from fastjobs.cli import _parser, main
 from fastjobs.master import EXIT_BOOT_ERROR
+from fastjobs.testing import Drained
 
 from . import procs
 from .helpers import OVERLAP, WorkerThread, by_state, drain, insert_raw, jobs, query, run_one_batch, wait_for
@@ -195,9 +196,8 @@ def test_a_kind_with_odd_characters_runs(app: App, dsn: str):
     for kind in ODD_KINDS:
         app.job(kind=kind)(lambda n, kind=kind: seen.append((kind, n)))
         insert_raw(dsn, kind, '{"n": 7}')
-    drain(app)
+    assert app.testing().drain() == Drained(completed=len(ODD_KINDS))
     assert sorted(seen) == sorted((kind, 7) for kind in ODD_KINDS)
-    assert jobs(dsn) == []
 
 
 NOT_OBJECTS = {"[]": "list", '["n", 1]': "list", '"text"': "str", "42": "int", "1.5": "float"}
@@ -423,9 +423,8 @@ def test_a_queue_with_odd_characters_is_served(app: App, dsn: str):
     app.job(kind="ok", queue=queue)(lambda n: seen.append(n))
     for n in range(3):
         insert_raw(dsn, "ok", f'{{"n": {n}}}', queue=queue)
-    drain(app)
+    assert app.testing().drain(queue=queue) == Drained(completed=3)
     assert sorted(seen) == [0, 1, 2]
-    assert jobs(dsn) == []
 
 
 def strict_json(text: str) -> Any:

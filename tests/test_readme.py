@@ -15,12 +15,18 @@ from typing import IO
 import psycopg
 import pytest
 
+from fastjobs.testing import databases
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCKS = re.findall(r"```(\w*)\n(.*?)```", README.read_text(), flags=re.S)
 # A block whose first line names a file (`# jobs.py`) is a file of the tutorial, run by
-# test_the_tutorial_runs_as_written; every other Python block is a script of its own.
+# test_the_tutorial_runs_as_written; a block that defines tests is a test module of a user's
+# suite, which pytest runs; every other Python block is a script of its own.
 FILE_NAME = re.compile(r"# (\w+\.py)\n")
-PYTHON = [code for lang, code in BLOCKS if lang == "python" and not FILE_NAME.match(code)]
+PYTEST = [code for lang, code in BLOCKS if lang == "python" and "\ndef test_" in code]
+PYTHON = [
+    code for lang, code in BLOCKS if lang == "python" and code not in PYTEST and not FILE_NAME.match(code)
+]
 TUTORIAL = README.read_text().split("## Your first job in five minutes\n")[1].split("\n## ")[0]
 COMMANDS = [
     line.split("#")[0].strip()
@@ -32,7 +38,7 @@ COMMANDS = [
 
 
 def test_the_readme_has_examples():
-    assert PYTHON and COMMANDS
+    assert PYTHON and PYTEST and COMMANDS
 
 
 @pytest.mark.parametrize("code", PYTHON, ids=[f"python-{i}" for i in range(len(PYTHON))])
@@ -54,6 +60,26 @@ def test_a_python_example_runs(dsn, tmp_path, code):
     calls = len(re.findall(r"\.enqueue\(", code))
     bulk = sum(int(n.replace("_", "")) for n in re.findall(r"in range\(([\d_]+)\)", code))
     assert enqueued == (calls + bulk,)
+
+
+@pytest.mark.parametrize("code", PYTEST, ids=[f"pytest-{i}" for i in range(len(PYTEST))])
+def test_a_pytest_example_passes(tmp_path, code):
+    """Each test module example passes in a pytest session of its own, as in a user's project
+    (the plugin found through its entry point), on this suite's database server."""
+    (tmp_path / "test_example.py").write_text(code)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "FASTJOBS_DSN")}
+    env["FASTJOBS_TEST_DSN"] = databases.server_dsn()
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "error"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    tests = len(re.findall(r"^def test_", code, flags=re.M))
+    assert done.returncode == 0 and f"{tests} passed" in done.stdout, done.stdout + done.stderr
 
 
 def _options(command: str) -> tuple[list[str], list[str]]:

@@ -1,0 +1,590 @@
+"""The testing kit: a fresh database per test, draining jobs through the real worker, assertions.
+
+Nothing here fakes the database. A test's jobs are real rows in a real
+PostgreSQL (FASTJOBS_TEST_DSN, else an embedded server started once per
+process), in a database cloned from a template migrated once per process;
+`Testing.drain` runs them through the worker's own hot loop and executor, so
+retries, Snooze, Cancel, timeouts and middleware behave as in production.
+
+The pytest plugin (`_fastjobs_pytest`) turns this into fixtures; the module itself needs no
+pytest. Importing `fastjobs` does not import it: `App.testing` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import datetime as dt
+import importlib
+import itertools
+import logging
+import os
+import tempfile
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+import orjson
+import psycopg
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from . import database, enqueue, handlers, leader, schema, sql
+from .errors import FastjobsError
+from .handlers import Executor, JobContext
+from .impl import core
+from .types import JobState
+
+if TYPE_CHECKING:
+    from .app import App, Job
+
+logger = logging.getLogger(__name__)
+
+Mode = Literal["manual", "inline"]
+MODES: tuple[Mode, ...] = ("manual", "inline")
+
+# What `enqueued` and the assertions look at unless given `state=`: jobs waiting to run.
+PENDING = (JobState.AVAILABLE, JobState.SCHEDULED, JobState.RETRYABLE)
+
+# The most jobs one drain runs before it concludes something requeues itself forever.
+DRAIN_LIMIT = 10_000
+
+# The worker id a drain's claims carry (attempted_by).
+WORKER_ID = "fastjobs-testing"
+
+T = TypeVar("T")
+
+
+# --- Databases ---------------------------------------------------------------
+
+
+class Databases:
+    """The test server, its template database, and the per-test copies of it.
+
+    The server is FASTJOBS_TEST_DSN's, else an embedded PostgreSQL (the
+    `embedded` extra) in a temporary directory deleted when the process
+    exits. The template is migrated once per process and dropped at exit;
+    each copy is a `CREATE DATABASE ... TEMPLATE` (milliseconds).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()  # template() creates under it
+        self._dsn: str | None = None
+        self.source = ""
+        self._template: str | None = None
+        self._counter = itertools.count()
+
+    def server_dsn(self) -> str:
+        """The server's admin DSN, starting the embedded server on first use."""
+        with self._lock:
+            if self._dsn is None:
+                dsn = os.environ.get("FASTJOBS_TEST_DSN")
+                if dsn:
+                    self.source = "FASTJOBS_TEST_DSN"
+                else:
+                    # The postgres processes run as the package's own
+                    # unprivileged user when the tests run as root: the
+                    # directory must be theirs to enter.
+                    parent = Path(tempfile.mkdtemp(prefix="fastjobs-test-"))
+                    parent.chmod(0o755)
+                    server = database.start_embedded(parent / "pg", cleanup_mode="delete")
+                    dsn = server.get_uri("postgres")
+                    self.source = "embedded PostgreSQL"
+                self._dsn = dsn
+            return self._dsn
+
+    def template(self) -> str:
+        """The name of the migrated template database, created on first use."""
+        admin = self.server_dsn()
+        with self._lock:
+            if self._template is None:
+                name = f"fastjobs_tpl_{os.getpid()}"
+                dsn = self.create(name)
+                with psycopg.connect(dsn) as conn:
+                    schema.migrate(conn)
+                self._template = name
+                # Registered after the embedded server's own cleanup, so it runs first.
+                atexit.register(self._drop_template, admin, os.getpid())
+            return self._template
+
+    def _drop_template(self, admin: str, pid: int) -> None:
+        if pid == os.getpid() and self._template is not None:  # not a forked child's copy
+            with contextlib.suppress(psycopg.Error):
+                self.drop(self._template)
+
+    def create(self, name: str | None = None, template: str | None = None) -> str:
+        """Create database `name` (a fresh name by default), empty or a copy of `template`; its DSN."""
+        name = name or self.fresh_name()
+        with psycopg.connect(self.server_dsn(), autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            conn.execute(f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else ""))
+        return make_conninfo(self.server_dsn(), dbname=name)
+
+    def drop(self, name_or_dsn: str) -> None:
+        """Drop a database (by name, or the database of a DSN), closing its sessions."""
+        is_dsn = "=" in name_or_dsn or "://" in name_or_dsn
+        name = conninfo_to_dict(name_or_dsn).get("dbname") if is_dsn else name_or_dsn
+        with psycopg.connect(self.server_dsn(), autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    def fresh_name(self, prefix: str = "fastjobs_t") -> str:
+        return f"{prefix}_{os.getpid()}_{next(self._counter)}"
+
+    def migrated(self) -> str:
+        """A new migrated database of its own (a copy of the template); its DSN."""
+        return self.create(template=self.template())
+
+    @contextlib.contextmanager
+    def fresh(self) -> Iterator[str]:
+        """A new migrated database for the duration of the block; its DSN."""
+        dsn = self.migrated()
+        try:
+            yield dsn
+        finally:
+            self.drop(dsn)
+
+
+# One per process: every test session in it (pytester's in-process runs too)
+# shares the server and the template.
+databases = Databases()
+
+
+def load_app(target: str) -> App:
+    """The App named by `"package.module:attribute"` (the `fastjobs_app` ini option's form)."""
+    from .app import App
+
+    module_name, _, attribute = target.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"name the App as 'package.module:attribute', not {target!r}")
+    value: Any = importlib.import_module(module_name)
+    for part in attribute.split("."):
+        value = getattr(value, part)
+    if not isinstance(value, App):
+        raise TypeError(f"{target} is a {type(value).__name__}, not a fastjobs.App")
+    return value
+
+
+# --- The kit -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EnqueuedJob:
+    """A job row as the assertions see it."""
+
+    id: int
+    kind: str
+    queue: str
+    args: dict[str, Any]
+    priority: int
+    state: str
+    run_at: dt.datetime
+    attempt: int
+    max_attempts: int
+    errors: list[dict[str, Any]] | None
+    unique_key: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Drained:
+    """What one drain did: attempts by outcome (a job retried twice, then completed, counts in both)."""
+
+    completed: int = 0
+    retried: int = 0
+    discarded: int = 0
+    cancelled: int = 0
+    snoozed: int = 0
+
+
+class Testing:
+    """The testing kit bound to an App: `app.testing(mode=...)`, or the `fastjobs_testing` fixture.
+
+    As a context manager it points the app at `dsn` (when given) and, in
+    `inline` mode, makes every enqueue run its job; on exit the app is as it
+    was. `manual` mode changes nothing about enqueueing: jobs wait in the
+    table until `drain` runs them.
+    """
+
+    def __init__(self, app: App, mode: Mode = "manual", *, dsn: str | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"testing mode must be one of {', '.join(MODES)}, not {mode!r}")
+        self.app = app
+        self.mode = mode
+        self._dsn = dsn
+        self._saved: tuple[str | None, Testing | None] | None = None
+        self._draining = False
+        self._listening: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._inline_error: BaseException | None = None
+
+    # -- as a context manager
+
+    def __enter__(self) -> Testing:
+        app = self.app
+        self._saved = (app._dsn, app._testing)
+        if self._dsn is not None:
+            app.configure(dsn=self._dsn)
+        app._testing = self if self.mode == "inline" else None
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        assert self._saved is not None, "exit without enter"
+        dsn, previous = self._saved
+        app = self.app
+        app._testing = previous
+        for conn in list(self._listening):
+            with contextlib.suppress(ValueError):
+                conn.remove_notify_handler(self._on_notify)
+        self._listening = weakref.WeakSet()
+        if self._dsn is not None:
+            app.close()
+            app._dsn = dsn
+        error, self._inline_error = self._inline_error, None
+        if error is not None and kind is None:
+            raise error
+
+    # -- running jobs
+
+    def drain(
+        self,
+        queue: str | list[str] | None = None,
+        now: dt.datetime | dt.timedelta | None = None,
+        *,
+        limit: int = DRAIN_LIMIT,
+    ) -> Drained:
+        """Run every job that is due, and those they make due, until none is left; what ran.
+
+        Jobs run through the worker's own hot loop (the implementation in
+        use) and executor, with the app's middleware: a failure is retried
+        with its backoff, Snooze and Cancel act, timeouts apply. A retried or
+        snoozed job is due again only once its run_at passes. `now` (a
+        datetime, or a timedelta from the present) moves time forward for
+        the drain: jobs due by then run, in the order they would have, their
+        run_at moved back by the difference; with it, a job failing every
+        time runs until it is discarded. `queue` drains one queue (or a list).
+        More than `limit` jobs run raises: something requeues itself forever.
+        """
+        if isinstance(now, dt.timedelta):
+            now = dt.datetime.now(dt.UTC) + now
+        if now is not None and (now.tzinfo is None or now.utcoffset() is None):
+            raise ValueError("now must carry a timezone (a naive datetime is ambiguous)")
+        queues = [queue] if isinstance(queue, str) else (list(queue) if queue is not None else None)
+        return _off_the_event_loop(lambda: self._drain(queues, now, limit))
+
+    def _drain(self, queues: list[str] | None, now: dt.datetime | None, limit: int) -> Drained:
+        totals = dict.fromkeys(("completed", "retried", "discarded", "cancelled", "snoozed"), 0)
+        ran = 0
+        executor = Executor()
+        executor.worker = WORKER_ID
+        saved = (getattr(handlers._thread, "job", None), getattr(handlers._thread, "executor", None))
+        executor.bind()
+        self._draining = True
+        try:
+            while True:
+                # A fresh connection per round: the loop prepares its
+                # statements under fixed names, once per session.
+                with database.connect(self.app.dsn, autocommit=True) as conn:
+                    with psycopg.RawCursor(conn) as cur:
+                        if now is not None:
+                            cur.execute(sql.testing_shift_due, (now, queues))
+                        leader.schedule_once(conn)
+                        due = [row[0] for row in cur.execute(sql.testing_queues_due, (queues,))]
+                        if not due:
+                            break
+                        # A worker's settings, after the kit's own statements:
+                        # with seq scans off, the shift's would cost enough to be JIT-compiled.
+                        cur.execute(sql.worker_session)
+                    loop = core.BatchLoop(
+                        conn, self.app.runnable(), executor, WORKER_ID, due, batch_max=100, overlap=False
+                    )
+                    loop.prepare()
+                    try:
+                        while n := loop.step():
+                            ran += n
+                            if ran > limit:
+                                raise FastjobsError(
+                                    f"drain ran {limit} jobs and more are due: does a job requeue"
+                                    " itself (Snooze, an enqueue of its own kind) forever?"
+                                )
+                    finally:
+                        loop.finish()
+                    cancelled = loop.failed - loop.retried - loop.discarded
+                    totals["completed"] += loop.completed
+                    totals["retried"] += loop.retried
+                    totals["discarded"] += loop.discarded
+                    totals["cancelled"] += cancelled
+                    totals["snoozed"] += loop.claimed - loop.completed - loop.failed
+        finally:
+            self._draining = False
+            executor.close()
+            handlers._thread.job, handlers._thread.executor = saved
+        return Drained(**totals)
+
+    def run_job(self, job: Job[..., Any] | str, /, **args: Any) -> Any:
+        """Call one job's handler with `args` as a worker would pass them; its result.
+
+        The args go through the checks and the JSON encoding of an enqueue
+        and back, so an argument that cannot be stored raises TypeError here
+        as it would in production, and the handler sees what it would get
+        (a tuple arrives as a list). Middleware applies. No row is written;
+        what the handler raises (Retry, Snooze, Cancel included) propagates.
+        An async handler runs to completion (on an event loop of its own
+        when called from one: `run_job_async` runs it on the caller's).
+        """
+        spec, decoded = self._prepare(job, args)
+        context = JobContext(_RUN_JOB_ID, spec.kind, 1)
+        if spec.is_async:
+            return _off_the_event_loop(lambda: asyncio.run(_with_context(context, spec.target, decoded)))
+        saved = getattr(handlers._thread, "job", None)
+        handlers._thread.job = context
+        try:
+            return spec.target(**decoded)
+        finally:
+            handlers._thread.job = saved
+
+    async def run_job_async(self, job: Job[..., Any] | str, /, **args: Any) -> Any:
+        """`run_job` on the running event loop (an async handler's resources may be bound to it)."""
+        spec, decoded = self._prepare(job, args)
+        context = JobContext(_RUN_JOB_ID, spec.kind, 1)
+        if spec.is_async:
+            return await _with_context(context, spec.target, decoded)
+        return self.run_job(job, **args)
+
+    def _prepare(self, job: Job[..., Any] | str, args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        kind = _kind(job)
+        spec = self.app.runnable().get(kind)
+        if spec is None:
+            raise ValueError(f"no handler registered for job kind {kind!r} in this App")
+        params = enqueue.insert_params(enqueue.options(kind, spec), args)
+        with self.app.connection() as conn:
+            return spec, _through_jsonb(conn, params[2])
+
+    # -- looking at what was enqueued
+
+    def enqueued(
+        self,
+        kind_or_job: Job[..., Any] | str | None = None,
+        *,
+        args: Mapping[str, Any] | None = None,
+        queue: str | None = None,
+        priority: int | None = None,
+        state: str | JobState | list[str] | list[JobState] | None = None,
+    ) -> list[EnqueuedJob]:
+        """The jobs matching every criterion given, oldest first.
+
+        `args` matches when each of its keys is among the job's args with
+        that value (compared after the JSON round trip the job's args made).
+        By default only jobs waiting to run (available, scheduled, retryable)
+        are looked at; `state` names others.
+        """
+        return self._match(kind_or_job, args, queue, priority, state)[0]
+
+    def assert_enqueued(
+        self,
+        kind_or_job: Job[..., Any] | str | None = None,
+        *,
+        args: Mapping[str, Any] | None = None,
+        queue: str | None = None,
+        priority: int | None = None,
+        count: int | None = None,
+        state: str | JobState | list[str] | list[JobState] | None = None,
+    ) -> list[EnqueuedJob]:
+        """Fail unless a job matches (exactly `count` of them, if given); the matching jobs.
+
+        The failure lists the jobs closest to what was expected.
+        """
+        __tracebackhide__ = True  # pytest shows the test's line, not the kit's
+        found, candidates, wanted = self._match(kind_or_job, args, queue, priority, state)
+        if (len(found) == count) if count is not None else found:
+            return found
+        expected = f"{count} job(s)" if count is not None else "a job"
+        raise AssertionError(
+            f"expected {expected} {wanted}, found {len(found)}" + _closest(candidates, found)
+        )
+
+    def refute_enqueued(
+        self,
+        kind_or_job: Job[..., Any] | str | None = None,
+        *,
+        args: Mapping[str, Any] | None = None,
+        queue: str | None = None,
+        priority: int | None = None,
+        state: str | JobState | list[str] | list[JobState] | None = None,
+    ) -> None:
+        """Fail if any job matches; the failure lists those that do."""
+        __tracebackhide__ = True
+        found, _, wanted = self._match(kind_or_job, args, queue, priority, state)
+        if found:
+            lines = "".join(f"\n  {_describe(job)}" for job in found[:_SHOWN])
+            raise AssertionError(f"expected no job {wanted}, found {len(found)}:{lines}")
+
+    def _match(
+        self,
+        kind_or_job: Job[..., Any] | str | None,
+        args: Mapping[str, Any] | None,
+        queue: str | None,
+        priority: int | None,
+        state: str | JobState | list[str] | list[JobState] | None,
+    ) -> tuple[list[EnqueuedJob], list[EnqueuedJob], str]:
+        states = [str(s) for s in ([state] if isinstance(state, str) else (state or PENDING))]
+        for s in states:
+            JobState(s)  # an unknown state fails here, naming it
+        kind = _kind(kind_or_job) if kind_or_job is not None else None
+        with self.app.connection() as conn, psycopg.RawCursor(conn) as cur:
+            expected = _through_jsonb(conn, _dumps(args)) if args is not None else None
+            rows = cur.execute(sql.testing_jobs_in_states, (states,)).fetchall()
+        jobs = [EnqueuedJob(*row) for row in rows]
+        found = [job for job in jobs if _misses(job, kind, expected, queue, priority) == 0]
+        given = dict(args) if args is not None else None  # as the test wrote them
+        criteria = {"kind": kind, "args": given, "queue": queue, "priority": priority}
+        wanted = ", ".join(f"{k}={v!r}" for k, v in criteria.items() if v is not None)
+        wanted = f"({wanted}) in state {'/'.join(states)}" if wanted else f"in state {'/'.join(states)}"
+        if not found:
+            # Fewest criteria missed first (each argument is one), then the newest.
+            jobs.sort(key=lambda job: (_misses(job, kind, expected, queue, priority), -job.id))
+        return found, jobs, wanted
+
+    # -- inline mode
+
+    def inserted(self, conn: psycopg.Connection[Any] | None) -> None:
+        """App's hook after an inline-mode enqueue: run the job now, or once `conn` commits."""
+        if self._draining:
+            return  # enqueued by a job the drain is running: it runs in this drain
+        if conn is None or conn.autocommit or not _in_transaction(conn):
+            self._run_inline()
+            return
+        # Inside the caller's transaction: the insert trigger's notification
+        # reaches sessions listening (this one included) only if it commits,
+        # and psycopg hands it to the handler while processing the COMMIT.
+        # A LISTEN made in a transaction that rolls back is undone with it.
+        # The jobs run while psycopg holds `conn`'s lock: a handler using this
+        # very connection object would wait forever (README says so).
+        conn.execute(sql.listen_jobs)
+        if conn not in self._listening:
+            conn.add_notify_handler(self._on_notify)
+            self._listening.add(conn)
+
+    async def inserted_async(self, conn: psycopg.AsyncConnection[Any] | None) -> None:
+        """`inserted` for an async enqueue."""
+        if self._draining:
+            return
+        if conn is None or conn.autocommit or not _in_transaction(conn):
+            self._run_inline()
+            return
+        await conn.execute(sql.listen_jobs)
+        if conn not in self._listening:
+            conn.add_notify_handler(self._on_notify)
+            self._listening.add(conn)
+
+    def _on_notify(self, note: psycopg.Notify) -> None:
+        if note.channel == sql.NOTIFY_CHANNEL and not self._draining and self.app._testing is self:
+            try:
+                self._run_inline()
+            except Exception as exc:  # raised inside the caller's COMMIT, it would break their connection
+                logger.exception("the inline run after a commit failed")
+                self._inline_error = self._inline_error or exc
+
+    def _run_inline(self) -> None:
+        self.drain()
+
+
+# The id `current_job()` shows inside run_job: the job has no row.
+_RUN_JOB_ID = -1
+
+# The most jobs a failed assertion lists.
+_SHOWN = 5
+
+
+def _in_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
+    return conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
+
+
+def _off_the_event_loop(call: Callable[[], T]) -> T:
+    """`call()`, on a thread of its own when this thread runs an event loop.
+
+    The executor runs async handlers on an event loop of its own, which
+    cannot run inside the test's; the test's loop waits meanwhile.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return call()
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(call())
+        except BaseException as exc:
+            error.append(exc)
+
+    thread = threading.Thread(target=run, name="fastjobs-testing")
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
+
+
+async def _with_context(context: JobContext, target: Callable[..., Any], args: dict[str, Any]) -> Any:
+    handlers._async_job.set(context)  # this coroutine's task's context only
+    return await target(**args)
+
+
+def _kind(job: Any) -> str:
+    if isinstance(job, str):
+        return job
+    kind = getattr(job, "kind", None)
+    if not isinstance(kind, str):
+        raise TypeError(f"name a job by its kind or the handle @app.job returned, not {job!r}")
+    return kind
+
+
+def _dumps(args: Mapping[str, Any]) -> str:
+    try:
+        return orjson.dumps(dict(args)).decode()
+    except TypeError as exc:
+        raise TypeError(f"args={args!r} could never match: they cannot be stored ({exc})") from None
+
+
+def _through_jsonb(conn: psycopg.Connection[Any], data: str) -> dict[str, Any]:
+    """JSON object text as a worker gets it back from the jobs table's jsonb."""
+    with psycopg.RawCursor(conn) as cur:
+        row = cur.execute(sql.testing_args_round_trip, (data,)).fetchone()
+    assert row is not None
+    value = orjson.loads(row[0])
+    assert isinstance(value, dict)
+    return value
+
+
+def _misses(
+    job: EnqueuedJob, kind: str | None, args: dict[str, Any] | None, queue: str | None, priority: int | None
+) -> int:
+    """How many of the criteria `job` fails (an argument key each)."""
+    missed = (kind is not None and job.kind != kind) + (queue is not None and job.queue != queue)
+    missed += priority is not None and job.priority != priority
+    if args is not None:
+        missed += sum(1 for key, value in args.items() if key not in job.args or job.args[key] != value)
+    return int(missed)
+
+
+def _closest(candidates: list[EnqueuedJob], found: list[EnqueuedJob]) -> str:
+    """The jobs a failed assertion shows: those found, or the candidates closest first."""
+    if found:
+        return ":" + "".join(f"\n  {_describe(job)}" for job in found[:_SHOWN])
+    if not candidates:
+        return "; no job at all was in those states"
+    lines = "".join(f"\n  {_describe(job)}" for job in candidates[:_SHOWN])
+    more = f"\n  ... and {len(candidates) - _SHOWN} more" if len(candidates) > _SHOWN else ""
+    return f"; the closest jobs that were enqueued:{lines}{more}"
+
+
+def _describe(job: EnqueuedJob) -> str:
+    return (
+        f"#{job.id} {job.kind} args={job.args!r} queue={job.queue!r} priority={job.priority}"
+        f" state={job.state} attempt={job.attempt}/{job.max_attempts}"
+    )
