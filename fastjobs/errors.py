@@ -61,3 +61,7 @@ class Cancel(FastjobsError):
 
 class JobNotFound(FastjobsError, LookupError):
     """No job has this id."""
+
+
+class InvalidArguments(FastjobsError, TypeError):
+    """A job's stored arguments do not convert to its handler's annotations: it is discarded, not retried."""
