@@ -452,7 +452,7 @@ def _record(cls: Any, compiler: _Compiler, known: dict[Any, Node]) -> Node:
 
     else:
         nodes = {key: compiler.node(hint, f"key {key!r} of {cls.__name__}") for key, hint in hints.items()}
-        required = frozenset(cls.__required_keys__)
+        required = _required_keys(cls)
         name = f"{cls.__name__} (a TypedDict)"
         node.converts = any(n.converts for n in nodes.values())
 
@@ -464,6 +464,18 @@ def _record(cls: Any, compiler: _Compiler, known: dict[Any, Node]) -> Node:
 
     node.encode, node.decode = encode, decode
     return node
+
+
+def _required_keys(cls: Any) -> frozenset[str]:
+    """A TypedDict's required keys. Python 3.11 misses a NotRequired[...] written as a string
+    (`from __future__ import annotations`) in `__required_keys__`: the resolved hints say."""
+    required = set(cls.__required_keys__)
+    for key, hint in typing.get_type_hints(cls, include_extras=True).items():
+        if typing.get_origin(hint) is typing.NotRequired:
+            required.discard(key)
+        elif typing.get_origin(hint) is typing.Required:
+            required.add(key)
+    return frozenset(required)
 
 
 def _msgspec(cls: Any, msgspec: Any) -> Node:

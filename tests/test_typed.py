@@ -6,6 +6,7 @@ import dataclasses
 import datetime as dt
 import decimal
 import enum
+import os
 import subprocess
 import sys
 import textwrap
@@ -267,9 +268,9 @@ def test_bad_arguments_are_refused_naming_the_kind_argument_and_path(app: App, d
         (Point, {"x": 1, "y": "2"}, TypeError, "'value.y' must be int, not str"),
         (
             Order,
-            Order(uuid.UUID(int=1), "1", NOW),  # type: ignore[arg-type]
+            Order(uuid.UUID(int=1), decimal.Decimal(1), "yesterday"),  # type: ignore[arg-type]
             ValueError,
-            "is no valid Order: Expected `decimal`, got `str`",
+            "'value.placed' is no valid Order: Invalid RFC3339 encoded datetime",
         ),
         (
             Invoice,
@@ -297,7 +298,7 @@ def test_a_pydantic_error_names_the_path_inside_the_model(app: App):
 def test_a_msgspec_error_names_the_path_inside_the_struct(app: App):
     job = _annotated(app, "order", dict[str, Order], {})
     with pytest.raises(ValueError, match=r"^order: argument 'value\.a\.total' is no valid Order"):
-        job.enqueue(value={"a": Order(uuid.UUID(int=1), 5, NOW)})  # type: ignore[arg-type]
+        job.enqueue(value={"a": Order(uuid.UUID(int=1), "total", NOW)})  # type: ignore[arg-type]
 
 
 def test_a_bulk_enqueue_is_all_or_nothing_and_names_the_row(app: App, dsn):
@@ -311,7 +312,7 @@ def test_a_bulk_enqueue_is_all_or_nothing_and_names_the_row(app: App, dsn):
     assert jobs(dsn) == []
     with psycopg.connect(dsn) as conn:  # in the caller's transaction, which stays usable
         job.using(conn).enqueue(user=USER, when=NOW)
-        with pytest.raises(ValueError, match="row 1: argument 'when'"):
+        with pytest.raises(TypeError, match="row 1: argument 'when' must be datetime, not date"):
             job.using(conn).enqueue_many(
                 iter([{"user": USER, "when": NOW}, {"user": USER, "when": dt.date(2026, 1, 1)}])
             )
@@ -370,11 +371,13 @@ def test_unannotated_handlers_are_unchanged(app: App, dsn):
     loose.enqueue(a={"name": "ann"}, b=[1])
     loose.enqueue_many([{"a": "x"}, {"a": 1.5, "b": None}])
     anything.enqueue(a=1, extra="y")
-    with pytest.raises(TypeError, match="not JSON serializable"):
-        loose.enqueue(a=NOW)  # no annotation: no conversion, as before
+    loose.enqueue(a=NOW)  # no annotation: orjson's string, as before
     drain(app)
     assert sorted(map(repr, seen)) == sorted(
-        map(repr, [({"name": "ann"}, [1]), ("x", None), (1.5, None), (1, {"extra": "y"})])
+        map(
+            repr,
+            [({"name": "ann"}, [1]), ("x", None), (1.5, None), (1, {"extra": "y"}), (NOW.isoformat(), None)],
+        )
     )
 
 
@@ -405,7 +408,9 @@ def test_args_that_do_not_convert_at_execution_discard_that_job_only(app: App, d
         seen.append(day)
 
     bad_date = insert_raw(dsn, "dated", '{"day": "not a date"}')
-    bad_user = insert_raw(dsn, "dated", '{"day": "2026-01-01", "user": {"name": "a", "address": {"zip": 1}}}')
+    bad_user = insert_raw(
+        dsn, "dated", '{"day": "2026-01-01", "user": {"name": "a", "address": {"zip": "1"}}}'
+    )
     good = dated.enqueue(day=dt.date(2026, 1, 2))
     drain(app)
 
@@ -509,6 +514,7 @@ def test_mypy_checks_enqueue_calls_against_the_handler(tmp_path: Path):
             str(sample),
         ],
         cwd=tmp_path,
+        env={**os.environ, "MYPYPATH": str(cache.parent)},  # the editable install hides fastjobs from mypy
         capture_output=True,
         text=True,
         timeout=300,
