@@ -401,8 +401,11 @@ def _fields(
         node = nodes.get(key)
         if node is None:
             raise _Invalid(f"has no field {key!r} ({owner} has {', '.join(nodes) or 'none'})")
+        if node.is_any or type(item) is node.exact:
+            out[key] = item
+            continue
         try:
-            out[key] = item if node.is_any else (node.decode(item) if decode else node.encode(item))
+            out[key] = node.decode(item) if decode else node.encode(item)
         except _Invalid as exc:
             exc.path.append(key)
             raise
@@ -436,8 +439,9 @@ def _record(cls: Any, compiler: _Compiler, known: dict[Any, Node]) -> Node:
                 _wrong(name, value)
             out = {}
             for key, field in nodes.items():
+                item = getattr(value, key)
                 try:
-                    out[key] = field.encode(getattr(value, key))
+                    out[key] = item if type(item) is field.exact else field.encode(item)
                 except _Invalid as exc:
                     exc.path.append(key)
                     raise
@@ -623,6 +627,8 @@ class Schema:
         self.kind = kind
         self._nodes = nodes
         self._extra = extra
+        # Per name, the type whose values need no check: one dict lookup per plain argument.
+        self._exact = {name: node.exact for name, node in nodes.items() if node.exact is not None}
         self.converts = any(n.converts for n in nodes.values()) or (extra is not None and extra.converts)
 
     def encode(self, args: Any, row: int | None = None) -> Any:
@@ -636,11 +642,13 @@ class Schema:
             if not isinstance(args, Mapping):
                 return args
             args = dict(args)
-        nodes, extra = self._nodes, self._extra
+        nodes, extra, exact = self._nodes, self._extra, self._exact.get
         out: dict[str, Any] | None = None
         name = ""
         try:
             for name, value in args.items():
+                if type(value) is exact(name):
+                    continue
                 node = nodes.get(name, extra)
                 if node is None or type(value) is node.exact:
                     continue  # an unknown name is dump_args' to refuse
