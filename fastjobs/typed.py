@@ -24,7 +24,7 @@ import types
 import typing
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, Literal, NewType, NoReturn, Union
+from typing import Annotated, Any, Literal, NewType, NoReturn, Union
 
 from .errors import InvalidArguments
 
@@ -579,6 +579,8 @@ class _Compiler:
             return node
         origin = typing.get_origin(hint)
         args = typing.get_args(hint)
+        if origin is Annotated:
+            return self._node(args[0])
         if origin is Union or origin is types.UnionType:
             return _union([self._node(a) for a in args])
         if origin is Literal:
@@ -728,21 +730,25 @@ def schema(kind: str, func: Callable[..., Any]) -> Schema | None:
     Raises TypeError naming the parameter for an annotation that cannot be
     stored as JSON, or that does not resolve.
     """
-    signature = inspect.signature(func)
     annotated = [
         p
-        for p in signature.parameters.values()
+        for p in inspect.signature(func).parameters.values()
         if p.annotation is not p.empty and p.kind not in (p.VAR_POSITIONAL, p.POSITIONAL_ONLY)
     ]
     if not annotated:
         return None
     compiler = _Compiler()
     try:
-        hints = compiler.hints(func)
+        # The signature's, not get_type_hints': it sees through functools.wraps and partial.
+        try:
+            hints = inspect.signature(func, eval_str=True).parameters
+        except Exception as exc:  # NameError for a name only imported under TYPE_CHECKING, ...
+            name = getattr(func, "__qualname__", repr(func))
+            raise _Unsupported(f"the annotations of {name}, which do not resolve ({exc})") from None
         nodes: dict[str, Node] = {}
         extra: Node | None = None
         for p in annotated:
-            node = compiler.node(hints.get(p.name, Any), f"parameter {p.name!r}")
+            node = compiler.node(hints[p.name].annotation, f"parameter {p.name!r}")
             if p.kind is p.VAR_KEYWORD:
                 extra = node
             elif not node.is_any:

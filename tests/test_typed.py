@@ -6,14 +6,16 @@ import dataclasses
 import datetime as dt
 import decimal
 import enum
+import functools
 import os
 import subprocess
 import sys
 import textwrap
 import uuid
 import zoneinfo
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, NewType, NotRequired, TypedDict
+from typing import Annotated, Any, Literal, NewType, NotRequired, TypedDict
 
 import msgspec
 import psycopg
@@ -531,3 +533,33 @@ def test_mypy_checks_enqueue_calls_against_the_handler(tmp_path: Path):
     )
     assert 'Missing positional argument "when" in call to "enqueue" of "Job"' in done.stdout
     assert 'Unexpected keyword argument "nope" for "args" of "Job"' in done.stdout
+
+
+def test_the_bench_reports_the_per_job_cost_of_each_record_type():
+    from fastjobs import bench
+
+    costs = bench.typed_costs(number=50)
+    assert list(costs) == ["plain", "dataclass", "msgspec.Struct", "pydantic.BaseModel"]
+    assert all(enqueue_us > 0 and run_us > 0 for enqueue_us, run_us in costs.values())
+
+
+def test_decorated_handlers_and_annotated_types_are_seen_through(app: App, dsn):
+    seen: list[Any] = []
+
+    def logged(func: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> None:
+            func(*args, **kwargs)
+
+        return wrapper
+
+    @app.job(kind="wrapped")
+    @logged
+    def wrapped(day: Annotated[dt.date, "a note"]) -> None:
+        seen.append(day)
+
+    wrapped.enqueue(day=dt.date(2026, 1, 1))
+    with pytest.raises(TypeError, match=r"^wrapped: argument 'day' must be date, not str"):
+        wrapped.enqueue(day="2026-01-01")
+    drain(app)
+    assert seen == [dt.date(2026, 1, 1)]
