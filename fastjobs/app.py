@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime as dt
+import functools
 import inspect
 import os
 import select
@@ -347,7 +348,7 @@ class Job(Generic[P, R]):
         """Positional arguments given their parameters' names (jobs store keyword arguments only)."""
         if not args:
             return kwargs
-        names = _positional(self.spec.func)
+        names = self._positional
         if len(args) > len(names):
             raise TypeError(f"{self.kind} takes {len(names)} positional argument(s), {len(args)} given")
         for name, value in zip(names, args, strict=False):
@@ -355,6 +356,12 @@ class Job(Generic[P, R]):
                 raise TypeError(f"{self.kind} got multiple values for argument {name!r}")
             kwargs[name] = value
         return kwargs
+
+    @functools.cached_property
+    def _positional(self) -> list[str]:
+        """The names positional arguments of an enqueue fill, in order."""
+        params = inspect.signature(self.spec.func).parameters.values()
+        return [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
 
     def _sync_conn(self, conn: Any) -> psycopg.Connection[Any] | None:
         conn = self._conn if conn is None else conn
@@ -399,12 +406,6 @@ class Job(Generic[P, R]):
 
     def __repr__(self) -> str:
         return f"<fastjobs.Job {self.kind!r} queue={self.spec.queue!r}>"
-
-
-def _positional(func: Callable[..., Any]) -> list[str]:
-    """The names positional arguments of an enqueue fill, in order."""
-    params = inspect.signature(func).parameters.values()
-    return [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
 
 
 def _signature(func: Callable[..., Any]) -> tuple[frozenset[str] | None, frozenset[str]]:
