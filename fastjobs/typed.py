@@ -245,30 +245,27 @@ def _sequence(
 def _fixed_tuple(items: list[Node]) -> Node:
     name = f"tuple[{', '.join(n.name for n in items)}]"
 
-    def run(value: Any, steps: list[Callable[[Any], Any]]) -> list[Any]:
+    def run(value: Any, decode: bool) -> list[Any]:
         if len(value) != len(items):
             raise _Invalid(f"must have {len(items)} items, not {len(value)}", ValueError)
         out = []
-        for i, (step, item) in enumerate(zip(steps, value, strict=True)):
+        for i, (node, item) in enumerate(zip(items, value, strict=True)):
             try:
-                out.append(step(item))
+                out.append(node.decode(item) if decode else node.encode(item))
             except _Invalid as exc:
                 exc.path.append(i)
                 raise
         return out
 
-    encodes = [n.encode for n in items]
-    decodes = [n.decode for n in items]
-
     def encode(value: Any) -> Any:
         if not isinstance(value, tuple):
             _wrong("tuple", value)
-        return run(value, encodes)
+        return run(value, False)
 
     def decode(value: Any) -> Any:
         if type(value) is not list:
             _wrong("tuple (a JSON array)", value)
-        return tuple(run(value, decodes))
+        return tuple(run(value, True))
 
     return Node(name, encode, decode, converts=True)
 
@@ -280,8 +277,7 @@ def _mapping(value_node: Node) -> Node:
         out: dict[Any, Any] | None = None
         for key, item in value.items():
             if type(key) is not str:
-                exc = _Invalid(f"keys must be str, not {_type_name(key)} ({key!r})")
-                raise exc
+                raise _Invalid(f"keys must be str, not {_type_name(key)} ({key!r})")
             if type(item) is exact or value_node.is_any:
                 continue
             try:
@@ -314,25 +310,25 @@ def _union(members: list[Node]) -> Node:
         return ANY
     others = [m for m in members if m.exact is not NoneType]
 
-    def first(value: Any, steps: list[Callable[[Any], Any]]) -> Any:
+    # Each member's encode and decode are looked up per call: a record's node
+    # is filled in after its fields are compiled (a Tree whose parent is a Tree | None).
+    def first(value: Any, decode: bool) -> Any:
         if value is None and len(others) < len(members):
             return None
         errors: list[_Invalid] = []
-        for step in steps:
+        for member in others:
             try:
-                return step(value)
+                return member.decode(value) if decode else member.encode(value)
             except _Invalid as exc:
                 errors.append(exc)
         if len(errors) == 1:  # X | None: X's own message, with its path
             raise errors[0]
         _wrong(name, value)
 
-    encodes = [m.encode for m in others]
-    decodes = [m.decode for m in others]
     return Node(
         name,
-        lambda value: first(value, encodes),
-        lambda value: first(value, decodes),
+        lambda value: first(value, False),
+        lambda value: first(value, True),
         converts=any(m.converts for m in members),
     )
 
