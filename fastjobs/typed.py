@@ -524,7 +524,10 @@ def _pydantic(cls: Any, pydantic: Any) -> Node:
     def encode(value: Any) -> Any:
         if not isinstance(value, cls):
             _wrong(name, value)
-        data = value.model_dump(mode="json", warnings=False)  # an invalid one is refused below
+        try:
+            data = value.model_dump(mode="json", warnings=False)  # an invalid one is refused below
+        except ValueError as exc:  # PydanticSerializationError: a value with no JSON form
+            raise _Invalid(f"is no valid {cls.__name__}: {exc}", ValueError) from None
         try:
             cls.model_validate(data)
         except ValidationError as exc:
