@@ -139,7 +139,7 @@ class App:
                 retry=retry,
                 unique=unique_by,
                 cron=cron,
-                schema=args_schema,
+                args_schema=args_schema,
             )
             self.jobs[name] = spec
             return Job(self, spec)

@@ -763,5 +763,5 @@ def schema(kind: str, func: Callable[..., Any]) -> Schema | None:
 
 def converter(spec: Any) -> Callable[..., Any] | None:
     """What a worker calls for `spec`'s jobs so its handler gets the annotated types; None: `spec.func`."""
-    schema: Schema | None = spec.schema
+    schema: Schema | None = spec.args_schema
     return None if schema is None else schema.converter(spec.func, spec.is_async)

@@ -65,7 +65,7 @@ class JobSpec:
     # per worker by App.runnable (None: `func` itself, at no cost per job).
     call: Callable[..., Any] | None = None
     # The handler's annotations, checked at enqueue (None: it has none).
-    schema: ArgsSchema | None = None
+    args_schema: ArgsSchema | None = None
 
     @property
     def target(self) -> Callable[..., Any]:

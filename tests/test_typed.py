@@ -369,7 +369,7 @@ def test_unannotated_handlers_are_unchanged(app: App, dsn):
     def anything(a: Any, **rest: Any) -> None:
         seen.append((a, rest))
 
-    assert app.jobs["loose"].schema is None and app.jobs["any"].schema is None
+    assert app.jobs["loose"].args_schema is None and app.jobs["any"].args_schema is None
     assert all(spec.call is None for spec in app.runnable().values())
     loose.enqueue(a={"name": "ann"}, b=[1])
     loose.enqueue_many([{"a": "x"}, {"a": 1.5, "b": None}])
