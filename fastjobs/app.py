@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
 import difflib
+import functools
 import inspect
 import os
 import select
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypedDict, TypeVar, U
 
 import psycopg
 
-from . import control, database, enqueue, schema
+from . import control, database, enqueue, schema, typed
 from .cron import Cron
 from .enqueue import check_kind, check_max_attempts, check_priority, check_queue
 from .errors import UnknownKind
@@ -133,6 +135,7 @@ class App:
             if name in self.declared:
                 raise ValueError(f"job kind {name!r} is declared as handled elsewhere (app.declare)")
             params, required = _signature(func)
+            args_schema = typed.schema(name, func)  # an annotation it cannot store fails here
             if cron is not None and required:
                 raise TypeError(
                     f"{name}: a cron job is enqueued without args, but requires {sorted(required)}"
@@ -154,6 +157,7 @@ class App:
                 retry=retry,
                 unique=unique_by,
                 cron=cron,
+                args_schema=args_schema,
             )
             self.jobs[name] = spec
             return Job(self, spec)
@@ -226,7 +230,11 @@ class App:
         argument conversion); a spec with nothing to wrap keeps `call=None`,
         so the hot loop calls the handler itself.
         """
-        return dict(self.jobs)
+        specs = {}
+        for kind, spec in self.jobs.items():
+            call = typed.converter(spec)  # the annotated types from JSON, for kinds that need it
+            specs[kind] = spec if call is None else dataclasses.replace(spec, call=call)
+        return specs
 
     def enqueue(
         self,
@@ -405,13 +413,25 @@ class App:
 
 
 class Job(Generic[P, R]):
-    """What `@app.job` returns: call it to run the handler inline, `.enqueue` to queue it."""
+    """What `@app.job` returns: call it to run the handler inline, `.enqueue` to queue it.
 
-    def __init__(self, app: App, spec: JobSpec, **defaults: Unpack[BulkOptions]) -> None:
+    `enqueue` takes the handler's own arguments, so type checkers check a call
+    against the handler's signature (ParamSpec). The connection to enqueue
+    in goes through `using(conn)`; `enqueue(conn=...)` works too, unchecked.
+    """
+
+    def __init__(
+        self,
+        app: App,
+        spec: JobSpec,
+        conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any] | None = None,
+        **defaults: Unpack[BulkOptions],
+    ) -> None:
         self._func: Callable[P, R] = spec.func
         self.app = app
         self.spec = spec
         self.kind = spec.kind
+        self._conn = conn
         self._defaults = defaults
         self.__wrapped__ = spec.func
         self.__doc__ = spec.func.__doc__
@@ -424,25 +444,80 @@ class Job(Generic[P, R]):
         given = {k: v for k, v in options.items() if v is not None}
         merged: BulkOptions = {**self._defaults, **given}  # type: ignore[typeddict-item]
         enqueue.options(self.kind, self.spec, **merged)  # bad options fail here, not at enqueue
-        return Job(self.app, self.spec, **merged)
+        return Job(self.app, self.spec, self._conn, **merged)
 
-    def enqueue(self, *, conn: psycopg.Connection[Any] | None = None, **args: Any) -> int:
-        """Enqueue one job with these keyword arguments; returns its id."""
-        return self.app.enqueue(self.kind, args, conn=conn, **self._defaults)
+    def using(self, conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> Job[P, R]:
+        """A handle that enqueues in `conn`'s transaction: the jobs exist once it commits.
+
+        A `psycopg.AsyncConnection` serves the `_async` methods.
+        """
+        if not isinstance(conn, psycopg.Connection | psycopg.AsyncConnection):
+            raise TypeError(f"using() takes a psycopg connection, not {type(conn).__name__}")
+        return Job(self.app, self.spec, conn, **self._defaults)
+
+    def args(self, *args: P.args, **kwargs: P.kwargs) -> dict[str, Any]:
+        """The handler's arguments as the dict `enqueue_many` takes, checked by type checkers like a call."""
+        return self._named(args, dict(kwargs))
+
+    def _named(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Positional arguments given their parameters' names (jobs store keyword arguments only)."""
+        if not args:
+            return kwargs
+        names = self._positional
+        if len(args) > len(names):
+            raise TypeError(f"{self.kind} takes {len(names)} positional argument(s), {len(args)} given")
+        for name, value in zip(names, args, strict=False):
+            if name in kwargs:
+                raise TypeError(f"{self.kind} got multiple values for argument {name!r}")
+            kwargs[name] = value
+        return kwargs
+
+    @functools.cached_property
+    def _positional(self) -> list[str]:
+        """The names positional arguments of an enqueue fill, in order."""
+        params = inspect.signature(self.spec.func).parameters.values()
+        return [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+
+    def _sync_conn(self, conn: Any) -> psycopg.Connection[Any] | None:
+        conn = self._conn if conn is None else conn
+        if conn is not None and not isinstance(conn, psycopg.Connection):
+            raise TypeError(
+                f"{self.kind}: enqueue needs a psycopg.Connection; use the _async methods for {conn!r}"
+            )
+        return conn
+
+    def _async_conn(self, conn: Any) -> psycopg.AsyncConnection[Any] | None:
+        conn = self._conn if conn is None else conn
+        if conn is not None and not isinstance(conn, psycopg.AsyncConnection):
+            raise TypeError(f"{self.kind}: the _async methods need a psycopg.AsyncConnection, not {conn!r}")
+        return conn
+
+    def enqueue(self, *args: P.args, **kwargs: P.kwargs) -> int:
+        """Enqueue one job with the handler's arguments; returns its id."""
+        named = dict(kwargs)
+        conn = self._sync_conn(named.pop("conn", None))
+        return self.app.enqueue(self.kind, self._named(args, named), conn=conn, **self._defaults)
 
     def enqueue_many(
         self, args_iterable: Iterable[dict[str, Any]], *, conn: psycopg.Connection[Any] | None = None
     ) -> int:
-        """Enqueue one job per argument dict with one COPY; returns the count."""
-        return self.app.enqueue_many(self.kind, args_iterable, conn=conn, **self._defaults)
+        """Enqueue one job per argument dict with one COPY; returns the count.
 
-    async def enqueue_async(self, *, conn: psycopg.AsyncConnection[Any] | None = None, **args: Any) -> int:
-        return await self.app.enqueue_async(self.kind, args, conn=conn, **self._defaults)
+        `job.args(...)` builds a dict a type checker checks like a call.
+        """
+        return self.app.enqueue_many(self.kind, args_iterable, conn=self._sync_conn(conn), **self._defaults)
+
+    async def enqueue_async(self, *args: P.args, **kwargs: P.kwargs) -> int:
+        named = dict(kwargs)
+        conn = self._async_conn(named.pop("conn", None))
+        return await self.app.enqueue_async(self.kind, self._named(args, named), conn=conn, **self._defaults)
 
     async def enqueue_many_async(
         self, args_iterable: Iterable[dict[str, Any]], *, conn: psycopg.AsyncConnection[Any] | None = None
     ) -> int:
-        return await self.app.enqueue_many_async(self.kind, args_iterable, conn=conn, **self._defaults)
+        return await self.app.enqueue_many_async(
+            self.kind, args_iterable, conn=self._async_conn(conn), **self._defaults
+        )
 
     def __repr__(self) -> str:
         return f"<fastjobs.Job {self.kind!r} queue={self.spec.queue!r}>"

@@ -25,6 +25,7 @@ from .types import (
     MAX_ATTEMPTS_LIMIT,
     PRIORITY_MAX,
     PRIORITY_MIN,
+    ArgsSchema,
     JobSpec,
 )
 
@@ -55,6 +56,7 @@ class Options:
     required: frozenset[str]
     unique_key: str | None = None
     unique: bool | tuple[str, ...] = False
+    args_schema: ArgsSchema | None = None
 
 
 def unique_key_for(opts: Options, args: dict[str, Any]) -> str | None:
@@ -126,6 +128,7 @@ def options(
         spec.required if spec else frozenset(),
         unique_key,
         spec.unique if spec else False,
+        spec.args_schema if spec else None,
     )
 
 
@@ -184,6 +187,8 @@ def check_conn(conn: object, expected: type[Any]) -> None:
 def insert_params(opts: Options, args: Any) -> tuple[Any, ...]:
     """Parameters of sql.job_insert; raises TypeError for arguments that cannot be stored."""
     args = {} if args is None else args
+    if opts.args_schema is not None:
+        args = opts.args_schema.encode(args)
     data = core.dump_args(opts.kind, args, opts.params, opts.required)
     key = unique_key_for(opts, args) if opts.unique_key or opts.unique else None
     return (
@@ -258,7 +263,7 @@ def copy_layout(opts: Options, now: dt.datetime) -> tuple[str, bytes, bytes]:
 
 
 def _chunks(opts: Options, rows: Iterable[Any], prefix: bytes, suffix: bytes) -> Iterator[tuple[bytes, int]]:
-    it = iter(rows)
+    it = iter(rows) if opts.args_schema is None else opts.args_schema.encode_rows(rows)
     while True:
         data, count = core.encode_copy_rows(
             opts.kind, it, prefix, suffix, COPY_CHUNK, opts.params, opts.required
@@ -290,7 +295,7 @@ def _staged_chunks(opts: Options, rows: Iterable[Any]) -> Iterator[tuple[bytes, 
         suffix += _NULL + _NULL
     parts: list[bytes] = []
     count = 0
-    for args in rows:
+    for args in rows if opts.args_schema is None else opts.args_schema.encode_rows(rows):
         data = core.dump_args(opts.kind, args, opts.params, opts.required)
         key = unique_key_for(opts, dict(args))
         key_field = _NULL if key is None else _field(key.encode())

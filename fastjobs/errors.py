@@ -65,3 +65,7 @@ class UnknownKind(FastjobsError, ValueError):
 
 class JobNotFound(FastjobsError, LookupError):
     """No job has this id."""
+
+
+class InvalidArguments(FastjobsError, TypeError):
+    """A job's stored arguments do not convert to its handler's annotations: it is discarded, not retried."""

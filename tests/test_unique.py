@@ -232,7 +232,7 @@ def test_unique_enqueues_in_a_rolled_back_transaction_leave_nothing(app: App, ds
             first = app.enqueue("k", unique_key="tx", conn=conn)
             assert app.enqueue("k", unique_key="tx", conn=conn) == first  # seen inside the transaction
             assert u.enqueue_many([{"n": 1}, {"n": 1}, {"n": 2}], conn=conn) == 2
-            assert u.enqueue(n=2, conn=conn) == rows_in(conn)[-1]
+            assert u.using(conn).enqueue(n=2) == rows_in(conn)[-1]
             raise psycopg.Rollback
         assert rows(dsn) == []
         # The key is free again, and a later committed transaction takes it.

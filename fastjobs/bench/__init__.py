@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -84,8 +85,13 @@ def _raw_copy(dsn: str, rows: list[dict[str, Any]]) -> float:
         return time.perf_counter() - start
 
 
+def _plain(i: int, email: str) -> None:
+    """The enqueue benchmark's handler: its plain-typed arguments are checked at each enqueue."""
+
+
 def _fastjobs_copy(dsn: str, rows: list[dict[str, Any]]) -> float:
     app = App(dsn)
+    app.job(kind=BENCH_KIND)(_plain)
     with psycopg.connect(dsn) as conn:
         start = time.perf_counter()
         app.enqueue_many(BENCH_KIND, rows, conn=conn)
@@ -120,8 +126,77 @@ def run_enqueue(
     echo(f"\n{'enqueue':<28}{'jobs/s':>12}{'ratio':>8}\n")
     echo(f"{'raw binary COPY':<28}{raw:>12,.0f}{1.0:>8.2f}\n")
     echo(f"{'fastjobs enqueue_many':<28}{fast:>12,.0f}{fast / raw:>8.2f}\n")
+    costs = typed_costs()
+    record["typed_us_per_job"] = costs
+    echo(f"\n{'typed arguments, per job':<28}{'enqueue us':>12}{'run us':>8}\n")
+    for name, (encode_us, decode_us) in costs.items():
+        echo(f"{name:<28}{encode_us:>12.2f}{decode_us:>8.2f}\n")
     _write(results, record, echo)
     return record
+
+
+def typed_costs(number: int = 20_000) -> dict[str, tuple[float, float]]:
+    """Microseconds per job to check and convert one argument at enqueue, and back at execution.
+
+    Beside plain types (`i: int, email: str`): a dataclass, a msgspec.Struct
+    and a pydantic model of the same three fields (a str, an int, a
+    datetime), the last two when installed.
+    """
+    import dataclasses
+    import timeit
+
+    from .. import typed
+
+    now = dt.datetime.now(dt.UTC)
+
+    @dataclasses.dataclass
+    class Record:
+        name: str
+        n: int
+        at: dt.datetime
+
+    def plain(i: int, email: str) -> None: ...
+
+    def record(r: Record) -> None: ...
+
+    cases: dict[str, tuple[Callable[..., None], dict[str, Any]]] = {
+        "plain": (plain, {"i": 1, "email": "user1@example.com"}),
+        "dataclass": (record, {"r": Record("a", 1, now)}),
+    }
+    with contextlib.suppress(ImportError):
+        import msgspec
+
+        class Struct(msgspec.Struct):
+            name: str
+            n: int
+            at: dt.datetime
+
+        def struct(r: Struct) -> None: ...
+
+        cases["msgspec.Struct"] = (struct, {"r": Struct("a", 1, now)})
+    with contextlib.suppress(ImportError):
+        import pydantic
+
+        class Model(pydantic.BaseModel):
+            name: str
+            n: int
+            at: dt.datetime
+
+        def model(r: Model) -> None: ...
+
+        cases["pydantic.BaseModel"] = (model, {"r": Model(name="a", n=1, at=now)})
+    costs = {}
+    for name, (func, args) in cases.items():
+        func.__annotations__ = typing.get_type_hints(func, localns=locals())
+        schema = typed.schema(name, func)
+        assert schema is not None
+        stored = schema.encode(args)
+        call = schema.converter(func, is_async=False) or func
+        # The best of 5: the least disturbed by a busy machine.
+        encode_s = min(timeit.repeat(lambda: schema.encode(args), number=number // 5, repeat=5))  # noqa: B023
+        decode_s = min(timeit.repeat(lambda: call(**stored), number=number // 5, repeat=5))  # noqa: B023
+        costs[name] = (round(encode_s / (number // 5) * 1e6, 2), round(decode_s / (number // 5) * 1e6, 2))
+    return costs
 
 
 def _record(bench: str, dsn: str, **figures: Any) -> dict[str, Any]:
