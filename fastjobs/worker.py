@@ -151,14 +151,14 @@ class Control(threading.Thread):
             with contextlib.suppress(psycopg.Error):
                 conn.close()
 
-    def _counters(self) -> bytes | None:
+    def _counters(self) -> str | None:
         """The heartbeat's counters (stats.worker_counters); its rate is over the time since the last."""
         if self.slot is None:
             return None
         now, done = time.monotonic(), self.slot["completed"] + self.slot["failed"]
         last, self._last_count = self._last_count, (now, done)
         rate = (done - last[1]) / (now - last[0]) if last is not None and now > last[0] else 0.0
-        return orjson.dumps(worker_counters(self.slot, self.names, max(rate, 0.0)))
+        return orjson.dumps(worker_counters(self.slot, self.names, max(rate, 0.0))).decode()
 
     def _beat(self, conn: psycopg.Connection[Any]) -> None:
         with psycopg.RawCursor(conn) as cur:
