@@ -18,6 +18,7 @@ from typing import Any
 import psycopg
 
 from fastjobs import App, stats
+from fastjobs.abc import BUCKETS, OUTCOMES
 
 from . import procs
 from .procs import count, wait_for
@@ -117,9 +118,7 @@ def test_every_outcome_is_counted_per_queue_and_kind_with_its_run_time_and_picku
     found = wait_for(counted, "the outcomes to be counted")
     for kind, (outcomes, runs, claims) in EXPECTED.items():
         labels = f'queue="default",kind="{kind}"'
-        got = tuple(
-            int(found[f'fastjobs_job_outcomes_total{{{labels},outcome="{o}"}}']) for o in stats.OUTCOMES
-        )
+        got = tuple(int(found[f'fastjobs_job_outcomes_total{{{labels},outcome="{o}"}}']) for o in OUTCOMES)
         assert got == outcomes, kind
         assert found.get(f"fastjobs_job_run_seconds_count{{{labels}}}", 0) == runs, kind
         assert found.get(f'fastjobs_job_run_seconds_bucket{{{labels},le="+Inf"}}', 0) == runs, kind
@@ -129,7 +128,7 @@ def test_every_outcome_is_counted_per_queue_and_kind_with_its_run_time_and_picku
         buckets = [
             v for k, v in found.items() if k.startswith(f"fastjobs_job_pickup_seconds_bucket{{{labels},")
         ]
-        assert buckets == sorted(buckets) and len(buckets) == len(stats.BUCKETS) + 1
+        assert buckets == sorted(buckets) and len(buckets) == len(BUCKETS) + 1
         assert 0 <= found[f"fastjobs_job_pickup_seconds_sum{{{labels}}}"] < claims * 60
     assert "# TYPE fastjobs_job_run_seconds histogram" in scrape(port)
 
@@ -139,7 +138,7 @@ def test_every_outcome_is_counted_per_queue_and_kind_with_its_run_time_and_picku
     kinds = {k["kind"]: k for k in mine["kinds"]}
     assert set(kinds) == set(EXPECTED)
     for kind, (outcomes, runs, claims) in EXPECTED.items():
-        assert tuple(kinds[kind]["outcomes"][o] for o in stats.OUTCOMES) == outcomes, kind
+        assert tuple(kinds[kind]["outcomes"][o] for o in OUTCOMES) == outcomes, kind
         assert kinds[kind]["run_seconds"]["count"] == runs
         assert kinds[kind]["pickup_seconds"]["count"] == claims
         assert kinds[kind]["queue"] == "default"
