@@ -23,7 +23,7 @@ from .leader import DEFAULT_LEASE, LeaderConfig, RescuerConfig
 from .master import DEFAULT_WORKER_TIMEOUT, Master, parse_queues
 from .stats import HORIZON_WARNING
 from .types import JobState
-from .worker import WorkerConfig
+from .worker import WorkerConfig, host_id
 
 # By name: run as `python -m fastjobs.cli`, __name__ is "__main__", outside the "fastjobs" logger.
 logger = logging.getLogger("fastjobs.cli")
@@ -300,6 +300,7 @@ def load_app(target: str, dsn: str | None = None) -> App:
 
 def _run(args: argparse.Namespace) -> int:
     # The settings are checked before the application is imported.
+    host = host_id(args.host_id)
     worker = WorkerConfig(batch_max=args.batch_max, keep_completed=args.keep_completed, grace=args.grace)
     leader = LeaderConfig(
         lock_key=args.leader_key, rescuer=RescuerConfig.after(args.rescue_after), lease=args.leader_lease
@@ -316,7 +317,7 @@ def _run(args: argparse.Namespace) -> int:
         leader=leader,
         worker_timeout=args.worker_timeout,
         metrics=metrics,
-        host=args.host_id,
+        host=host,
     )
     code = master.run()
     logger.info("stopped")

@@ -234,3 +234,13 @@ def test_a_stats_file_of_another_format_is_skipped_naming_both_formats(tmp_path:
     found = stats.read_master(path)
     assert isinstance(found, stats.Skipped)
     assert found.reason == "written by another version of fastjobs (stats format 5; this one reads 6)"
+
+
+def test_a_host_id_a_worker_id_cannot_carry_is_refused_before_the_application_is_imported(dsn: str) -> None:
+    done = procs.cli(dsn, "run", "--host-id", "web:1", "no_such_module")
+    assert done.returncode == 1
+    assert (
+        "the host id must be at most 255 printable characters without spaces or ':', not 'web:1'"
+        in done.stderr
+    )
+    assert "no_such_module" not in done.stderr
