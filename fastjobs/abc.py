@@ -42,7 +42,7 @@ MARK_RUN_AT_MAX = 9_223_371_331_200_000_000 - 1_000_000
 OUTCOMES = ("completed", "retried", "discarded", "cancelled", "snoozed")
 COMPLETED, RETRIED, DISCARDED, CANCELLED, SNOOZED = range(len(OUTCOMES))
 # Upper bounds, in seconds, of both histograms' buckets: run time (the
-# handler's call) and pickup latency (claimed minus due, by the worker's clock
+# handler's call) and pickup latency (from due to its batch's start, by the worker's clock
 # against the row's run_at).
 BUCKETS = (
     0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,

@@ -953,7 +953,7 @@ def kind_metrics(kinds: list[KindCounts]) -> list[str]:
         )
     for name, help_text in (
         ("run", "time the handler took (jobs this worker ran itself, or timed by its executor)"),
-        ("pickup", "time from when a job was due to when a worker claimed it, by the worker's clock"),
+        ("pickup", "from when a job was due to when its worker started its batch, by the worker's clock"),
     ):
         family = f"fastjobs_job_{name}_seconds"
         lines.append(f"# HELP {family} {help_text}")
