@@ -20,8 +20,9 @@ import inspect
 
 import orjson
 
-from fastjobs import handlers, sql
-from fastjobs.abc import BATCH_SECONDS, FULL_CLAIM_DUTY, FULL_CLAIM_MAX_WAIT, MARK_RUN_AT_MAX, MARK_RUN_AT_MIN
+from fastjobs import handlers, sql, stats
+from fastjobs.abc import (BATCH_SECONDS, BUCKETS_NS, COMPLETED, FULL_CLAIM_DUTY, FULL_CLAIM_MAX_WAIT,
+                          MARK_RUN_AT_MAX, MARK_RUN_AT_MIN, PG_EPOCH_US, PICKUP_SUM, ROW, RUN_SUM)
 from fastjobs.args import dump_args as _dump_args_checked
 from fastjobs.errors import LoopError
 
@@ -93,6 +94,22 @@ cdef object _isolate = handlers.isolate
 cdef object _say_stale = handlers.say_stale
 cdef frozenset _OUTCOME_ERROR_CLASSES = handlers.OUTCOME_ERROR_CLASSES
 cdef int _PG_DIAG_SQLSTATE = ord("C")
+cdef object _outcome_column = stats.outcome_column
+cdef object _count_slow = stats.count_slow
+cdef object _kind_rows = stats.kind_rows
+cdef Py_ssize_t _COMPLETED = COMPLETED
+cdef Py_ssize_t _RUN_SUM = RUN_SUM
+cdef Py_ssize_t _PICKUP_SUM = PICKUP_SUM
+cdef Py_ssize_t _ROW = ROW
+cdef int64_t _PG_EPOCH_US = PG_EPOCH_US
+# The histograms' bucket bounds in ns (fastjobs.abc.BUCKETS), for a binary search per observation.
+cdef enum:
+    NBOUNDS = 24
+cdef int64_t _BOUNDS[NBOUNDS]
+if len(BUCKETS_NS) != NBOUNDS:
+    raise ImportError("fastjobs.abc.BUCKETS changed: rebuild _core with its length as NBOUNDS")
+for _i in range(NBOUNDS):
+    _BOUNDS[_i] = BUCKETS_NS[_i]
 
 
 cdef struct Buffer:
@@ -188,12 +205,41 @@ cdef extern from "<time.h>" nogil:
     int clock_gettime(int clock_id, timespec *tp)
     enum:
         CLOCK_MONOTONIC
+        CLOCK_REALTIME
 
 
 cdef inline double _monotonic() noexcept nogil:
     cdef timespec ts
     clock_gettime(CLOCK_MONOTONIC, &ts)
     return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
+# clock_gettime is served by the vDSO: no syscall (about 20 ns here).
+cdef inline int64_t _monotonic_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <int64_t>ts.tv_sec * 1000000000 + ts.tv_nsec
+
+
+cdef inline int64_t _realtime_us() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_REALTIME, &ts)
+    return <int64_t>ts.tv_sec * 1000000 + ts.tv_nsec // 1000
+
+
+cdef inline void _observe(long long *cells, int64_t ns) noexcept nogil:
+    """Add `ns` to the histogram whose sum is cells[0] (stats.observe): a binary search of the bounds."""
+    cdef int lo = 0, hi = NBOUNDS, mid
+    if ns < 0:
+        ns = 0
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if _BOUNDS[mid] < ns:
+            lo = mid + 1
+        else:
+            hi = mid
+    cells[0] += ns
+    cells[1 + lo] += 1
 
 
 cdef inline int64_t _int8(const char *p) noexcept nogil:
@@ -294,11 +340,19 @@ cdef class BatchLoop:
     cdef long long[::1] _running_view
     cdef long long *_running
     cdef bint _write_failed
+    # Counts per (queue, kind) in the slot (see the reference): the cached
+    # kind's row offset, the batch's queue's first row, a queue's span.
+    cdef long long[::1] _counts_view
+    cdef long long *_counts
+    cdef dict _kind_rows, _slow_rows
+    cdef object _counts_obj
+    cdef Py_ssize_t _other, _stride, _batch_base, _last_row
 
     def __cinit__(self):
         self._pgconn = NULL
         self._progress = NULL
         self._running = NULL
+        self._counts = NULL
         self._rows = NULL
         self._done = NULL
         self._sent_done = NULL
@@ -306,7 +360,7 @@ cdef class BatchLoop:
 
     def __init__(self, conn, dict specs, executor, str worker_id, list queues, bint keep_completed=False,
                  Py_ssize_t batch_min=1, Py_ssize_t batch_max=1000, bint overlap=True, progress=None,
-                 double full_claim_duty=FULL_CLAIM_DUTY, running=None):
+                 double full_claim_duty=FULL_CLAIM_DUTY, running=None, counts=None):
         self._conn = conn
         self._pgconn = <PGconn *><size_t>conn.pgconn.pgconn_ptr
         self._specs = {k.encode(): v for k, v in specs.items()}
@@ -354,6 +408,14 @@ cdef class BatchLoop:
             self._progress = &self._progress_view[0]
             self._running_view = running
             self._running = &self._running_view[0]
+        self._slow_rows, self._other = _kind_rows(specs)
+        self._kind_rows = {k.encode(): v for k, v in self._slow_rows.items()}
+        self._stride = self._other + _ROW
+        self._batch_base = self._last_row = 0
+        if counts is not None and len(counts):
+            self._counts_obj = counts
+            self._counts_view = counts
+            self._counts = &self._counts_view[0]
 
     def __dealloc__(self):
         if self._rows != NULL:
@@ -663,6 +725,7 @@ cdef class BatchLoop:
             if self._nrows == 0:
                 return 0
         self._executor.queue = self._queues[self._sent_index]  # the rows' queue, for the records of failures
+        self._batch_base = self._sent_index * self._stride
         # Take ownership of the claimed rows: _receive below fills self._rows anew.
         batch = self._rows
         n = self._nrows
@@ -718,6 +781,12 @@ cdef class BatchLoop:
         cdef list failures = self._failures
         cdef list slow = []
         cdef object context = self._context
+        # The batch's row of the cached kind, NULL when no counts are kept;
+        # the claim's time on run_at's clock (microseconds since 2000).
+        cdef long long *row = NULL
+        cdef int64_t claimed_us = 0, began = 0
+        if self._counts != NULL:
+            claimed_us = _realtime_us() - _PG_EPOCH_US
         for i in range(n):
             job_id = _int8(PQgetvalue(rows, i, 0))
             if self.stopping:
@@ -735,14 +804,19 @@ cdef class BatchLoop:
                     or memcmp(PyBytes_AS_STRING(self._last_kind), kind, kind_len) != 0):
                 self._last_kind = PyBytes_FromStringAndSize(kind, kind_len)
                 self._last_spec = self._specs.get(self._last_kind)
+                if self._counts != NULL:
+                    self._last_row = self._kind_rows.get(self._last_kind, self._other)
                 if self._last_spec is not None:
                     self._last_func = self._last_spec.target
                     self._last_kind_str = self._last_spec.kind
                     self._last_fast = not self._last_spec.is_async and self._last_spec.timeout is None
+            if self._counts != NULL:
+                row = self._counts + self._batch_base + self._last_row
+                _observe(row + _PICKUP_SUM, (claimed_us - _int8(PQgetvalue(rows, i, 6))) * 1000)
             spec = self._last_spec
             if spec is None:
-                failures.append(_unknown_kind(job_id, PyUnicode_DecodeUTF8(kind, kind_len, "replace"),
-                                              attempt, max_attempts))
+                failures.append(self._tally(row, _unknown_kind(
+                    job_id, PyUnicode_DecodeUTF8(kind, kind_len, "replace"), attempt, max_attempts)))
                 continue
             # jsonb's binary format: a version byte, then the JSON text.
             raw = PQgetvalue(rows, i, 2)
@@ -750,32 +824,40 @@ cdef class BatchLoop:
             try:
                 args = _loads(PyBytes_FromStringAndSize(raw + 1, raw_len - 1))
             except _JSONDecodeError as exc:
-                failures.append(_discard(job_id, attempt, f"args do not decode: {exc}"))
+                failures.append(self._tally(row, _discard(job_id, attempt, f"args do not decode: {exc}")))
                 continue
             if type(args) is not dict:
-                failures.append(_discard(job_id, attempt,
-                                         f"args must be a JSON object, not {type(args).__name__}"))
+                failures.append(self._tally(row, _discard(
+                    job_id, attempt, f"args must be a JSON object, not {type(args).__name__}")))
                 continue
             if not self._last_fast:
                 slow.append((spec, job_id, args, attempt, max_attempts))
                 continue
             if self._cancelled and job_id in self._cancelled:
                 self._cancelled.discard(job_id)
-                failures.append(_cancelled(job_id, attempt))
+                failures.append(self._tally(row, _cancelled(job_id, attempt)))
                 continue
             context.id = job_id
             context.kind = self._last_kind_str
             context.attempt = attempt
             context.cancelled = False
+            if row != NULL:
+                began = _monotonic_ns()
             try:
                 # The dict is ours (fresh from orjson): pass it as the kwargs
                 # as is, where func(**args) would copy it.
                 result = PyObject_Call(self._last_func, _NO_ARGS, args)
             except Exception as exc:
-                failures.append(self._executor.raised(spec, job_id, attempt, max_attempts, exc))
+                if row != NULL:
+                    _observe(row + _RUN_SUM, _monotonic_ns() - began)
+                failures.append(self._tally(
+                    row, self._executor.raised(spec, job_id, attempt, max_attempts, exc)))
                 continue
             except BaseException as exc:
-                failures.append(self._executor.raised(spec, job_id, attempt, max_attempts, exc))
+                if row != NULL:
+                    _observe(row + _RUN_SUM, _monotonic_ns() - began)
+                failures.append(self._tally(
+                    row, self._executor.raised(spec, job_id, attempt, max_attempts, exc)))
                 for j in range(i + 1, n):
                     failures.append(_release(_int8(PQgetvalue(rows, j, 0)), _int2(PQgetvalue(rows, j, 3))))
                 for job in slow:
@@ -783,18 +865,24 @@ cdef class BatchLoop:
                 self.stopping = True
                 self.finish()
                 raise
+            if row != NULL:
+                _observe(row + _RUN_SUM, _monotonic_ns() - began)
             if not context.cancelled and (result is None or not _iscoroutine(result)):
                 # This loop's only shortcut (handlers.Executor.returned is the
                 # rule): a plain return, not cancelled, completes the job inline,
                 # so a successful job costs no Python call beyond its handler.
                 context.id = 0
+                if row != NULL:
+                    row[_COMPLETED] += 1
                 self._add_done(job_id, attempt)
                 continue
             outcome = self._executor.returned(spec, job_id, attempt, max_attempts, result)
             if outcome is None:
+                if row != NULL:
+                    row[_COMPLETED] += 1
                 self._add_done(job_id, attempt)
             else:
-                failures.append(outcome)
+                failures.append(self._tally(row, outcome))
         # No fast job runs from here on: see the reference.
         if self._running != NULL:
             self._running[0] = 0
@@ -812,9 +900,23 @@ cdef class BatchLoop:
             self._attempts_of(slow, done, failures, first)
         return 0
 
+    cdef object _tally(self, long long *row, object outcome):
+        """Count `outcome` in the (queue, kind) row `row` (NULL: no counts kept); the outcome."""
+        cdef Py_ssize_t column
+        if row != NULL:
+            column = _outcome_column(outcome)
+            if column >= 0:
+                row[column] += 1
+        return outcome
+
     cdef int _attempts_of(self, list slow, list done, list failures, Py_ssize_t first) except -1:
         """Take the executor's completions with their attempts, and fill in those its releases lack."""
-        cdef dict attempts = {job[1]: job[3] for job in slow}
+        cdef dict attempts
+        if self._counts != NULL:
+            running = self._executor.running
+            _count_slow(self._counts_obj, self._batch_base, self._slow_rows, self._other, slow, done,
+                        failures[first:], running.took if running is not None else {})
+        attempts = {job[1]: job[3] for job in slow}
         for job_id in done:
             self._add_done(job_id, attempts[job_id])
         for outcome in failures[first:]:

@@ -11,8 +11,19 @@ import orjson
 import psycopg
 from psycopg import pq
 
-from . import handlers, sql
-from .abc import BATCH_SECONDS, FULL_CLAIM_DUTY, FULL_CLAIM_MAX_WAIT, MARK_RUN_AT_MAX, MARK_RUN_AT_MIN
+from . import handlers, sql, stats
+from .abc import (
+    BATCH_SECONDS,
+    COMPLETED,
+    FULL_CLAIM_DUTY,
+    FULL_CLAIM_MAX_WAIT,
+    MARK_RUN_AT_MAX,
+    MARK_RUN_AT_MIN,
+    PG_EPOCH_US,
+    PICKUP_SUM,
+    ROW,
+    RUN_SUM,
+)
 from .args import dump_args as dump_args
 from .errors import LoopError
 from .handlers import Executor, Outcome
@@ -51,6 +62,11 @@ def encode_copy_rows(
         if count == limit:
             break
     return b"".join(parts), count
+
+
+# A claimed job: id, kind, args (binary jsonb), attempt, max_attempts, run_at
+# (binary timestamptz: microseconds since 2000).
+Row = tuple[int, str, bytes, int, int, int]
 
 
 def _int(value: bytes) -> int:
@@ -95,6 +111,7 @@ class BatchLoop:
         progress: memoryview | None = None,
         full_claim_duty: float = FULL_CLAIM_DUTY,
         running: memoryview | None = None,
+        counts: memoryview | None = None,
     ) -> None:
         self._pgconn = conn.pgconn
         # Shared memory written per job started (plain stores): a float
@@ -107,6 +124,13 @@ class BatchLoop:
             raise ValueError("progress and running are the one slot's: pass both or neither")
         self._progress: Any = progress
         self._running: Any = running
+        # Counts per (queue, kind) (fastjobs.abc.ROW), plain stores per job:
+        # its outcome, its handler's run time, its pickup latency. A queue's
+        # rows start at its index times _stride; _batch_base is the batch's.
+        self._counts: Any = counts
+        self._kind_rows, self._other = stats.kind_rows(specs)
+        self._stride = self._other + ROW
+        self._batch_base = 0
         # Once a statement failed, its record stays: the worker dies of it,
         # though `finish` may still write other outcomes first.
         self._write_failed = False
@@ -142,7 +166,7 @@ class BatchLoop:
         self._full = False
         self._cap = batch_max
         self.stale = 0  # outcomes dropped because their job no longer ran that attempt here
-        self._rows: list[tuple[int, str, bytes, int, int]] = []
+        self._rows: list[Row] = []
         # Jobs completed at their first attempt (by id), and every other outcome.
         self._done: list[int] = []
         self._failures: list[Outcome] = []
@@ -260,8 +284,8 @@ class BatchLoop:
             raise LoopError(error)
         return error
 
-    def _receive(self) -> list[tuple[int, str, bytes, int, int]]:
-        rows: list[tuple[int, str, bytes, int, int]] = []
+    def _receive(self) -> list[Row]:
+        rows: list[Row] = []
         res, error, isolatable = self._results()
         if error is not None:
             done, failures = self._sent_outcomes
@@ -285,6 +309,7 @@ class BatchLoop:
                     res.get_value(i, 2),
                     _int(res.get_value(i, 3)),
                     _int(res.get_value(i, 4)),
+                    _int(res.get_value(i, 6)),
                 )
             )
         self.claimed += n
@@ -319,7 +344,7 @@ class BatchLoop:
             # (step() resets this; the soonest over the queues tried wins).
             self.recheck = min(self.recheck, max(0.0, self._next_full[index] - now))
 
-    def _claim(self) -> list[tuple[int, str, bytes, int, int]]:
+    def _claim(self) -> list[Row]:
         """Claim synchronously, trying each queue once before giving up.
 
         The claim shares its statement's snapshot with the outcomes it writes,
@@ -342,6 +367,7 @@ class BatchLoop:
         if not rows:
             return 0
         self._executor.queue = self._queues[self._sent[0]]  # the rows' queue, for the records of failures
+        self._batch_base = self._sent[0] * self._stride
         # Claim ahead only from a deep queue (the last claim came back full):
         # on a shallow one it would mostly return nothing, one more round trip
         # per wake-up.
@@ -377,59 +403,87 @@ class BatchLoop:
             self._send(0)
             self._receive()
 
-    def _run(self, rows: list[tuple[int, str, bytes, int, int]]) -> None:
+    def _tally(self, row: int, outcome: Outcome) -> Outcome:
+        """Count `outcome` in the (queue, kind) row at `row` (-1: no counts kept)."""
+        if row >= 0:
+            column = stats.outcome_column(outcome)
+            if column >= 0:
+                self._counts[row + column] += 1
+        return outcome
+
+    def _run(self, rows: list[Row]) -> None:
         done = self._done
         failures = self._failures
         specs = self._specs
         executor = self._executor
         context = executor.context
         slow: list[handlers.SlowJob] = []
-        for index, (job_id, kind, raw, attempt, max_attempts) in enumerate(rows):
+        counts = self._counts
+        at = -1
+        if counts is not None:
+            base, kind_rows, other = self._batch_base, self._kind_rows, self._other
+            claimed_us = time.time_ns() // 1000 - PG_EPOCH_US  # run_at's clock: microseconds since 2000
+        for index, (job_id, kind, raw, attempt, max_attempts, run_at) in enumerate(rows):
             if self.stopping:
                 failures.extend(handlers.release(row[0], row[3]) for row in rows[index:])
                 break
             if self._running is not None:
                 self._progress[0] += 1
                 self._running[0] = job_id
+            if counts is not None:
+                at = base + kind_rows.get(kind, other)
+                stats.observe(counts, at + PICKUP_SUM, (claimed_us - run_at) * 1000)
             spec = specs.get(kind)
             if spec is None:
-                failures.append(handlers.unknown_kind(job_id, kind, attempt, max_attempts))
+                failures.append(self._tally(at, handlers.unknown_kind(job_id, kind, attempt, max_attempts)))
                 continue
             try:
                 args = orjson.loads(raw[1:])
             except orjson.JSONDecodeError as exc:
-                failures.append(handlers.discard(job_id, attempt, f"args do not decode: {exc}"))
+                failures.append(
+                    self._tally(at, handlers.discard(job_id, attempt, f"args do not decode: {exc}"))
+                )
                 continue
             if type(args) is not dict:
                 reason = f"args must be a JSON object, not {type(args).__name__}"
-                failures.append(handlers.discard(job_id, attempt, reason))
+                failures.append(self._tally(at, handlers.discard(job_id, attempt, reason)))
                 continue
             if spec.is_async or spec.timeout is not None:
                 slow.append((spec, job_id, args, attempt, max_attempts))
                 continue
             if executor.cancelled and job_id in executor.cancelled:
                 executor.cancelled.discard(job_id)
-                failures.append(handlers.cancelled(job_id, attempt))
+                failures.append(self._tally(at, handlers.cancelled(job_id, attempt)))
                 continue
             context.id, context.kind, context.attempt, context.cancelled = job_id, kind, attempt, False
+            began = time.perf_counter_ns() if at >= 0 else 0
             try:
                 result = spec.target(**args)
             except Exception as exc:
-                failures.append(executor.raised(spec, job_id, attempt, max_attempts, exc))
+                if at >= 0:
+                    stats.observe(counts, at + RUN_SUM, time.perf_counter_ns() - began)
+                failures.append(self._tally(at, executor.raised(spec, job_id, attempt, max_attempts, exc)))
                 continue
             except BaseException as exc:
                 # SystemExit, KeyboardInterrupt: record this job, give the rest
                 # back, write it all, then let the exception stop the worker.
-                failures.append(executor.raised(spec, job_id, attempt, max_attempts, exc))
+                if at >= 0:
+                    stats.observe(counts, at + RUN_SUM, time.perf_counter_ns() - began)
+                failures.append(self._tally(at, executor.raised(spec, job_id, attempt, max_attempts, exc)))
                 failures.extend(handlers.release(row[0], row[3]) for row in rows[index + 1 :])
                 failures.extend(handlers.release(job[1], job[3]) for job in slow)
                 self.stopping = True
                 self.finish()
                 raise
+            if at >= 0:
+                stats.observe(counts, at + RUN_SUM, time.perf_counter_ns() - began)
             outcome = executor.returned(spec, job_id, attempt, max_attempts, result)
             if outcome is not None:
-                failures.append(outcome)
-            elif attempt == 1:
+                failures.append(self._tally(at, outcome))
+                continue
+            if at >= 0:
+                counts[at + COMPLETED] += 1
+            if attempt == 1:
                 done.append(job_id)
             else:
                 failures.append(handlers.completed(job_id, attempt))
@@ -454,6 +508,18 @@ class BatchLoop:
         self, slow: list[handlers.SlowJob], slow_done: list[int], failures: list[Outcome], first: int
     ) -> None:
         """Take the executor's completions with their attempts, and fill in those its releases lack."""
+        if self._counts is not None:
+            took = self._executor.running.took if self._executor.running is not None else {}
+            stats.count_slow(
+                self._counts,
+                self._batch_base,
+                self._kind_rows,
+                self._other,
+                slow,
+                slow_done,
+                failures[first:],
+                took,
+            )
         attempts = {job[1]: job[3] for job in slow}
         for outcome in failures[first:]:
             if not outcome["attempt"]:

@@ -34,6 +34,31 @@ FULL_CLAIM_MAX_WAIT = 10.0
 MARK_RUN_AT_MIN = -211_813_488_000_000_000 + 1_000_000
 MARK_RUN_AT_MAX = 9_223_371_331_200_000_000 - 1_000_000
 
+# A worker's counts per (queue, kind), in its stats slot: one row of int64
+# cells per queue it serves times (its kinds + one for every other kind),
+# written by the hot loop with plain stores (see stats.KindTable). A row: the
+# outcome counters, then two histograms of nanoseconds, each a sum and
+# len(BUCKETS) + 1 bucket counts (not cumulative; the last one is +Inf).
+OUTCOMES = ("completed", "retried", "discarded", "cancelled", "snoozed")
+COMPLETED, RETRIED, DISCARDED, CANCELLED, SNOOZED = range(len(OUTCOMES))
+# Upper bounds, in seconds, of both histograms' buckets: run time (the
+# handler's call) and pickup latency (from due to its batch's start, by the worker's clock
+# against the row's run_at).
+BUCKETS = (
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 3600.0,
+)  # fmt: skip
+BUCKETS_NS = tuple(round(b * 1e9) for b in BUCKETS)
+RUN_SUM = len(OUTCOMES)
+RUN = RUN_SUM + 1
+PICKUP_SUM = RUN + len(BUCKETS) + 1
+PICKUP = PICKUP_SUM + 1
+ROW = PICKUP + len(BUCKETS) + 1
+# The row of kinds beyond MAX_KINDS, and of kinds with no handler, is the last of each queue's.
+MAX_KINDS = 255
+# Microseconds from the Unix epoch to PostgreSQL's (2000-01-01), for run_at.
+PG_EPOCH_US = 946_684_800_000_000
+
 
 class BatchLoop(Protocol):
     """One worker's hot loop: claims, runs and completes batches on one connection.
@@ -84,6 +109,7 @@ class NewBatchLoop(Protocol):
         progress: memoryview | None = ...,  # the slot's float64 [0]: counts the jobs started
         full_claim_duty: float = ...,
         running: memoryview | None = ...,  # the slot's int64 [0:3]: the job running, the outcomes written
+        counts: memoryview | None = ...,  # the slot's int64 rows per (queue, kind): see ROW
     ) -> BatchLoop: ...
 
 

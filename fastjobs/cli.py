@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from . import control, database, logs, schema, sql, stats
+from .abc import OUTCOMES
 from .app import App
 from .errors import ConfigurationError, FastjobsError
 from .impl import FALLBACK, IMPLEMENTATION
@@ -22,7 +23,7 @@ from .leader import DEFAULT_LEASE, LeaderConfig, RescuerConfig
 from .master import DEFAULT_WORKER_TIMEOUT, Master, parse_queues
 from .stats import HORIZON_WARNING
 from .types import JobState
-from .worker import WorkerConfig
+from .worker import WorkerConfig, host_id
 
 # By name: run as `python -m fastjobs.cli`, __name__ is "__main__", outside the "fastjobs" logger.
 logger = logging.getLogger("fastjobs.cli")
@@ -138,6 +139,11 @@ def _parser() -> argparse.ArgumentParser:
         " before another takes over (default %(default)g, at least 3)",
     )
     run.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
+    run.add_argument(
+        "--host-id",
+        help="this host's name in worker ids and the cluster view of `fastjobs stats`"
+        " (default: $FASTJOBS_HOST_ID, else the host name)",
+    )
     run.add_argument(
         "--batch-max",
         type=_positive_int,
@@ -298,6 +304,7 @@ def load_app(target: str, dsn: str | None = None) -> App:
 
 def _run(args: argparse.Namespace) -> int:
     # The settings are checked before the application is imported.
+    host = host_id(args.host_id)
     worker = WorkerConfig(batch_max=args.batch_max, keep_completed=args.keep_completed, grace=args.grace)
     leader = LeaderConfig(
         lock_key=args.leader_key, rescuer=RescuerConfig.after(args.rescue_after), lease=args.leader_lease
@@ -314,6 +321,7 @@ def _run(args: argparse.Namespace) -> int:
         leader=leader,
         worker_timeout=args.worker_timeout,
         metrics=metrics,
+        host=host,
     )
     code = master.run()
     logger.info("stopped")
@@ -392,13 +400,20 @@ def _stats(args: argparse.Namespace) -> int:
         depths = stats.queue_depths(conn)
         health = stats.health(conn)
         identity = stats.database_identity(conn, dsn)
+        hosts = stats.cluster(conn)
     warnings = health.warnings(args.horizon_warning)
     found, skipped = stats.live_masters(None if args.all_masters else identity)
     for skip in skipped:
         removed = " (removed)" if skip.stale and skip.ours else ""
         logger.warning("skipped %s: %s%s", skip.path, skip.reason, removed)
     masters: list[dict[str, Any]] = [
-        {"master_pid": m.master_pid, "database": m.database, "file": str(m.path), "processes": m.processes}
+        {
+            "master_pid": m.master_pid,
+            "database": m.database,
+            "file": str(m.path),
+            "processes": m.processes,
+            "kinds": [dataclasses.asdict(k) for k in m.kinds],
+        }
         for m in found
     ]
     if args.json:
@@ -407,6 +422,7 @@ def _stats(args: argparse.Namespace) -> int:
             "masters": masters,
             "health": dataclasses.asdict(health),
             "warnings": warnings,
+            "cluster": [dataclasses.asdict(h) for h in hosts],
         }
         _echo(json.dumps(doc, indent=2))
         return 0
@@ -431,10 +447,58 @@ def _stats(args: argparse.Namespace) -> int:
                 f"{int(p['retried']):>9,}{int(p['discarded']):>10,}{now - p['heartbeat']:>7.1f}s"
                 f"  {_listener(p, now)}"
             )
+        _print_kinds(m["kinds"])
+    _print_cluster(hosts)
     _print_health(health, now)
     for line in warnings:
         _echo(f"\n{line}")
     return 0
+
+
+def _print_kinds(kinds: list[dict[str, Any]]) -> None:
+    """A master's counts per (queue, kind), with the mean run time and pickup latency."""
+    if not kinds:
+        return
+    _echo(
+        f"{'queue':<16} {'kind':<24}" + "".join(f"{o:>11}" for o in OUTCOMES) + f"{'run':>10}{'pickup':>10}"
+    )
+    for k in kinds:
+        means = [
+            f"{_seconds(h['sum'] / h['count']) if h['count'] else '-':>10}"
+            for h in (k["run_seconds"], k["pickup_seconds"])
+        ]
+        _echo(
+            f"{_safe(k['queue']):<16} {_safe(k['kind']):<24}"
+            + "".join(f"{k['outcomes'][o]:>11,}" for o in OUTCOMES)
+            + "".join(means)
+        )
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1000:.2f}ms" if value < 1 else f"{value:.1f}s"
+
+
+def _print_cluster(hosts: list[stats.ClusterHost]) -> None:
+    """Every host's workers against this database, from their heartbeats (stale ones flagged)."""
+    _echo(f"\ncluster: {len(hosts)} host(s) with workers registered in this database")
+    if not hosts:
+        return
+    _echo(
+        f"{'host':<24} {'workers':>7} {'stale':>6} {'jobs/s':>10} {'completed':>12} {'failed':>9}"
+        f" {'beat':>8}  queues"
+    )
+    for h in hosts:
+        _echo(
+            f"{_safe(h.host):<24} {len(h.workers):>7} {h.stale:>6} {h.rate:>10,.0f}"
+            f" {h.totals['completed']:>12,} {h.totals['failed']:>9,} {h.heartbeat_age:>7.1f}s"
+            f"  {_safe(','.join(h.queues))}"
+        )
+        for w in h.workers:
+            flag = "  STALE" if w.stale else ""
+            _echo(
+                f"  {_safe(w.id):<40} pid {w.pid:<8} {w.rate:>8,.0f} jobs/s  beat {w.heartbeat_age:.1f}s"
+                f"  [{_safe(','.join(w.queues))}]{flag}"
+            )
 
 
 def _listener(p: dict[str, float], now: float) -> str:

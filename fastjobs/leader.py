@@ -432,6 +432,7 @@ class Leader:
                         conn = None
                 if self.slot is not None:
                     self.slot.beat()
+                    self.slot["leading"] = 1.0 if self._leading_within_lease() else 0.0
                 wait = self._next_due() if self.leading else self.config.retry_interval
                 # At most a second between beats, whatever the intervals: the
                 # master's watchdog reads them.

@@ -17,7 +17,6 @@ import os
 import secrets
 import select
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -31,9 +30,9 @@ from .impl import IMPLEMENTATION
 from .leader import Leader, LeaderConfig
 from .logs import job_fields
 from .metrics import MetricsProcess
-from .stats import LEADER, WORKER, Slot, Slots, database_identity
+from .stats import LEADER, WORKER, Labels, Slot, Slots, database_identity
 from .types import DEFAULT_QUEUE
-from .worker import Supervision, Worker, WorkerConfig, make_worker_id
+from .worker import Supervision, Worker, WorkerConfig, host_id, make_worker_id
 
 # Exit codes of a child. BOOT_ERROR means "could not start, do not restart":
 # the whole master stops with it rather than restart-looping.
@@ -150,6 +149,7 @@ class Master:
         leader: LeaderConfig | None = None,
         worker_timeout: float | None = None,
         metrics: tuple[str, int] | None = None,
+        host: str | None = None,
     ) -> None:
         if processes < 1:
             raise ConfigurationError("--processes must be at least 1")
@@ -170,7 +170,7 @@ class Master:
         self.stopping = False
         self.deadline = 0.0
         self.exit_code = EXIT_OK
-        self.host = socket.gethostname()
+        self.host = host_id(host)  # the host's name in worker ids and the cluster view
         self.releasers: dict[int, str] = {}  # pid -> the dead worker's name
         self._stop_at = 0.0
         self._signals: list[int] = []
@@ -191,7 +191,9 @@ class Master:
             return EXIT_BOOT_ERROR
         # Each slot can record as many running slow jobs as a worker's concurrency.
         capacity = max((sum(share.values()) for share in self.plan), default=1)
-        self.slots = Slots.create(len(self.children), identity, capacity)
+        # The names of each worker's rows of counts per (queue, kind): its queues in the order it serves them.
+        labels = Labels(list(self.app.jobs), [sorted(share) for share in self.plan] + [[]])
+        self.slots = Slots.create(len(self.children), identity, capacity, labels)
         try:
             self._install_signals()
             self._print_plan()
@@ -551,7 +553,9 @@ class Master:
             # The leader promotes due jobs; the share of the plan bounds the async jobs in flight.
             config=replace(self.worker_config, concurrency=max(1, sum(share.values())), schedule=False),
             worker_id=worker_id,
-            supervision=Supervision(parent=self.pid, slot=slot, title=title, careful=child.careful),
+            supervision=Supervision(
+                parent=self.pid, slot=slot, title=title, careful=child.careful, host=self.host
+            ),
         )
         worker.install_signals()
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)

@@ -11,7 +11,9 @@ beyond the bound closes the oldest one still silent. The database's part
 (queue depths, MVCC health) is read on one connection, kept open, whose
 statements give up after LOCK_TIMEOUT and STATEMENT_TIMEOUT: a scrape then
 answers with the shared-memory counters and says the rest is missing
-(`fastjobs_scrape_database_ok 0`).
+(`fastjobs_scrape_database_ok 0`). While its master's leader leads the
+cluster, a scrape also reads the workers' heartbeats of every host (the
+fastjobs_cluster_* series): one master's endpoint shows the whole cluster.
 
 The master forks it before any worker and waits until it listens (a port it
 cannot bind stops the master), restarts it when it dies, and kills it after
@@ -40,7 +42,7 @@ import psycopg
 
 from . import database, sql
 from .errors import FastjobsError
-from .stats import Health, QueueDepth, Slots, health, prometheus, queue_depths
+from .stats import LEADER, ClusterHost, Health, QueueDepth, Slots, cluster, health, prometheus, queue_depths
 
 logger = logging.getLogger(__name__)
 
@@ -208,14 +210,14 @@ class DatabaseReader:
         self.dsn = dsn
         self.conn: psycopg.Connection[Any] | None = None
         self.read_at = -FRESH
-        self.last: tuple[list[QueueDepth], Health] | None = None
+        self.last: tuple[list[QueueDepth], Health, list[ClusterHost] | None] | None = None
         self.failed_at = -RETRY_AFTER
         self.failure = ""
 
-    def read(self) -> tuple[list[QueueDepth], Health] | str:
-        """Queue depths and MVCC health, or why they are missing."""
+    def read(self, hosts: bool = False) -> tuple[list[QueueDepth], Health, list[ClusterHost] | None] | str:
+        """Queue depths, MVCC health and (with `hosts`) the cluster's hosts, or why they are missing."""
         now = time.monotonic()
-        if self.last is not None and now - self.read_at < FRESH:
+        if self.last is not None and now - self.read_at < FRESH and (self.last[2] is not None) == hosts:
             return self.last
         if now - self.failed_at < RETRY_AFTER:
             return self.failure
@@ -223,7 +225,7 @@ class DatabaseReader:
         try:
             if self.conn is None:
                 self.conn = self._connect()
-            result = queue_depths(self.conn), health(self.conn)
+            result = queue_depths(self.conn), health(self.conn), cluster(self.conn) if hosts else None
         except (FastjobsError, psycopg.Error) as exc:
             slow = isinstance(exc, psycopg.errors.QueryCanceled | psycopg.errors.LockNotAvailable)
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -263,7 +265,8 @@ class DatabaseReader:
 
 def scrape(slots: Slots, reader: DatabaseReader) -> bytes:
     """One scrape's body: the counters always; the database's part when it answers in time."""
-    found = reader.read()
+    leading = any(slot["role"] == LEADER and slot["leading"] for slot in slots)
+    found = reader.read(hosts=leading)
     if isinstance(found, str):
         note = f"# queue depths and MVCC health unavailable: {found}\n"
         text = note + prometheus(slots, None, None)

@@ -588,11 +588,22 @@ worker_register: Final = """
 INSERT INTO fastjobs_workers (id, host, pid, queues) VALUES ($1, $2, $3, $4::text[])
 ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), queues = excluded.queues"""
 
-# worker_heartbeat: one write per interval, never one per job; a row the
-# cleaner pruned (the control connection was down for an hour) comes back.
+# worker_heartbeat: one write per interval, never one per job, carrying the
+# worker's counters ($5, see stats.worker_counters) for the cluster view; a
+# row the cleaner pruned (the control connection was down for an hour) comes back.
 worker_heartbeat: Final = """
-INSERT INTO fastjobs_workers (id, host, pid, queues) VALUES ($1, $2, $3, $4::text[])
-ON CONFLICT (id) DO UPDATE SET heartbeat_at = now()"""
+INSERT INTO fastjobs_workers (id, host, pid, queues, counters) VALUES ($1, $2, $3, $4::text[], $5::jsonb)
+ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), counters = excluded.counters"""
+
+# worker_list: every registered worker for the cluster view, with its age and
+# its heartbeat's by the database's clock (hosts' clocks may disagree).
+worker_list: Final = """
+SELECT id, host, pid, queues,
+       extract(epoch FROM now() - started_at)::float8,
+       extract(epoch FROM now() - heartbeat_at)::float8,
+       counters
+  FROM fastjobs_workers
+ ORDER BY host, started_at, id"""
 
 # worker_delete: a worker that stops cleanly removes its row.
 worker_delete: Final = "DELETE FROM fastjobs_workers WHERE id = $1"
@@ -922,6 +933,7 @@ STATEMENTS: Final[Mapping[str, str]] = MappingProxyType(
         "worker_session": worker_session,
         "worker_register": worker_register,
         "worker_heartbeat": worker_heartbeat,
+        "worker_list": worker_list,
         "worker_delete": worker_delete,
         "job_rescue_many": job_rescue_many,
         "releaser_session": releaser_session,

@@ -16,13 +16,17 @@ it lives through.
 
 A slot is float64 counters, then int64 fields that say which jobs a worker
 holds in what stage: the master reads them after the worker died to give
-back exactly what never started (see `Slot.crash_report`).
+back exactly what never started (see `Slot.crash_report`), then the
+worker's counts per (queue, kind) (fastjobs.abc.ROW: outcomes, run-time and
+pickup-latency histograms), bumped by the hot loop per job. After the slots,
+the names of those rows: the kinds, and each slot's queues (JSON).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import mmap
 import os
 import secrets
@@ -30,22 +34,40 @@ import stat
 import struct
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psycopg
 
 from . import database, sql
-from .abc import BatchLoop
+from .abc import (
+    BUCKETS,
+    BUCKETS_NS,
+    CANCELLED,
+    COMPLETED,
+    DISCARDED,
+    MAX_KINDS,
+    OUTCOMES,
+    PICKUP_SUM,
+    RETRIED,
+    ROW,
+    RUN_SUM,
+    SNOOZED,
+    BatchLoop,
+)
 
 MAGIC = 0x66_6A_73_74  # "fjst"
-VERSION = 5
-# magic, version, slots, master pid, started, slow-job capacity per slot, spare, token,
-# database identity (sql.database_identity)
+VERSION = 6
+# magic, version, slots, master pid, started, slow-job capacity per slot, rows of
+# (queue, kind) counts per slot, token, database identity (sql.database_identity)
 HEADER = struct.Struct("<IIIIdII16s128s")
+_LABELS = struct.Struct("<I")  # after the slots: the length of the labels' JSON
 MAX_SLOTS = 4096  # a bigger file is not one of ours
+MAX_ROWS = 65_536
+MAX_LABELS = 16 << 20
 FIELDS = (
     "pid",
     "role",  # 0 empty, 1 worker, 2 leader
@@ -63,6 +85,7 @@ FIELDS = (
     "listening",  # 1 while the worker's LISTEN connection is up
     "listener_ok",  # time.time() of its last connect or ping round trip that worked
     "listener_reconnects",
+    "leading",  # the leader: 1 while it holds the cluster's lock (its metrics then show the cluster)
 )
 SLOT = len(FIELDS)
 F = {name: i for i, name in enumerate(FIELDS)}
@@ -90,9 +113,10 @@ WORKER, LEADER = 1, 2
 class Slot:
     """One process's counters (a window of float64) and its jobs in hand (int64) in the shared mapping."""
 
-    def __init__(self, view: Any, ints: Any) -> None:
+    def __init__(self, view: Any, ints: Any, counts: Any = None) -> None:
         self.view = view  # memoryview of float64
         self.ints = ints  # memoryview of int64: INT_FIELDS, then the slow jobs running
+        self.counts = counts  # memoryview of int64: the rows per (queue, kind), fastjobs.abc.ROW each
 
     def __getitem__(self, name: str) -> float:
         return float(self.view[F[name]])
@@ -106,6 +130,8 @@ class Slot:
             self.view[i] = 0.0
         for i in range(len(self.ints)):
             self.ints[i] = 0
+        if self.counts is not None and len(self.counts):
+            self.counts.cast("B")[:] = bytes(len(self.counts) * 8)
         self.view[F["pid"]] = os.getpid()
         self.view[F["role"]] = role
         self.view[F["index"]] = index
@@ -133,6 +159,10 @@ class Slot:
     def slow_jobs(self) -> SlowJobs:
         """Where the worker's executor records the slow jobs whose handlers run."""
         return SlowJobs(self.ints)
+
+    def counts_view(self) -> Any:
+        """The int64 rows per (queue, kind) the hot loop bumps per job (None in a file without them)."""
+        return self.counts if self.counts is not None and len(self.counts) else None
 
     def crash_report(self) -> tuple[list[int] | None, int]:
         """After the worker died: (the jobs it was running, or None if the slot could not record them
@@ -178,8 +208,13 @@ class SlowJobs:
         self._free = list(range(len(ints) - 1, base - 1, -1))
         self._at: dict[int, int] = {}
         self._over: set[int] = set()
+        # Each slow job's run time in ns (from add to discard), which the hot
+        # loop takes for its run-time histogram (count_slow).
+        self._began: dict[int, int] = {}
+        self.took: dict[int, int] = {}
 
     def add(self, job_id: int) -> None:
+        self._began[job_id] = time.perf_counter_ns()
         if self._free:
             index = self._free.pop()
             self._at[job_id] = index
@@ -189,6 +224,9 @@ class SlowJobs:
             self._ints[_OVERFLOW] = len(self._over)
 
     def discard(self, job_id: int) -> None:
+        began = self._began.pop(job_id, None)
+        if began is not None:
+            self.took[job_id] = time.perf_counter_ns() - began
         index = self._at.pop(job_id, None)
         if index is not None:
             self._ints[index] = 0
@@ -196,6 +234,62 @@ class SlowJobs:
         elif job_id in self._over:
             self._over.discard(job_id)
             self._ints[_OVERFLOW] = len(self._over)
+
+
+def kind_rows(kinds: Iterable[str]) -> tuple[dict[str, int], int]:
+    """The hot loop's map of kind to its row's offset within a queue's rows (int64 cells), and the
+    offset of the row of every other kind; the queue's rows span (other + ROW) cells."""
+    rows = {kind: i * ROW for i, kind in enumerate(kinds) if i < MAX_KINDS}
+    return rows, len(rows) * ROW
+
+
+def outcome_column(outcome: dict[str, Any]) -> int:
+    """The counter of a (queue, kind) row an outcome record adds one to; -1 for a job given back
+    unstarted (a release: no delay, its attempt given back)."""
+    if outcome["uncount"]:
+        return SNOOZED if outcome["delay"] is not None else -1
+    state = outcome["state"]
+    if state == "completed":
+        return COMPLETED
+    if state == "cancelled":
+        return CANCELLED
+    if state == "discarded":
+        return DISCARDED
+    return RETRIED
+
+
+def observe(counts: Any, at: int, ns: int) -> None:
+    """Add `ns` nanoseconds to the histogram whose sum is counts[at] (its buckets follow)."""
+    if ns < 0:
+        ns = 0
+    counts[at] += ns
+    counts[at + 1 + bisect_left(BUCKETS_NS, ns)] += 1
+
+
+def count_slow(
+    counts: Any,
+    base: int,
+    rows: dict[str, int],
+    other: int,
+    slow: list[Any],
+    done: list[int],
+    failures: list[dict[str, Any]],
+    took: dict[int, int],
+) -> None:
+    """Count a batch's slow jobs (both hot loops): their outcomes, and the run time of each that
+    started (`took`, from SlowJobs), in the rows of queue `base`."""
+    row_of = {job[1]: base + rows.get(job[0].kind, other) for job in slow}
+    for job_id in done:
+        counts[row_of[job_id] + COMPLETED] += 1
+    for outcome in failures:
+        row = row_of.get(outcome["id"])
+        column = outcome_column(outcome)
+        if row is not None and column >= 0:
+            counts[row + column] += 1
+    for job_id, row in row_of.items():
+        ns = took.pop(job_id, None)
+        if ns is not None:
+            observe(counts, row + RUN_SUM, ns)
 
 
 def shm_dir() -> Path:
@@ -231,31 +325,75 @@ def _close_held_locks() -> None:
 os.register_at_fork(after_in_child=_close_held_locks)
 
 
+@dataclass(frozen=True, slots=True)
+class Labels:
+    """The names of a slot's (queue, kind) rows: the kinds every worker of the master knows (in
+    `App.runnable()` order), and each slot's queues (in the order its worker serves them; none for
+    the leader). Row q * stride + k counts kind k of queue q; the last of a queue's is OTHER."""
+
+    kinds: list[str] = field(default_factory=list)
+    queues: list[list[str]] = field(default_factory=list)
+
+    @property
+    def stride(self) -> int:
+        return min(len(self.kinds), MAX_KINDS) + 1
+
+    @property
+    def rows(self) -> int:
+        return max((len(q) for q in self.queues), default=0) * self.stride
+
+    def names(self, index: int) -> Iterator[tuple[int, str, str]]:
+        """(row offset in int64 cells, queue, kind) of slot `index`'s rows."""
+        kinds = [*self.kinds[:MAX_KINDS], OTHER]
+        queues = self.queues[index] if index < len(self.queues) else []
+        for q, queue in enumerate(queues):
+            for k, kind in enumerate(kinds):
+                yield (q * self.stride + k) * ROW, queue, kind
+
+
+# The kind label of jobs of kinds beyond MAX_KINDS or with no handler.
+OTHER = "(other)"
+
+
 class Slots:
     """The shared mapping: created by the master, inherited by its children, read by `fastjobs stats`."""
 
     def __init__(
-        self, path: Path, mapping: mmap.mmap, count: int, capacity: int, lock: int | None = None
+        self,
+        path: Path,
+        mapping: mmap.mmap,
+        count: int,
+        capacity: int,
+        lock: int | None = None,
+        labels: Labels | None = None,
     ) -> None:
         self.path = path
         self._map = mapping
         self._lock = lock
         self.count = count
         self.capacity = capacity
-        self._slot_size = slot_size(capacity)
+        self.labels = labels or Labels()
+        self.rows = self.labels.rows
+        self._slot_size = slot_size(capacity, self.rows)
         self._values: Any = memoryview(mapping)
 
     @classmethod
-    def create(cls, count: int, identity: str = "", capacity: int = 0) -> Slots:
+    def create(cls, count: int, identity: str = "", capacity: int = 0, labels: Labels | None = None) -> Slots:
         """A new file of `count` slots for this process (the master), locked while it lives.
 
-        Each slot records up to `capacity` slow jobs running (a worker's concurrency, capped).
+        Each slot records up to `capacity` slow jobs running (a worker's concurrency, capped),
+        and its worker's counts per (queue, kind) named by `labels`.
         """
         sweep_stale()
         capacity = min(max(capacity, 0), SLOW_CAPACITY_MAX)
+        labels = labels or Labels()
+        if labels.rows > MAX_ROWS:
+            labels = Labels()  # a plan this large goes without counts per kind
+        names = json.dumps({"kinds": labels.kinds, "queues": labels.queues}).encode()
         token = secrets.token_hex(8)
         path = shm_dir() / f"fastjobs-{os.getpid()}-{token}.stats"
-        size = HEADER.size + count * slot_size(capacity)
+        end = HEADER.size + count * slot_size(capacity, labels.rows)
+        size = end + _LABELS.size + len(names)
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(path, flags, 0o600)
         try:
@@ -277,11 +415,23 @@ class Slots:
             path.unlink(missing_ok=True)
             raise
         ident = identity.encode()[:128]
+        _LABELS.pack_into(mapping, end, len(names))
+        mapping[end + _LABELS.size : size] = names
         HEADER.pack_into(
-            mapping, 0, MAGIC, VERSION, count, os.getpid(), time.time(), capacity, 0, token.encode(), ident
+            mapping,
+            0,
+            MAGIC,
+            VERSION,
+            count,
+            os.getpid(),
+            time.time(),
+            capacity,
+            labels.rows,
+            token.encode(),
+            ident,
         )
         _held_locks.add(fd)
-        return cls(path, mapping, count, capacity, fd)
+        return cls(path, mapping, count, capacity, fd, labels)
 
     @classmethod
     def open(cls, path: Path) -> Slots | None:
@@ -291,19 +441,25 @@ class Slots:
             return None
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            mapping = mmap.mmap(
-                fd, HEADER.size + found.slots * slot_size(found.capacity), access=mmap.ACCESS_READ
-            )
+            size = HEADER.size + found.slots * slot_size(found.capacity, found.labels.rows)
+            mapping = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
         finally:
             os.close(fd)
-        return cls(path, mapping, found.slots, found.capacity)
+        return cls(path, mapping, found.slots, found.capacity, labels=found.labels)
 
     def __getitem__(self, index: int) -> Slot:
         base = HEADER.size + index * self._slot_size
         floats = base + SLOT * 8
+        counts = base + self._slot_size - self.rows * ROW * 8
         return Slot(
-            self._values[base:floats].cast("d"), self._values[floats : base + self._slot_size].cast("q")
+            self._values[base:floats].cast("d"),
+            self._values[floats:counts].cast("q"),
+            self._values[counts : base + self._slot_size].cast("q"),
         )
+
+    def kinds(self) -> list[KindCounts]:
+        """The workers' counts per (queue, kind), summed over the slots (rows never used left out)."""
+        return kind_counts(self.labels, ((i, self[i].counts) for i in range(self.count)))
 
     def __iter__(self) -> Iterator[Slot]:
         return (self[i] for i in range(self.count))
@@ -336,6 +492,8 @@ class MasterFile:
     slots: int
     capacity: int  # slow jobs each slot records
     processes: list[dict[str, float]]  # the slots in use
+    labels: Labels = field(default_factory=Labels)
+    kinds: list[KindCounts] = field(default_factory=list)  # summed over its workers
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,13 +506,72 @@ class Skipped:
     ours: bool = False  # owned by this user
 
 
-def slot_size(capacity: int) -> int:
-    """Bytes of one slot: its float64 counters, its int64 fields and `capacity` slow jobs."""
-    return (SLOT + len(INT_FIELDS) + capacity) * 8
+def slot_size(capacity: int, rows: int = 0) -> int:
+    """Bytes of one slot: its float64 counters, its int64 fields, `capacity` slow jobs and `rows` rows."""
+    return (SLOT + len(INT_FIELDS) + capacity + rows * ROW) * 8
 
 
 # No more than this is read from a file that claims to be a stats file.
-MAX_FILE = HEADER.size + MAX_SLOTS * slot_size(SLOW_CAPACITY_MAX)
+MAX_FILE = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class Histogram:
+    """Seconds observed: how many, their sum, and per bucket upper bound (BUCKETS, then inf) how many
+    were at most that (cumulative, as Prometheus has them)."""
+
+    count: int
+    sum: float
+    buckets: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class KindCounts:
+    """One (queue, kind)'s outcomes (fastjobs.abc.OUTCOMES) and its run-time and pickup histograms."""
+
+    queue: str
+    kind: str
+    outcomes: dict[str, int]
+    run_seconds: Histogram
+    pickup_seconds: Histogram
+
+
+def _histogram(cells: Sequence[int], at: int) -> Histogram:
+    running, cumulative = 0, []
+    for n in cells[at + 1 : at + 2 + len(BUCKETS)]:
+        running += n
+        cumulative.append(running)
+    return Histogram(running, cells[at] / 1e9, cumulative)
+
+
+def kind_counts(labels: Labels, slots: Iterable[tuple[int, Sequence[int] | None]]) -> list[KindCounts]:
+    """Sum the rows of the (slot index, its int64 cells) given by (queue, kind); the rows never used
+    are left out."""
+    totals: dict[tuple[str, str], list[int]] = {}
+    for index, cells in slots:
+        if cells is None or not len(cells):
+            continue
+        values = cells.tolist() if isinstance(cells, memoryview) else cells
+        for at, queue, kind in labels.names(index):
+            row = values[at : at + ROW]
+            if not any(row):
+                continue
+            total = totals.get((queue, kind))
+            if total is None:
+                totals[queue, kind] = list(row)
+            else:
+                for i, n in enumerate(row):
+                    total[i] += n
+    return [
+        KindCounts(
+            queue,
+            kind,
+            dict(zip(OUTCOMES, row, strict=False)),
+            _histogram(row, RUN_SUM),
+            _histogram(row, PICKUP_SUM),
+        )
+        for (queue, kind), row in sorted(totals.items())
+    ]
 
 
 def read_master(path: Path) -> MasterFile | Skipped | None:
@@ -381,17 +598,28 @@ def read_master(path: Path) -> MasterFile | Skipped | None:
         data = os.pread(fd, info.st_size, 0)
         if len(data) < HEADER.size:
             return Skipped(path, "truncated", ours=ours)
-        magic, version, count, pid, started, capacity, _, _, ident = HEADER.unpack_from(data)
+        magic, version, count, pid, started, capacity, rows, _, ident = HEADER.unpack_from(data)
         if magic != MAGIC:
             return Skipped(path, "not a fastjobs stats file", ours=ours)
         if version != VERSION:
-            return Skipped(path, f"written by another version of fastjobs (format {version})", ours=ours)
-        if (
-            count > MAX_SLOTS
-            or capacity > SLOW_CAPACITY_MAX
-            or len(data) != HEADER.size + count * slot_size(capacity)
-        ):
+            return Skipped(
+                path,
+                f"written by another version of fastjobs (stats format {version}; this one reads {VERSION})",
+                ours=ours,
+            )
+        end = HEADER.size + count * slot_size(capacity, rows)
+        if count > MAX_SLOTS or capacity > SLOW_CAPACITY_MAX or rows > MAX_ROWS or len(data) < end + 4:
             return Skipped(path, "truncated", ours=ours)
+        (length,) = _LABELS.unpack_from(data, end)
+        if length > MAX_LABELS or len(data) != end + _LABELS.size + length:
+            return Skipped(path, "truncated", ours=ours)
+        try:
+            names = json.loads(data[end + _LABELS.size :])
+            labels = Labels(list(names["kinds"]), [list(q) for q in names["queues"]])
+        except (ValueError, TypeError, KeyError):
+            return Skipped(path, "its names of kinds and queues are not readable", ours=ours)
+        if labels.rows != rows:
+            return Skipped(path, "its names of kinds and queues do not match its slots", ours=ours)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -400,13 +628,23 @@ def read_master(path: Path) -> MasterFile | Skipped | None:
             return Skipped(path, "its master is gone", stale=True, ours=ours)
     finally:
         os.close(fd)
-    step = slot_size(capacity)
+    step = slot_size(capacity, rows)
     processes = [
         dict(zip(FIELDS, struct.unpack_from(f"<{SLOT}d", data, HEADER.size + i * step), strict=True))
         for i in range(count)
     ]
+    counts_at = step - rows * ROW * 8
+    kinds = kind_counts(
+        labels,
+        (
+            (i, struct.unpack_from(f"<{rows * ROW}q", data, HEADER.size + i * step + counts_at))
+            for i in range(count)
+            if processes[i]["role"] == WORKER
+        ),
+    )
     identity = ident.rstrip(b"\0").decode(errors="replace")
-    return MasterFile(path, pid, started, identity, count, capacity, [p for p in processes if p["role"]])
+    live = [p for p in processes if p["role"]]
+    return MasterFile(path, pid, started, identity, count, capacity, live, labels, kinds)
 
 
 def _stats_files() -> list[Path]:
@@ -451,6 +689,92 @@ def find(master_pid: int) -> Path | None:
         if isinstance(read_master(path), MasterFile):
             return path
     return None
+
+
+def worker_counters(slot: Slot, names: list[tuple[int, str, str]], rate: float) -> dict[str, Any]:
+    """What a worker's heartbeat carries into fastjobs_workers.counters: its totals, its rate (jobs
+    finished per second since its last heartbeat), and per (queue, kind) row used its outcomes."""
+    d = slot.as_dict()
+    cells = slot.counts.tolist() if slot.counts is not None else []
+    kinds = [
+        [queue, kind, *cells[at : at + len(OUTCOMES)]]
+        for at, queue, kind in names
+        if any(cells[at : at + ROW])
+    ]
+    totals = {name: int(d[name]) for name in ("claimed", "completed", "failed", "retried", "discarded")}
+    return {**totals, "busy": round(d["busy"], 6), "rate": round(rate, 3), "kinds": kinds}
+
+
+# A worker heartbeats every leader.HEARTBEAT_INTERVAL (2 s): three missed and
+# the cluster view calls it stale (the rescuer waits for --rescue-after, 15 s).
+STALE_AFTER = 6.0
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterWorker:
+    """One row of fastjobs_workers as the cluster view shows it."""
+
+    id: str
+    pid: int
+    queues: list[str]
+    age: float  # seconds since it registered
+    heartbeat_age: float  # seconds since its last heartbeat, by the database's clock
+    stale: bool
+    rate: float  # jobs finished per second between its last two heartbeats (0 when stale)
+    counters: dict[str, Any]  # its heartbeat's (worker_counters); {} from a worker that sends none
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterHost:
+    """The workers of one host (host id) against this database, and their sums."""
+
+    host: str
+    workers: list[ClusterWorker]
+    queues: list[str]
+    stale: int  # workers whose heartbeat is older than STALE_AFTER
+    heartbeat_age: float  # its freshest worker's
+    rate: float
+    totals: dict[str, int]  # claimed, completed, failed, retried, discarded over its workers
+    kinds: list[dict[str, Any]]  # {queue, kind, and each of OUTCOMES} summed over its workers
+
+
+def cluster(conn: psycopg.Connection[Any], stale_after: float = STALE_AFTER) -> list[ClusterHost]:
+    """Every host with workers registered in this database (from their heartbeats), by host id."""
+    with psycopg.RawCursor(conn) as cur:
+        rows = cur.execute(sql.worker_list).fetchall()
+    by_host: dict[str, list[ClusterWorker]] = {}
+    for worker_id, host, pid, queues, age, beat, counters in rows:
+        counters = counters if isinstance(counters, dict) else {}
+        stale = beat > stale_after
+        rate = 0.0 if stale else float(counters.get("rate", 0.0))
+        worker = ClusterWorker(worker_id, pid, list(queues), age, beat, stale, rate, counters)
+        by_host.setdefault(host, []).append(worker)
+    hosts = []
+    for host, workers in by_host.items():
+        totals = {name: 0 for name in ("claimed", "completed", "failed", "retried", "discarded")}
+        kinds: dict[tuple[str, str], dict[str, Any]] = {}
+        for w in workers:
+            for name in totals:
+                totals[name] += int(w.counters.get(name, 0))
+            for queue, kind, *outcomes in w.counters.get("kinds", []):
+                row = kinds.setdefault(
+                    (queue, kind), {"queue": queue, "kind": kind, **dict.fromkeys(OUTCOMES, 0)}
+                )
+                for name, n in zip(OUTCOMES, outcomes, strict=False):
+                    row[name] += int(n)
+        hosts.append(
+            ClusterHost(
+                host,
+                workers,
+                sorted({q for w in workers for q in w.queues}),
+                sum(w.stale for w in workers),
+                min(w.heartbeat_age for w in workers),
+                sum(w.rate for w in workers),
+                totals,
+                [kinds[key] for key in sorted(kinds)],
+            )
+        )
+    return hosts
 
 
 @dataclass(frozen=True, slots=True)
@@ -531,8 +855,14 @@ def health(conn: psycopg.Connection[Any]) -> Health:
     return Health(Horizon(*row) if row else None, tables, float(usage[0]) if usage else 0.0)
 
 
-def prometheus(slots: Slots, depths: list[QueueDepth] | None, health: Health | None = None) -> str:
-    """Prometheus text exposition of the counters (and queue depths and MVCC health when given)."""
+def prometheus(
+    slots: Slots,
+    depths: list[QueueDepth] | None,
+    health: Health | None = None,
+    hosts: list[ClusterHost] | None = None,
+) -> str:
+    """Prometheus text exposition of the counters (and queue depths, MVCC health and the cluster's
+    hosts when given)."""
     lines = []
     counters = (
         ("claimed", "jobs claimed"),
@@ -553,12 +883,12 @@ def prometheus(slots: Slots, depths: list[QueueDepth] | None, health: Health | N
         lines.append(f"# TYPE {name} {kind}")
         lines.extend(f"{name}{{{labels}}} {value(d)}" for labels, d in live)
 
-    for field, help_text in counters:
+    for counter, help_text in counters:
 
-        def count(d: dict[str, float], field: str = field) -> str:
+        def count(d: dict[str, float], field: str = counter) -> str:
             return str(int(d[field]))
 
-        family(f"fastjobs_jobs_{field}_total", "counter", help_text, count)
+        family(f"fastjobs_jobs_{counter}_total", "counter", help_text, count)
     family(
         "fastjobs_busy_seconds_total", "counter", "time spent running batches", lambda d: f"{d['busy']:.6f}"
     )
@@ -598,9 +928,99 @@ def prometheus(slots: Slots, depths: list[QueueDepth] | None, health: Health | N
             if q.oldest_seconds is not None:
                 labels = f'queue="{_escape(q.queue)}",state="{q.state}"'
                 lines.append(f"fastjobs_queue_oldest_seconds{{{labels}}} {q.oldest_seconds:.3f}")
+    lines.extend(kind_metrics(slots.kinds()))
     if health is not None:
         lines.extend(_health_metrics(health))
+    if hosts is not None:
+        lines.extend(cluster_metrics(hosts))
     return "\n".join(lines) + "\n"
+
+
+_LE = [*(repr(b) for b in BUCKETS), "+Inf"]
+
+
+def kind_metrics(kinds: list[KindCounts]) -> list[str]:
+    """The outcome counters and the two histograms per (queue, kind)."""
+    lines = [
+        "# HELP fastjobs_job_outcomes_total jobs finished by queue, kind and outcome",
+        "# TYPE fastjobs_job_outcomes_total counter",
+    ]
+    labelled = [(f'queue="{_escape(k.queue)}",kind="{_escape(k.kind)}"', k) for k in kinds]
+    for labels, k in labelled:
+        lines.extend(
+            f'fastjobs_job_outcomes_total{{{labels},outcome="{outcome}"}} {n}'
+            for outcome, n in k.outcomes.items()
+        )
+    for name, help_text in (
+        ("run", "time the handler took (jobs this worker ran itself, or timed by its executor)"),
+        ("pickup", "from when a job was due to when its worker started its batch, by the worker's clock"),
+    ):
+        family = f"fastjobs_job_{name}_seconds"
+        lines.append(f"# HELP {family} {help_text}")
+        lines.append(f"# TYPE {family} histogram")
+        for labels, k in labelled:
+            h: Histogram = getattr(k, f"{name}_seconds")
+            lines.extend(
+                f'{family}_bucket{{{labels},le="{le}"}} {n}' for le, n in zip(_LE, h.buckets, strict=True)
+            )
+            lines.append(f"{family}_sum{{{labels}}} {h.sum!r}")
+            lines.append(f"{family}_count{{{labels}}} {h.count}")
+    return lines
+
+
+def cluster_metrics(hosts: list[ClusterHost]) -> list[str]:
+    """The cluster's hosts, from the workers' heartbeats in the database (the leader's master serves them)."""
+    lines = []
+
+    def family(name: str, kind: str, help_text: str, samples: Iterable[tuple[str, object]]) -> None:
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} {kind}")
+        lines.extend(f"{name}{{{labels}}} {value}" for labels, value in samples)
+
+    tagged = [(f'host="{_escape(h.host)}"', h) for h in hosts]
+    family(
+        "fastjobs_cluster_workers",
+        "gauge",
+        "workers registered by host",
+        [(t, len(h.workers)) for t, h in tagged],
+    )
+    family(
+        "fastjobs_cluster_workers_stale",
+        "gauge",
+        f"workers whose last heartbeat is older than {STALE_AFTER:g} s, by host",
+        [(t, h.stale) for t, h in tagged],
+    )
+    family(
+        "fastjobs_cluster_heartbeat_age_seconds",
+        "gauge",
+        "seconds since the freshest heartbeat of the host's workers",
+        [(t, f"{h.heartbeat_age:.3f}") for t, h in tagged],
+    )
+    family(
+        "fastjobs_cluster_jobs_per_second",
+        "gauge",
+        "jobs finished per second by the host's live workers (between their last two heartbeats)",
+        [(t, f"{h.rate:.3f}") for t, h in tagged],
+    )
+    for name in ("completed", "failed", "retried", "discarded"):
+        family(
+            f"fastjobs_cluster_jobs_{name}_total",
+            "counter",
+            f"jobs {name} by the host's registered workers (as of their last heartbeats)",
+            [(t, h.totals[name]) for t, h in tagged],
+        )
+    family(
+        "fastjobs_cluster_job_outcomes_total",
+        "counter",
+        "jobs finished by host, queue, kind and outcome (as of the workers' last heartbeats)",
+        [
+            (f'{t},queue="{_escape(k["queue"])}",kind="{_escape(k["kind"])}",outcome="{outcome}"', k[outcome])
+            for t, h in tagged
+            for k in h.kinds
+            for outcome in OUTCOMES
+        ],
+    )
+    return lines
 
 
 def _health_metrics(health: Health) -> list[str]:

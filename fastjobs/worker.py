@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import psycopg
 from setproctitle import setproctitle
 
@@ -24,7 +25,7 @@ from .app import App
 from .errors import ConfigurationError, DatabaseUnavailable
 from .handlers import Executor
 from .impl import core
-from .stats import Slot
+from .stats import Labels, Slot, worker_counters
 from .types import DEFAULT_QUEUE
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,17 @@ ORPHAN_EXIT_AFTER = 2.0
 CAREFUL_FOR = 60.0
 
 
+def host_id(override: str | None = None) -> str:
+    """The name this host's workers go by in the cluster view: `override` (`fastjobs run --host-id`),
+    else FASTJOBS_HOST_ID, else the host name. ConfigurationError for one a worker id cannot carry."""
+    host = override or os.environ.get("FASTJOBS_HOST_ID") or socket.gethostname()
+    if not host.isprintable() or ":" in host or " " in host or len(host) > 255:
+        raise ConfigurationError(
+            f"the host id must be at most 255 printable characters without spaces or ':', not {host!r}"
+        )
+    return host
+
+
 def make_worker_id(token: str, pid: int | None = None, host: str | None = None) -> str:
     """A worker's identity, `host:pid:token`: the one place it is built.
 
@@ -47,7 +59,7 @@ def make_worker_id(token: str, pid: int | None = None, host: str | None = None) 
     here) makes it one no other process can share, even in containers that
     share a hostname and pids; host and pid are there for people.
     """
-    return f"{host or socket.gethostname()}:{pid or os.getpid()}:{token}"
+    return f"{host or host_id()}:{pid or os.getpid()}:{token}"
 
 
 class Control(threading.Thread):
@@ -67,14 +79,18 @@ class Control(threading.Thread):
         register: tuple[str, str, int, list[str]] | None = None,
         watch: Callable[[], None] | None = None,
         slot: Slot | None = None,
+        names: list[tuple[int, str, str]] | None = None,
     ) -> None:
         super().__init__(name="fastjobs-control", daemon=True)
         self.slot = slot  # beaten each turn: the master's watchdog reads it as "this process is alive"
+        # The slot's rows of counts per (queue, kind), named: the heartbeat carries them.
+        self.names = names or []
+        self._last_count: tuple[float, float] | None = None
         self.dsn = dsn
         self.worker_id = worker_id
         self.executor = executor
         # sql.worker_heartbeat's parameters: each heartbeat re-registers a pruned row.
-        self.register = register or (worker_id, socket.gethostname(), os.getpid(), [])
+        self.register = register or (worker_id, host_id(), os.getpid(), [])
         self.watch = watch  # called every PARENT_CHECK_INTERVAL (the worker's master-death check)
         self._stop_event = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
@@ -135,9 +151,18 @@ class Control(threading.Thread):
             with contextlib.suppress(psycopg.Error):
                 conn.close()
 
+    def _counters(self) -> str | None:
+        """The heartbeat's counters (stats.worker_counters); its rate is over the time since the last."""
+        if self.slot is None:
+            return None
+        now, done = time.monotonic(), self.slot["completed"] + self.slot["failed"]
+        last, self._last_count = self._last_count, (now, done)
+        rate = (done - last[1]) / (now - last[0]) if last is not None and now > last[0] else 0.0
+        return orjson.dumps(worker_counters(self.slot, self.names, max(rate, 0.0))).decode()
+
     def _beat(self, conn: psycopg.Connection[Any]) -> None:
         with psycopg.RawCursor(conn) as cur:
-            cur.execute(sql.worker_heartbeat, self.register)
+            cur.execute(sql.worker_heartbeat, (*self.register, self._counters()))
             requested = {row[0] for row in cur.execute(sql.job_cancel_requested, (self.worker_id,))}
         # The poll covers whatever was announced; ids no longer running here
         # are dropped (in place: the hot loop holds this set).
@@ -342,6 +367,7 @@ class Supervision:
     slot: Slot  # its shared-memory slot: beats, counters, the running jobs
     title: str  # process title prefix; the live rate is appended each second
     careful: bool = False  # one job per batch for CAREFUL_FOR seconds (see Master._blame)
+    host: str = ""  # host_id() as the master resolved it
 
 
 class Worker:
@@ -385,6 +411,7 @@ class Worker:
         self.parent = supervision.parent if supervision is not None else None
         self.title = supervision.title if supervision is not None else None
         self.careful = supervision is not None and supervision.careful
+        self.host = (supervision.host if supervision is not None else "") or host_id()
         self.loop: BatchLoop | None = None
         self._stop = False
         self._stopping_now = False
@@ -470,12 +497,13 @@ class Worker:
             with psycopg.RawCursor(conn) as cur:
                 cur.execute(sql.worker_session)
             listener.connect()
-            register = (self.worker_id, socket.gethostname(), os.getpid(), self.queues)
+            register = (self.worker_id, self.host, os.getpid(), self.queues)
             with psycopg.RawCursor(conn) as cur:
                 cur.execute(sql.worker_register, register)
+            specs = self.app.runnable()
             self.loop = core.BatchLoop(
                 conn,
-                self.app.runnable(),
+                specs,
                 self.executor,
                 self.worker_id,
                 self.queues,
@@ -484,6 +512,7 @@ class Worker:
                 overlap=self.config.overlap,
                 progress=self.slot.progress_view() if self.slot is not None else None,
                 running=self.slot.running_view() if self.slot is not None else None,
+                counts=self.slot.counts_view() if self.slot is not None else None,
             )
             if self.slot is not None:
                 self.executor.running = self.slot.slow_jobs()
@@ -492,7 +521,8 @@ class Worker:
             self.executor.worker = self.worker_id  # for the records of its jobs' failures
             self.executor.bind()
             watch = (lambda: self._check_parent(escalate=True)) if self.parent is not None else None
-            control = Control(dsn, self.worker_id, self.executor, register, watch, self.slot)
+            names = list(Labels(list(specs), [self.queues]).names(0))
+            control = Control(dsn, self.worker_id, self.executor, register, watch, self.slot, names)
             control.start()
             try:
                 if self.on_ready is not None:

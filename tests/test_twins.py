@@ -21,9 +21,10 @@ import psycopg
 import pytest
 
 from fastjobs import App, Cancel, Retry, Snooze, _core_py, current_job
-from fastjobs.abc import BatchLoop, Core
+from fastjobs.abc import BUCKETS, OUTCOMES, PICKUP, ROW, RUN, BatchLoop, Core
 from fastjobs.errors import FastjobsError, LoopError
 from fastjobs.handlers import Executor
+from fastjobs.stats import Labels
 
 from .helpers import query, wait_for
 
@@ -214,6 +215,21 @@ def _rows(dsn: str, ids: list[int]) -> list[Any]:
     return rows
 
 
+def _counted(labels: Labels, counts: memoryview) -> dict[str, tuple[int, ...]]:
+    """Per kind counted: its outcomes, its handler runs timed and its jobs picked up (times vary)."""
+    cells = counts.tolist()
+    n = len(BUCKETS) + 1
+    return {
+        kind: (
+            *cells[at : at + len(OUTCOMES)],
+            sum(cells[at + RUN : at + RUN + n]),
+            sum(cells[at + PICKUP : at + PICKUP + n]),
+        )
+        for at, _, kind in labels.names(0)
+        if any(cells[at : at + ROW])
+    }
+
+
 def _script(core: Core, dsn: str) -> list[Any]:
     """Run every batch once with `core`'s BatchLoop: one step, then finish; what each left."""
     app = App(dsn)
@@ -226,6 +242,8 @@ def _script(core: Core, dsn: str) -> list[Any]:
             queue = f"batch{number}"
             ids = [_insert(dsn, queue, job) for job in batch.jobs]
             executor.cancelled.update(i for i, job in zip(ids, batch.jobs, strict=True) if job.cancelled)
+            labels = Labels(list(app.jobs), [[queue]])
+            counts = memoryview(bytearray(labels.rows * ROW * 8)).cast("q")
             with psycopg.connect(dsn, autocommit=True) as conn:
                 size = len(batch.jobs)
                 loop = core.BatchLoop(
@@ -238,6 +256,7 @@ def _script(core: Core, dsn: str) -> list[Any]:
                     batch_min=size,
                     batch_max=size,
                     overlap=batch.overlap,
+                    counts=counts,
                 )
                 loop.prepare()
                 stopped = None
@@ -248,7 +267,7 @@ def _script(core: Core, dsn: str) -> list[Any]:
                 loop.stopping = True
                 loop.finish()
             counters = {name: getattr(loop, name) for name in COUNTERS}
-            seen.append((batch.name, ran, stopped, counters, _rows(dsn, ids)))
+            seen.append((batch.name, ran, stopped, counters, _rows(dsn, ids), _counted(labels, counts)))
     finally:
         executor.close()
         app.close()
@@ -298,6 +317,17 @@ def test_the_twins_leave_the_same_rows_and_counters(twin_dsns: tuple[str, str], 
     # Cancelled jobs count as failed attempts; the stale completion is taken back.
     counters = dict(claimed=27, completed=4, failed=20, retried=11, discarded=2, stale=1)
     assert first[1:4] == (27, None, counters)
+    # Per kind (completed, retried, discarded, cancelled, snoozed, runs timed, picked up): slow
+    # jobs are timed by the slot's SlowJobs alone (none here); the stale completion stays counted.
+    counted = first[5]
+    assert counted["ok"] == (1, 0, 2, 1, 0, 1, 4)  # three odd jobs of kind ok: bad args twice, cancelled
+    assert counted["boom"] == counted["retry"] == counted["retry_now"] == (0, 1, 0, 0, 0, 1, 1)
+    assert counted["snooze"] == counted["snooze_now"] == (0, 0, 0, 0, 1, 1, 1)
+    assert counted["cancel"] == counted["cancelled_running"] == (0, 0, 0, 1, 0, 1, 1)
+    assert counted["slow_ok"] == (1, 0, 0, 1, 0, 0, 2)
+    assert counted["async_timeout"] == (0, 1, 0, 0, 0, 0, 1)
+    assert counted["(other)"] == (0, 1, 0, 0, 0, 0, 1)
+    assert sum(sum(c[:5]) for c in counted.values()) == 27
     assert [row and row[:3] for row in later[4]] == [
         ("retryable", 3, 81),
         ("discarded", 3, 0),
