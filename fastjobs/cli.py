@@ -258,8 +258,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
     try:
+        args = _parser().parse_args(argv)  # --help writes to stdout too
         with logs.configured(args.log_level, args.log_format):
             code = _main(args)
         sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
