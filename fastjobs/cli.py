@@ -505,8 +505,8 @@ _PERIODIC_COLUMNS: list[Column[Any]] = [
     Column("kind", lambda p: _safe(p.kind)),
     Column("queue", lambda p: _safe(p.queue)),
     Column("schedule", lambda p: p.schedule),
-    Column("last tick", _last_tick),
-    Column("next tick", lambda p: _minute(p.next_tick)),
+    Column("last tick (UTC)", _last_tick),
+    Column("next tick (UTC)", lambda p: _minute(p.next_tick)),
 ]
 _QUEUE_COLUMNS: list[Column[stats.QueueDepth]] = [
     Column("queue", lambda d: _safe(d.queue)),

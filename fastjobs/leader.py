@@ -283,6 +283,7 @@ def periodic_status(
     for spec in sorted(specs, key=lambda s: s.kind):
         assert spec.cron is not None
         last = recorded.get(spec.kind)
+        last = None if last is None else last.astimezone(dt.UTC)  # cron's time, whatever the session's
         # A whole minute is a tick; anything else the moment the kind was first seen (see first_seen).
         seen = last if last is not None and (last.second or last.microsecond) else None
         tick = None if seen is not None else last

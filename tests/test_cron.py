@@ -473,7 +473,7 @@ def test_periodic_list_and_run_beside_a_leader_that_was_absent_over_ticks(
     human = periodic_cli(masters, "list", "fjcron")
     assert human.returncode == 0, human.stderr
     header, *rows = human.stdout.splitlines()
-    assert re.fullmatch(r"kind +queue +schedule +last tick +next tick", header), header
+    assert re.fullmatch(r"kind +queue +schedule +last tick \(UTC\) +next tick \(UTC\)", header), header
     assert re.fullmatch(rf"nightly +cron +0 3 \* \* \* +{latest:%Y-%m-%d %H:%M} +\S+ 03:00", rows[0]), rows
     assert re.fullmatch(
         r"yearly +default +0 0 1 1 \* +none \(first seen [\d-]+ [\d:]+\) +\d{4}-01-01 00:00", rows[1]
