@@ -9,17 +9,19 @@ import importlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from . import control, database, logs, schema, sql, stats
 from .abc import OUTCOMES
 from .app import App
 from .errors import ConfigurationError, FastjobsError
 from .impl import FALLBACK, IMPLEMENTATION
-from .leader import DEFAULT_LEASE, LeaderConfig, RescuerConfig
+from .leader import DEFAULT_LEASE, LeaderConfig, RescuerConfig, periodic_status
 from .master import DEFAULT_WORKER_TIMEOUT, Master, parse_queues
 from .stats import HORIZON_WARNING
 from .types import JobState
@@ -167,15 +169,33 @@ def _parser() -> argparse.ArgumentParser:
     listing.add_argument("--kind")
     listing.add_argument("--limit", type=int, default=50)
     listing.add_argument("--json", action="store_true")
+    show = jobs_commands.add_parser("show", help="one job: args, attempts, error history")
+    show.add_argument("id", type=int)
+    show.add_argument("--json", action="store_true")
     for name, help_text in (
-        ("show", "one job: args, attempts, error history"),
-        ("retry", "a discarded, cancelled or completed job back to available"),
-        ("cancel", "cancel a queued job, or ask a running one to stop"),
-        ("discard", "discard a job that is not running"),
+        (
+            "retry",
+            "run jobs now: retryable or scheduled ones as they are, discarded, cancelled or completed"
+            " ones with one more attempt",
+        ),
+        ("cancel", "cancel queued jobs, or ask running ones to stop"),
+        ("discard", "discard jobs that are not running"),
     ):
         command = jobs_commands.add_parser(name, help=help_text)
-        command.add_argument("id", type=int)
-        command.add_argument("--json", action="store_true")
+        command.add_argument("id", type=int, nargs="+")
+        command.add_argument("--json", action="store_true", help="one JSON object per job and line")
+
+    periodic = commands.add_parser("periodic", help="the periodic (cron) jobs of MODULE")
+    periodic_commands = periodic.add_subparsers(dest="periodic_command", required=True)
+    periodic_list = periodic_commands.add_parser("list", help="schedules, last and next ticks")
+    periodic_list.add_argument("module", help="module holding a fastjobs.App, or module:attribute")
+    periodic_list.add_argument("--json", action="store_true")
+    periodic_run = periodic_commands.add_parser(
+        "run", help="enqueue a periodic job now (its schedule is unchanged)"
+    )
+    periodic_run.add_argument("module", help="module holding a fastjobs.App, or module:attribute")
+    periodic_run.add_argument("kind")
+    periodic_run.add_argument("--json", action="store_true")
 
     stats = commands.add_parser("stats", help="queue depths, and live rates of masters on this host")
     stats.add_argument("--json", action="store_true", help="one JSON document for machines")
@@ -248,9 +268,19 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    with logs.configured(args.log_level, args.log_format):
-        return _main(args)
+    try:
+        args = _parser().parse_args(argv)  # --help writes to stdout too
+        with logs.configured(args.log_level, args.log_format):
+            code = _main(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return code
+    except BrokenPipeError:
+        # The reader went away (`fastjobs stats | head`): stop quietly, as a Unix tool killed by
+        # SIGPIPE does. stdout now points at /dev/null, so the interpreter's final flush cannot fail.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -265,6 +295,8 @@ def _main(args: argparse.Namespace) -> int:
             return _stats(args)
         if args.command == "jobs":
             return _jobs(args)
+        if args.command == "periodic":
+            return _periodic(args)
         if args.command == "bench":
             return _bench(args)
     except (FastjobsError, ValueError) as exc:
@@ -340,12 +372,7 @@ def _jobs(args: argparse.Namespace) -> int:
             if args.json:
                 _echo(json.dumps(rows, default=str, indent=2))
                 return 0
-            _echo(f"{'id':>10}  {'queue':<16}{'kind':<32}{'state':<11}{'attempt':>8}  run_at")
-            for r in rows:
-                _echo(
-                    f"{r['id']:>10}  {_safe(r['queue']):<16}{_safe(r['kind']):<32}{r['state']:<11}"
-                    f"{r['attempt']:>4}/{r['max_attempts']:<3}  {_when(r['run_at'])}"
-                )
+            _table(_JOB_COLUMNS, rows)
             return 0
         if command == "show":
             job = control.show(conn, args.id)
@@ -363,13 +390,72 @@ def _jobs(args: argparse.Namespace) -> int:
                 if error.get("traceback"):
                     _echo(_safe(str(error["traceback"]).rstrip(), lines=True))
             return 0
-        action = {"retry": control.retry, "cancel": control.cancel, "discard": control.discard}[command]
-        state = action(conn, args.id)
-        if args.json:
-            _echo(json.dumps({"id": args.id, "state": state}))
-        else:
-            _echo(f"job {args.id}: {state}")
+        # Each job is done and reported on its own; one that cannot be is logged and makes the exit 1.
+        failed = False
+        for job_id in args.id:
+            try:
+                if command == "retry":
+                    retried = control.retry(conn, job_id)
+                    doc: dict[str, Any] = dataclasses.asdict(retried)
+                    line = retried.describe()
+                else:
+                    state = {"cancel": control.cancel, "discard": control.discard}[command](conn, job_id)
+                    doc, line = {"id": job_id, "state": state}, f"job {job_id}: {state}"
+            except (FastjobsError, ValueError) as exc:
+                logger.error("%s", exc)
+                failed = True
+                continue
+            _echo(json.dumps(doc) if args.json else line)
+        return 1 if failed else 0
+
+
+def _periodic(args: argparse.Namespace) -> int:
+    app = load_app(args.module, args.dsn)
+    try:
+        with database.connect(app.dsn, autocommit=True) as conn:
+            schema.check(conn)
+            if args.periodic_command == "run":
+                spec = app.jobs.get(args.kind)
+                if spec is None or not spec.cron:
+                    known = ", ".join(sorted(k for k, s in app.jobs.items() if s.cron)) or "none"
+                    raise ConfigurationError(
+                        f"{args.kind!r} is not a periodic job of {args.module} (its periodic jobs: {known})"
+                    )
+                job_id = app.enqueue(spec.kind, conn=conn)
+                if args.json:
+                    _echo(json.dumps({"id": job_id, "kind": spec.kind, "queue": spec.queue}))
+                else:
+                    _echo(
+                        f"job {job_id}: {spec.kind} enqueued on queue {spec.queue}; its schedule is as it was"
+                    )
+                return 0
+            found = periodic_status(conn, [s for s in app.jobs.values() if s.cron])
+    finally:
+        app.close()
+    if args.json:
+        _echo(json.dumps([dataclasses.asdict(p) for p in found], default=_iso, indent=2))
         return 0
+    if not found:
+        _echo(f"(no periodic jobs in {args.module})")
+        return 0
+    _table(_PERIODIC_COLUMNS, found)
+    return 0
+
+
+def _iso(value: object) -> str:
+    return value.isoformat() if isinstance(value, dt.datetime) else str(value)
+
+
+def _minute(at: dt.datetime | None) -> str:
+    return "-" if at is None else f"{at:%Y-%m-%d %H:%M}"
+
+
+def _last_tick(p: Any) -> str:
+    if p.last_tick is not None:
+        return _minute(p.last_tick)
+    if p.first_seen is not None:
+        return f"none (first seen {p.first_seen:%Y-%m-%d %H:%M:%S})"
+    return "none (no leader has seen it)"
 
 
 # Job input (args, error messages, kinds) must not drive the operator's
@@ -393,6 +479,91 @@ def _when(at: dt.datetime | str) -> str:
     return f"{at:%Y-%m-%d %H:%M:%S}" if isinstance(at, dt.datetime) else at
 
 
+T = TypeVar("T")
+
+
+class Column(Generic[T]):
+    """A column of a table the command prints: its header, alignment and cell text from a row."""
+
+    __slots__ = ("align", "cell", "header")
+
+    def __init__(self, header: str, cell: Callable[[T], str], align: str = "<") -> None:
+        self.header, self.cell, self.align = header, cell, align
+
+
+def _table(columns: Sequence[Column[T]], rows: Iterable[T], indent: str = "") -> None:
+    """Print rows under their headers, each column as wide as its widest cell, two spaces apart.
+
+    However wide a value, columns never run together; the last column is not padded.
+    """
+    cells = [[c.header for c in columns]] + [[c.cell(row) for c in columns] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    for line in cells:
+        text = "  ".join(
+            f"{cell:{c.align}{width}}" for cell, c, width in zip(line, columns, widths, strict=True)
+        )
+        _echo(indent + text.rstrip())
+
+
+_JOB_COLUMNS: list[Column[dict[str, Any]]] = [
+    Column("id", lambda r: str(r["id"]), ">"),
+    Column("queue", lambda r: _safe(r["queue"])),
+    Column("kind", lambda r: _safe(r["kind"])),
+    Column("state", lambda r: str(r["state"])),
+    Column("attempt", lambda r: f"{r['attempt']}/{r['max_attempts']}", ">"),
+    Column("run_at", lambda r: _when(r["run_at"])),
+]
+_PERIODIC_COLUMNS: list[Column[Any]] = [
+    Column("kind", lambda p: _safe(p.kind)),
+    Column("queue", lambda p: _safe(p.queue)),
+    Column("schedule", lambda p: p.schedule),
+    Column("last tick (UTC)", _last_tick),
+    Column("next tick (UTC)", lambda p: _minute(p.next_tick)),
+]
+_QUEUE_COLUMNS: list[Column[stats.QueueDepth]] = [
+    Column("queue", lambda d: _safe(d.queue)),
+    Column("state", lambda d: d.state),
+    Column("jobs", lambda d: f"{d.count:,}", ">"),
+    Column("oldest", lambda d: "" if d.oldest_seconds is None else f"{d.oldest_seconds:,.1f}s", ">"),
+]
+
+
+def _process_columns(now: float) -> list[Column[dict[str, Any]]]:
+    """The columns of a master's processes (a slot's fields, as `_process_json` gives them)."""
+    return [
+        Column("process", lambda p: f"{stats.ROLES.get(p['role'], '?')} {p['index'] + 1}"),
+        Column("pid", lambda p: str(p["pid"]), ">"),
+        Column("jobs/s", lambda p: f"{p['rate']:,.0f}", ">"),
+        Column("completed", lambda p: f"{p['completed']:,}", ">"),
+        Column("failed", lambda p: f"{p['failed']:,}", ">"),
+        Column("retried", lambda p: f"{p['retried']:,}", ">"),
+        Column("discarded", lambda p: f"{p['discarded']:,}", ">"),
+        Column("beat", lambda p: f"{now - p['heartbeat']:.1f}s", ">"),
+        Column("listener", lambda p: _listener(p, now)),
+    ]
+
+
+def _table_columns(now: float) -> list[Column[stats.TableHealth]]:
+    def vacuumed(t: stats.TableHealth) -> str:
+        last = max((v for v in (t.last_vacuum, t.last_autovacuum) if v is not None), default=None)
+        when = "never" if last is None else f"{now - last:,.0f}s ago"
+        return f"{when} ({t.autovacuums:,} autovacuums)"
+
+    return [
+        Column("table", lambda t: t.table),
+        Column("live", lambda t: f"{t.live:,}", ">"),
+        Column("dead", lambda t: f"{t.dead:,}", ">"),
+        Column("table", lambda t: _size(t.table_bytes), ">"),
+        Column("indexes", lambda t: _size(t.index_bytes), ">"),
+        Column("last vacuum", vacuumed),
+    ]
+
+
+def _process_json(p: dict[str, float]) -> dict[str, Any]:
+    """A slot's fields for people and machines: counts and pids as integers, times as floats."""
+    return {name: int(value) if name in stats.INTEGER_FIELDS else value for name, value in p.items()}
+
+
 def _stats(args: argparse.Namespace) -> int:
     dsn = database.resolve_dsn(args.dsn, fallback=True)
     with database.connect(dsn, autocommit=True) as conn:
@@ -406,18 +577,22 @@ def _stats(args: argparse.Namespace) -> int:
     for skip in skipped:
         removed = " (removed)" if skip.stale and skip.ours else ""
         logger.warning("skipped %s: %s%s", skip.path, skip.reason, removed)
+    # This database's masters first; others only with --all-masters, marked as such.
+    found.sort(key=lambda m: m.database != identity)
     masters: list[dict[str, Any]] = [
         {
             "master_pid": m.master_pid,
             "database": m.database,
+            "this_database": m.database == identity,
             "file": str(m.path),
-            "processes": m.processes,
+            "processes": [_process_json(p) for p in m.processes],
             "kinds": [dataclasses.asdict(k) for k in m.kinds],
         }
         for m in found
     ]
     if args.json:
         doc = {
+            "database": identity,
             "queues": [dataclasses.asdict(d) for d in depths],
             "masters": masters,
             "health": dataclasses.asdict(health),
@@ -426,27 +601,15 @@ def _stats(args: argparse.Namespace) -> int:
         }
         _echo(json.dumps(doc, indent=2))
         return 0
-    _echo(f"{'queue':<24}{'state':<12}{'jobs':>10}{'oldest':>12}")
-    for d in depths:
-        oldest = "" if d.oldest_seconds is None else f"{d.oldest_seconds:,.1f}s"
-        _echo(f"{d.queue:<24}{d.state:<12}{d.count:>10,}{oldest:>12}")
-    if not depths:
+    if depths:
+        _table(_QUEUE_COLUMNS, depths)
+    else:
         _echo("(no jobs)")
     now = time.time()
     for m in masters:
-        elsewhere = "" if m["database"] == identity else f", database {m['database']}"
-        _echo(f"\nmaster pid {m['master_pid']} on this host{elsewhere}")
-        _echo(
-            f"{'process':<12}{'pid':>8}{'jobs/s':>10}{'completed':>12}{'failed':>9}{'retried':>9}{'discarded':>10}"
-            f"{'beat':>8}  listener"
-        )
-        for p in m["processes"]:
-            name = f"{stats.ROLES.get(int(p['role']), '?')} {int(p['index']) + 1}"
-            _echo(
-                f"{name:<12}{int(p['pid']):>8}{p['rate']:>10,.0f}{int(p['completed']):>12,}{int(p['failed']):>9,}"
-                f"{int(p['retried']):>9,}{int(p['discarded']):>10,}{now - p['heartbeat']:>7.1f}s"
-                f"  {_listener(p, now)}"
-            )
+        other = "" if m["this_database"] else f" (ANOTHER DATABASE: {_safe(m['database'])})"
+        _echo(f"\nmaster pid {m['master_pid']} on this host{other}")
+        _table(_process_columns(now), m["processes"])
         _print_kinds(m["kinds"])
     _print_cluster(hosts)
     _print_health(health, now)
@@ -455,27 +618,48 @@ def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mean(histogram: dict[str, Any]) -> str:
+    if not histogram["count"]:
+        return "-"
+    value = histogram["sum"] / histogram["count"]
+    return f"{value * 1000:.2f}ms" if value < 1 else f"{value:.1f}s"
+
+
+def _outcome_cell(outcome: str) -> Callable[[dict[str, Any]], str]:
+    return lambda k: f"{k['outcomes'][outcome]:,}"
+
+
+_KIND_COLUMNS: list[Column[dict[str, Any]]] = [
+    Column("queue", lambda k: _safe(k["queue"])),
+    Column("kind", lambda k: _safe(k["kind"])),
+    *(Column(o, _outcome_cell(o), ">") for o in OUTCOMES),
+    Column("run", lambda k: _mean(k["run_seconds"]), ">"),
+    Column("pickup", lambda k: _mean(k["pickup_seconds"]), ">"),
+]
+_HOST_COLUMNS: list[Column[stats.ClusterHost]] = [
+    Column("host", lambda h: _safe(h.host)),
+    Column("workers", lambda h: str(len(h.workers)), ">"),
+    Column("stale", lambda h: str(h.stale), ">"),
+    Column("jobs/s", lambda h: f"{h.rate:,.0f}", ">"),
+    Column("completed", lambda h: f"{h.totals['completed']:,}", ">"),
+    Column("failed", lambda h: f"{h.totals['failed']:,}", ">"),
+    Column("beat", lambda h: f"{h.heartbeat_age:.1f}s", ">"),
+    Column("queues", lambda h: _safe(",".join(h.queues))),
+]
+_CLUSTER_WORKER_COLUMNS: list[Column[stats.ClusterWorker]] = [
+    Column("worker", lambda w: _safe(w.id)),
+    Column("pid", lambda w: str(w.pid), ">"),
+    Column("jobs/s", lambda w: f"{w.rate:,.0f}", ">"),
+    Column("beat", lambda w: f"{w.heartbeat_age:.1f}s", ">"),
+    Column("queues", lambda w: _safe(",".join(w.queues))),
+    Column("", lambda w: "STALE" if w.stale else ""),
+]
+
+
 def _print_kinds(kinds: list[dict[str, Any]]) -> None:
     """A master's counts per (queue, kind), with the mean run time and pickup latency."""
-    if not kinds:
-        return
-    _echo(
-        f"{'queue':<16} {'kind':<24}" + "".join(f"{o:>11}" for o in OUTCOMES) + f"{'run':>10}{'pickup':>10}"
-    )
-    for k in kinds:
-        means = [
-            f"{_seconds(h['sum'] / h['count']) if h['count'] else '-':>10}"
-            for h in (k["run_seconds"], k["pickup_seconds"])
-        ]
-        _echo(
-            f"{_safe(k['queue']):<16} {_safe(k['kind']):<24}"
-            + "".join(f"{k['outcomes'][o]:>11,}" for o in OUTCOMES)
-            + "".join(means)
-        )
-
-
-def _seconds(value: float) -> str:
-    return f"{value * 1000:.2f}ms" if value < 1 else f"{value:.1f}s"
+    if kinds:
+        _table(_KIND_COLUMNS, kinds)
 
 
 def _print_cluster(hosts: list[stats.ClusterHost]) -> None:
@@ -483,29 +667,17 @@ def _print_cluster(hosts: list[stats.ClusterHost]) -> None:
     _echo(f"\ncluster: {len(hosts)} host(s) with workers registered in this database")
     if not hosts:
         return
-    _echo(
-        f"{'host':<24} {'workers':>7} {'stale':>6} {'jobs/s':>10} {'completed':>12} {'failed':>9}"
-        f" {'beat':>8}  queues"
-    )
+    _table(_HOST_COLUMNS, hosts)
     for h in hosts:
-        _echo(
-            f"{_safe(h.host):<24} {len(h.workers):>7} {h.stale:>6} {h.rate:>10,.0f}"
-            f" {h.totals['completed']:>12,} {h.totals['failed']:>9,} {h.heartbeat_age:>7.1f}s"
-            f"  {_safe(','.join(h.queues))}"
-        )
-        for w in h.workers:
-            flag = "  STALE" if w.stale else ""
-            _echo(
-                f"  {_safe(w.id):<40} pid {w.pid:<8} {w.rate:>8,.0f} jobs/s  beat {w.heartbeat_age:.1f}s"
-                f"  [{_safe(','.join(w.queues))}]{flag}"
-            )
+        _echo(f"\n  workers of {_safe(h.host)}")
+        _table(_CLUSTER_WORKER_COLUMNS, h.workers, indent="  ")
 
 
-def _listener(p: dict[str, float], now: float) -> str:
+def _listener(p: dict[str, Any], now: float) -> str:
     if p["role"] != stats.WORKER:
         return ""
     state = f"up, ping ok {now - p['listener_ok']:.0f}s ago" if p["listening"] else "DOWN (polling)"
-    return f"{state}, {int(p['listener_reconnects'])} reconnects"
+    return f"{state}, {p['listener_reconnects']} reconnects"
 
 
 def _print_health(health: stats.Health, now: float) -> None:
@@ -517,14 +689,7 @@ def _print_health(health: stats.Health, now: float) -> None:
         held = "" if h.seconds is None else f" open {h.seconds:,.1f}s,"
         _echo(f"oldest snapshot: {h.source} {h.ident},{held} {h.xid_age or 0:,} xids old ({h.detail})")
     _echo(f"NOTIFY queue: {health.notify_queue:.1%} used")
-    _echo(f"{'table':<22}{'live':>12}{'dead':>12}{'table':>10}{'indexes':>10}  last vacuum")
-    for t in health.tables:
-        last = max((v for v in (t.last_vacuum, t.last_autovacuum) if v is not None), default=None)
-        vacuumed = "never" if last is None else f"{now - last:,.0f}s ago"
-        _echo(
-            f"{t.table:<22}{t.live:>12,}{t.dead:>12,}{_size(t.table_bytes):>10}{_size(t.index_bytes):>10}"
-            f"  {vacuumed} ({t.autovacuums:,} autovacuums)"
-        )
+    _table(_table_columns(now), health.tables)
 
 
 def _size(n: int) -> str:

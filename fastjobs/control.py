@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -62,11 +63,37 @@ def cancel(conn: psycopg.Connection[Any], job_id: int) -> str:
         return "cancelling" if row[0] == "running" else str(row[0])
 
 
-def retry(conn: psycopg.Connection[Any], job_id: int) -> str:
-    """A discarded, cancelled or completed job back to available now; returns the new state.
+@dataclass(frozen=True, slots=True)
+class Retried:
+    """What `retry` did to one job."""
 
-    A unique job whose key another pending or running job holds again stays
-    as it is: ValueError names the holder.
+    id: int
+    was: str  # its state before
+    state: str  # its state now
+    attempt: int | None = None  # the attempts it has made (None: the job was left as it was)
+    max_attempts: int | None = None  # its limit now
+    max_attempts_before: int | None = None  # its limit before, when the retry raised it
+
+    def describe(self) -> str:
+        """One line for the operator: what happened to the job."""
+        if self.attempt is None:
+            return f"job {self.id}: {self.state} already, left as it is"
+        line = f"job {self.id}: {self.was}, now {self.state}: runs now as attempt {self.attempt + 1}"
+        line += f" of {self.max_attempts}"
+        if self.max_attempts_before is not None:
+            line += f" (max_attempts raised from {self.max_attempts_before})"
+        return line
+
+
+def retry(conn: psycopg.Connection[Any], job_id: int) -> Retried:
+    """Job `job_id` to run now, and what that took.
+
+    A retryable or scheduled job runs now, its attempts as they are. A
+    discarded, cancelled or completed job comes back with its error history
+    and one attempt to spare: `max_attempts` is raised when it had none left
+    (the result says so). An available job is left as it is. A running job,
+    or a unique job whose key another pending or running job holds again,
+    raises ValueError naming why (the holder).
     """
     with _cursor(conn) as cur:
         for _ in range(3):
@@ -83,10 +110,11 @@ def retry(conn: psycopg.Connection[Any], job_id: int) -> str:
                 ) from None
             if row is None:
                 state = _state(cur, job_id)
-                raise ValueError(
-                    f"job {job_id} is {state}: only discarded, cancelled or completed jobs can be retried"
-                )
-            return str(row[0])
+                if state == "available":
+                    return Retried(job_id, state, state)
+                raise ValueError(f"job {job_id} is {state}: a running job cannot be retried until it ends")
+            was, attempt, before, after = str(row[0]), int(row[1]), int(row[2]), int(row[3])
+            return Retried(job_id, was, "available", attempt, after, before if after != before else None)
     raise FastjobsError(f"job {job_id}: its unique key kept changing hands; not retried")
 
 

@@ -50,7 +50,7 @@ def _parse_field(text: str, name: str, low: int, high: int) -> frozenset[int]:
 
 
 class Cron:
-    """A parsed cron expression; `latest(now)` is its last tick at or before `now`."""
+    """A cron expression: `latest(now)` is its last tick at or before `now`, `next(now)` the first after."""
 
     def __init__(self, expression: str) -> None:
         fields = expression.split()
@@ -84,6 +84,20 @@ class Cron:
                     if minutes:
                         return dt.datetime(day.year, day.month, day.day, hour, max(minutes), tzinfo=dt.UTC)
             day -= dt.timedelta(days=1)
+        return None
+
+    def next(self, now: dt.datetime) -> dt.datetime | None:
+        """The first tick after `now` (UTC), or None if there is none within 8 years."""
+        start = now.astimezone(dt.UTC).replace(second=0, microsecond=0) + dt.timedelta(minutes=1)
+        day = start.date()
+        for ahead in range(_SEARCH_DAYS):
+            if self._day_matches(day):
+                hours = [h for h in self.hours if ahead or h >= start.hour]
+                for hour in sorted(hours):
+                    minutes = [m for m in self.minutes if ahead or hour > start.hour or m >= start.minute]
+                    if minutes:
+                        return dt.datetime(day.year, day.month, day.day, hour, min(minutes), tzinfo=dt.UTC)
+            day += dt.timedelta(days=1)
         return None
 
     def __repr__(self) -> str:

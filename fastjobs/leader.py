@@ -218,6 +218,10 @@ def clean_once(
     return counts
 
 
+# A tick this old or younger is on time: it runs even for a kind no leader has seen before.
+PERIODIC_ON_TIME = dt.timedelta(minutes=1)
+
+
 def periodic_once(
     conn: psycopg.Connection[Any], specs: list[JobSpec], now: dt.datetime | None = None
 ) -> list[tuple[str, dt.datetime]]:
@@ -225,9 +229,12 @@ def periodic_once(
 
     The tick is recorded in fastjobs_periodic in the same transaction as the
     enqueue, so a tick is enqueued exactly once across the cluster and across
-    leader changes. Only the latest tick is caught up after downtime, never a
-    backlog; a job seen for the first time is enqueued if its tick is under a
-    minute old.
+    leader changes. The missed-tick rule (README, Periodic jobs): ticks missed
+    while no leader ran are caught up with one job, for the most recent of
+    them, never a burst. A kind no leader has seen before starts at its next
+    tick, as cron, River and Oban do: a tick under a minute old runs; an older
+    one is not run, and not recorded as if it had been (the moment the kind
+    was first seen is, so a tick missed from then on is caught up).
     """
     now = now or _db_now(conn)
     done = []
@@ -236,17 +243,52 @@ def periodic_once(
         tick = Cron(spec.cron).latest(now)
         if tick is None:
             continue
+        on_time = now - tick <= PERIODIC_ON_TIME
+        first = tick if on_time else first_seen(now)
         with conn.transaction(), psycopg.RawCursor(conn) as cur:
-            taken = cur.execute(sql.periodic_advance, (spec.kind, tick)).fetchone()
-            if taken is None:
-                continue
-            first_sight = bool(taken[0])
-            if first_sight and now - tick > dt.timedelta(minutes=1):
+            taken = cur.execute(sql.periodic_advance, (spec.kind, tick, first)).fetchone()
+            if taken is None or (taken[0] and not on_time):
                 continue
             opts = enqueue.options(spec.kind, spec, unique_key=f"periodic:{spec.kind}:{tick.isoformat()}")
             enqueue.insert(conn, enqueue.insert_params(opts, {}))
         done.append((spec.kind, tick))
     return done
+
+
+def first_seen(now: dt.datetime) -> dt.datetime:
+    """What fastjobs_periodic records for a kind first seen at `now`: never a whole minute (a tick)."""
+    return now if now.second or now.microsecond else now + dt.timedelta(microseconds=1)
+
+
+@dataclass(frozen=True, slots=True)
+class PeriodicStatus:
+    """A periodic job as `fastjobs periodic list` shows it."""
+
+    kind: str
+    queue: str
+    schedule: str
+    last_tick: dt.datetime | None  # the last tick enqueued (None: none yet)
+    first_seen: dt.datetime | None  # with no tick enqueued yet: when a leader first saw the kind
+    next_tick: dt.datetime | None  # None: the schedule has no tick within 8 years
+
+
+def periodic_status(
+    conn: psycopg.Connection[Any], specs: list[JobSpec], now: dt.datetime | None = None
+) -> list[PeriodicStatus]:
+    """The periodic jobs `specs`, with what fastjobs_periodic records of each, by kind."""
+    now = now or _db_now(conn)
+    with psycopg.RawCursor(conn) as cur:
+        recorded: dict[str, dt.datetime] = dict(cur.execute(sql.periodic_list).fetchall())
+    found = []
+    for spec in sorted(specs, key=lambda s: s.kind):
+        assert spec.cron is not None
+        last = recorded.get(spec.kind)
+        last = None if last is None else last.astimezone(dt.UTC)  # cron's time, whatever the session's
+        # A whole minute is a tick; anything else the moment the kind was first seen (see first_seen).
+        seen = last if last is not None and (last.second or last.microsecond) else None
+        tick = None if seen is not None else last
+        found.append(PeriodicStatus(spec.kind, spec.queue, spec.cron, tick, seen, Cron(spec.cron).next(now)))
+    return found
 
 
 def _db_now(conn: psycopg.Connection[Any]) -> dt.datetime:

@@ -694,12 +694,18 @@ DELETE FROM fastjobs_workers w
 
 # periodic_advance: take tick $2 of periodic kind $1 if no leader has; a row
 # back means enqueue it, and says whether the kind was seen for the first time
-# (an inserted row has xmax 0, an updated one the updater's xid).
+# (an inserted row has xmax 0, an updated one the updater's xid). A kind seen
+# for the first time records $3: its tick when that is to run, else the moment
+# it was first seen (not a whole minute, so never mistaken for a tick), from
+# which on its missed ticks are caught up.
 periodic_advance: Final = """
-INSERT INTO fastjobs_periodic (kind, last_tick) VALUES ($1, $2)
-ON CONFLICT (kind) DO UPDATE SET last_tick = excluded.last_tick
- WHERE fastjobs_periodic.last_tick < excluded.last_tick
+INSERT INTO fastjobs_periodic (kind, last_tick) VALUES ($1, $3)
+ON CONFLICT (kind) DO UPDATE SET last_tick = $2
+ WHERE fastjobs_periodic.last_tick < $2
 RETURNING xmax = 0"""
+
+# periodic_list: the last tick recorded for each periodic kind.
+periodic_list: Final = "SELECT kind, last_tick FROM fastjobs_periodic ORDER BY kind"
 
 # db_now: the database's clock, which every maintenance decision uses.
 db_now: Final = "SELECT now()"
@@ -730,16 +736,26 @@ job_state: Final = "SELECT state::text FROM fastjobs_jobs WHERE id = $1"
 job_cancel_requested: Final = """
 SELECT id FROM fastjobs_jobs WHERE state = 'running' AND attempted_by = $1 AND cancel_requested"""
 
-# job_retry: a discarded, cancelled or completed job back to available, now,
-# with an attempt to spare and its crash allowance back (the claim counts
-# attempts up to smallint's maximum, and so does this); its queue's workers
-# are woken (an UPDATE fires no enqueue trigger).
+# job_retry: job $1 to run now. A retryable or scheduled job keeps its
+# attempts and limit; a discarded, cancelled or completed one comes back
+# with an attempt to spare (max_attempts raised when it had none left; the
+# claim counts attempts up to smallint's maximum, and so does this) and its
+# crash allowance back. Returns the state before, the attempts made, the
+# limit before and after, and wakes its queue's workers (an UPDATE fires no enqueue trigger).
 job_retry: Final = """
-UPDATE fastjobs_jobs
+WITH target AS (
+    SELECT id, state::text AS state, max_attempts FROM fastjobs_jobs
+     WHERE id = $1 AND state IN ('discarded', 'cancelled', 'completed', 'retryable', 'scheduled')
+       FOR UPDATE
+)
+UPDATE fastjobs_jobs j
    SET state = 'available', run_at = now(), finalized_at = NULL, cancel_requested = false,
-       max_attempts = greatest(max_attempts, least(attempt, 32766) + 1), crashes = 0
- WHERE id = $1 AND state IN ('discarded', 'cancelled', 'completed')
-RETURNING state::text, pg_notify('fastjobs', queue)"""
+       max_attempts = CASE WHEN t.state IN ('retryable', 'scheduled') THEN j.max_attempts
+                      ELSE greatest(j.max_attempts, least(j.attempt, 32766) + 1) END,
+       crashes = CASE WHEN t.state IN ('retryable', 'scheduled') THEN j.crashes ELSE 0 END
+  FROM target t
+ WHERE j.id = t.id
+RETURNING t.state, j.attempt, t.max_attempts, j.max_attempts, pg_notify('fastjobs', j.queue)"""
 
 # job_discard: a job that is not running becomes discarded now.
 job_discard: Final = """
@@ -942,6 +958,7 @@ STATEMENTS: Final[Mapping[str, str]] = MappingProxyType(
         "job_clean_discarded_many": job_clean_discarded_many,
         "worker_prune_many": worker_prune_many,
         "periodic_advance": periodic_advance,
+        "periodic_list": periodic_list,
         "db_now": db_now,
         "job_cancel": job_cancel,
         "job_state": job_state,

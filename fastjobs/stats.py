@@ -87,6 +87,11 @@ FIELDS = (
     "listener_reconnects",
     "leading",  # the leader: 1 while it holds the cluster's lock (its metrics then show the cluster)
 )
+# The fields that hold whole numbers (stored as float64 like the rest): integers in `stats --json`.
+INTEGER_FIELDS = frozenset(
+    {"pid", "role", "index", "claimed", "completed", "failed", "retried", "discarded", "progress"}
+    | {"listening", "listener_reconnects"}
+)
 SLOT = len(FIELDS)
 F = {name: i for i, name in enumerate(FIELDS)}
 _CLAIMED, _COMPLETED, _FAILED, _RETRIED, _DISCARDED, _BUSY, _HEARTBEAT = (

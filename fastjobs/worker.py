@@ -200,12 +200,21 @@ class Listener:
     Health is checked by a self-notification round trip (a ping on the
     fastjobs_ping channel carrying this listener's id); a dead listener is
     reconnected, and while it is down the worker simply polls.
+
+    Every change of its state is written to the worker's `slot` when it
+    happens, so `fastjobs stats` shows the connection as it is, busy or idle
+    (it once showed the value of the worker's last sleep). While the worker
+    is busy, `poll` reads the connection once a second: a lost listener shows
+    at once, and the server's notifications never pile up unread.
     """
 
-    def __init__(self, dsn: str, queues: list[str], wake_fd: int | None = None) -> None:
+    def __init__(
+        self, dsn: str, queues: list[str], wake_fd: int | None = None, slot: Slot | None = None
+    ) -> None:
         self.dsn = dsn
         self.queues = set(queues)
         self.wake_fd = wake_fd
+        self.slot = slot
         self.conn: psycopg.Connection[Any] | None = None
         self.ping = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.last_check = 0.0
@@ -225,6 +234,12 @@ class Listener:
             logger.warning("listener connection failed, polling meanwhile: %s", exc)
             self.conn = None
             return False
+        finally:
+            self._report()
+
+    def _report(self) -> None:
+        if self.slot is not None:
+            self.slot.listener(self.conn is not None, self.healthy_at, self.reconnects)
 
     def close(self) -> None:
         if self.conn is not None:
@@ -239,6 +254,7 @@ class Listener:
         deadline = time.monotonic() + timeout
         if self.conn is None and not self.connect():
             self.reconnects += 1
+            self._report()
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -290,6 +306,7 @@ class Listener:
                 self._woken = self._woken or hit
                 if pinged:
                     self.healthy_at = time.time()
+                    self._report()
                     return True
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -300,6 +317,19 @@ class Listener:
         self._lost()
         return self.connect()
 
+    def poll(self) -> None:
+        """Read what arrived without waiting (the busy worker's look, once a second).
+
+        A wake-up is kept for the next `wait`; a lost connection is reported
+        now and made again when the worker next sleeps.
+        """
+        if self.conn is None:
+            return
+        try:
+            self._woken = self._read()[0] or self._woken
+        except psycopg.Error:
+            self._lost()
+
     def _lost(self) -> None:
         logger.warning("listener connection lost; reconnecting, polling meanwhile")
         self.reconnects += 1
@@ -307,6 +337,7 @@ class Listener:
             with contextlib.suppress(psycopg.Error):
                 self.conn.close()
         self.conn = None
+        self._report()
 
 
 @contextlib.contextmanager
@@ -491,7 +522,7 @@ class Worker:
         conn = database.connect(dsn, autocommit=True)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
-        listener = Listener(dsn, self.queues, self._wake_r)
+        listener = Listener(dsn, self.queues, self._wake_r, self.slot)
         try:
             schema.check(conn)
             with psycopg.RawCursor(conn) as cur:
@@ -564,6 +595,7 @@ class Worker:
                 if now >= next_title:
                     next_title = now + 1.0
                     self._check_parent()  # the fallback to the control thread's check
+                    listener.poll()
                     if self.title is not None and slot is not None:
                         # The rate the master writes into the slot each second.
                         setproctitle(f"{self.title} {slot['rate']:,.0f} jobs/s")
@@ -585,7 +617,6 @@ class Worker:
                 listener.wait(min(config.poll_interval, loop.recheck))
                 if slot is not None:
                     slot.beat()
-                    slot.listener(listener.conn is not None, listener.healthy_at, listener.reconnects)
         finally:
             loop.stopping = True
             # A second stop signal must not cut the final writes short.

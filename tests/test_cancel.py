@@ -350,7 +350,7 @@ def test_cancel_requested_is_cleared_by_retry(app: App, dsn: str) -> None:
         app.cancel(job_id)
         assert wait_for(lambda: state(dsn, job_id) == "cancelled", timeout=5)
     with psycopg.connect(dsn, autocommit=True) as conn:
-        assert control.retry(conn, job_id) == "available"
+        assert control.retry(conn, job_id).state == "available"
     row = job(dsn, job_id)
     assert (row["state"], row["cancel_requested"], row["finalized_at"]) == ("available", False, None)
     assert row["run_at"] <= dt.datetime.now(dt.UTC)

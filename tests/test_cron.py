@@ -9,6 +9,10 @@ leader" (another connection) at the same frozen tick.
 from __future__ import annotations
 
 import datetime as dt
+import json
+import re
+import subprocess
+import sys
 import threading
 from typing import Any
 
@@ -17,10 +21,12 @@ import pytest
 
 from fastjobs import App, ConfigurationError
 from fastjobs.cron import Cron
-from fastjobs.leader import periodic_once
+from fastjobs.leader import periodic_once, periodic_status
 from fastjobs.types import JobSpec
 
+from . import procs
 from .helpers import query
+from .procs import count, wait_for
 
 UTC = dt.UTC
 
@@ -320,3 +326,175 @@ def test_concurrent_leaders_at_the_same_tick_enqueue_it_once(dsn: str, contender
     rows = periodic_jobs(dsn)
     assert len(rows) == len(expected)
     assert len({key for _, _, key in rows}) == len(rows)
+
+
+# --- Cron.next -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("expression", "now", "tick"),
+    [
+        pytest.param("*/5 * * * *", at(3, 12, 7, 30), at(3, 12, 10), id="step"),
+        pytest.param("*/5 * * * *", at(3, 12, 5), at(3, 12, 10), id="now-on-a-tick-is-after-it"),
+        pytest.param("0 3 * * *", at(3, 3, 0, 1), at(4, 3), id="tomorrow"),
+        pytest.param("59 23 * * *", at(30, 23, 59), at(1, 23, 59, month=7), id="next-month"),
+        pytest.param("0 9 * * 1-5", at(1, 12), at(3, 9), id="weekdays-from-saturday"),
+        pytest.param("0 0 29 2 *", at(3), dt.datetime(2032, 2, 29, tzinfo=UTC), id="leap-day"),
+        pytest.param("0 0 13 * 5", at(7, 1), at(13), id="either-day-field"),
+    ],
+)
+def test_next_is_the_first_tick_after_now(expression: str, now: dt.datetime, tick: dt.datetime) -> None:
+    assert Cron(expression).next(now) == tick
+    assert Cron(expression).latest(tick) == tick
+
+
+def test_an_impossible_date_has_no_next_tick() -> None:
+    assert Cron("0 0 30 2 *").next(at(3)) is None
+
+
+# --- the missed-tick rule --------------------------------------------------------------------
+
+
+def recorded(dsn: str) -> dict[str, dt.datetime]:
+    return {r["kind"]: r["last_tick"] for r in query(dsn, "SELECT kind, last_tick FROM fastjobs_periodic")}
+
+
+def test_a_tick_past_at_first_sight_is_not_recorded_as_done(dsn: str) -> None:
+    app = cron_app(dsn, nightly="0 3 * * *")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        # First seen at 09:00:30: the 03:00 tick was before any leader knew the job.
+        assert periodic_once(conn, specs(app), at(3, 9, 0, 30)) == []
+        assert recorded(dsn) == {"nightly": at(3, 9, 0, 30)}  # when it was seen, not "03:00 done"
+        [status] = periodic_status(conn, specs(app), at(3, 9, 1))
+        assert (status.last_tick, status.first_seen, status.next_tick) == (None, at(3, 9, 0, 30), at(4, 3))
+        assert periodic_once(conn, specs(app), at(3, 23, 59)) == []
+        assert periodic_once(conn, specs(app), at(4, 3, 0, 2)) == [("nightly", at(4, 3))]
+        [status] = periodic_status(conn, specs(app), at(4, 3, 1))
+        assert (status.last_tick, status.first_seen, status.next_tick) == (at(4, 3), None, at(5, 3))
+    assert periodic_jobs(dsn) == [("nightly", "default", "periodic:nightly:2030-06-04T03:00:00+00:00")]
+
+
+def test_first_sight_on_a_whole_minute_is_not_taken_for_a_tick(dsn: str) -> None:
+    app = cron_app(dsn, nightly="0 3 * * *")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert periodic_once(conn, specs(app), at(3, 9)) == []
+        [status] = periodic_status(conn, specs(app), at(3, 9))
+    assert status.last_tick is None and status.first_seen is not None
+    assert dt.timedelta(0) < status.first_seen - at(3, 9) < dt.timedelta(milliseconds=1)
+
+
+def test_a_leader_absent_over_ticks_runs_the_latest_once_when_back(dsn: str) -> None:
+    """No leader from 02:00 on the 3rd to 09:00 on the 5th: the database says the 2nd's tick ran."""
+    app = cron_app(dsn, nightly="0 3 * * *")
+    query(dsn, "INSERT INTO fastjobs_periodic (kind, last_tick) VALUES ('nightly', %s)", (at(2, 3),))
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        # Two nightly ticks missed (the 3rd's, the 4th's... and the 5th's at 03:00): one job, for the latest.
+        assert periodic_once(conn, specs(app), at(5, 9)) == [("nightly", at(5, 3))]
+        assert periodic_once(conn, specs(app), at(5, 9, 0, 1)) == []
+        assert periodic_once(conn, specs(app), at(6, 3, 0, 5)) == [("nightly", at(6, 3))]
+    assert [key for _, _, key in periodic_jobs(dsn)] == [
+        "periodic:nightly:2030-06-05T03:00:00+00:00",
+        "periodic:nightly:2030-06-06T03:00:00+00:00",
+    ]
+
+
+def test_a_kind_seen_late_then_missed_while_no_leader_ran_is_caught_up(dsn: str) -> None:
+    app = cron_app(dsn, five="*/5 * * * *")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert periodic_once(conn, specs(app), at(3, 12, 7, 30)) == []  # seen late: 12:05 is not run
+        # No leader from 12:08 to 12:31: 12:10 ... 12:30 missed, 12:30 caught up.
+        assert periodic_once(conn, specs(app), at(3, 12, 31, 40)) == [("five", at(3, 12, 30))]
+    assert len(periodic_jobs(dsn)) == 1
+
+
+# --- `fastjobs periodic list|run`, as real processes beside a real master -------------------
+
+CRON_JOBS = '''
+"""Periodic jobs for the CLI tests: each run is a row of `runs` (n: -1 nightly, -2 yearly)."""
+
+from fjjobs import _record, app
+
+
+@app.periodic("0 3 * * *", kind="nightly", queue="cron")
+def nightly():
+    _record(-1)
+
+
+@app.periodic("0 0 1 1 *", kind="yearly")
+def yearly():
+    _record(-2)
+'''
+
+
+def periodic_cli(masters: procs.Masters, *args: str) -> subprocess.CompletedProcess[str]:
+    """`fastjobs --dsn DSN periodic ARGS` in the directory of the jobs modules."""
+    return subprocess.run(
+        [sys.executable, "-m", "fastjobs.cli", "--dsn", masters.dsn, "periodic", *args],
+        cwd=masters.cwd,
+        capture_output=True,
+        text=True,
+        timeout=procs.DEADLINE,
+        check=False,
+    )
+
+
+def test_periodic_list_and_run_beside_a_leader_that_was_absent_over_ticks(
+    masters: procs.Masters, db: psycopg.Connection[Any]
+) -> None:
+    (masters.cwd / "fjcron.py").write_text(CRON_JOBS)
+    before = periodic_cli(masters, "list", "fjcron", "--json")
+    assert before.returncode == 0, before.stderr
+    assert [
+        (p["kind"], p["queue"], p["schedule"], p["last_tick"], p["first_seen"])
+        for p in json.loads(before.stdout)
+    ] == [
+        ("nightly", "cron", "0 3 * * *", None, None),
+        ("yearly", "default", "0 0 1 1 *", None, None),
+    ]
+    # The database says a leader ran the nightly job three days ago, and none has run since.
+    db.execute(
+        "INSERT INTO fastjobs_periodic (kind, last_tick)"
+        " VALUES ('nightly', date_trunc('day', now()) - interval '3 days' + interval '3 hours')"
+    )
+    master = masters.start("--processes", "1", module="fjcron")
+    wait_for(lambda: count(db, "SELECT count(*) FROM runs WHERE n = -1") >= 1, "the missed nightly tick")
+    wait_for(lambda: count(db, "SELECT count(*) FROM fastjobs_periodic") == 2, "the leader to see both kinds")
+    now = db.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
+    latest = Cron("0 3 * * *").latest(now)
+    assert latest is not None
+
+    listed = periodic_cli(masters, "list", "fjcron", "--json")
+    assert listed.returncode == 0, listed.stderr
+    nightly, yearly = json.loads(listed.stdout)
+    assert (nightly["last_tick"], nightly["first_seen"]) == (latest.isoformat(), None)
+    assert nightly["next_tick"] == (latest + dt.timedelta(days=1)).isoformat()
+    assert yearly["last_tick"] is None and yearly["first_seen"] is not None  # seen late: not run
+    assert yearly["next_tick"] == dt.datetime(now.year + 1, 1, 1, tzinfo=UTC).isoformat()
+    human = periodic_cli(masters, "list", "fjcron")
+    assert human.returncode == 0, human.stderr
+    header, *rows = human.stdout.splitlines()
+    assert re.fullmatch(r"kind +queue +schedule +last tick \(UTC\) +next tick \(UTC\)", header), header
+    assert re.fullmatch(rf"nightly +cron +0 3 \* \* \* +{latest:%Y-%m-%d %H:%M} +\S+ 03:00", rows[0]), rows
+    assert re.fullmatch(
+        r"yearly +default +0 0 1 1 \* +none \(first seen [\d-]+ [\d:]+\) +\d{4}-01-01 00:00", rows[1]
+    )
+
+    ran = periodic_cli(masters, "run", "fjcron", "yearly")
+    assert ran.returncode == 0, ran.stderr
+    match = re.fullmatch(
+        r"job (\d+): yearly enqueued on queue default; its schedule is as it was\n", ran.stdout
+    )
+    assert match, ran.stdout
+    wait_for(lambda: count(db, "SELECT count(*) FROM runs WHERE n = -2") == 1, "the yearly job run now")
+    assert (
+        json.loads(periodic_cli(masters, "list", "fjcron", "--json").stdout)[1] == yearly
+    )  # schedule as it was
+    for kind in ("record", "nope"):
+        refused = periodic_cli(masters, "run", "fjcron", kind)
+        assert (refused.returncode, refused.stdout) == (1, "")
+        assert refused.stderr == (
+            f"fastjobs: {kind!r} is not a periodic job of fjcron (its periodic jobs: nightly, yearly)\n"
+        )
+    assert master.stop() == 0, master.stderr()
+    # Three nightly ticks were missed while no leader ran: one job, for the latest, ran once.
+    assert count(db, "SELECT count(*) FROM runs WHERE n = -1") == 1

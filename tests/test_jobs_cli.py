@@ -179,7 +179,13 @@ def test_retry_of_a_discarded_job_makes_it_available_and_it_runs(
     app: App, dsn: str, capsys: pytest.CaptureFixture[str], failed_job: int
 ) -> None:
     code, out, err = jobs_cli(dsn, capsys, "retry", str(failed_job))
-    assert (code, out, err) == (0, f"job {failed_job}: available\n", "")
+    # Its one attempt was spent: the retry raises max_attempts, and says so.
+    assert (code, out, err) == (
+        0,
+        f"job {failed_job}: discarded, now available: runs now as attempt 2 of 2"
+        " (max_attempts raised from 1)\n",
+        "",
+    )
     job = jobs_json(dsn, capsys, "show", str(failed_job))
     assert (job["state"], job["finalized_at"], job["max_attempts"]) == ("available", None, 2)
     drain(app, keep_completed=True)
@@ -191,22 +197,76 @@ def test_retry_of_a_discarded_job_makes_it_available_and_it_runs(
 def test_retry_json_and_of_a_cancelled_job(app: App, dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
     job_id = app.enqueue("k", delay=3600)
     assert app.cancel(job_id) == "cancelled"
-    assert jobs_json(dsn, capsys, "retry", str(job_id)) == {"id": job_id, "state": "available"}
+    assert jobs_json(dsn, capsys, "retry", str(job_id)) == {
+        "id": job_id,
+        "was": "cancelled",
+        "state": "available",
+        "attempt": 0,
+        "max_attempts": 25,
+        "max_attempts_before": None,  # attempts to spare: the limit is left as it was
+    }
     assert state(dsn, job_id) == "available"
 
 
-@pytest.mark.parametrize("job_state", ["available", "running", "scheduled", "retryable"])
-def test_retry_of_an_unfinished_job_fails(
+@pytest.mark.parametrize("job_state", ["retryable", "scheduled"])
+def test_retry_of_a_waiting_job_runs_it_now_with_its_attempts_as_they_are(
     app: App, dsn: str, capsys: pytest.CaptureFixture[str], job_state: str
 ) -> None:
-    job_id = app.enqueue("k")
-    query(dsn, "UPDATE fastjobs_jobs SET state = %s::fastjobs_state", (job_state,))
-    code, out, err = jobs_cli(dsn, capsys, "retry", str(job_id))
-    assert (code, out) == (1, "")
-    assert err == (
-        f"fastjobs: job {job_id} is {job_state}: only discarded, cancelled or completed jobs can be retried\n"
+    app.job("k")(lambda: None)
+    job_id = app.enqueue("k", max_attempts=5)
+    attempt = 2 if job_state == "retryable" else 0
+    query(
+        dsn,
+        "UPDATE fastjobs_jobs SET state = %s::fastjobs_state, attempt = %s, crashes = 1,"
+        " run_at = now() + interval '1 hour'",
+        (job_state, attempt),
     )
-    assert state(dsn, job_id) == job_state
+    code, out, err = jobs_cli(dsn, capsys, "retry", str(job_id))
+    assert (code, err) == (0, "")
+    assert out == f"job {job_id}: {job_state}, now available: runs now as attempt {attempt + 1} of 5\n"
+    [row] = query(
+        dsn, "SELECT state::text, attempt, max_attempts, crashes, run_at <= now() AS due FROM fastjobs_jobs"
+    )
+    assert row == {"state": "available", "attempt": attempt, "max_attempts": 5, "crashes": 1, "due": True}
+    drain(app)
+    assert query(dsn, "SELECT count(*) AS n FROM fastjobs_jobs") == [{"n": 0}]  # it ran, and completed
+
+
+def test_retry_leaves_an_available_job_and_refuses_a_running_one(
+    app: App, dsn: str, capsys: pytest.CaptureFixture[str], seeded: dict[str, int]
+) -> None:
+    available, running = seeded["a2"], seeded["a1"]
+    before = query(dsn, "SELECT run_at FROM fastjobs_jobs WHERE id = %s", (available,))
+    code, out, err = jobs_cli(dsn, capsys, "retry", str(available))
+    assert (code, out, err) == (0, f"job {available}: available already, left as it is\n", "")
+    # Its place in the queue is kept.
+    assert query(dsn, "SELECT run_at FROM fastjobs_jobs WHERE id = %s", (available,)) == before
+    code, out, err = jobs_cli(dsn, capsys, "retry", str(running))
+    assert (code, out) == (1, "")
+    assert err == f"fastjobs: job {running} is running: a running job cannot be retried until it ends\n"
+    assert state(dsn, running) == "running"
+
+
+def test_retry_of_several_jobs_says_what_happened_to_each(
+    dsn: str, capsys: pytest.CaptureFixture[str], seeded: dict[str, int]
+) -> None:
+    ids = [seeded["b1"], 424242, seeded["a1"], seeded["a2"]]
+    code, out, err = jobs_cli(dsn, capsys, "retry", *map(str, ids))
+    assert code == 1  # some could not be retried; the others were
+    assert out.splitlines() == [
+        f"job {seeded['b1']}: scheduled, now available: runs now as attempt 1 of 25",
+        f"job {seeded['a2']}: available already, left as it is",
+    ]
+    assert err.splitlines() == [
+        "fastjobs: no job with id 424242",
+        f"fastjobs: job {seeded['a1']} is running: a running job cannot be retried until it ends",
+    ]
+    assert state(dsn, seeded["b1"]) == "available"
+    lines = jobs_cli(dsn, capsys, "cancel", str(seeded["b1"]), str(seeded["b2"]), "--json")[1].splitlines()
+    assert [json.loads(line) for line in lines] == [
+        {"id": seeded["b1"], "state": "cancelled"},
+        {"id": seeded["b2"], "state": "cancelled"},
+    ]
 
 
 def test_cancel_of_queued_and_running_jobs(
@@ -279,7 +339,7 @@ def test_retry_of_a_unique_job_whose_key_is_held_again_names_the_holder(
     assert state(dsn, first) == "discarded"
 
     query(dsn, "DELETE FROM fastjobs_jobs WHERE id = %s", (holder,))  # the holder completed
-    assert jobs_json(dsn, capsys, "retry", str(first)) == {"id": first, "state": "available"}
+    assert jobs_json(dsn, capsys, "retry", str(first))["state"] == "available"
 
 
 # --- what job input may contain ------------------------------------------------------------------

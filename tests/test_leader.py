@@ -450,7 +450,7 @@ def test_a_retried_quarantined_job_gets_its_crash_allowance_back(dsn: str) -> No
     )
     with psycopg.connect(dsn, autocommit=True) as conn:
         assert rescue_once(conn, NOW) == {"discarded": 1}
-        assert control.retry(conn, job_id) == "available"  # the operator fixed the cause
+        assert control.retry(conn, job_id).state == "available"  # the operator fixed the cause
     # Claimed again, and its worker is killed once (a deploy, an unrelated OOM).
     query(
         dsn,

@@ -577,5 +577,5 @@ def test_jobs_retry_notifies_the_queue(app: App, dsn: str, listener: psycopg.Con
     drain(app, keep_completed=True)
     assert notifications(listener, dsn) == {"delta": 1}  # the enqueue
     with psycopg.connect(dsn, autocommit=True) as conn:
-        assert control.retry(conn, job_id) == "available"
+        assert control.retry(conn, job_id).state == "available"
     assert notifications(listener, dsn) == {"delta": 1}

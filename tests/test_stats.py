@@ -523,8 +523,12 @@ def test_stats_lists_only_the_masters_of_its_database_unless_asked_for_all(
         assert [m["master_pid"] for m in procs.stats_json(app.dsn)["masters"]] == [mine.pid]
         assert [m["master_pid"] for m in procs.stats_json(other)["masters"]] == [theirs.pid]
         human = procs.cli(app.dsn, "stats", "--all-masters").stdout
+        assert (by_pid[mine.pid]["this_database"], by_pid[theirs.pid]["this_database"]) == (True, False)
+        assert everyone["masters"][0]["master_pid"] == mine.pid  # this database's first
         assert f"master pid {mine.pid} on this host\n" in human
-        assert f"master pid {theirs.pid} on this host, database {by_pid[theirs.pid]['database']}" in human
+        other_db = by_pid[theirs.pid]["database"]
+        assert f"master pid {theirs.pid} on this host (ANOTHER DATABASE: {other_db})\n" in human
+        assert human.index(f"master pid {mine.pid} ") < human.index(f"master pid {theirs.pid} ")
         assert mine.stop() == 0 and theirs.stop() == 0
     finally:
         _drop_database(name)
@@ -553,3 +557,95 @@ def test_the_leaders_vacuums_are_exported_when_autovacuum_is_off(db: psycopg.Con
     last = found['fastjobs_table_last_vacuum_timestamp_seconds{table="fastjobs_jobs"}']
     assert before - 1 <= last <= time.time() + 1
     assert found['fastjobs_table_last_autovacuum_timestamp_seconds{table="fastjobs_jobs"}'] == 0
+
+
+def worker_slot(dsn: str, master_pid: int) -> dict[str, Any] | None:
+    """The first worker of master `master_pid` as `stats --json` shows it (None: not listed yet)."""
+    for m in procs.stats_json(dsn)["masters"]:
+        if m["master_pid"] == master_pid:
+            return next((p for p in m["processes"] if p["role"] == WORKER), None)
+    return None
+
+
+def test_the_listener_state_is_true_while_the_worker_is_busy(
+    masters: procs.Masters, app: App, db: psycopg.Connection[Any]
+) -> None:
+    # Work waits before the master starts: its worker is busy from the first claim and never sleeps
+    # on its listener (which `stats` used to show as DOWN until the worker was idle).
+    app.enqueue_many("record", ({"n": n, "sleep": 0.05} for n in range(600)))
+    master = masters.start("--processes", "1", "--batch-max", "4")
+    wait_for(lambda: count(db, "SELECT count(*) FROM runs") >= 1, "the drain to start")
+    busy = wait_for(lambda: worker_slot(app.dsn, master.pid), "the worker in `fastjobs stats`")
+    assert count(db, "SELECT count(*) FROM fastjobs_jobs WHERE state = 'available'") > 0, "no longer busy"
+    assert (busy["listening"], busy["listener_reconnects"]) == (1, 0)
+    assert busy["listener_ok"] > 0
+
+    # Its listener dies while it drains: `stats` says so then, not once the queue is empty.
+    [listener] = db.execute(
+        "SELECT pid FROM pg_stat_activity"
+        " WHERE datname = current_database() AND query = 'LISTEN fastjobs_ping'"
+    ).fetchall()
+    db.execute("SELECT pg_terminate_backend(%s)", listener)
+    down = wait_for(
+        lambda: (w := worker_slot(app.dsn, master.pid)) and w["listening"] == 0 and w, "the listener down"
+    )
+    assert down["listener_reconnects"] == 1
+    human = procs.cli(app.dsn, "stats").stdout
+    assert count(db, "SELECT count(*) FROM fastjobs_jobs WHERE state = 'available'") > 0, "no longer busy"
+    assert re.search(r"\nworker 1 .*  DOWN \(polling\), 1 reconnects\n", human), human
+    # Idle, it makes its listener again.
+    db.execute("DELETE FROM fastjobs_jobs WHERE state = 'available'")
+    back = wait_for(
+        lambda: (w := worker_slot(app.dsn, master.pid)) and w["listening"] == 1 and w, "the listener back"
+    )
+    assert back["listener_reconnects"] == 1 and back["listener_ok"] > busy["listener_ok"]
+    assert master.stop() == 0, master.stderr()
+
+
+def test_stats_json_gives_whole_numbers_as_integers_and_tables_keep_wide_values_apart(
+    masters: procs.Masters, app: App, db: psycopg.Connection[Any]
+) -> None:
+    wide = "q" * 60
+    app.enqueue_many("record", ({"n": n} for n in range(3)), queue=wide)
+    master = masters.start("--processes", "1", "--queues", "default")
+    slot = wait_for(lambda: worker_slot(app.dsn, master.pid), "the worker in `fastjobs stats`")
+    raw = procs.cli(app.dsn, "stats", "--json").stdout
+    assert not re.search(r'"(pid|role|index|completed|listener_reconnects)": -?\d+\.\d', raw), raw
+    doc = json.loads(raw)
+    [mine] = [m for m in doc["masters"] if m["master_pid"] == master.pid]
+    assert mine["this_database"] is True and mine["database"] == doc["database"]
+    for p in mine["processes"]:
+        for name in stats.INTEGER_FIELDS:
+            assert type(p[name]) is int, (name, p)
+        assert type(p["heartbeat"]) is float and type(p["rate"]) is float
+    assert slot["pid"] in master.children()
+
+    # Wide values: a 60-character queue, and table sizes past 1,000 kB beside a dead-row count.
+    db.execute("ALTER TABLE fastjobs_jobs SET (autovacuum_enabled = off)")
+    app.enqueue_many("record", ({"n": n, "pad": "x" * 100} for n in range(20_000)), queue="bulk", conn=db)
+    db.execute("DELETE FROM fastjobs_jobs WHERE queue = 'bulk' AND (args->>'n')::int % 2 = 0")
+    db.execute("SELECT pg_stat_force_next_flush()")
+    wait_for(
+        lambda: (
+            next(t for t in procs.stats_json(app.dsn)["health"]["tables"] if t["table"] == "fastjobs_jobs")[
+                "dead"
+            ]
+            >= 10_000
+        ),
+        "10,000 dead rows in the statistics",
+    )
+    human = procs.cli(app.dsn, "stats")
+    assert human.returncode == 0, human.stderr
+    lines = human.stdout.splitlines()
+    assert re.search(rf"^{wide}  available  +3  +[\d.,]+s$", human.stdout, re.M), human.stdout
+    [jobs_table] = [line for line in lines if line.startswith("fastjobs_jobs ")]
+    # Each column is two spaces or more from the next, however wide: table, live, dead, two sizes, vacuum.
+    fields = re.split(r"\s{2,}", jobs_table)
+    assert len(fields) == 6, jobs_table
+    assert re.fullmatch(r"1\d,\d{3}", fields[2]) and re.fullmatch(r"[\d,.]+ [kM]B", fields[3]), fields
+    for header in ("queue", "process", "table"):
+        [head] = [line for line in lines if line.startswith(f"{header} ")]
+        block = lines[lines.index(head) : lines.index(head) + 3]
+        columns = len(re.split(r"\s{2,}", head))
+        assert all(len(re.split(r"\s{2,}", line.strip())) >= columns - 1 for line in block), block
+    assert master.stop() == 0, master.stderr()

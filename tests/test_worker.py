@@ -8,7 +8,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import ClassVar
 
 import psycopg
@@ -18,6 +18,7 @@ from psycopg.types.json import Jsonb
 import fastjobs.worker
 from fastjobs import App, ConfigurationError
 from fastjobs.cli import _parser
+from fastjobs.stats import WORKER, Slots
 from fastjobs.worker import Listener, Worker, WorkerConfig
 
 from .helpers import (
@@ -602,6 +603,37 @@ def test_listener_check_on_a_healthy_connection(app: App, listener):
     app.enqueue("anything")
     assert listener.check() is True
     assert listener.wait(0) is True
+
+
+def test_the_listener_writes_each_change_of_its_state_to_the_slot(app: App, dsn):
+    """What `fastjobs stats` shows: written when it changes, not when the worker next sleeps."""
+    slots = Slots.create(1)
+    slot = slots[0]
+    slot.claim(WORKER, 0)
+    made = Listener(dsn, ["default"], slot=slot)
+    try:
+        assert made.connect() and made.conn is not None
+        assert (slot["listening"], slot["listener_reconnects"]) == (1, 0) and slot["listener_ok"] > 0
+        query(dsn, "SELECT pg_terminate_backend(%s)", (made.conn.info.backend_pid,))
+
+        def polled(done: Callable[[], bool]) -> Callable[[], bool]:
+            def check() -> bool:
+                made.poll()
+                return done()
+
+            return check
+
+        # A busy worker polls once a second: the loss shows without a sleep on the listener.
+        assert wait_for(polled(lambda: slot["listening"] == 0))
+        assert slot["listener_reconnects"] == 1 and made.conn is None
+        assert made.wait(0) is False  # the worker's next sleep makes it again
+        assert (slot["listening"], slot["listener_reconnects"]) == (1, 1)
+        app.enqueue("anything")  # a wake-up read by a poll is kept for the next sleep
+        assert wait_for(polled(lambda: made._woken))
+        assert made.wait(60) is True
+    finally:
+        made.close()
+        slots.close(unlink=True)
 
 
 def test_listener_check_reconnects_a_terminated_listener(app: App, dsn, listener):

@@ -1,0 +1,92 @@
+"""What every `fastjobs` command does with its output: a reader that goes away ends it quietly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastjobs import App
+
+from . import procs
+
+CRON = """
+import fastjobs
+
+app = fastjobs.App()
+
+
+@app.periodic("*/5 * * * *", kind="five")
+def five():
+    pass
+"""
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["stats"],
+        ["stats", "--json"],
+        ["jobs", "list"],
+        ["jobs", "list", "--json"],
+        ["jobs", "show", "1"],
+        ["jobs", "show", "1", "--json"],
+        ["jobs", "retry", "1"],
+        ["periodic", "list", "fjcron"],
+        ["periodic", "list", "fjcron", "--json"],
+        ["migrate", "--sql"],
+        ["--help"],
+        ["jobs", "--help"],
+    ],
+    ids=" ".join,
+)
+def test_a_closed_pipe_ends_every_command_quietly(
+    app: App, dsn: str, tmp_path: Path, command: list[str]
+) -> None:
+    """`fastjobs ... | head` when head has gone: exit as SIGPIPE would (141), no traceback."""
+    (tmp_path / "fjcron.py").write_text(CRON)
+    app.enqueue("k", {"n": 1}, delay=60)  # job 1
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first write
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "fastjobs.cli", "--dsn", dsn, *command],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            cwd=tmp_path,
+            text=True,
+            timeout=procs.DEADLINE,
+            check=False,
+        )
+    finally:
+        os.close(write)
+    # argparse itself ignores a failed write of --help (and exits 0).
+    code = 0 if "--help" in command else 128 + signal.SIGPIPE
+    # Only notes about other masters' stats files in /dev/shm (other users', other versions').
+    said = [line for line in done.stderr.splitlines() if not line.startswith("fastjobs: skipped /")]
+    assert (done.returncode, said) == (code, [])
+
+
+def test_a_long_listing_into_head(app: App, dsn: str) -> None:
+    app.enqueue_many("k", ({"n": n} for n in range(3000)))
+    done = subprocess.run(
+        [
+            "sh",
+            "-c",
+            f'"{sys.executable}" -m fastjobs.cli --dsn "$DSN" jobs list --limit 3000 | head -n 2',
+        ],
+        env={**os.environ, "DSN": dsn},
+        capture_output=True,
+        text=True,
+        timeout=procs.DEADLINE,
+        check=False,
+    )
+    assert done.returncode == 0
+    assert done.stderr == ""
+    header, first = done.stdout.splitlines()
+    assert header.split() == ["id", "queue", "kind", "state", "attempt", "run_at"]
+    assert first.split()[:4] == ["3000", "default", "k", "available"]
