@@ -19,7 +19,7 @@ from .app import App
 from .errors import ConfigurationError, FastjobsError
 from .impl import FALLBACK, IMPLEMENTATION
 from .leader import DEFAULT_LEASE, LeaderConfig, RescuerConfig
-from .master import DEFAULT_WORKER_TIMEOUT, Master, parse_queues
+from .master import DEFAULT_WORKER_TIMEOUT, Master, parse_queues, threaded_queues
 from .stats import HORIZON_WARNING
 from .types import JobState
 from .worker import WorkerConfig
@@ -310,6 +310,7 @@ def _run(args: argparse.Namespace) -> int:
         leader=leader,
         worker_timeout=args.worker_timeout,
         metrics=metrics,
+        threaded=threaded_queues(args.queues),
     )
     code = master.run()
     logger.info("stopped")
