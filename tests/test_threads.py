@@ -97,6 +97,15 @@ def until_cancelled(n):
         _ended()
 
 
+@app.job("exits")
+def exits(n):
+    """Stops its worker, as a handler in the main thread can: SystemExit."""
+    _span(n, _started())
+    _ended()
+    time.sleep(0.3)  # the others of its wave are running by now
+    raise SystemExit(3)
+
+
 @app.job("stopper")
 def stopper(n):
     """Stops its master (SIGTERM, relayed to the workers) while the rest of its wave waits."""
@@ -205,11 +214,11 @@ def test_cancelling_a_running_threaded_job_reaches_its_thread_alone(
 def test_a_graceful_stop_lets_the_running_threaded_jobs_finish_and_gives_back_the_rest(
     threads: procs.Masters, app: App, db: psycopg.Connection[Any]
 ) -> None:
-    """Quick jobs grow the batches; the stopper stops the master while its wave still holds jobs
-    not started: none of those starts after the stop, none runs twice, none loses an attempt."""
+    """Quick jobs grow the batches; the stopper stops the master while its wave still holds slower
+    jobs not started: none of those starts after the stop, none runs twice, none loses an attempt."""
     app.enqueue_many("io", ({"n": n, "sleep": 0.002} for n in range(300)))
     stopper = app.enqueue("stopper", {"n": 300})
-    app.enqueue_many("io", ({"n": n, "sleep": 0.002} for n in range(301, 600)))
+    app.enqueue_many("io", ({"n": n, "sleep": 0.2} for n in range(301, 400)))
     master = threads.start("--processes", "1", "--queues", "default:4", "--grace", "20", module=MODULE)
     assert master.wait(30) == 0, master.stderr()
     assert "stopping now" not in master.stderr()
@@ -225,7 +234,7 @@ def test_a_graceful_stop_lets_the_running_threaded_jobs_finish_and_gives_back_th
     wait_for(lambda: not count(db, "SELECT count(*) FROM fastjobs_jobs"), "the rest to drain")
     assert again.stop() == 0, again.stderr()
     rows = spans(db)
-    assert Counter(n for n, *_ in rows) == Counter(range(600))
+    assert Counter(n for n, *_ in rows) == Counter(range(400))
     assert {attempt for *_, attempt, _ in rows} == {1}
 
 
@@ -254,3 +263,25 @@ def test_a_worker_killed_mid_wave_counts_an_attempt_for_exactly_its_running_jobs
         state, attempt, _ = job_state(db, job_id)
         assert (state, attempt) in (("available", 0), ("running", 1)), (state, attempt)  # back, or the heir's
     assert master.stop(10) == 0, master.stderr()
+
+
+def test_systemexit_in_a_threaded_handler_stops_the_worker_as_on_its_main_thread(
+    threads: procs.Masters, app: App, db: psycopg.Connection[Any]
+) -> None:
+    """The job that raised it and the others running fail with it (their attempt counted), the
+    jobs not started go back uncounted, and the worker is replaced."""
+    running = [app.enqueue("io", {"n": n, "sleep": 60}, max_attempts=1) for n in range(2)]
+    exits = app.enqueue("exits", {"n": 2}, max_attempts=1)
+    rest = [app.enqueue("io", {"n": n, "sleep": 0.01}) for n in range(3, 9)]
+    master = threads.start("--processes", "1", "--queues", "default:3", module=MODULE)
+    victim = master.wait_child("fastjobs: worker 1 ")
+    wait_for(lambda: not count(db, "SELECT count(*) FROM fastjobs_jobs WHERE id = ANY(%s)", rest),
+             "the rest to run, on the heir")
+    for job_id in [*running, exits]:
+        state, attempt, error = job_state(db, job_id)
+        assert (state, attempt, error) == ("discarded", 1, "SystemExit: 3"), (job_id, state, attempt, error)
+    rows = spans(db)
+    assert sorted(n for n, pid, *_ in rows if pid == victim) == [0, 1, 2]
+    assert sorted(n for n, pid, *_ in rows if pid != victim) == list(range(3, 9))
+    assert {attempt for *_, attempt, _ in rows} == {1}
+    assert master.stop() == 0, master.stderr()
