@@ -658,7 +658,7 @@ cdef class BatchLoop:
         cdef PGresult *batch
         cdef int n
         cdef double began, ran
-        cdef Py_ssize_t cap
+        cdef Py_ssize_t cap, wave
         self.recheck = _INF
         if self._nrows == 0:
             self._claim()
@@ -684,8 +684,10 @@ cdef class BatchLoop:
                 self._sent_at += ran
             # Slow jobs get small batches, waves (async, pooled) at least one: see the reference.
             cap = <Py_ssize_t>(_BATCH_SECONDS * n / max(ran, 1e-9))
-            if self._executor.wave:
-                cap = max(cap, <Py_ssize_t>self._executor.wave)
+            wave = self._executor.wave
+            if wave:
+                # Whole waves, the nearest count: see the reference.
+                cap = max(<Py_ssize_t>wave, (cap + wave // 2) // wave * wave)
                 self._executor.wave = 0
             self._cap = max(self.batch_min, cap)
         finally:

@@ -364,8 +364,10 @@ class BatchLoop:
         # takes the time of one job, so they are never capped below the
         # concurrency they were given.
         cap = int(BATCH_SECONDS * len(rows) / max(ran, 1e-9))
-        if self._executor.wave:
-            cap = max(cap, self._executor.wave)
+        wave = self._executor.wave
+        if wave:
+            # Whole waves, the nearest count: 19 jobs on 10 threads take as long as 20.
+            cap = max(wave, (cap + wave // 2) // wave * wave)
             self._executor.wave = 0
         self._cap = max(self.batch_min, cap)
         if self._in_flight:
