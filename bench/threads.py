@@ -67,8 +67,9 @@ def main() -> None:
         env = dict(os.environ, PYTHONPATH=tmp)
         proc = subprocess.Popen(cmd, cwd=tmp, env=env, stderr=subprocess.DEVNULL)
         try:
+            left = "SELECT count(*) FROM fastjobs_jobs WHERE state <> 'completed'"
             with psycopg.connect(dsn, autocommit=True) as conn:
-                while conn.execute("SELECT count(*) FROM fastjobs_jobs WHERE state <> 'completed'").fetchone()[0]:  # type: ignore[index]
+                while conn.execute(left).fetchone()[0]:  # type: ignore[index]
                     time.sleep(0.1)
                 first, last, done = conn.execute(
                     "SELECT min(attempted_at), max(finalized_at), count(*) FROM fastjobs_jobs"

@@ -47,7 +47,8 @@ def _span(n, active, note=None):
         conn = _local.conn = psycopg.connect(os.environ["FJ_TEST_RUNS_DSN"], autocommit=True)
     job = fastjobs.current_job()
     conn.execute(
-        "INSERT INTO spans (n, pid, thread, job_id, attempt, active, note) VALUES (%s, %s, %s, %s, %s, %s, %s)",
+        "INSERT INTO spans (n, pid, thread, job_id, attempt, active, note)"
+        " VALUES (%s, %s, %s, %s, %s, %s, %s)",
         (n, os.getpid(), threading.get_ident(), job.id, job.attempt, active, note),
     )
 
@@ -124,8 +125,8 @@ def stopper(n):
 def threads(masters: procs.Masters, db: psycopg.Connection[Any]) -> procs.Masters:
     (masters.cwd / f"{MODULE}.py").write_text(JOBS)
     db.execute(
-        "CREATE TABLE spans (n int, pid int, thread bigint, job_id bigint, attempt int, active int, note text,"
-        " at timestamptz DEFAULT clock_timestamp())"
+        "CREATE TABLE spans (n int, pid int, thread bigint, job_id bigint, attempt int, active int,"
+        " note text, at timestamptz DEFAULT clock_timestamp())"
     )
     return masters
 
@@ -177,9 +178,13 @@ def test_a_threaded_job_past_its_timeout_fails_and_the_others_run_on(
     ios = [app.enqueue("io", {"n": 10 + n, "sleep": 0.01}) for n in range(20)]
     master = threads.start("--processes", "1", "--queues", "default:4", module=MODULE)
     worker = master.wait_child("fastjobs: worker 1 ")
-    wait_for(lambda: count(db, "SELECT count(*) FROM fastjobs_jobs WHERE state = 'running'") == 0
-             and count(db, "SELECT count(*) FROM fastjobs_jobs WHERE state = 'available'") == 0,
-             "every job to end")
+    wait_for(
+        lambda: (
+            count(db, "SELECT count(*) FROM fastjobs_jobs WHERE state = 'running'") == 0
+            and count(db, "SELECT count(*) FROM fastjobs_jobs WHERE state = 'available'") == 0
+        ),
+        "every job to end",
+    )
     for job_id in spins:
         state, attempt, error = job_state(db, job_id)
         assert (state, attempt) == ("discarded", 1), (state, attempt, error)
@@ -275,8 +280,10 @@ def test_systemexit_in_a_threaded_handler_stops_the_worker_as_on_its_main_thread
     rest = [app.enqueue("io", {"n": n, "sleep": 0.01}) for n in range(3, 9)]
     master = threads.start("--processes", "1", "--queues", "default:3", module=MODULE)
     victim = master.wait_child("fastjobs: worker 1 ")
-    wait_for(lambda: not count(db, "SELECT count(*) FROM fastjobs_jobs WHERE id = ANY(%s)", rest),
-             "the rest to run, on the heir")
+    wait_for(
+        lambda: not count(db, "SELECT count(*) FROM fastjobs_jobs WHERE id = ANY(%s)", rest),
+        "the rest to run, on the heir",
+    )
     for job_id in [*running, exits]:
         state, attempt, error = job_state(db, job_id)
         assert (state, attempt, error) == ("discarded", 1, "SystemExit: 3"), (job_id, state, attempt, error)
