@@ -103,8 +103,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--processes", type=int, default=1, help="worker processes (besides master and leader)")
     run.add_argument(
         "--queues",
-        help="queues and their concurrency, e.g. default:8,emails:2 (default: every registered queue,"
-        " concurrency 10 per process)",
+        help="queues and their concurrency, e.g. default:8,emails:2: async jobs at once, and sync jobs on"
+        " threads (default: every registered queue, 10 async jobs per process, sync ones one at a time)",
     )
     run.add_argument(
         "--grace",
