@@ -537,7 +537,9 @@ class Worker:
             # One job per batch and no claim ahead: each statement then
             # carries at most one failed job's outcome (see Master._blame).
             careful_until = time.monotonic() + CAREFUL_FOR
+            batch_min = loop.batch_min
             loop.batch_max, loop.overlap = 1, False
+            loop.batch_min = loop.size = 1
         try:
             while not self._stop:
                 began = time.monotonic()
@@ -554,6 +556,7 @@ class Worker:
                     if careful_until and now >= careful_until:
                         careful_until = 0.0
                         loop.batch_max, loop.overlap = config.batch_max, config.overlap
+                        loop.batch_min = batch_min
                 if ran:
                     continue
                 if now >= next_schedule:
