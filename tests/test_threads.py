@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from collections import Counter
 from typing import Any
 
@@ -292,3 +294,44 @@ def test_systemexit_in_a_threaded_handler_stops_the_worker_as_on_its_main_thread
     assert sorted(n for n, pid, *_ in rows if pid != victim) == list(range(3, 9))
     assert {attempt for *_, attempt, _ in rows} == {1}
     assert master.stop() == 0, master.stderr()
+
+
+STANDALONE = f"""
+import fastjobs
+from {MODULE} import app
+
+worker = fastjobs.Worker(app, config=fastjobs.WorkerConfig(threads={{"default": 3}}))
+worker.install_signals()
+worker.run()
+"""
+
+
+def test_a_standalone_worker_stopped_now_fails_its_running_threaded_jobs_and_gives_back_the_rest(
+    threads: procs.Masters, app: App, db: psycopg.Connection[Any]
+) -> None:
+    """The second signal (KeyboardInterrupt in the main thread, waiting on the wave) records the
+    three running jobs as failed by it and gives back those claimed but not started."""
+    ids = [app.enqueue("io", {"n": n, "sleep": 60}) for n in range(6)]
+    (threads.cwd / "standalone.py").write_text(STANDALONE)
+    env = dict(os.environ, FASTJOBS_DSN=app.dsn, FJ_TEST_RUNS_DSN=app.dsn)
+    with (threads.cwd / "standalone.stderr").open("wb") as err:
+        proc = subprocess.Popen([sys.executable, "standalone.py"], cwd=threads.cwd, env=env, stderr=err)
+    try:
+        wait_for(lambda: len(spans(db)) == 3, "a wave of three to start")
+        proc.send_signal(signal.SIGTERM)
+        with pytest.raises(subprocess.TimeoutExpired):  # the first signal waits for the running jobs
+            proc.wait(0.5)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    started = {job_id for *_, job_id, _, _ in spans(db)}
+    for job_id in ids:
+        state, attempt, error = job_state(db, job_id)
+        if job_id in started:
+            assert state in ("available", "retryable") and attempt == 1, (state, attempt)
+            assert error is not None and error.startswith("KeyboardInterrupt"), error
+        else:
+            assert (state, attempt, error) == ("available", 0, None)
