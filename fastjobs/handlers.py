@@ -22,7 +22,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -30,6 +30,9 @@ from .errors import Cancel, JobTimeout, Retry, Snooze
 from .logs import job_fields
 from .retry import default_backoff
 from .types import JobSpec
+
+if TYPE_CHECKING:
+    from .pool import Pool
 
 logger = logging.getLogger(__name__)
 
@@ -509,7 +512,7 @@ class Executor:
         self.context = JobContext()
         # The contexts of the jobs running on the pool, for `cancel`.
         self.contexts: dict[int, JobContext] = {}
-        self._pool: Any = None
+        self._pool: Pool | None = None  # started by the first batch that needs it
         # For the records of its jobs' failures: the worker's id, and the queue
         # of the batch running now (the hot loop sets it once per batch).
         self.worker: str | None = None
@@ -598,7 +601,8 @@ class Executor:
         return None
 
     def run(self, jobs: list[SlowJob], completed: list[int], failures: list[Outcome]) -> None:
-        """Run the slow jobs of a batch: sync ones in order, then async ones concurrently.
+        """Run the slow jobs of a batch: sync ones in order (or on the pool, for a queue in
+        `threads`), then async ones concurrently.
 
         SystemExit or KeyboardInterrupt (a second stop signal) leaves nothing
         unrecorded: jobs that had started fail with it, the others are given
