@@ -38,7 +38,8 @@ app = fastjobs.App()
 
 @app.job("sleep")
 def sleep(seconds):
-    time.sleep(seconds)
+    if seconds:
+        time.sleep(seconds)
 """
 
 
