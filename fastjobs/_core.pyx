@@ -331,6 +331,7 @@ cdef class BatchLoop:
     cdef object _context
     cdef set _cancelled
     cdef bint _last_fast
+    cdef bint _pooled  # this batch's sync jobs run on the executor's pool (set per batch)
     # Shared memory written per job started (plain stores, no syscall): a
     # float64 count, so the master can tell a long batch from a hung one, and
     # the job's id, so it knows which job a dead worker was running; per
@@ -386,6 +387,7 @@ cdef class BatchLoop:
         self.size = batch_min
         self.overlap = overlap
         self.stopping = False
+        self._pooled = False
         self.claimed = self.completed = self.failed = self.retried = self.discarded = self.stale = 0
         self._in_flight = False
         self._limit = 0
@@ -718,13 +720,15 @@ cdef class BatchLoop:
         cdef PGresult *batch
         cdef int n
         cdef double began, ran
-        cdef Py_ssize_t cap
+        cdef Py_ssize_t cap, wave
         self.recheck = _INF
         if self._nrows == 0:
             self._claim()
             if self._nrows == 0:
                 return 0
-        self._executor.queue = self._queues[self._sent_index]  # the rows' queue, for the records of failures
+        queue = self._queues[self._sent_index]
+        self._executor.queue = queue  # the rows' queue, for the records of failures
+        self._pooled = bool(self._executor.threads) and self._executor.pooled(queue)
         self._batch_base = self._sent_index * self._stride
         # Take ownership of the claimed rows: _receive below fills self._rows anew.
         batch = self._rows
@@ -741,11 +745,13 @@ cdef class BatchLoop:
             if self._in_flight:
                 # Rationed by the claim's own time, not the handlers': see the reference.
                 self._sent_at += ran
-            # Slow jobs get small batches, async ones at least a wave: see the reference.
+            # Slow jobs get small batches, waves (async, pooled) at least one: see the reference.
             cap = <Py_ssize_t>(_BATCH_SECONDS * n / max(ran, 1e-9))
-            if self._executor.ran_async:
-                self._executor.ran_async = False
-                cap = max(cap, <Py_ssize_t>self._executor.concurrency)
+            wave = self._executor.wave
+            if wave:
+                # Whole waves, the nearest count: see the reference.
+                cap = max(<Py_ssize_t>wave, (cap + wave // 2) // wave * wave)
+                self._executor.wave = 0
             self._cap = max(self.batch_min, cap)
         finally:
             PQclear(batch)
@@ -830,7 +836,7 @@ cdef class BatchLoop:
                 failures.append(self._tally(row, _discard(
                     job_id, attempt, f"args must be a JSON object, not {type(args).__name__}")))
                 continue
-            if not self._last_fast:
+            if not self._last_fast or self._pooled:
                 slow.append((spec, job_id, args, attempt, max_attempts))
                 continue
             if self._cancelled and job_id in self._cancelled:

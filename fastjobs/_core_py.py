@@ -156,6 +156,7 @@ class BatchLoop:
         self.size = batch_min
         self.overlap = overlap
         self.stopping = False
+        self._pooled = False  # this batch's sync jobs run on the executor's pool
         self.claimed = 0
         self.completed = 0
         self.failed = 0
@@ -366,7 +367,10 @@ class BatchLoop:
         self._rows = []
         if not rows:
             return 0
-        self._executor.queue = self._queues[self._sent[0]]  # the rows' queue, for the records of failures
+        queue = self._queues[self._sent[0]]
+        self._executor.queue = queue  # the rows' queue, for the records of failures
+        # Its sync jobs run on the executor's threads when it was given concurrency (checked per batch).
+        self._pooled = bool(self._executor.threads) and self._executor.pooled(queue)
         self._batch_base = self._sent[0] * self._stride
         # Claim ahead only from a deep queue (the last claim came back full):
         # on a shallow one it would mostly return nothing, one more round trip
@@ -382,12 +386,15 @@ class BatchLoop:
             index, from_front, sent = self._sent
             self._sent = (index, from_front, sent + ran)
         # Slow jobs get small batches, so siblings share a deep queue of them;
-        # but async jobs run a wave at a time and a wave takes the time of one
-        # job, so they are never capped below the concurrency they were given.
+        # but async jobs and pooled sync ones run a wave at a time and a wave
+        # takes the time of one job, so they are never capped below the
+        # concurrency they were given.
         cap = int(BATCH_SECONDS * len(rows) / max(ran, 1e-9))
-        if self._executor.ran_async:
-            self._executor.ran_async = False
-            cap = max(cap, self._executor.concurrency)
+        wave = self._executor.wave
+        if wave:
+            # Whole waves, the nearest count: 19 jobs on 10 threads take as long as 20.
+            cap = max(wave, (cap + wave // 2) // wave * wave)
+            self._executor.wave = 0
         self._cap = max(self.batch_min, cap)
         if self._in_flight:
             self._rows = self._receive()
@@ -448,7 +455,7 @@ class BatchLoop:
                 reason = f"args must be a JSON object, not {type(args).__name__}"
                 failures.append(self._tally(at, handlers.discard(job_id, attempt, reason)))
                 continue
-            if spec.is_async or spec.timeout is not None:
+            if spec.is_async or spec.timeout is not None or self._pooled:
                 slow.append((spec, job_id, args, attempt, max_attempts))
                 continue
             if executor.cancelled and job_id in executor.cancelled:

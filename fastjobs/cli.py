@@ -22,7 +22,7 @@ from .app import App
 from .errors import ConfigurationError, FastjobsError
 from .impl import FALLBACK, IMPLEMENTATION
 from .leader import DEFAULT_LEASE, LeaderConfig, RescuerConfig, periodic_status
-from .master import DEFAULT_WORKER_TIMEOUT, Master, parse_queues
+from .master import DEFAULT_WORKER_TIMEOUT, Master, parse_queues, threaded_queues
 from .stats import HORIZON_WARNING
 from .types import JobState
 from .worker import WorkerConfig, host_id
@@ -110,8 +110,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--processes", type=int, default=1, help="worker processes (besides master and leader)")
     run.add_argument(
         "--queues",
-        help="queues and their concurrency, e.g. default:8,emails:2 (default: every registered queue,"
-        " concurrency 10 per process)",
+        help="queues and their concurrency, e.g. default:8,emails:2: async jobs at once, and sync jobs on"
+        " threads (default: every registered queue, 10 async jobs per process, sync ones one at a time)",
     )
     run.add_argument(
         "--grace",
@@ -354,6 +354,7 @@ def _run(args: argparse.Namespace) -> int:
         worker_timeout=args.worker_timeout,
         metrics=metrics,
         host=host,
+        threaded=threaded_queues(args.queues),
     )
     code = master.run()
     logger.info("stopped")

@@ -20,9 +20,9 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -30,6 +30,9 @@ from .errors import Cancel, InvalidArguments, JobTimeout, Retry, Snooze
 from .logs import job_fields
 from .retry import default_backoff
 from .types import JobSpec
+
+if TYPE_CHECKING:
+    from .pool import Pool
 
 logger = logging.getLogger(__name__)
 
@@ -469,6 +472,13 @@ _thread = threading.local()
 _async_job: contextvars.ContextVar[JobContext | None] = contextvars.ContextVar("fastjobs_job", default=None)
 
 
+def bind(executor: Executor, context: JobContext) -> None:
+    """Make `context` the calling thread's `current_job()`, and `executor` whose worker and queue
+    the records of its jobs carry (_job_fields)."""
+    _thread.job = context
+    _thread.executor = executor
+
+
 def current_job() -> JobContext | None:
     """The job the calling handler is running, or None outside a handler."""
     job = _async_job.get()
@@ -485,16 +495,24 @@ class Executor:
     (the hot loop checks `cancelled` before starting a job and after it ran)
     and cancels an async job's task on the event loop.
 
-    Async jobs run `concurrency` at once; a wave of them takes the time of
-    its slowest, not the sum, so `ran_async` tells the hot loop to size its
-    next batch by waves (the loop reads and clears it once per batch).
+    Async jobs run `concurrency` at once, and the sync jobs of a queue in
+    `threads` that many at once on a pool of threads; a wave of them takes
+    the time of its slowest, not the sum, so `wave` tells the hot loop to
+    size its next batch by waves (the loop reads and clears it once per batch).
     """
 
-    def __init__(self, concurrency: int = 100) -> None:
+    def __init__(self, concurrency: int = 100, threads: Mapping[str, int] | None = None) -> None:
         self.concurrency = concurrency
+        # Per queue (as the hot loop names it, bytes): how many of a batch's
+        # sync jobs run at once on the pool (pool.Pool). A queue not here (the
+        # default) runs them one at a time on the hot loop's thread.
+        self.threads = {queue.encode(): n for queue, n in (threads or {}).items() if n > 1}
         self.stopping = False  # set by Worker.stop: jobs not yet started go back
-        self.ran_async = False
+        self.wave = 0  # how many jobs the last batch ran at once, when more than one (async, pool)
         self.context = JobContext()
+        # The contexts of the jobs running on the pool, for `cancel`.
+        self.contexts: dict[int, JobContext] = {}
+        self._pool: Pool | None = None  # started by the first batch that needs it
         # For the records of its jobs' failures: the worker's id, and the queue
         # of the batch running now (the hot loop sets it once per batch).
         self.worker: str | None = None
@@ -508,13 +526,19 @@ class Executor:
 
     def bind(self) -> None:
         """Make this executor's context the calling thread's `current_job()`."""
-        _thread.job = self.context
-        _thread.executor = self  # whose worker and queue the job records carry (_job_fields)
+        bind(self, self.context)
+
+    def pooled(self, queue: bytes) -> bool:
+        """Whether the sync jobs of a batch from `queue` run on the pool (asked once per batch)."""
+        return queue in self.threads
 
     def cancel(self, job_id: int) -> None:
         self.cancelled.add(job_id)
         if self.context.id == job_id:
             self.context.cancelled = True
+        context = self.contexts.get(job_id)
+        if context is not None:
+            context.cancelled = True
         task = self._tasks.get(job_id)
         if task is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(task.cancel)
@@ -533,7 +557,18 @@ class Executor:
         only: SystemExit or KeyboardInterrupt, which stop the worker, fail it),
         with the handler's reason when it answered the request with Cancel.
         """
-        context = self.context
+        return self.raised_in(self.context, spec, job_id, attempt, max_attempts, exc)
+
+    def raised_in(
+        self,
+        context: JobContext,
+        spec: JobSpec,
+        job_id: int,
+        attempt: int,
+        max_attempts: int,
+        exc: BaseException,
+    ) -> Outcome:
+        """`raised`, for the job of `context` (a pool thread's)."""
         context.id = 0
         if context.cancelled:
             self.cancelled.discard(job_id)
@@ -550,7 +585,12 @@ class Executor:
         attempt; a cancellation that arrived while it ran cancels the job,
         whatever it returned. The caller records a success.
         """
-        context = self.context
+        return self.returned_in(self.context, spec, job_id, attempt, max_attempts, result)
+
+    def returned_in(
+        self, context: JobContext, spec: JobSpec, job_id: int, attempt: int, max_attempts: int, result: Any
+    ) -> Outcome | None:
+        """`returned`, for the job of `context` (a pool thread's)."""
         context.id = 0
         if context.cancelled:
             self.cancelled.discard(job_id)
@@ -562,7 +602,8 @@ class Executor:
         return None
 
     def run(self, jobs: list[SlowJob], completed: list[int], failures: list[Outcome]) -> None:
-        """Run the slow jobs of a batch: sync ones in order, then async ones concurrently.
+        """Run the slow jobs of a batch: sync ones in order (or on the pool, for a queue in
+        `threads`), then async ones concurrently.
 
         SystemExit or KeyboardInterrupt (a second stop signal) leaves nothing
         unrecorded: jobs that had started fail with it, the others are given
@@ -588,6 +629,17 @@ class Executor:
     ) -> None:
         pending_async = []
         context = self.context
+        width = self.threads.get(self.queue, 1) if self.threads and isinstance(self.queue, bytes) else 1
+        if width > 1:
+            pooled = [job for job in jobs if not job[0].is_async]
+            if pooled:
+                if self._pool is None:
+                    from .pool import Pool
+
+                    self._pool = Pool(self)
+                self.wave = width
+                self._pool.run(pooled, width, completed, failures, started)
+                jobs = [job for job in jobs if job[0].is_async]
         for job in jobs:
             spec, job_id, args, attempt, max_attempts = job
             if spec.is_async:
@@ -622,7 +674,7 @@ class Executor:
             else:
                 failures.append(outcome)
         if pending_async:
-            self.ran_async = True
+            self.wave = max(self.wave, self.concurrency)
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
             self._loop.run_until_complete(self._gather(pending_async, completed, failures, started))
@@ -694,6 +746,9 @@ class Executor:
                 loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
         if self._loop is not None:
             self._loop.close()
             self._loop = None

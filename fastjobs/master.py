@@ -19,6 +19,7 @@ import select
 import signal
 import sys
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 
 import psycopg
@@ -42,7 +43,8 @@ EXIT_BOOT_ERROR = 3
 
 RESTART_BACKOFF_MAX = 30.0
 # A queue named without `:n` gets this much concurrency per worker process
-# (its async jobs in flight at once; sync jobs run one at a time per worker).
+# (its async jobs in flight at once; its sync jobs run one at a time per
+# worker: threads are asked for, with `:n`, since they need thread-safe handlers).
 DEFAULT_CONCURRENCY = 10
 STABLE_AFTER = 30.0  # a child that lived this long resets its backoff
 # A child whose slot has not been beaten this long is hung or stopped (it
@@ -94,6 +96,16 @@ def parse_queues(spec: str | None, registered: list[str], processes: int) -> dic
     return queues
 
 
+def threaded_queues(spec: str | None) -> frozenset[str]:
+    """The queues `spec` gives a concurrency (`name:N`): their sync jobs run on threads.
+
+    Call it on a spec parse_queues accepted.
+    """
+    if not spec:
+        return frozenset()
+    return frozenset(name.strip() for name, sep, _ in (p.partition(":") for p in spec.split(",")) if sep)
+
+
 def shard(queues: dict[str, int], processes: int) -> list[dict[str, int]]:
     """Assign queues to worker processes: the rule `fastjobs run` documents and prints.
 
@@ -102,7 +114,7 @@ def shard(queues: dict[str, int], processes: int) -> list[dict[str, int]]:
     ones (load = concurrency already assigned; ties by lower index), and its
     concurrency is split evenly among them, the remainder going one each to
     the lowest indexes. A worker's share bounds how many of that queue's
-    async jobs it runs at once; sync jobs run one at a time per worker.
+    async jobs it runs at once, and, for a queue in `threaded`, its sync jobs.
     """
     load = [0] * processes
     plan: list[dict[str, int]] = [{} for _ in range(processes)]
@@ -136,7 +148,9 @@ class Master:
     """`fastjobs run`: N workers and one leader under supervision.
 
     `worker` holds the workers' settings (its `grace` is also the master's
-    deadline on stop); each worker's concurrency is its share of `queues`.
+    deadline on stop); each worker's concurrency is its share of `queues`,
+    and for the queues in `threaded` its share is also how many of their
+    sync jobs it runs at once, on threads.
     """
 
     def __init__(
@@ -150,11 +164,13 @@ class Master:
         worker_timeout: float | None = None,
         metrics: tuple[str, int] | None = None,
         host: str | None = None,
+        threaded: Collection[str] = (),
     ) -> None:
         if processes < 1:
             raise ConfigurationError("--processes must be at least 1")
         self.app = app
         self.plan = shard(queues, processes)
+        self.threaded = frozenset(threaded)
         if worker_timeout is not None and not worker_timeout >= 2.0:
             raise ConfigurationError(
                 "--worker-timeout must be at least 2 seconds (children beat every second)"
@@ -550,8 +566,14 @@ class Master:
         worker = Worker(
             self.app,
             queues,
-            # The leader promotes due jobs; the share of the plan bounds the async jobs in flight.
-            config=replace(self.worker_config, concurrency=max(1, sum(share.values())), schedule=False),
+            # The leader promotes due jobs; the share of the plan bounds the async jobs in flight,
+            # and the sync jobs of threaded queues.
+            config=replace(
+                self.worker_config,
+                concurrency=max(1, sum(share.values())),
+                threads={q: n for q, n in share.items() if q in self.threaded and n > 1},
+                schedule=False,
+            ),
             worker_id=worker_id,
             supervision=Supervision(
                 parent=self.pid, slot=slot, title=title, careful=child.careful, host=self.host
@@ -580,6 +602,11 @@ class Master:
         for index, share in enumerate(self.plan):
             shown = ", ".join(f"{q}:{n}" for q, n in sorted(share.items())) or "(no queue: not started)"
             logger.info("  worker %d: %s", index + 1, shown)
+        if self.threaded:
+            logger.info(
+                "  sync jobs of %s: as many at once per worker as its share, on threads",
+                ", ".join(sorted(self.threaded)),
+            )
 
     def _titles(self, now: float) -> None:
         """Write each worker's rate to its slot once a second, and the master's title."""

@@ -11,8 +11,8 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -360,13 +360,17 @@ class WorkerConfig:
 
     Each field's default is the setting's only default: the CLI's options,
     the master and the benchmark refer to it. Under a master, `concurrency`
-    becomes the worker's share of the `--queues` plan and `schedule` is off
-    (the leader promotes due jobs).
+    becomes the worker's share of the `--queues` plan, `threads` its share of
+    each queue given a concurrency (`name:N`), and `schedule` is off (the
+    leader promotes due jobs).
     """
 
     batch_max: int = 1000  # the largest batch one claim takes (a worker starts at one and doubles)
     poll_interval: float = 1.0  # seconds between claims when no notification wakes the worker
-    concurrency: int = 100  # async jobs in flight at once (sync jobs run one at a time)
+    concurrency: int = 100  # async jobs in flight at once
+    # Per queue: how many of its sync jobs run at once, on a pool of threads
+    # (pool.Pool); a queue not named runs them one at a time on the loop's thread.
+    threads: Mapping[str, int] = field(default_factory=dict)
     keep_completed: bool = False  # keep completed jobs' rows instead of deleting them
     overlap: bool = True  # send the next claim while the batch's handlers run
     schedule: bool = True  # promote due scheduled and retryable jobs when idle
@@ -381,6 +385,13 @@ class WorkerConfig:
                 raise ConfigurationError(
                     f"the worker's {name} must be an integer of at least 1, not {value!r}"
                 )
+        if not isinstance(self.threads, Mapping) or not all(
+            isinstance(queue, str) and type(n) is int and n >= 1 for queue, n in self.threads.items()
+        ):
+            raise ConfigurationError(
+                f"the worker's threads must map queue names to integers of at least 1, not {self.threads!r}"
+            )
+        object.__setattr__(self, "threads", dict(self.threads))  # a copy the caller cannot change
         if not 0 < self.poll_interval < float("inf"):
             raise ConfigurationError(
                 "the worker's poll_interval must be a finite number of seconds above 0,"
@@ -435,7 +446,7 @@ class Worker:
         self.queues = queues or sorted({spec.queue for spec in app.jobs.values()}) or [DEFAULT_QUEUE]
         self.config = config
         self.worker_id = worker_id or make_worker_id(uuid.uuid4().hex[:12])
-        self.executor = Executor(config.concurrency)
+        self.executor = Executor(config.concurrency, config.threads)
         self.exit_when_empty = exit_when_empty
         self.on_ready = on_ready
         self.slot = supervision.slot if supervision is not None else None
@@ -539,6 +550,9 @@ class Worker:
                 self.worker_id,
                 self.queues,
                 keep_completed=self.config.keep_completed,
+                # A wave of threads from the first claim on: one long I/O job
+                # alone in a batch would keep the other threads idle while it runs.
+                batch_min=min(self.config.batch_max, max(self.config.threads.values(), default=1)),
                 batch_max=self.config.batch_max,
                 overlap=self.config.overlap,
                 progress=self.slot.progress_view() if self.slot is not None else None,
@@ -584,7 +598,9 @@ class Worker:
             # One job per batch and no claim ahead: each statement then
             # carries at most one failed job's outcome (see Master._blame).
             careful_until = time.monotonic() + CAREFUL_FOR
+            batch_min = loop.batch_min
             loop.batch_max, loop.overlap = 1, False
+            loop.batch_min = loop.size = 1
         try:
             while not self._stop:
                 began = time.monotonic()
@@ -602,6 +618,7 @@ class Worker:
                     if careful_until and now >= careful_until:
                         careful_until = 0.0
                         loop.batch_max, loop.overlap = config.batch_max, config.overlap
+                        loop.batch_min = batch_min
                 if ran:
                     continue
                 if now >= next_schedule:

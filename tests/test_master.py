@@ -28,6 +28,7 @@ from fastjobs.master import (
     Master,
     parse_queues,
     shard,
+    threaded_queues,
 )
 
 from . import procs
@@ -106,6 +107,11 @@ def test_parse_queues() -> None:
 def test_parse_queues_rejects_bad_specs(spec: str) -> None:
     with pytest.raises(ConfigurationError, match="--queues"):
         parse_queues(spec, [], 2)
+
+
+def test_only_queues_given_a_concurrency_run_sync_jobs_on_threads() -> None:
+    assert threaded_queues("default:8, emails ,reports:1") == {"default", "reports"}
+    assert threaded_queues(None) == threaded_queues("") == frozenset()
 
 
 def test_parse_queues_rejects_a_queue_named_twice() -> None:
@@ -292,6 +298,7 @@ def test_process_titles_and_the_printed_plan(masters: procs.Masters) -> None:
     err = master.stderr()
     assert "worker 1: default:2\n" in err
     assert "worker 2: default:1, emails:1\n" in err
+    assert "sync jobs of default, emails: as many at once per worker as its share, on threads\n" in err
     w1 = master.wait_child("fastjobs: worker 1 [default]")
     w2 = master.wait_child("fastjobs: worker 2 [default,emails]")
     w3 = master.wait_child("fastjobs: worker 3 [default]")

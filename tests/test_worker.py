@@ -155,6 +155,11 @@ def test_default_queues_are_the_registered_ones(app: App):
         ({"poll_interval": math.nan}, "poll_interval must be a finite number of seconds above 0"),
         ({"grace": -0.5}, "grace period must be at least 0 seconds"),
         ({"grace": math.nan}, "grace period must be at least 0 seconds"),
+        ({"threads": {"emails": 0}}, "threads must map queue names to integers of at least 1"),
+        ({"threads": {"emails": 2.5}}, "threads must map queue names to integers of at least 1"),
+        ({"threads": {"emails": True}}, "threads must map queue names to integers of at least 1"),
+        ({"threads": {b"emails": 4}}, "threads must map queue names to integers of at least 1"),
+        ({"threads": [("emails", 4)]}, "threads must map queue names to integers of at least 1"),
     ],
 )
 def test_worker_config_rejects_bad_settings_when_built(settings, message):
@@ -184,6 +189,12 @@ def test_the_cli_defaults_are_the_worker_configs():
 def test_a_worker_takes_its_settings_from_its_config(app: App):
     worker = Worker(app, config=WorkerConfig(concurrency=7, batch_max=3))
     assert worker.config.batch_max == 3 and worker.executor.concurrency == 7
+    threads = {"emails": 8, "default": 1}
+    worker = Worker(app, config=WorkerConfig(threads=threads))
+    threads["emails"] = 2  # the config keeps its own copy
+    # A queue of one thread runs its sync jobs on the loop's own thread, as a queue not named.
+    assert worker.executor.threads == {b"emails": 8}
+    assert worker.executor.pooled(b"emails") and not worker.executor.pooled(b"default")
     assert Worker(app).config == WorkerConfig()
 
 
