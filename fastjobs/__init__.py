@@ -17,6 +17,7 @@ from .errors import (
     Snooze,
 )
 from .handlers import JobContext, current_job
+from .middleware import Enqueue
 from .retry import default_backoff
 from .types import JobSpec, JobState
 from .worker import Worker, WorkerConfig
@@ -31,6 +32,7 @@ __all__ = [
     "Cancel",
     "ConfigurationError",
     "DatabaseUnavailable",
+    "Enqueue",
     "FastjobsError",
     "Job",
     "JobContext",

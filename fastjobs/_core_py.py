@@ -22,6 +22,11 @@ IMPLEMENTATION = "python"
 
 _JSONB_VERSION = b"\x01"
 
+# A claimed job: id, kind, args (binary jsonb), attempt, max_attempts, and
+# with full context its meta (binary jsonb, or None), created_at and run_at
+# (binary timestamptz).
+Row = tuple[int, str, bytes, int, int, "tuple[bytes | None, int, int] | None"]
+
 
 def encode_copy_rows(
     kind: str,
@@ -95,6 +100,7 @@ class BatchLoop:
         progress: memoryview | None = None,
         full_claim_duty: float = FULL_CLAIM_DUTY,
         running: memoryview | None = None,
+        full_context: bool = False,
     ) -> None:
         self._pgconn = conn.pgconn
         # Shared memory written per job started (plain stores): a float
@@ -115,9 +121,14 @@ class BatchLoop:
         self._worker_id = worker_id.encode()
         self._queues = [q.encode() for q in queues]
         self._turn = 0
+        # With `full_context` (the app has middleware) the claim returns each
+        # job's meta and created_at too, and each job's JobContext is filled
+        # whole; without, neither costs a job anything.
+        self._full_context = full_context
+        finish = sql.FINISH_CONTEXT if full_context else sql.FINISH
         self._statements = {
             name: (name.encode(), text)
-            for name, text in (sql.FINISH[keep_completed, False], sql.FINISH[keep_completed, True])
+            for name, text in (finish[keep_completed, False], finish[keep_completed, True])
         }
         self._full_name, self._after_name = (name for name, _ in self._statements.values())
         # Per queue: where its last claim ended (priority, run_at as binary
@@ -142,7 +153,7 @@ class BatchLoop:
         self._full = False
         self._cap = batch_max
         self.stale = 0  # outcomes dropped because their job no longer ran that attempt here
-        self._rows: list[tuple[int, str, bytes, int, int]] = []
+        self._rows: list[Row] = []
         # Jobs completed at their first attempt (by id), and every other outcome.
         self._done: list[int] = []
         self._failures: list[Outcome] = []
@@ -260,8 +271,8 @@ class BatchLoop:
             raise LoopError(error)
         return error
 
-    def _receive(self) -> list[tuple[int, str, bytes, int, int]]:
-        rows: list[tuple[int, str, bytes, int, int]] = []
+    def _receive(self) -> list[Row]:
+        rows: list[Row] = []
         res, error, isolatable = self._results()
         if error is not None:
             done, failures = self._sent_outcomes
@@ -278,6 +289,9 @@ class BatchLoop:
             self._running[1] = 0
         n = self._claimed(res) if res is not None else 0
         for i in range(n):
+            claimed = None
+            if self._full_context:
+                claimed = (res.get_value(i, 7), _int(res.get_value(i, 8)), _int(res.get_value(i, 6)))
             rows.append(
                 (
                     _int(res.get_value(i, 0)),
@@ -285,6 +299,7 @@ class BatchLoop:
                     res.get_value(i, 2),
                     _int(res.get_value(i, 3)),
                     _int(res.get_value(i, 4)),
+                    claimed,
                 )
             )
         self.claimed += n
@@ -319,7 +334,7 @@ class BatchLoop:
             # (step() resets this; the soonest over the queues tried wins).
             self.recheck = min(self.recheck, max(0.0, self._next_full[index] - now))
 
-    def _claim(self) -> list[tuple[int, str, bytes, int, int]]:
+    def _claim(self) -> list[Row]:
         """Claim synchronously, trying each queue once before giving up.
 
         The claim shares its statement's snapshot with the outcomes it writes,
@@ -377,14 +392,15 @@ class BatchLoop:
             self._send(0)
             self._receive()
 
-    def _run(self, rows: list[tuple[int, str, bytes, int, int]]) -> None:
+    def _run(self, rows: list[Row]) -> None:
         done = self._done
         failures = self._failures
         specs = self._specs
         executor = self._executor
         context = executor.context
         slow: list[handlers.SlowJob] = []
-        for index, (job_id, kind, raw, attempt, max_attempts) in enumerate(rows):
+        queue = executor.queue.decode() if isinstance(executor.queue, bytes) else executor.queue
+        for index, (job_id, kind, raw, attempt, max_attempts, claimed_raw) in enumerate(rows):
             if self.stopping:
                 failures.extend(handlers.release(row[0], row[3]) for row in rows[index:])
                 break
@@ -404,14 +420,21 @@ class BatchLoop:
                 reason = f"args must be a JSON object, not {type(args).__name__}"
                 failures.append(handlers.discard(job_id, attempt, reason))
                 continue
+            claimed = None
+            if claimed_raw is not None:
+                meta_raw, enqueued, scheduled = claimed_raw
+                meta = orjson.loads(meta_raw[1:]) if meta_raw is not None else None
+                claimed = (meta if type(meta) is dict else {}, enqueued, scheduled)
             if spec.is_async or spec.timeout is not None:
-                slow.append((spec, job_id, args, attempt, max_attempts))
+                slow.append((spec, job_id, args, attempt, max_attempts, claimed))
                 continue
             if executor.cancelled and job_id in executor.cancelled:
                 executor.cancelled.discard(job_id)
                 failures.append(handlers.cancelled(job_id, attempt))
                 continue
             context.id, context.kind, context.attempt, context.cancelled = job_id, kind, attempt, False
+            if claimed is not None:
+                context.fill(queue, args, max_attempts, claimed)
             try:
                 result = spec.target(**args)
             except Exception as exc:

@@ -84,6 +84,7 @@ class NewBatchLoop(Protocol):
         progress: memoryview | None = ...,  # the slot's float64 [0]: counts the jobs started
         full_claim_duty: float = ...,
         running: memoryview | None = ...,  # the slot's int64 [0:3]: the job running, the outcomes written
+        full_context: bool = ...,  # claim meta and created_at, fill each JobContext whole (middleware)
     ) -> BatchLoop: ...
 
 

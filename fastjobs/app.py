@@ -15,14 +15,16 @@ from typing import Any, Generic, ParamSpec, TypedDict, TypeVar, Unpack
 
 import psycopg
 
-from . import control, database, enqueue, schema
+from . import control, database, enqueue, middleware, schema
 from .cron import Cron
-from .enqueue import check_max_attempts, check_priority, check_queue
+from .enqueue import Options, check_max_attempts, check_priority, check_queue
+from .middleware import Enqueue, EnqueueMiddleware, JobMiddleware
 from .retry import RetryPolicy
 from .types import DEFAULT_MAX_ATTEMPTS, DEFAULT_PRIORITY, DEFAULT_QUEUE, JobSpec
 
 P = ParamSpec("P")
 R = TypeVar("R")
+M = TypeVar("M", bound=Callable[..., Any])
 
 # Reserved for enqueue options on the job handle, so a handler cannot take it.
 _RESERVED = frozenset({"conn"})
@@ -56,6 +58,10 @@ class App:
         self._async_pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[Any]] = (
             weakref.WeakKeyDictionary()
         )
+        self._middleware: list[JobMiddleware] = []
+        # Enqueue middleware of the sync enqueue methods, and of the async ones.
+        self._enqueue_middleware: list[EnqueueMiddleware] = []
+        self._enqueue_middleware_async: list[EnqueueMiddleware] = []
 
     @property
     def dsn(self) -> str:
@@ -142,6 +148,37 @@ class App:
 
         return register
 
+    def middleware(self, func: M) -> M:
+        """Register a job middleware, `mw(job, call_next)`, around every job's execution.
+
+        A `def` one wraps the `def` handlers, an `async def` one the `async
+        def` handlers; they run in registration order, the first outermost.
+        See fastjobs.middleware. A worker composes them when it starts.
+        """
+        if not callable(func):
+            raise TypeError(f"middleware must be callable, not {func!r}")
+        self._middleware.append(func)
+        return func
+
+    def enqueue_middleware(self, func: M) -> M:
+        """Register an enqueue middleware, `mw(enqueue, call_next)`, around every enqueue call.
+
+        It sees each call (one job, or many: one `fastjobs.Enqueue`), may add
+        to `enqueue.meta`, stored on every job of the call, and refuses the
+        enqueue by raising. A `def` one wraps `enqueue` and `enqueue_many`, an
+        `async def` one their async versions.
+        """
+        if not callable(func):
+            raise TypeError(f"enqueue middleware must be callable, not {func!r}")
+        chain = self._enqueue_middleware_async if middleware.is_async(func) else self._enqueue_middleware
+        chain.append(func)
+        return func
+
+    @property
+    def has_middleware(self) -> bool:
+        """Whether jobs run behind middleware (then workers fill each JobContext whole)."""
+        return bool(self._middleware)
+
     def runnable(self) -> dict[str, JobSpec]:
         """The registered specs as a worker runs them, taken once when it starts.
 
@@ -149,7 +186,10 @@ class App:
         argument conversion); a spec with nothing to wrap keeps `call=None`,
         so the hot loop calls the handler itself.
         """
-        return dict(self.jobs)
+        specs = dict(self.jobs)
+        if self._middleware:  # around the handler's call, argument conversion included
+            specs = {kind: middleware.wrap(spec, self._middleware) for kind, spec in specs.items()}
+        return specs
 
     def enqueue(
         self,
@@ -168,6 +208,16 @@ class App:
         """
         opts = enqueue.options(kind, self.jobs.get(kind), **options)
         params = enqueue.insert_params(opts, args)  # bad args fail before a connection is taken
+        if not self._enqueue_middleware:
+            return self._insert(params, conn)
+        call = _enqueue_call(opts, {} if args is None else args)
+        return int(
+            middleware.run_enqueue(
+                self._enqueue_middleware, call, lambda: self._insert(_with_meta(params, call), conn)
+            )
+        )
+
+    def _insert(self, params: tuple[Any, ...], conn: psycopg.Connection[Any] | None) -> int:
         if conn is not None:
             return enqueue.insert(conn, params)
         with self.connection() as own:
@@ -190,10 +240,28 @@ class App:
         repeated in the call) are skipped and not counted.
         """
         opts = enqueue.options(kind, self.jobs.get(kind), **options)
+        if not self._enqueue_middleware:
+            return self._copy(opts, args_iterable, None, conn)
+        call = _enqueue_call(opts, None)
+        return int(
+            middleware.run_enqueue(
+                self._enqueue_middleware,
+                call,
+                lambda: self._copy(opts, args_iterable, enqueue.dump_meta(call.meta), conn),
+            )
+        )
+
+    def _copy(
+        self,
+        opts: Options,
+        rows: Iterable[dict[str, Any]],
+        meta: bytes | None,
+        conn: psycopg.Connection[Any] | None,
+    ) -> int:
         if conn is not None:
-            return enqueue.copy_many(conn, opts, args_iterable)
+            return enqueue.copy_many(conn, opts, rows, meta)
         with self.connection() as own:
-            return enqueue.copy_many(own, opts, args_iterable)
+            return enqueue.copy_many(own, opts, rows, meta)
 
     async def enqueue_async(
         self,
@@ -206,6 +274,18 @@ class App:
         """`enqueue` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs')."""
         opts = enqueue.options(kind, self.jobs.get(kind), **options)
         params = enqueue.insert_params(opts, args)
+        if not self._enqueue_middleware_async:
+            return await self._insert_async(params, conn)
+        call = _enqueue_call(opts, {} if args is None else args)
+        return int(
+            await middleware.run_enqueue_async(
+                self._enqueue_middleware_async,
+                call,
+                lambda: self._insert_async(_with_meta(params, call), conn),
+            )
+        )
+
+    async def _insert_async(self, params: tuple[Any, ...], conn: psycopg.AsyncConnection[Any] | None) -> int:
         if conn is not None:
             return await enqueue.insert_async(conn, params)
         async with self.connection_async() as own:
@@ -221,10 +301,28 @@ class App:
     ) -> int:
         """`enqueue_many` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs')."""
         opts = enqueue.options(kind, self.jobs.get(kind), **options)
+        if not self._enqueue_middleware_async:
+            return await self._copy_async(opts, args_iterable, None, conn)
+        call = _enqueue_call(opts, None)
+        return int(
+            await middleware.run_enqueue_async(
+                self._enqueue_middleware_async,
+                call,
+                lambda: self._copy_async(opts, args_iterable, enqueue.dump_meta(call.meta), conn),
+            )
+        )
+
+    async def _copy_async(
+        self,
+        opts: Options,
+        rows: Iterable[dict[str, Any]],
+        meta: bytes | None,
+        conn: psycopg.AsyncConnection[Any] | None,
+    ) -> int:
         if conn is not None:
-            return await enqueue.copy_many_async(conn, opts, args_iterable)
+            return await enqueue.copy_many_async(conn, opts, rows, meta)
         async with self.connection_async() as own:
-            return await enqueue.copy_many_async(own, opts, args_iterable)
+            return await enqueue.copy_many_async(own, opts, rows, meta)
 
     def periodic(
         self, cron: str, *, kind: str | None = None, queue: str = DEFAULT_QUEUE, **options: Any
@@ -331,6 +429,26 @@ class Job(Generic[P, R]):
 
     def __repr__(self) -> str:
         return f"<fastjobs.Job {self.kind!r} queue={self.spec.queue!r}>"
+
+
+def _enqueue_call(opts: Options, args: dict[str, Any] | None) -> Enqueue:
+    """What enqueue middleware sees of a call: `args` for one job, None for many."""
+    return Enqueue(
+        opts.kind,
+        opts.queue,
+        opts.priority,
+        opts.max_attempts,
+        opts.run_at,
+        opts.delay,
+        many=args is None,
+        args=args,
+    )
+
+
+def _with_meta(params: tuple[Any, ...], call: Enqueue) -> tuple[Any, ...]:
+    """sql.job_insert's parameters with the meta the middleware gave (the last one)."""
+    meta = enqueue.dump_meta(call.meta)
+    return params if meta is None else (*params[:-1], meta.decode())
 
 
 def _signature(func: Callable[..., Any]) -> tuple[frozenset[str] | None, frozenset[str]]:
