@@ -219,7 +219,10 @@ def clean_once(
 
 
 def periodic_once(
-    conn: psycopg.Connection[Any], specs: list[JobSpec], now: dt.datetime | None = None
+    conn: psycopg.Connection[Any],
+    specs: list[JobSpec],
+    now: dt.datetime | None = None,
+    app: App | None = None,
 ) -> list[tuple[str, dt.datetime]]:
     """Enqueue each cron job whose latest tick no leader has enqueued yet; returns (kind, tick).
 
@@ -227,7 +230,7 @@ def periodic_once(
     enqueue, so a tick is enqueued exactly once across the cluster and across
     leader changes. Only the latest tick is caught up after downtime, never a
     backlog; a job seen for the first time is enqueued if its tick is under a
-    minute old.
+    minute old. With `app`, the enqueue goes through its enqueue middleware.
     """
     now = now or _db_now(conn)
     done = []
@@ -243,8 +246,13 @@ def periodic_once(
             first_sight = bool(taken[0])
             if first_sight and now - tick > dt.timedelta(minutes=1):
                 continue
-            opts = enqueue.options(spec.kind, spec, unique_key=f"periodic:{spec.kind}:{tick.isoformat()}")
-            enqueue.insert(conn, enqueue.insert_params(opts, {}))
+            key = f"periodic:{spec.kind}:{tick.isoformat()}"
+            if app is not None:
+                app.enqueue(spec.kind, {}, conn=conn, unique_key=key)
+            else:
+                enqueue.insert(
+                    conn, enqueue.insert_params(enqueue.options(spec.kind, spec, unique_key=key), {})
+                )
         done.append((spec.kind, tick))
     return done
 
@@ -494,7 +502,11 @@ class Leader:
         ]
         if self.periodic:
             services.append(
-                ("periodic", config.periodic.interval, lambda: periodic_once(conn, self.periodic))
+                (
+                    "periodic",
+                    config.periodic.interval,
+                    lambda: periodic_once(conn, self.periodic, app=self.app),
+                )
             )
         for name, interval, run_once in services:
             now = time.monotonic()

@@ -16,6 +16,7 @@ import pytest
 
 from fastjobs import App, Cancel, Enqueue, JobContext, Retry, Snooze, _core, _core_py, current_job
 from fastjobs.handlers import Executor
+from fastjobs.leader import periodic_once
 
 from . import procs
 from .helpers import drain, jobs, query
@@ -415,3 +416,21 @@ def test_middleware_runs_in_fastjobs_run(
     assert (second["attempt"], second["outcome"]) == (2, "done")
     assert first["pid"] != os.getpid()
     assert first["waited"] > -1  # started after it was enqueued (two clocks, a second of slack)
+
+
+def test_the_leaders_periodic_enqueues_go_through_enqueue_middleware(app: App) -> None:
+    seen: list[tuple[str, bool]] = []
+
+    @app.enqueue_middleware
+    def stamp(enqueue: Enqueue, call_next: Callable[[], Any]) -> Any:
+        seen.append((enqueue.kind, enqueue.many))
+        enqueue.meta["by"] = "leader"
+        return call_next()
+
+    app.periodic("*/5 * * * *", kind="tick")(lambda: None)
+    tick = dt.datetime(2030, 1, 1, 12, 5, tzinfo=dt.UTC)
+    with psycopg.connect(app.dsn, autocommit=True) as conn:
+        specs = [spec for spec in app.jobs.values() if spec.cron]
+        assert periodic_once(conn, specs, tick + dt.timedelta(seconds=20), app=app) == [("tick", tick)]
+    assert seen == [("tick", False)]
+    assert [(r["kind"], r["meta"]) for r in jobs(app.dsn)] == [("tick", {"by": "leader"})]
