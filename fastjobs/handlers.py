@@ -204,7 +204,8 @@ def _say_outcome(outcome: Outcome, kind: str | None, exc: BaseException | str | 
     is discarded, with the exception attached (`exc_info`) and the job's
     fields as the record's attributes: what error trackers' logging
     integrations (Sentry's among them) turn into an event with its context.
-    Retry and Snooze, asked for by the handler, carry no exception.
+    Retry and Snooze, asked for by the handler, carry no exception, nor does
+    the SystemExit or KeyboardInterrupt that stops a worker.
     """
     state, error = outcome["state"], outcome["error"]
     if outcome["uncount"]:
@@ -219,8 +220,10 @@ def _say_outcome(outcome: Outcome, kind: str | None, exc: BaseException | str | 
         return
     fields = _job_fields(outcome["id"], outcome["attempt"], kind, of_batch=True)
     why = f": {error['error']}" if error is not None else ""
-    asked = isinstance(exc, Retry | Snooze | Cancel)  # by the handler: nothing to attach
-    attached = exc if isinstance(exc, BaseException) and not asked else None
+    # Retry, Snooze, Cancel: asked for by the handler; SystemExit, KeyboardInterrupt: the
+    # worker stopping. Neither is an error to report with its traceback.
+    asked = isinstance(exc, Retry | Snooze | Cancel)
+    attached = exc if isinstance(exc, Exception) and not asked else None
     logger.log(
         level,
         "job %d (%s) attempt %d %s%s",
