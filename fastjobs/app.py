@@ -211,11 +211,11 @@ class App:
         if not self._enqueue_middleware:
             return self._insert(params, conn)
         call = _enqueue_call(opts, {} if args is None else args)
-        return int(
-            middleware.run_enqueue(
-                self._enqueue_middleware, call, lambda: self._insert(_with_meta(params, call), conn)
-            )
-        )
+
+        def insert() -> int:
+            return self._insert(_with_meta(params, call), conn)
+
+        return middleware.run_enqueue(self._enqueue_middleware, call, insert)
 
     def _insert(self, params: tuple[Any, ...], conn: psycopg.Connection[Any] | None) -> int:
         if conn is not None:
@@ -243,13 +243,11 @@ class App:
         if not self._enqueue_middleware:
             return self._copy(opts, args_iterable, None, conn)
         call = _enqueue_call(opts, None)
-        return int(
-            middleware.run_enqueue(
-                self._enqueue_middleware,
-                call,
-                lambda: self._copy(opts, args_iterable, enqueue.dump_meta(call.meta), conn),
-            )
-        )
+
+        def copy() -> int:
+            return self._copy(opts, args_iterable, enqueue.dump_meta(call.meta), conn)
+
+        return middleware.run_enqueue(self._enqueue_middleware, call, copy)
 
     def _copy(
         self,
@@ -277,13 +275,11 @@ class App:
         if not self._enqueue_middleware_async:
             return await self._insert_async(params, conn)
         call = _enqueue_call(opts, {} if args is None else args)
-        return int(
-            await middleware.run_enqueue_async(
-                self._enqueue_middleware_async,
-                call,
-                lambda: self._insert_async(_with_meta(params, call), conn),
-            )
-        )
+
+        async def insert() -> int:
+            return await self._insert_async(_with_meta(params, call), conn)
+
+        return await middleware.run_enqueue_async(self._enqueue_middleware_async, call, insert)
 
     async def _insert_async(self, params: tuple[Any, ...], conn: psycopg.AsyncConnection[Any] | None) -> int:
         if conn is not None:
@@ -304,13 +300,11 @@ class App:
         if not self._enqueue_middleware_async:
             return await self._copy_async(opts, args_iterable, None, conn)
         call = _enqueue_call(opts, None)
-        return int(
-            await middleware.run_enqueue_async(
-                self._enqueue_middleware_async,
-                call,
-                lambda: self._copy_async(opts, args_iterable, enqueue.dump_meta(call.meta), conn),
-            )
-        )
+
+        async def copy() -> int:
+            return await self._copy_async(opts, args_iterable, enqueue.dump_meta(call.meta), conn)
+
+        return await middleware.run_enqueue_async(self._enqueue_middleware_async, call, copy)
 
     async def _copy_async(
         self,

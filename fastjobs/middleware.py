@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import FastjobsError
 from .handlers import JobContext, _async_job, _thread
 from .types import JobSpec
 
@@ -100,25 +101,45 @@ def _async_chain(chain: tuple[JobMiddleware, ...], inner: Callable[..., Any]) ->
     return call
 
 
-def run_enqueue(chain: Sequence[EnqueueMiddleware], enqueue: Enqueue, insert: Callable[[], Any]) -> Any:
-    """Run the sync enqueue middleware around `insert` (which reads `enqueue.meta`)."""
+def run_enqueue(chain: Sequence[EnqueueMiddleware], enqueue: Enqueue, insert: Callable[[], int]) -> int:
+    """Run the sync enqueue middleware around `insert` (which reads `enqueue.meta`); what it returned.
+
+    The caller gets the insert's result whatever a middleware returns; a
+    chain that never reached the insert raises rather than lose the jobs silently.
+    """
+    done: list[int] = []
 
     def step(index: int) -> Any:
         if index == len(chain):
-            return insert()
+            done.append(insert())
+            return done[0]
         return chain[index](enqueue, lambda: step(index + 1))
 
-    return step(0)
+    step(0)
+    return _inserted(chain, enqueue, done)
 
 
 async def run_enqueue_async(
-    chain: Sequence[EnqueueMiddleware], enqueue: Enqueue, insert: Callable[[], Awaitable[Any]]
-) -> Any:
-    """Run the async enqueue middleware around `insert`."""
+    chain: Sequence[EnqueueMiddleware], enqueue: Enqueue, insert: Callable[[], Awaitable[int]]
+) -> int:
+    """Run the async enqueue middleware around `insert` (see run_enqueue)."""
+    done: list[int] = []
 
     async def step(index: int) -> Any:
         if index == len(chain):
-            return await insert()
+            done.append(await insert())
+            return done[0]
         return await chain[index](enqueue, lambda: step(index + 1))
 
-    return await step(0)
+    await step(0)
+    return _inserted(chain, enqueue, done)
+
+
+def _inserted(chain: Sequence[EnqueueMiddleware], enqueue: Enqueue, done: list[int]) -> int:
+    if not done:
+        names = ", ".join(getattr(m, "__qualname__", repr(m)) for m in chain)
+        raise FastjobsError(
+            f"enqueue middleware ({names}) returned without calling call_next():"
+            f" no {enqueue.kind!r} job was enqueued (raise to refuse an enqueue)"
+        )
+    return done[0]

@@ -15,6 +15,7 @@ import psycopg
 import pytest
 
 from fastjobs import App, Cancel, Enqueue, JobContext, Retry, Snooze, _core, _core_py, current_job
+from fastjobs.errors import FastjobsError
 from fastjobs.handlers import Executor
 from fastjobs.leader import periodic_once
 
@@ -434,3 +435,24 @@ def test_the_leaders_periodic_enqueues_go_through_enqueue_middleware(app: App) -
         assert periodic_once(conn, specs, tick + dt.timedelta(seconds=20), app=app) == [("tick", tick)]
     assert seen == [("tick", False)]
     assert [(r["kind"], r["meta"]) for r in jobs(app.dsn)] == [("tick", {"by": "leader"})]
+
+
+def test_an_enqueue_returns_what_it_inserted_and_a_middleware_that_skips_call_next_is_an_error(
+    app: App,
+) -> None:
+    skip: list[bool] = [False]
+
+    @app.enqueue_middleware
+    def careless(enqueue: Enqueue, call_next: Callable[[], Any]) -> None:
+        if not skip[0]:
+            call_next()  # its result dropped: the caller still gets the id, the count
+
+    job_id = app.enqueue("k", {})
+    assert [r["id"] for r in jobs(app.dsn)] == [job_id]
+    assert app.enqueue_many("k", [{}, {}]) == 2
+    skip[0] = True
+    with pytest.raises(
+        FastjobsError, match=r"returned without calling call_next\(\): no 'k' job was enqueued"
+    ):
+        app.enqueue("k", {})
+    assert len(jobs(app.dsn)) == 3
