@@ -19,6 +19,7 @@ from .errors import (
     UnknownKind,
 )
 from .handlers import JobContext, current_job
+from .middleware import Enqueue
 from .retry import default_backoff
 from .types import JobSpec, JobState
 from .worker import Worker, WorkerConfig
@@ -33,6 +34,7 @@ __all__ = [
     "Cancel",
     "ConfigurationError",
     "DatabaseUnavailable",
+    "Enqueue",
     "FastjobsError",
     "InvalidArguments",
     "Job",

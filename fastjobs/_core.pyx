@@ -242,6 +242,12 @@ cdef inline void _observe(long long *cells, int64_t ns) noexcept nogil:
     cells[1 + lo] += 1
 
 
+cdef inline double _wallclock() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_REALTIME, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
 cdef inline int64_t _int8(const char *p) noexcept nogil:
     cdef uint64_t raw
     memcpy(&raw, p, 8)
@@ -348,6 +354,10 @@ cdef class BatchLoop:
     cdef dict _kind_rows, _slow_rows
     cdef object _counts_obj
     cdef Py_ssize_t _other, _stride, _batch_base, _last_row
+    # With full context (the app has middleware) the claim returns meta and
+    # created_at too and each JobContext is filled whole (see the reference).
+    cdef bint _full_context
+    cdef str _queue_name
 
     def __cinit__(self):
         self._pgconn = NULL
@@ -361,7 +371,8 @@ cdef class BatchLoop:
 
     def __init__(self, conn, dict specs, executor, str worker_id, list queues, bint keep_completed=False,
                  Py_ssize_t batch_min=1, Py_ssize_t batch_max=1000, bint overlap=True, progress=None,
-                 double full_claim_duty=FULL_CLAIM_DUTY, running=None, counts=None):
+                 double full_claim_duty=FULL_CLAIM_DUTY, running=None, counts=None,
+                 bint full_context=False):
         self._conn = conn
         self._pgconn = <PGconn *><size_t>conn.pgconn.pgconn_ptr
         self._specs = {k.encode(): v for k, v in specs.items()}
@@ -371,9 +382,12 @@ cdef class BatchLoop:
         self._worker_id = worker_id.encode()
         self._queues = [q.encode() for q in queues]
         self._turn = 0
-        name, text = sql.FINISH[bool(keep_completed), False]
+        self._full_context = full_context
+        self._queue_name = None
+        finish = sql.FINISH_CONTEXT if full_context else sql.FINISH
+        name, text = finish[bool(keep_completed), False]
         self._statement, self._sql = name.encode(), text.encode()
-        name, text = sql.FINISH[bool(keep_completed), True]
+        name, text = finish[bool(keep_completed), True]
         self._after_statement, self._after_sql = name.encode(), text.encode()
         self._marks = [None] * len(queues)
         self._next_full = [0.0] * len(queues)
@@ -730,6 +744,8 @@ cdef class BatchLoop:
         self._executor.queue = queue  # the rows' queue, for the records of failures
         self._pooled = bool(self._executor.threads) and self._executor.pooled(queue)
         self._batch_base = self._sent_index * self._stride
+        if self._full_context:
+            self._queue_name = queue.decode()
         # Take ownership of the claimed rows: _receive below fills self._rows anew.
         batch = self._rows
         n = self._nrows
@@ -783,7 +799,8 @@ cdef class BatchLoop:
         cdef int kind_len
         cdef const char *raw
         cdef int raw_len
-        cdef object spec, args, result
+        cdef object spec, args, result, meta
+        cdef tuple claimed = None
         cdef list failures = self._failures
         cdef list slow = []
         cdef object context = self._context
@@ -836,8 +853,16 @@ cdef class BatchLoop:
                 failures.append(self._tally(row, _discard(
                     job_id, attempt, f"args must be a JSON object, not {type(args).__name__}")))
                 continue
+            if self._full_context:
+                # jsonb's binary format again; a NULL or non-object meta reads as {}.
+                meta = None
+                if not PQgetisnull(rows, i, 7):
+                    raw = PQgetvalue(rows, i, 7)
+                    meta = _loads(PyBytes_FromStringAndSize(raw + 1, PQgetlength(rows, i, 7) - 1))
+                claimed = (meta if type(meta) is dict else {}, _int8(PQgetvalue(rows, i, 8)),
+                           _int8(PQgetvalue(rows, i, 6)))
             if not self._last_fast or self._pooled:
-                slow.append((spec, job_id, args, attempt, max_attempts))
+                slow.append((spec, job_id, args, attempt, max_attempts, claimed))
                 continue
             if self._cancelled and job_id in self._cancelled:
                 self._cancelled.discard(job_id)
@@ -847,6 +872,14 @@ cdef class BatchLoop:
             context.kind = self._last_kind_str
             context.attempt = attempt
             context.cancelled = False
+            if claimed is not None:
+                context.queue = self._queue_name
+                context.args = args
+                context.max_attempts = max_attempts
+                context.meta = claimed[0]
+                context._enqueued = claimed[1]
+                context._scheduled = claimed[2]
+                context._started = _wallclock()
             if row != NULL:
                 began = _monotonic_ns()
             try:

@@ -33,6 +33,11 @@ IMPLEMENTATION = "python"
 
 _JSONB_VERSION = b"\x01"
 
+# A claimed job: id, kind, args (binary jsonb), attempt, max_attempts, run_at
+# (binary timestamptz: microseconds since 2000), and with full context its
+# meta (binary jsonb, or None), created_at and run_at.
+Row = tuple[int, str, bytes, int, int, int, "tuple[bytes | None, int, int] | None"]
+
 
 def encode_copy_rows(
     kind: str,
@@ -62,11 +67,6 @@ def encode_copy_rows(
         if count == limit:
             break
     return b"".join(parts), count
-
-
-# A claimed job: id, kind, args (binary jsonb), attempt, max_attempts, run_at
-# (binary timestamptz: microseconds since 2000).
-Row = tuple[int, str, bytes, int, int, int]
 
 
 def _int(value: bytes) -> int:
@@ -112,6 +112,7 @@ class BatchLoop:
         full_claim_duty: float = FULL_CLAIM_DUTY,
         running: memoryview | None = None,
         counts: memoryview | None = None,
+        full_context: bool = False,
     ) -> None:
         self._pgconn = conn.pgconn
         # Shared memory written per job started (plain stores): a float
@@ -139,9 +140,14 @@ class BatchLoop:
         self._worker_id = worker_id.encode()
         self._queues = [q.encode() for q in queues]
         self._turn = 0
+        # With `full_context` (the app has middleware) the claim returns each
+        # job's meta and created_at too, and each job's JobContext is filled
+        # whole; without, neither costs a job anything.
+        self._full_context = full_context
+        finish = sql.FINISH_CONTEXT if full_context else sql.FINISH
         self._statements = {
             name: (name.encode(), text)
-            for name, text in (sql.FINISH[keep_completed, False], sql.FINISH[keep_completed, True])
+            for name, text in (finish[keep_completed, False], finish[keep_completed, True])
         }
         self._full_name, self._after_name = (name for name, _ in self._statements.values())
         # Per queue: where its last claim ended (priority, run_at as binary
@@ -303,6 +309,9 @@ class BatchLoop:
             self._running[1] = 0
         n = self._claimed(res) if res is not None else 0
         for i in range(n):
+            claimed = None
+            if self._full_context:
+                claimed = (res.get_value(i, 7), _int(res.get_value(i, 8)), _int(res.get_value(i, 6)))
             rows.append(
                 (
                     _int(res.get_value(i, 0)),
@@ -311,6 +320,7 @@ class BatchLoop:
                     _int(res.get_value(i, 3)),
                     _int(res.get_value(i, 4)),
                     _int(res.get_value(i, 6)),
+                    claimed,
                 )
             )
         self.claimed += n
@@ -430,7 +440,8 @@ class BatchLoop:
         if counts is not None:
             base, kind_rows, other = self._batch_base, self._kind_rows, self._other
             claimed_us = time.time_ns() // 1000 - PG_EPOCH_US  # run_at's clock: microseconds since 2000
-        for index, (job_id, kind, raw, attempt, max_attempts, run_at) in enumerate(rows):
+        queue = executor.queue.decode() if isinstance(executor.queue, bytes) else executor.queue
+        for index, (job_id, kind, raw, attempt, max_attempts, run_at, claimed_raw) in enumerate(rows):
             if self.stopping:
                 failures.extend(handlers.release(row[0], row[3]) for row in rows[index:])
                 break
@@ -455,8 +466,13 @@ class BatchLoop:
                 reason = f"args must be a JSON object, not {type(args).__name__}"
                 failures.append(self._tally(at, handlers.discard(job_id, attempt, reason)))
                 continue
+            claimed = None
+            if claimed_raw is not None:
+                meta_raw, enqueued, scheduled = claimed_raw
+                meta = orjson.loads(meta_raw[1:]) if meta_raw is not None else None
+                claimed = (meta if type(meta) is dict else {}, enqueued, scheduled)
             if spec.is_async or spec.timeout is not None or self._pooled:
-                slow.append((spec, job_id, args, attempt, max_attempts))
+                slow.append((spec, job_id, args, attempt, max_attempts, claimed))
                 continue
             if executor.cancelled and job_id in executor.cancelled:
                 executor.cancelled.discard(job_id)
@@ -464,6 +480,8 @@ class BatchLoop:
                 continue
             context.id, context.kind, context.attempt, context.cancelled = job_id, kind, attempt, False
             began = time.perf_counter_ns() if at >= 0 else 0
+            if claimed is not None:
+                context.fill(queue, args, max_attempts, claimed)
             try:
                 result = spec.target(**args)
             except Exception as exc:

@@ -110,6 +110,7 @@ class NewBatchLoop(Protocol):
         full_claim_duty: float = ...,
         running: memoryview | None = ...,  # the slot's int64 [0:3]: the job running, the outcomes written
         counts: memoryview | None = ...,  # the slot's int64 rows per (queue, kind): see ROW
+        full_context: bool = ...,  # claim meta and created_at, fill each JobContext whole (middleware)
     ) -> BatchLoop: ...
 
 

@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypedDict, TypeVar, U
 
 import psycopg
 
-from . import control, database, enqueue, schema, typed
+from . import control, database, enqueue, middleware, schema, typed
 from .cron import Cron
-from .enqueue import check_kind, check_max_attempts, check_priority, check_queue
+from .enqueue import Options, check_kind, check_max_attempts, check_priority, check_queue
 from .errors import UnknownKind
+from .middleware import Enqueue, EnqueueMiddleware, JobMiddleware
 from .retry import RetryPolicy
 from .types import DEFAULT_MAX_ATTEMPTS, DEFAULT_PRIORITY, DEFAULT_QUEUE, JobSpec
 
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 
 P = ParamSpec("P")
 R = TypeVar("R")
+M = TypeVar("M", bound=Callable[..., Any])
 
 # Reserved for enqueue options on the job handle, so a handler cannot take it.
 _RESERVED = frozenset({"conn"})
@@ -74,6 +76,10 @@ class App:
         )
         # The testing kit in inline mode (fastjobs.testing): told of each enqueue.
         self._testing: Testing | None = None
+        self._middleware: list[JobMiddleware] = []
+        # Enqueue middleware of the sync enqueue methods, and of the async ones.
+        self._enqueue_middleware: list[EnqueueMiddleware] = []
+        self._enqueue_middleware_async: list[EnqueueMiddleware] = []
 
     @property
     def dsn(self) -> str:
@@ -223,6 +229,37 @@ class App:
             f"(a kind whose handler runs in another service: app.declare({kind!r}, queue=...) first)"
         )
 
+    def middleware(self, func: M) -> M:
+        """Register a job middleware, `mw(job, call_next)`, around every job's execution.
+
+        A `def` one wraps the `def` handlers, an `async def` one the `async
+        def` handlers; they run in registration order, the first outermost.
+        See fastjobs.middleware. A worker composes them when it starts.
+        """
+        if not callable(func):
+            raise TypeError(f"middleware must be callable, not {func!r}")
+        self._middleware.append(func)
+        return func
+
+    def enqueue_middleware(self, func: M) -> M:
+        """Register an enqueue middleware, `mw(enqueue, call_next)`, around every enqueue call.
+
+        It sees each call (one job, or many: one `fastjobs.Enqueue`), may add
+        to `enqueue.meta`, stored on every job of the call, and refuses the
+        enqueue by raising. A `def` one wraps `enqueue` and `enqueue_many`, an
+        `async def` one their async versions.
+        """
+        if not callable(func):
+            raise TypeError(f"enqueue middleware must be callable, not {func!r}")
+        chain = self._enqueue_middleware_async if middleware.is_async(func) else self._enqueue_middleware
+        chain.append(func)
+        return func
+
+    @property
+    def has_middleware(self) -> bool:
+        """Whether jobs run behind middleware (then workers fill each JobContext whole)."""
+        return bool(self._middleware)
+
     def runnable(self) -> dict[str, JobSpec]:
         """The registered specs as a worker runs them, taken once when it starts.
 
@@ -234,6 +271,8 @@ class App:
         for kind, spec in self.jobs.items():
             call = typed.converter(spec)  # the annotated types from JSON, for kinds that need it
             specs[kind] = spec if call is None else dataclasses.replace(spec, call=call)
+        if self._middleware:  # around the handler's call, argument conversion included
+            specs = {kind: middleware.wrap(spec, self._middleware) for kind, spec in specs.items()}
         return specs
 
     def enqueue(
@@ -253,6 +292,16 @@ class App:
         """
         opts = enqueue.options(kind, self._spec(kind), **options)
         params = enqueue.insert_params(opts, args)  # bad args fail before a connection is taken
+        if not self._enqueue_middleware:
+            return self._insert(params, conn)
+        call = _enqueue_call(opts, {} if args is None else args)
+
+        def insert() -> int:
+            return self._insert(_with_meta(params, call), conn)
+
+        return middleware.run_enqueue(self._enqueue_middleware, call, insert)
+
+    def _insert(self, params: tuple[Any, ...], conn: psycopg.Connection[Any] | None) -> int:
         if conn is not None:
             enqueue.check_conn(conn, psycopg.Connection)
             job_id = enqueue.insert(conn, params)
@@ -282,13 +331,30 @@ class App:
         opts = enqueue.options(kind, self._spec(kind), **options)
         if conn is not None:
             enqueue.check_conn(conn, psycopg.Connection)
-            count = enqueue.copy_many(conn, opts, args_iterable)
+        if not self._enqueue_middleware:
+            count = self._copy(opts, args_iterable, None, conn)
         else:
-            with self.connection() as own:
-                count = enqueue.copy_many(own, opts, args_iterable)
+            call = _enqueue_call(opts, None)
+
+            def copy() -> int:
+                return self._copy(opts, args_iterable, enqueue.dump_meta(call.meta), conn)
+
+            count = middleware.run_enqueue(self._enqueue_middleware, call, copy)
         if self._testing is not None:
             self._testing.inserted(conn)
         return count
+
+    def _copy(
+        self,
+        opts: Options,
+        rows: Iterable[dict[str, Any]],
+        meta: bytes | None,
+        conn: psycopg.Connection[Any] | None,
+    ) -> int:
+        if conn is not None:
+            return enqueue.copy_many(conn, opts, rows, meta)
+        with self.connection() as own:
+            return enqueue.copy_many(own, opts, rows, meta)
 
     async def enqueue_async(
         self,
@@ -301,6 +367,16 @@ class App:
         """`enqueue` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs')."""
         opts = enqueue.options(kind, self._spec(kind), **options)
         params = enqueue.insert_params(opts, args)
+        if not self._enqueue_middleware_async:
+            return await self._insert_async(params, conn)
+        call = _enqueue_call(opts, {} if args is None else args)
+
+        async def insert() -> int:
+            return await self._insert_async(_with_meta(params, call), conn)
+
+        return await middleware.run_enqueue_async(self._enqueue_middleware_async, call, insert)
+
+    async def _insert_async(self, params: tuple[Any, ...], conn: psycopg.AsyncConnection[Any] | None) -> int:
         if conn is not None:
             enqueue.check_conn(conn, psycopg.AsyncConnection)
             job_id = await enqueue.insert_async(conn, params)
@@ -323,13 +399,30 @@ class App:
         opts = enqueue.options(kind, self._spec(kind), **options)
         if conn is not None:
             enqueue.check_conn(conn, psycopg.AsyncConnection)
-            count = await enqueue.copy_many_async(conn, opts, args_iterable)
+        if not self._enqueue_middleware_async:
+            count = await self._copy_async(opts, args_iterable, None, conn)
         else:
-            async with self.connection_async() as own:
-                count = await enqueue.copy_many_async(own, opts, args_iterable)
+            call = _enqueue_call(opts, None)
+
+            async def copy() -> int:
+                return await self._copy_async(opts, args_iterable, enqueue.dump_meta(call.meta), conn)
+
+            count = await middleware.run_enqueue_async(self._enqueue_middleware_async, call, copy)
         if self._testing is not None:
             await self._testing.inserted_async(conn)
         return count
+
+    async def _copy_async(
+        self,
+        opts: Options,
+        rows: Iterable[dict[str, Any]],
+        meta: bytes | None,
+        conn: psycopg.AsyncConnection[Any] | None,
+    ) -> int:
+        if conn is not None:
+            return await enqueue.copy_many_async(conn, opts, rows, meta)
+        async with self.connection_async() as own:
+            return await enqueue.copy_many_async(own, opts, rows, meta)
 
     def periodic(
         self, cron: str, *, kind: str | None = None, queue: str = DEFAULT_QUEUE, **options: Any
@@ -534,6 +627,26 @@ def _close_matches(kind: str, known: list[str]) -> list[str]:
         if max(whole, last) >= 0.6:  # difflib.get_close_matches' default cutoff
             scored.append((-max(whole, last), name))
     return [name for _, name in sorted(scored)[:3]]
+
+
+def _enqueue_call(opts: Options, args: dict[str, Any] | None) -> Enqueue:
+    """What enqueue middleware sees of a call: `args` for one job, None for many."""
+    return Enqueue(
+        opts.kind,
+        opts.queue,
+        opts.priority,
+        opts.max_attempts,
+        opts.run_at,
+        opts.delay,
+        many=args is None,
+        args=args,
+    )
+
+
+def _with_meta(params: tuple[Any, ...], call: Enqueue) -> tuple[Any, ...]:
+    """sql.job_insert's parameters with the meta the middleware gave (the last one)."""
+    meta = enqueue.dump_meta(call.meta)
+    return params if meta is None else (*params[:-1], meta.decode())
 
 
 def _signature(func: Callable[..., Any]) -> tuple[frozenset[str] | None, frozenset[str]]:

@@ -227,6 +227,9 @@ def _parser() -> argparse.ArgumentParser:
     run_bench.add_argument(
         "--keep-completed", action="store_true", help="keep completed rows (retention mode)"
     )
+    run_bench.add_argument(
+        "--middleware", action="store_true", help="drain: the jobs behind one no-op middleware"
+    )
     run_bench.add_argument("--rate", type=float, default=1000.0, help="jobs/s offered in the latency run")
     run_bench.add_argument("--latency-seconds", type=float, default=5.0, help="length of the latency run")
     only = run_bench.add_mutually_exclusive_group()
@@ -745,6 +748,7 @@ def _bench(args: argparse.Namespace) -> int:
             args.keep_completed,
             args.results,
             echo,
+            middleware=args.middleware,
         )
     if every or args.latency_only:
         bench.run_latency(

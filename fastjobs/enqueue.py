@@ -184,7 +184,7 @@ def check_conn(conn: object, expected: type[Any]) -> None:
         raise ValueError("conn= is in a failed transaction: roll it back before enqueueing")
 
 
-def insert_params(opts: Options, args: Any) -> tuple[Any, ...]:
+def insert_params(opts: Options, args: Any, meta: bytes | None = None) -> tuple[Any, ...]:
     """Parameters of sql.job_insert; raises TypeError for arguments that cannot be stored."""
     args = {} if args is None else args
     if opts.args_schema is not None:
@@ -200,12 +200,26 @@ def insert_params(opts: Options, args: Any) -> tuple[Any, ...]:
         opts.run_at,
         opts.delay,
         key,
+        None if meta is None else meta.decode(),
     )
+
+
+def dump_meta(meta: dict[str, Any]) -> bytes | None:
+    """A job's meta as JSON (None when empty); TypeError, naming it, when it is not JSON-serialisable."""
+    if not isinstance(meta, dict):
+        raise TypeError(f"a job's meta must be a dict, not {type(meta).__name__}")
+    if not meta:
+        return None
+    try:
+        return orjson.dumps(meta)
+    except TypeError as exc:
+        raise TypeError(f"a job's meta must be JSON-serialisable: {exc}") from None
 
 
 # A unique insert that found the key taken looks the holder up; if the holder
 # finished in between, the insert is tried again.
 _UNIQUE_TRIES = 5
+_KEY = 7  # the unique key's index in insert_params
 
 
 def insert(conn: psycopg.Connection[Any], params: tuple[Any, ...]) -> int:
@@ -216,10 +230,10 @@ def insert(conn: psycopg.Connection[Any], params: tuple[Any, ...]) -> int:
         for _ in range(_UNIQUE_TRIES):
             row = cur.execute(sql.job_insert, params).fetchone()
             if row is None:
-                row = cur.execute(sql.job_get_unique, (params[-1],)).fetchone()
+                row = cur.execute(sql.job_get_unique, (params[_KEY],)).fetchone()
             if row is not None:
                 return int(row[0])
-    raise FastjobsError(f"unique key {params[-1]!r} kept changing hands; enqueue not done")
+    raise FastjobsError(f"unique key {params[_KEY]!r} kept changing hands; enqueue not done")
 
 
 async def insert_async(conn: psycopg.AsyncConnection[Any], params: tuple[Any, ...]) -> int:
@@ -229,27 +243,34 @@ async def insert_async(conn: psycopg.AsyncConnection[Any], params: tuple[Any, ..
                 await cur.execute(sql.job_insert, params)
                 row = await cur.fetchone()
                 if row is None:
-                    await cur.execute(sql.job_get_unique, (params[-1],))
+                    await cur.execute(sql.job_get_unique, (params[_KEY],))
                     row = await cur.fetchone()
                 if row is not None:
                     return int(row[0])
-    raise FastjobsError(f"unique key {params[-1]!r} kept changing hands; enqueue not done")
+    raise FastjobsError(f"unique key {params[_KEY]!r} kept changing hands; enqueue not done")
 
 
 def _field(data: bytes) -> bytes:
     return len(data).to_bytes(4, "big") + data
 
 
-def copy_layout(opts: Options, now: dt.datetime) -> tuple[str, bytes, bytes]:
+def copy_layout(opts: Options, now: dt.datetime, meta: bytes | None = None) -> tuple[str, bytes, bytes]:
     """The COPY statement and the bytes before and after each row's args.
 
     A delayed bulk enqueue is computed against the client's clock; the claim
     also requires run_at <= now(), so a skewed clock can only delay a job.
+    The call's meta is the same for every row: it ends the suffix.
     """
+    statement, prefix, suffix = _layout(opts, now)
+    return statement, prefix, suffix + _jsonb_field(meta)
+
+
+def _layout(opts: Options, now: dt.datetime) -> tuple[str, bytes, bytes]:
+    """copy_layout's without the meta field that ends its suffix (the field count includes it)."""
     run_at = opts.run_at
     if run_at is None and opts.delay:
         run_at = now + dt.timedelta(seconds=opts.delay)
-    fields = 5 if run_at is None else 7
+    fields = 6 if run_at is None else 8
     prefix = fields.to_bytes(2, "big") + _field(opts.queue.encode()) + _field(opts.kind.encode())
     suffix = _field(opts.priority.to_bytes(2, "big", signed=True)) + _field(
         opts.max_attempts.to_bytes(2, "big")
@@ -260,6 +281,11 @@ def copy_layout(opts: Options, now: dt.datetime) -> tuple[str, bytes, bytes]:
     micros = (run_at - _PG_EPOCH) // dt.timedelta(microseconds=1)
     suffix += _field(state) + _field(micros.to_bytes(8, "big", signed=True))
     return sql.job_copy_at, prefix, suffix
+
+
+def _jsonb_field(data: bytes | None) -> bytes:
+    """A binary COPY jsonb field: NULL, or the format version and the JSON text."""
+    return _NULL if data is None else _field(b"\x01" + data)
 
 
 def _chunks(opts: Options, rows: Iterable[Any], prefix: bytes, suffix: bytes) -> Iterator[tuple[bytes, int]]:
@@ -287,19 +313,20 @@ def _atomic(conn: psycopg.Connection[Any]) -> contextlib.AbstractContextManager[
 _NULL = (-1).to_bytes(4, "big", signed=True)
 
 
-def _staged_chunks(opts: Options, rows: Iterable[Any]) -> Iterator[tuple[bytes, int]]:
+def _staged_chunks(opts: Options, rows: Iterable[Any], meta: bytes | None) -> Iterator[tuple[bytes, int]]:
     """COPY data for fastjobs_staged: like copy_layout's, plus each row's unique key."""
-    _, prefix, suffix = copy_layout(opts, dt.datetime.now(dt.UTC))
-    prefix = (8).to_bytes(2, "big") + prefix[2:]
+    _, prefix, suffix = _layout(opts, dt.datetime.now(dt.UTC))
+    prefix = (9).to_bytes(2, "big") + prefix[2:]
     if len(suffix) == 12:  # priority and max_attempts only: state and run_at are NULL (defaults)
         suffix += _NULL + _NULL
+    meta_field = _jsonb_field(meta)
     parts: list[bytes] = []
     count = 0
     for args in rows if opts.args_schema is None else opts.args_schema.encode_rows(rows):
         data = core.dump_args(opts.kind, args, opts.params, opts.required)
         key = unique_key_for(opts, dict(args))
         key_field = _NULL if key is None else _field(key.encode())
-        parts += (prefix, (len(data) + 1).to_bytes(4, "big"), b"\x01", data, suffix, key_field)
+        parts += (prefix, (len(data) + 1).to_bytes(4, "big"), b"\x01", data, suffix, key_field, meta_field)
         count += 1
         if count == COPY_CHUNK:
             yield b"".join(parts), count
@@ -308,10 +335,12 @@ def _staged_chunks(opts: Options, rows: Iterable[Any]) -> Iterator[tuple[bytes, 
         yield b"".join(parts), count
 
 
-def copy_many(conn: psycopg.Connection[Any], opts: Options, rows: Iterable[Any]) -> int:
+def copy_many(
+    conn: psycopg.Connection[Any], opts: Options, rows: Iterable[Any], meta: bytes | None = None
+) -> int:
     if opts.unique:
-        return _copy_staged(conn, opts, rows)
-    statement, prefix, suffix = copy_layout(opts, dt.datetime.now(dt.UTC))
+        return _copy_staged(conn, opts, rows, meta)
+    statement, prefix, suffix = copy_layout(opts, dt.datetime.now(dt.UTC), meta)
     chunks = _chunks(opts, rows, prefix, suffix)
     first = next(chunks, None)  # bad args in the first chunk fail before the COPY starts
     if first is None:
@@ -326,12 +355,14 @@ def copy_many(conn: psycopg.Connection[Any], opts: Options, rows: Iterable[Any])
     return total
 
 
-def _copy_staged(conn: psycopg.Connection[Any], opts: Options, rows: Iterable[Any]) -> int:
+def _copy_staged(
+    conn: psycopg.Connection[Any], opts: Options, rows: Iterable[Any], meta: bytes | None
+) -> int:
     """Unique jobs in bulk: COPY into a temporary table, then one INSERT that skips taken keys.
 
     Returns how many were inserted (duplicates, in the table or the call, are not).
     """
-    chunks = _staged_chunks(opts, rows)
+    chunks = _staged_chunks(opts, rows, meta)
     first = next(chunks, None)
     if first is None:
         return 0
@@ -347,8 +378,10 @@ def _copy_staged(conn: psycopg.Connection[Any], opts: Options, rows: Iterable[An
     return inserted
 
 
-async def _copy_staged_async(conn: psycopg.AsyncConnection[Any], opts: Options, rows: Iterable[Any]) -> int:
-    chunks = _staged_chunks(opts, rows)
+async def _copy_staged_async(
+    conn: psycopg.AsyncConnection[Any], opts: Options, rows: Iterable[Any], meta: bytes | None
+) -> int:
+    chunks = _staged_chunks(opts, rows, meta)
     first = next(chunks, None)
     if first is None:
         return 0
@@ -372,10 +405,12 @@ def _atomic_async(conn: psycopg.AsyncConnection[Any]) -> contextlib.AbstractAsyn
     return contextlib.nullcontext()
 
 
-async def copy_many_async(conn: psycopg.AsyncConnection[Any], opts: Options, rows: Iterable[Any]) -> int:
+async def copy_many_async(
+    conn: psycopg.AsyncConnection[Any], opts: Options, rows: Iterable[Any], meta: bytes | None = None
+) -> int:
     if opts.unique:
-        return await _copy_staged_async(conn, opts, rows)
-    statement, prefix, suffix = copy_layout(opts, dt.datetime.now(dt.UTC))
+        return await _copy_staged_async(conn, opts, rows, meta)
+    statement, prefix, suffix = copy_layout(opts, dt.datetime.now(dt.UTC), meta)
     chunks = _chunks(opts, rows, prefix, suffix)
     first = next(chunks, None)
     if first is None:

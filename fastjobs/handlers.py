@@ -38,8 +38,10 @@ logger = logging.getLogger(__name__)
 
 Outcome = dict[str, Any]
 
-# One job handed to the slow path: (spec, id, args, attempt, max_attempts).
-SlowJob = tuple[JobSpec, int, dict[str, Any], int, int]
+# One job handed to the slow path: (spec, id, args, attempt, max_attempts, claimed),
+# `claimed` being what a loop claiming with context (the app has middleware)
+# read for its JobContext: (meta, enqueued, scheduled); None otherwise.
+SlowJob = tuple[JobSpec, int, dict[str, Any], int, int, "tuple[dict[str, Any], int, int] | None"]
 
 
 # The most characters of an error message, and of a traceback, one attempt
@@ -194,12 +196,20 @@ def failure(
 ) -> Outcome:
     """The outcome of an attempt that raised `exc` (or failed for the reason `exc`), logged."""
     outcome = _failure(spec, job_id, attempt, max_attempts, exc)
-    _say_outcome(outcome, spec.kind if spec is not None else None)
+    _say_outcome(outcome, spec.kind if spec is not None else None, exc)
     return outcome
 
 
-def _say_outcome(outcome: Outcome, kind: str | None) -> None:
-    """Log a failed, snoozed or cancelled attempt, with the job's fields (on the failure path only)."""
+def _say_outcome(outcome: Outcome, kind: str | None, exc: BaseException | str | None = None) -> None:
+    """Log a failed, snoozed or cancelled attempt, with the job's fields (on the failure path only).
+
+    A failure is a WARNING while the job will be retried and an ERROR once it
+    is discarded, with the exception attached (`exc_info`) and the job's
+    fields as the record's attributes: what error trackers' logging
+    integrations (Sentry's among them) turn into an event with its context.
+    Retry and Snooze, asked for by the handler, carry no exception, nor does
+    the SystemExit or KeyboardInterrupt that stops a worker.
+    """
     state, error = outcome["state"], outcome["error"]
     if outcome["uncount"]:
         level, text = logging.DEBUG, f"snoozed for {outcome['delay']:g}s"
@@ -213,8 +223,20 @@ def _say_outcome(outcome: Outcome, kind: str | None) -> None:
         return
     fields = _job_fields(outcome["id"], outcome["attempt"], kind, of_batch=True)
     why = f": {error['error']}" if error is not None else ""
+    # Retry, Snooze, Cancel: asked for by the handler; SystemExit, KeyboardInterrupt: the
+    # worker stopping. Neither is an error to report with its traceback.
+    asked = isinstance(exc, Retry | Snooze | Cancel)
+    attached = exc if isinstance(exc, Exception) and not asked else None
     logger.log(
-        level, "job %d (%s) attempt %d %s%s", outcome["id"], kind, outcome["attempt"], text, why, extra=fields
+        level,
+        "job %d (%s) attempt %d %s%s",
+        outcome["id"],
+        kind,
+        outcome["attempt"],
+        text,
+        why,
+        exc_info=attached,
+        extra=fields,
     )
 
 
@@ -445,20 +467,83 @@ def returned_coroutine(spec: JobSpec) -> str:
     return f"handler {spec.kind!r} is a plain def that returned a coroutine: declare it `async def`"
 
 
+_PG_EPOCH = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
+
+
+def _pg_time(micros: int | None) -> dt.datetime | None:
+    return None if micros is None else _PG_EPOCH + dt.timedelta(microseconds=micros)
+
+
 class JobContext:
-    """What a running handler can know about its job: `fastjobs.current_job()`.
+    """What a running handler and its middleware know of the job: `fastjobs.current_job()`.
+
+    `id`, `kind`, `attempt` and `cancelled` are always set. The rest (queue,
+    args, max_attempts, meta, the times) is set only in a worker whose app has
+    middleware, and None otherwise: the hot loop would need a wider claim and
+    more work per job for them. A sync job's context is updated in place for
+    the next job: keep what you need of it, not the object.
 
     A sync handler that may run long should check `cancelled` now and then
     and return (or raise Cancel) when it turns true.
     """
 
-    __slots__ = ("attempt", "cancelled", "id", "kind")
+    __slots__ = (
+        "_enqueued",
+        "_scheduled",
+        "_started",
+        "args",
+        "attempt",
+        "cancelled",
+        "id",
+        "kind",
+        "max_attempts",
+        "meta",
+        "queue",
+    )
 
     def __init__(self, job_id: int = 0, kind: str = "", attempt: int = 0) -> None:
         self.id = job_id
         self.kind = kind
         self.attempt = attempt
         self.cancelled = False
+        self.queue: str | None = None
+        self.args: dict[str, Any] | None = None
+        self.max_attempts: int | None = None
+        self.meta: dict[str, Any] | None = None
+        # The claim's binary timestamptz (microseconds since 2000) and time.time(),
+        # made datetimes only when read.
+        self._enqueued: int | None = None
+        self._scheduled: int | None = None
+        self._started: float | None = None
+
+    def fill(
+        self,
+        queue: str | None,
+        args: dict[str, Any],
+        max_attempts: int,
+        claimed: tuple[dict[str, Any], int, int],
+    ) -> None:
+        """Set the fields a loop claiming with context read (the slow path's; the C loop sets them inline)."""
+        self.queue = queue
+        self.args = args
+        self.max_attempts = max_attempts
+        self.meta, self._enqueued, self._scheduled = claimed
+        self._started = time.time()
+
+    @property
+    def enqueued_at(self) -> dt.datetime | None:
+        """When the job was enqueued (its created_at)."""
+        return _pg_time(self._enqueued)
+
+    @property
+    def scheduled_at(self) -> dt.datetime | None:
+        """When this attempt was due (its run_at: the enqueue's, or a retry's or snooze's)."""
+        return _pg_time(self._scheduled)
+
+    @property
+    def started_at(self) -> dt.datetime | None:
+        """When this attempt started, by the worker's clock."""
+        return None if self._started is None else dt.datetime.fromtimestamp(self._started, dt.UTC)
 
     def __repr__(self) -> str:
         return (
@@ -615,7 +700,7 @@ class Executor:
         except BaseException as exc:
             self._abandon()
             recorded = set(completed) | {outcome["id"] for outcome in failures}
-            for spec, job_id, _, attempt, max_attempts in jobs:
+            for spec, job_id, _, attempt, max_attempts, _ in jobs:
                 if job_id in recorded:
                     continue
                 if job_id in started:
@@ -641,7 +726,7 @@ class Executor:
                 self._pool.run(pooled, width, completed, failures, started)
                 jobs = [job for job in jobs if job[0].is_async]
         for job in jobs:
-            spec, job_id, args, attempt, max_attempts = job
+            spec, job_id, args, attempt, max_attempts, claimed = job
             if spec.is_async:
                 pending_async.append(job)
                 continue
@@ -653,6 +738,8 @@ class Executor:
                 failures.append(release(job_id))
                 continue
             context.id, context.kind, context.attempt, context.cancelled = job_id, spec.kind, attempt, False
+            if claimed is not None:
+                context.fill(self._queue(), args, max_attempts, claimed)
             started.add(job_id)
             if self.running is not None:
                 self.running.add(job_id)
@@ -683,9 +770,10 @@ class Executor:
         self, jobs: list[SlowJob], completed: list[int], failures: list[Outcome], started: set[int]
     ) -> None:
         limit = asyncio.Semaphore(self.concurrency)
+        queue = self._queue()
 
         async def one(job: SlowJob) -> None:
-            spec, job_id, args, attempt, max_attempts = job
+            spec, job_id, args, attempt, max_attempts, claimed = job
             async with limit:
                 if job_id in self.cancelled:
                     self.cancelled.discard(job_id)
@@ -698,6 +786,8 @@ class Executor:
                     failures.append(release(job_id))
                     return
                 context = JobContext(job_id, spec.kind, attempt)
+                if claimed is not None:
+                    context.fill(queue, args, max_attempts, claimed)
                 _async_job.set(context)
                 started.add(job_id)
                 if self.running is not None:
@@ -732,6 +822,11 @@ class Executor:
 
         # Each job runs in a task of its own, so each gets its own context.
         await asyncio.gather(*(one(job) for job in jobs))
+
+    def _queue(self) -> str | None:
+        """The queue of the batch running, as text."""
+        queue = self.queue
+        return queue.decode() if isinstance(queue, bytes) else queue
 
     def _abandon(self) -> None:
         """Cancel and settle the tasks an interrupted batch leaves on the event loop."""

@@ -223,7 +223,10 @@ PERIODIC_ON_TIME = dt.timedelta(minutes=1)
 
 
 def periodic_once(
-    conn: psycopg.Connection[Any], specs: list[JobSpec], now: dt.datetime | None = None
+    conn: psycopg.Connection[Any],
+    specs: list[JobSpec],
+    now: dt.datetime | None = None,
+    app: App | None = None,
 ) -> list[tuple[str, dt.datetime]]:
     """Enqueue each cron job whose latest tick no leader has enqueued yet; returns (kind, tick).
 
@@ -234,7 +237,8 @@ def periodic_once(
     them, never a burst. A kind no leader has seen before starts at its next
     tick, as cron, River and Oban do: a tick under a minute old runs; an older
     one is not run, and not recorded as if it had been (the moment the kind
-    was first seen is, so a tick missed from then on is caught up).
+    was first seen is, so a tick missed from then on is caught up). With `app`, the enqueue goes through
+    its enqueue middleware.
     """
     now = now or _db_now(conn)
     done = []
@@ -249,8 +253,13 @@ def periodic_once(
             taken = cur.execute(sql.periodic_advance, (spec.kind, tick, first)).fetchone()
             if taken is None or (taken[0] and not on_time):
                 continue
-            opts = enqueue.options(spec.kind, spec, unique_key=f"periodic:{spec.kind}:{tick.isoformat()}")
-            enqueue.insert(conn, enqueue.insert_params(opts, {}))
+            key = f"periodic:{spec.kind}:{tick.isoformat()}"
+            if app is not None:
+                app.enqueue(spec.kind, {}, conn=conn, unique_key=key)
+            else:
+                enqueue.insert(
+                    conn, enqueue.insert_params(enqueue.options(spec.kind, spec, unique_key=key), {})
+                )
         done.append((spec.kind, tick))
     return done
 
@@ -537,7 +546,11 @@ class Leader:
         ]
         if self.periodic:
             services.append(
-                ("periodic", config.periodic.interval, lambda: periodic_once(conn, self.periodic))
+                (
+                    "periodic",
+                    config.periodic.interval,
+                    lambda: periodic_once(conn, self.periodic, app=self.app),
+                )
             )
         for name, interval, run_once in services:
             now = time.monotonic()

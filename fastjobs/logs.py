@@ -39,6 +39,20 @@ def job_fields(
     return {"job_id": job_id, "kind": kind, "queue": queue, "attempt": attempt, "worker": worker}
 
 
+class TextFormatter(logging.Formatter):
+    """TEXT_FORMAT, a record about one job on one line: the traceback of a failed attempt
+    is in the job's errors (`fastjobs jobs ID`) and in the JSON format's `exc`."""
+
+    def __init__(self) -> None:
+        super().__init__(TEXT_FORMAT)
+
+    def format(self, record: logging.LogRecord) -> str:
+        if getattr(record, "job_id", None) is None:
+            return super().format(record)
+        record.message = record.getMessage()
+        return self.formatMessage(record)
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per record: time, level, logger, message, the record's extra fields, exc."""
 
@@ -70,7 +84,7 @@ def configured(level: str = "INFO", fmt: str = "text") -> Iterator[None]:
     """
     logger = logging.getLogger("fastjobs")
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     saved = logger.level, logger.propagate
     logger.addHandler(handler)
     logger.setLevel(level)

@@ -186,7 +186,7 @@ class Pool:
                     return None
                 job = wave.jobs[wave.next]
                 wave.next += 1
-                spec, job_id, _, attempt, _ = job
+                spec, job_id, _, attempt, _, _ = job
                 # Registered before the check, so a cancellation arriving in between reaches the context.
                 context.id, context.kind, context.attempt = job_id, spec.kind, attempt
                 context.cancelled = False
@@ -228,7 +228,9 @@ class Pool:
         executor = self._executor
         ident = threading.get_ident()
         while (job := self._take(wave, context, ident)) is not None:
-            spec, job_id, args, attempt, max_attempts = job
+            spec, job_id, args, attempt, max_attempts, claimed = job
+            if claimed is not None:  # the app has middleware: its context whole
+                context.fill(executor._queue(), args, max_attempts, claimed)
             outcome: Outcome | None
             try:
                 try:

@@ -105,13 +105,14 @@ schema_version: Final = "SELECT max(version) FROM fastjobs_migrations"
 UNIQUE_STATES: Final = "state IN ('available', 'scheduled', 'running', 'retryable')"
 
 # job_insert: one job; scheduled when its run_at ($6, or now + $7 seconds) is
-# in the future. With a unique key ($8) already taken, nothing is inserted and
-# no row returned (job_get_unique then finds the holder).
+# in the future; $9 its meta (enqueue middleware's, or NULL). With a unique key
+# ($8) already taken, nothing is inserted and no row returned (job_get_unique
+# then finds the holder).
 job_insert: Final = """
-INSERT INTO fastjobs_jobs (queue, kind, args, priority, max_attempts, state, run_at, unique_key)
+INSERT INTO fastjobs_jobs (queue, kind, args, priority, max_attempts, state, run_at, unique_key, meta)
 SELECT $1, $2, $3::jsonb, $4, $5,
        CASE WHEN t.run_at > now() THEN 'scheduled' ELSE 'available' END::fastjobs_state,
-       t.run_at, $8
+       t.run_at, $8, $9::jsonb
   FROM (SELECT coalesce($6::timestamptz,
                         now() + make_interval(secs => coalesce($7::float8, 0)))) AS t(run_at)
 ON CONFLICT (unique_key)
@@ -126,7 +127,7 @@ SELECT id FROM fastjobs_jobs
 
 # job_copy_staged: bulk unique jobs go through a temporary table, since COPY cannot skip conflicts.
 job_copy_staged: Final = (
-    "COPY fastjobs_staged (queue, kind, args, priority, max_attempts, state, run_at, unique_key)"
+    "COPY fastjobs_staged (queue, kind, args, priority, max_attempts, state, run_at, unique_key, meta)"
     " FROM STDIN (FORMAT BINARY)"
 )
 
@@ -134,14 +135,14 @@ job_copy_staged: Final = (
 job_stage_create: Final = """
 CREATE TEMP TABLE IF NOT EXISTS fastjobs_staged (
     queue text, kind text, args jsonb, priority smallint, max_attempts smallint,
-    state fastjobs_state, run_at timestamptz, unique_key text
+    state fastjobs_state, run_at timestamptz, unique_key text, meta jsonb
 ) ON COMMIT DELETE ROWS"""
 
 # job_insert_staged: move staged jobs in, skipping keys already taken; one statement, one notification.
 job_insert_staged: Final = """
-INSERT INTO fastjobs_jobs (queue, kind, args, priority, max_attempts, state, run_at, unique_key)
+INSERT INTO fastjobs_jobs (queue, kind, args, priority, max_attempts, state, run_at, unique_key, meta)
 SELECT queue, kind, args, priority, max_attempts,
-       coalesce(state, 'available'), coalesce(run_at, now()), unique_key
+       coalesce(state, 'available'), coalesce(run_at, now()), unique_key, meta
   FROM fastjobs_staged
 ON CONFLICT (unique_key)
    WHERE unique_key IS NOT NULL AND state IN ('available', 'scheduled', 'running', 'retryable')
@@ -151,11 +152,14 @@ ON CONFLICT (unique_key)
 job_stage_clear: Final = "DELETE FROM fastjobs_staged"
 
 # job_copy: bulk insert, binary COPY; rows are encoded by fastjobs._core.encode_copy_rows.
-job_copy: Final = "COPY fastjobs_jobs (queue, kind, args, priority, max_attempts) FROM STDIN (FORMAT BINARY)"
+job_copy: Final = (
+    "COPY fastjobs_jobs (queue, kind, args, priority, max_attempts, meta) FROM STDIN (FORMAT BINARY)"
+)
 
 # job_copy_at: bulk insert of jobs that all share one run_at (and state).
 job_copy_at: Final = (
-    "COPY fastjobs_jobs (queue, kind, args, priority, max_attempts, state, run_at) FROM STDIN (FORMAT BINARY)"
+    "COPY fastjobs_jobs (queue, kind, args, priority, max_attempts, state, run_at, meta)"
+    " FROM STDIN (FORMAT BINARY)"
 )
 
 # job_claim_many: take up to $2 available jobs of queue $1 for worker $3, in
@@ -512,6 +516,304 @@ SELECT f.id, NULL, to_jsonb(f.state), f.attempt, NULL, NULL, NULL
    AND f.id NOT IN (SELECT id FROM failed UNION ALL SELECT id FROM completed_later)
 UNION ALL
 SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL
+  FROM (SELECT DISTINCT queue FROM failed WHERE state = 'available') AS woken
+ WHERE pg_notify('fastjobs', woken.queue)::text IS NULL"""
+
+# The _context variants of the four above: the same statements, their claimed
+# rows carrying meta and created_at too (then NULL in the other branches).
+# A worker whose app has middleware claims with them to fill each
+# JobContext; any other claims without, so a job pays for neither column
+# (tests/test_sql.py pins that they differ in nothing else).
+
+# job_finish_claim_many_context: job_finish_claim_many, returning meta and created_at too.
+job_finish_claim_many_context: Final = """
+WITH completed AS (
+    DELETE FROM fastjobs_jobs j
+     WHERE j.id = ANY($1::bigint[]) AND j.attempt = 1
+       AND j.attempted_by = $5 AND j.state::text = 'running'
+    RETURNING j.id
+), completed_later AS (
+    DELETE FROM fastjobs_jobs j
+     USING jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state)
+     WHERE f.state = 'completed' AND j.id = f.id AND j.attempt = f.attempt
+       AND j.attempted_by = $5 AND j.state::text = 'running'
+    RETURNING j.id
+), failed AS (
+    UPDATE fastjobs_jobs j
+       SET state = CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
+                        THEN 'cancelled'
+                        WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
+                             AND j.attempt >= j.max_attempts THEN 'discarded'
+                        ELSE f.state END::fastjobs_state,
+           run_at = CASE WHEN f.delay IS NULL THEN j.run_at
+                         ELSE now() + make_interval(secs => f.delay) END,
+           attempt = j.attempt - f.uncount,
+           finalized_at = CASE
+               WHEN CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
+                         THEN 'cancelled'
+                         WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
+                              AND j.attempt >= j.max_attempts THEN 'discarded'
+                         ELSE f.state END::fastjobs_state IN ('discarded', 'cancelled')
+               THEN now() END,
+           errors = CASE WHEN f.error IS NOT NULL
+                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(f.error)
+                         WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
+                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
+                              'at', now(), 'attempt', j.attempt, 'traceback', NULL,
+                              'error', 'Cancel: cancellation requested before it could run again'))
+                         ELSE j.errors END
+      FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
+                                              delay float8, uncount smallint, error jsonb)
+     WHERE f.state <> 'completed' AND j.id = f.id AND j.attempt = f.attempt
+       AND j.attempted_by = $5 AND j.state::text = 'running'
+    RETURNING j.id, j.queue, j.state
+), claimed AS (
+    UPDATE fastjobs_jobs j
+       SET state = 'running', attempt = least(j.attempt, 32766) + 1,
+           attempted_at = now(), attempted_by = $5
+     WHERE j.id = ANY(ARRAY(
+               SELECT id FROM fastjobs_jobs
+                WHERE state = 'available' AND queue = $3 AND run_at <= now()
+                ORDER BY priority DESC, run_at, id
+                LIMIT $4
+                  FOR UPDATE SKIP LOCKED))
+    RETURNING j.id, j.kind, j.args, j.attempt, j.max_attempts, j.priority, j.run_at,
+              j.meta, j.created_at
+)
+SELECT id, kind, args, attempt, max_attempts, priority, run_at, meta, created_at FROM claimed
+UNION ALL
+SELECT c.id, NULL, to_jsonb('completed'::text), 1::smallint, NULL, NULL, NULL, NULL, NULL
+  FROM unnest($1::bigint[]) AS c(id)
+ WHERE (SELECT count(*) FROM completed) < cardinality($1::bigint[])
+   AND c.id NOT IN (SELECT id FROM completed)
+UNION ALL
+SELECT f.id, NULL, to_jsonb(f.state), f.attempt, NULL, NULL, NULL, NULL, NULL
+  FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state text)
+ WHERE (SELECT count(*) FROM failed) + (SELECT count(*) FROM completed_later)
+       < jsonb_array_length($2::jsonb)
+   AND f.id NOT IN (SELECT id FROM failed UNION ALL SELECT id FROM completed_later)
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+  FROM (SELECT DISTINCT queue FROM failed WHERE state = 'available') AS woken
+ WHERE pg_notify('fastjobs', woken.queue)::text IS NULL"""
+
+# job_finish_claim_after_context: job_finish_claim_after, returning meta and created_at too.
+job_finish_claim_after_context: Final = """
+WITH completed AS (
+    DELETE FROM fastjobs_jobs j
+     WHERE j.id = ANY($1::bigint[]) AND j.attempt = 1
+       AND j.attempted_by = $5 AND j.state::text = 'running'
+    RETURNING j.id
+), completed_later AS (
+    DELETE FROM fastjobs_jobs j
+     USING jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state)
+     WHERE f.state = 'completed' AND j.id = f.id AND j.attempt = f.attempt
+       AND j.attempted_by = $5 AND j.state::text = 'running'
+    RETURNING j.id
+), failed AS (
+    UPDATE fastjobs_jobs j
+       SET state = CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
+                        THEN 'cancelled'
+                        WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
+                             AND j.attempt >= j.max_attempts THEN 'discarded'
+                        ELSE f.state END::fastjobs_state,
+           run_at = CASE WHEN f.delay IS NULL THEN j.run_at
+                         ELSE now() + make_interval(secs => f.delay) END,
+           attempt = j.attempt - f.uncount,
+           finalized_at = CASE
+               WHEN CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
+                         THEN 'cancelled'
+                         WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
+                              AND j.attempt >= j.max_attempts THEN 'discarded'
+                         ELSE f.state END::fastjobs_state IN ('discarded', 'cancelled')
+               THEN now() END,
+           errors = CASE WHEN f.error IS NOT NULL
+                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(f.error)
+                         WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
+                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
+                              'at', now(), 'attempt', j.attempt, 'traceback', NULL,
+                              'error', 'Cancel: cancellation requested before it could run again'))
+                         ELSE j.errors END
+      FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
+                                              delay float8, uncount smallint, error jsonb)
+     WHERE f.state <> 'completed' AND j.id = f.id AND j.attempt = f.attempt
+       AND j.attempted_by = $5 AND j.state::text = 'running'
+    RETURNING j.id, j.queue, j.state
+), claimed AS (
+    UPDATE fastjobs_jobs j
+       SET state = 'running', attempt = least(j.attempt, 32766) + 1,
+           attempted_at = now(), attempted_by = $5
+     WHERE j.id = ANY(ARRAY(
+               SELECT id FROM fastjobs_jobs
+                WHERE state = 'available' AND queue = $3 AND run_at <= now() AND priority = $6
+                  AND run_at >= timestamptz '2000-01-01 00:00:00+00'
+                                + ($7::int8 - 100000) * interval '1 microsecond'
+                ORDER BY priority DESC, run_at, id
+                LIMIT $4
+                  FOR UPDATE SKIP LOCKED))
+    RETURNING j.id, j.kind, j.args, j.attempt, j.max_attempts, j.priority, j.run_at,
+              j.meta, j.created_at
+)
+SELECT id, kind, args, attempt, max_attempts, priority, run_at, meta, created_at FROM claimed
+UNION ALL
+SELECT c.id, NULL, to_jsonb('completed'::text), 1::smallint, NULL, NULL, NULL, NULL, NULL
+  FROM unnest($1::bigint[]) AS c(id)
+ WHERE (SELECT count(*) FROM completed) < cardinality($1::bigint[])
+   AND c.id NOT IN (SELECT id FROM completed)
+UNION ALL
+SELECT f.id, NULL, to_jsonb(f.state), f.attempt, NULL, NULL, NULL, NULL, NULL
+  FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state text)
+ WHERE (SELECT count(*) FROM failed) + (SELECT count(*) FROM completed_later)
+       < jsonb_array_length($2::jsonb)
+   AND f.id NOT IN (SELECT id FROM failed UNION ALL SELECT id FROM completed_later)
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+  FROM (SELECT DISTINCT queue FROM failed WHERE state = 'available') AS woken
+ WHERE pg_notify('fastjobs', woken.queue)::text IS NULL"""
+
+# job_finish_claim_many_keep_context: job_finish_claim_many_keep, returning meta and created_at too.
+job_finish_claim_many_keep_context: Final = """
+WITH completed AS (
+    UPDATE fastjobs_jobs j SET state = 'completed', finalized_at = now()
+     WHERE j.id = ANY($1::bigint[]) AND j.attempt = 1
+       AND j.attempted_by = $5 AND j.state::text = 'running'
+    RETURNING j.id
+), completed_later AS (
+    UPDATE fastjobs_jobs j SET state = 'completed', finalized_at = now()
+      FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state)
+     WHERE f.state = 'completed' AND j.id = f.id AND j.attempt = f.attempt
+       AND j.attempted_by = $5 AND j.state::text = 'running'
+    RETURNING j.id
+), failed AS (
+    UPDATE fastjobs_jobs j
+       SET state = CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
+                        THEN 'cancelled'
+                        WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
+                             AND j.attempt >= j.max_attempts THEN 'discarded'
+                        ELSE f.state END::fastjobs_state,
+           run_at = CASE WHEN f.delay IS NULL THEN j.run_at
+                         ELSE now() + make_interval(secs => f.delay) END,
+           attempt = j.attempt - f.uncount,
+           finalized_at = CASE
+               WHEN CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
+                         THEN 'cancelled'
+                         WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
+                              AND j.attempt >= j.max_attempts THEN 'discarded'
+                         ELSE f.state END::fastjobs_state IN ('discarded', 'cancelled')
+               THEN now() END,
+           errors = CASE WHEN f.error IS NOT NULL
+                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(f.error)
+                         WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
+                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
+                              'at', now(), 'attempt', j.attempt, 'traceback', NULL,
+                              'error', 'Cancel: cancellation requested before it could run again'))
+                         ELSE j.errors END
+      FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
+                                              delay float8, uncount smallint, error jsonb)
+     WHERE f.state <> 'completed' AND j.id = f.id AND j.attempt = f.attempt
+       AND j.attempted_by = $5 AND j.state::text = 'running'
+    RETURNING j.id, j.queue, j.state
+), claimed AS (
+    UPDATE fastjobs_jobs j
+       SET state = 'running', attempt = least(j.attempt, 32766) + 1,
+           attempted_at = now(), attempted_by = $5
+     WHERE j.id = ANY(ARRAY(
+               SELECT id FROM fastjobs_jobs
+                WHERE state = 'available' AND queue = $3 AND run_at <= now()
+                ORDER BY priority DESC, run_at, id
+                LIMIT $4
+                  FOR UPDATE SKIP LOCKED))
+    RETURNING j.id, j.kind, j.args, j.attempt, j.max_attempts, j.priority, j.run_at,
+              j.meta, j.created_at
+)
+SELECT id, kind, args, attempt, max_attempts, priority, run_at, meta, created_at FROM claimed
+UNION ALL
+SELECT c.id, NULL, to_jsonb('completed'::text), 1::smallint, NULL, NULL, NULL, NULL, NULL
+  FROM unnest($1::bigint[]) AS c(id)
+ WHERE (SELECT count(*) FROM completed) < cardinality($1::bigint[])
+   AND c.id NOT IN (SELECT id FROM completed)
+UNION ALL
+SELECT f.id, NULL, to_jsonb(f.state), f.attempt, NULL, NULL, NULL, NULL, NULL
+  FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state text)
+ WHERE (SELECT count(*) FROM failed) + (SELECT count(*) FROM completed_later)
+       < jsonb_array_length($2::jsonb)
+   AND f.id NOT IN (SELECT id FROM failed UNION ALL SELECT id FROM completed_later)
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+  FROM (SELECT DISTINCT queue FROM failed WHERE state = 'available') AS woken
+ WHERE pg_notify('fastjobs', woken.queue)::text IS NULL"""
+
+# job_finish_claim_after_keep_context: job_finish_claim_after_keep, returning meta and created_at too.
+job_finish_claim_after_keep_context: Final = """
+WITH completed AS (
+    UPDATE fastjobs_jobs j SET state = 'completed', finalized_at = now()
+     WHERE j.id = ANY($1::bigint[]) AND j.attempt = 1
+       AND j.attempted_by = $5 AND j.state::text = 'running'
+    RETURNING j.id
+), completed_later AS (
+    UPDATE fastjobs_jobs j SET state = 'completed', finalized_at = now()
+      FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state)
+     WHERE f.state = 'completed' AND j.id = f.id AND j.attempt = f.attempt
+       AND j.attempted_by = $5 AND j.state::text = 'running'
+    RETURNING j.id
+), failed AS (
+    UPDATE fastjobs_jobs j
+       SET state = CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
+                        THEN 'cancelled'
+                        WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
+                             AND j.attempt >= j.max_attempts THEN 'discarded'
+                        ELSE f.state END::fastjobs_state,
+           run_at = CASE WHEN f.delay IS NULL THEN j.run_at
+                         ELSE now() + make_interval(secs => f.delay) END,
+           attempt = j.attempt - f.uncount,
+           finalized_at = CASE
+               WHEN CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
+                         THEN 'cancelled'
+                         WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
+                              AND j.attempt >= j.max_attempts THEN 'discarded'
+                         ELSE f.state END::fastjobs_state IN ('discarded', 'cancelled')
+               THEN now() END,
+           errors = CASE WHEN f.error IS NOT NULL
+                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(f.error)
+                         WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
+                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
+                              'at', now(), 'attempt', j.attempt, 'traceback', NULL,
+                              'error', 'Cancel: cancellation requested before it could run again'))
+                         ELSE j.errors END
+      FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
+                                              delay float8, uncount smallint, error jsonb)
+     WHERE f.state <> 'completed' AND j.id = f.id AND j.attempt = f.attempt
+       AND j.attempted_by = $5 AND j.state::text = 'running'
+    RETURNING j.id, j.queue, j.state
+), claimed AS (
+    UPDATE fastjobs_jobs j
+       SET state = 'running', attempt = least(j.attempt, 32766) + 1,
+           attempted_at = now(), attempted_by = $5
+     WHERE j.id = ANY(ARRAY(
+               SELECT id FROM fastjobs_jobs
+                WHERE state = 'available' AND queue = $3 AND run_at <= now() AND priority = $6
+                  AND run_at >= timestamptz '2000-01-01 00:00:00+00'
+                                + ($7::int8 - 100000) * interval '1 microsecond'
+                ORDER BY priority DESC, run_at, id
+                LIMIT $4
+                  FOR UPDATE SKIP LOCKED))
+    RETURNING j.id, j.kind, j.args, j.attempt, j.max_attempts, j.priority, j.run_at,
+              j.meta, j.created_at
+)
+SELECT id, kind, args, attempt, max_attempts, priority, run_at, meta, created_at FROM claimed
+UNION ALL
+SELECT c.id, NULL, to_jsonb('completed'::text), 1::smallint, NULL, NULL, NULL, NULL, NULL
+  FROM unnest($1::bigint[]) AS c(id)
+ WHERE (SELECT count(*) FROM completed) < cardinality($1::bigint[])
+   AND c.id NOT IN (SELECT id FROM completed)
+UNION ALL
+SELECT f.id, NULL, to_jsonb(f.state), f.attempt, NULL, NULL, NULL, NULL, NULL
+  FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state text)
+ WHERE (SELECT count(*) FROM failed) + (SELECT count(*) FROM completed_later)
+       < jsonb_array_length($2::jsonb)
+   AND f.id NOT IN (SELECT id FROM failed UNION ALL SELECT id FROM completed_later)
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
   FROM (SELECT DISTINCT queue FROM failed WHERE state = 'available') AS woken
  WHERE pg_notify('fastjobs', woken.queue)::text IS NULL"""
 
@@ -940,6 +1242,10 @@ STATEMENTS: Final[Mapping[str, str]] = MappingProxyType(
         "job_finish_claim_after": job_finish_claim_after,
         "job_finish_claim_many_keep": job_finish_claim_many_keep,
         "job_finish_claim_after_keep": job_finish_claim_after_keep,
+        "job_finish_claim_many_context": job_finish_claim_many_context,
+        "job_finish_claim_after_context": job_finish_claim_after_context,
+        "job_finish_claim_many_keep_context": job_finish_claim_many_keep_context,
+        "job_finish_claim_after_keep_context": job_finish_claim_after_keep_context,
         "job_schedule_many": job_schedule_many,
         "leader_try_lock": leader_try_lock,
         "leader_keepalive": leader_keepalive,
@@ -990,5 +1296,15 @@ FINISH: Final[Mapping[tuple[bool, bool], tuple[str, str]]] = MappingProxyType(
         (False, True): ("job_finish_claim_after", job_finish_claim_after),
         (True, False): ("job_finish_claim_many_keep", job_finish_claim_many_keep),
         (True, True): ("job_finish_claim_after_keep", job_finish_claim_after_keep),
+    }
+)
+
+# The same, for a worker whose app has middleware: the _context variants.
+FINISH_CONTEXT: Final[Mapping[tuple[bool, bool], tuple[str, str]]] = MappingProxyType(
+    {
+        (False, False): ("job_finish_claim_many_context", job_finish_claim_many_context),
+        (False, True): ("job_finish_claim_after_context", job_finish_claim_after_context),
+        (True, False): ("job_finish_claim_many_keep_context", job_finish_claim_many_keep_context),
+        (True, True): ("job_finish_claim_after_keep_context", job_finish_claim_after_keep_context),
     }
 )

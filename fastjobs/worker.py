@@ -558,6 +558,7 @@ class Worker:
                 progress=self.slot.progress_view() if self.slot is not None else None,
                 running=self.slot.running_view() if self.slot is not None else None,
                 counts=self.slot.counts_view() if self.slot is not None else None,
+                full_context=self.app.has_middleware,
             )
             if self.slot is not None:
                 self.executor.running = self.slot.slow_jobs()

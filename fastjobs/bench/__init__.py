@@ -252,14 +252,23 @@ def _noop(**_: Any) -> None:
     return None
 
 
-def _bench_app(dsn: str) -> App:
+def _noop_middleware(job: Any, call_next: Callable[[], Any]) -> Any:
+    return call_next()
+
+
+def _bench_app(dsn: str, middleware: bool = False) -> App:
+    """The no-op job; with `middleware`, behind one no-op middleware (its cost per job)."""
     app = App(dsn)
     app.job(kind=BENCH_KIND)(_noop)
+    if middleware:
+        app.middleware(_noop_middleware)
     return app
 
 
-def _fastjobs_drainer(dsn: str, batch: int, overlap: bool, keep: bool, ready: Any, start: Any) -> None:
-    app = _bench_app(dsn)
+def _fastjobs_drainer(
+    dsn: str, batch: int, overlap: bool, keep: bool, middleware: bool, ready: Any, start: Any
+) -> None:
+    app = _bench_app(dsn, middleware)
 
     def on_ready() -> None:
         ready.wait()
@@ -393,7 +402,13 @@ def master_running(
 
 
 def _master_once(
-    dsn: str, jobs: int, processes: int, batch: int, keep: bool, echo: Callable[[str], None]
+    dsn: str,
+    jobs: int,
+    processes: int,
+    batch: int,
+    keep: bool,
+    middleware: bool,
+    echo: Callable[[str], None],
 ) -> tuple[float, float]:
     """The real `fastjobs run` path: a Master with its workers and leader.
 
@@ -402,7 +417,7 @@ def _master_once(
     counters, so no query competes with the drain.
     """
     _reset(dsn)
-    with master_running(lambda: _bench_app(dsn), processes, batch, keep) as slots:
+    with master_running(lambda: _bench_app(dsn, middleware), processes, batch, keep) as slots:
         App(dsn).enqueue_many(BENCH_KIND, ({"i": i} for i in range(jobs)))
         began = time.perf_counter()
         workers = [slots[i] for i in range(processes)]
@@ -450,6 +465,7 @@ def run_drain(
     keep: bool,
     results: Path | None,
     echo: Callable[[str], None],
+    middleware: bool = False,
 ) -> dict[str, Any]:
     """Drain `jobs` no-op jobs three ways, alternating, and report medians.
 
@@ -467,10 +483,10 @@ def run_drain(
             if name == "raw":
                 measured = _drain_once(target, jobs, processes, _raw_drainer, (batch, keep), echo)
             elif name in ("worker", "worker_sync"):
-                args = (batch, name == "worker", keep)
+                args = (batch, name == "worker", keep, middleware)
                 measured = _drain_once(target, jobs, processes, _fastjobs_drainer, args, echo)
             else:
-                measured = _master_once(target, jobs, processes, batch, keep, echo)
+                measured = _master_once(target, jobs, processes, batch, keep, middleware, echo)
             runs[name].append(measured)
             echo(
                 f"\r  run {run + 1}/{repeat} {name:11s} {jobs / measured[0]:>10,.0f} jobs/s"
@@ -485,6 +501,7 @@ def run_drain(
         processes=processes,
         batch=batch,
         keep_completed=keep,
+        middleware=middleware,
         repeat=repeat,
         **{f"{name}_jobs_per_s": round(rate[name]) for name in contenders},
         **{f"{name}_cpu_us_per_job": round(cpu[name], 2) for name in contenders},
@@ -527,7 +544,7 @@ def run_cleaner(
     with psycopg.connect(target, autocommit=True) as conn, psycopg.RawCursor(conn) as cur:
         cur.execute(queries.bench_seed_finished, (finished,))
         cur.execute("VACUUM ANALYZE fastjobs_jobs")
-    args = (batch, True, False)
+    args = (batch, True, False, False)
     alone, _ = _drain_once(target, jobs, processes, _fastjobs_drainer, args, echo, reset=False)
     echo(f"\r  drain alone            {jobs / alone:>10,.0f} jobs/s\n")
     cleaned: dict[str, Any] = {}

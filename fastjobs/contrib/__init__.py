@@ -1,0 +1,1 @@
+"""Integrations with other libraries, each an extra of its own; `import fastjobs` imports none of them."""
