@@ -456,3 +456,36 @@ def test_an_enqueue_returns_what_it_inserted_and_a_middleware_that_skips_call_ne
     ):
         app.enqueue("k", {})
     assert len(jobs(app.dsn)) == 3
+
+
+def test_jobs_on_a_queues_threads_run_behind_middleware_with_their_whole_context(app: App) -> None:
+    """A queue given threads runs its sync jobs on the pool: each pool thread's context is the
+    one its middleware sees, filled whole, and the handler's current_job() is that same one."""
+    seen: Seen = []
+    app.middleware(_recording(seen, "mw"))
+    app.enqueue_middleware(lambda call, call_next: (call.meta.update(origin="test"), call_next())[1])
+    same: list[bool] = []
+
+    @app.job(kind="pooled", queue="io")
+    def pooled(n: int) -> int:
+        job = current_job()
+        same.append(job is not None and job.id != 0 and job.args == {"n": n})
+        return n
+
+    ids = [pooled.enqueue(n=n) for n in range(6)]
+    drain(app, ["io"], threads={"io": 3})
+    befores = sorted((fields["id"], fields) for name, fields in seen if name == "mw before")
+    assert [job_id for job_id, _ in befores] == ids
+    for n, (job_id, fields) in enumerate(befores):
+        assert fields == {
+            "id": job_id,
+            "kind": "pooled",
+            "queue": "io",
+            "attempt": 1,
+            "max_attempts": 25,
+            "args": {"n": n},
+            "meta": {"origin": "test"},
+        }
+    assert sorted(result for name, result in seen if name == "mw after") == list(range(6))
+    assert same == [True] * 6
+    assert jobs(app.dsn) == []
