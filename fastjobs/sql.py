@@ -603,16 +603,14 @@ worker_heartbeat: Final = """
 INSERT INTO fastjobs_workers (id, host, pid, queues) VALUES ($1, $2, $3, $4::text[])
 ON CONFLICT (id) DO UPDATE SET heartbeat_at = now()"""
 
-# worker_wait: worker $1, serving queues $2, is about to sleep on its LISTEN
-# connection for up to $3 seconds: inserts into its queues notify it
-# (migrations/004_wakeups.sql) until it wakes or the row expires.
-worker_wait: Final = """
-INSERT INTO fastjobs_waiting (worker, queues, until)
-VALUES ($1, $2::text[], now() + make_interval(secs => $3::float8))
-ON CONFLICT (worker) DO UPDATE SET queues = excluded.queues, until = excluded.until"""
-
-# worker_unwait: worker $1 is busy again (or stops): inserts stop notifying it.
-worker_unwait: Final = "DELETE FROM fastjobs_waiting WHERE worker = $1"
+# worker_sleep: a worker is about to sleep on its LISTEN connection: inserts
+# notify until at least $1 seconds from now (migrations/004_wakeups.sql).
+# The sequence is never moved back: another worker may sleep longer.
+worker_sleep: Final = """
+SELECT setval('fastjobs_sleep_until',
+              greatest(last_value,
+                       (date_part('epoch', clock_timestamp()) * 1000 + $1::float8 * 1000)::bigint))
+  FROM fastjobs_sleep_until"""
 
 # worker_delete: a worker that stops cleanly removes its row.
 worker_delete: Final = "DELETE FROM fastjobs_workers WHERE id = $1"
@@ -943,8 +941,7 @@ STATEMENTS: Final[Mapping[str, str]] = MappingProxyType(
         "worker_session": worker_session,
         "worker_register": worker_register,
         "worker_heartbeat": worker_heartbeat,
-        "worker_wait": worker_wait,
-        "worker_unwait": worker_unwait,
+        "worker_sleep": worker_sleep,
         "worker_delete": worker_delete,
         "job_rescue_many": job_rescue_many,
         "releaser_session": releaser_session,

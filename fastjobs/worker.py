@@ -35,9 +35,11 @@ LISTENER_CHECK_INTERVAL = 30.0
 PARENT_CHECK_INTERVAL = 0.5
 # An orphaned worker stops now when its grace is over, and exits this much later whatever it is doing.
 ORPHAN_EXIT_AFTER = 2.0
-# How long a sleeping worker's advertisement (sql.worker_wait) counts unrenewed:
-# past it, inserts stop notifying a worker that died without removing it.
-WAIT_TTL = 60.0
+# How long inserts keep notifying past the end of a worker's sleep
+# (sql.worker_sleep): one deadline covers the many short sleeps of a worker
+# between jobs (a statement per WAKE_MARGIN, not one per sleep); and once the
+# workers are busy, commits notify for at most poll_interval + WAKE_MARGIN.
+WAKE_MARGIN = 0.25
 # A worker whose predecessor died writing several failed jobs' outcomes runs
 # one job per batch this long, so the outcome that kills it is found alone.
 CAREFUL_FOR = 60.0
@@ -514,18 +516,6 @@ class Worker:
             os.close(wake_r)
             os.close(wake_w)
 
-    def _wait(self, conn: psycopg.Connection[Any]) -> bool:
-        """Advertise this worker as sleeping (sql.worker_wait): inserts into its queues notify it."""
-        with psycopg.RawCursor(conn) as cur:
-            cur.execute(sql.worker_wait, (self.worker_id, self.queues, WAIT_TTL))
-        return True
-
-    def _unwait(self, conn: psycopg.Connection[Any]) -> bool:
-        """Inserts stop notifying this worker: it is busy (sql.worker_unwait)."""
-        with psycopg.RawCursor(conn) as cur:
-            cur.execute(sql.worker_unwait, (self.worker_id,))
-        return False
-
     def _loop(self, conn: psycopg.Connection[Any], listener: Listener) -> None:
         loop = self.loop
         assert loop is not None
@@ -534,10 +524,8 @@ class Worker:
         next_schedule = 0.0 if config.schedule else float("inf")
         next_title = time.monotonic() + 1.0
         careful_until = 0.0
-        # Whether this worker's row in fastjobs_waiting is up (inserts then
-        # notify it), and when to renew it while it keeps sleeping.
-        waiting = False
-        renew_at = 0.0
+        # Until when (time.monotonic()) inserts notify, as this worker last moved it.
+        notify_until = 0.0
         if self.careful:
             # One job per batch and no claim ahead: each statement then
             # carries at most one failed job's outcome (see Master._blame).
@@ -560,8 +548,6 @@ class Worker:
                         careful_until = 0.0
                         loop.batch_max, loop.overlap = config.batch_max, config.overlap
                 if ran:
-                    if waiting:
-                        waiting = self._unwait(conn)
                     continue
                 if now >= next_schedule:
                     next_schedule = now + config.poll_interval
@@ -569,22 +555,24 @@ class Worker:
                         continue
                 if self.exit_when_empty and loop.recheck == float("inf"):
                     break
-                if not waiting or now >= renew_at:
-                    fresh = not waiting
-                    waiting = self._wait(conn)
-                    renew_at = now + WAIT_TTL / 2
-                    if fresh and waiting:
-                        # A job inserted before the row was visible did not
-                        # notify: claim once more before sleeping. One whose
-                        # transaction was still open now (its INSERT ran
-                        # before the row, its commit comes after this claim)
-                        # is found by the poll: at most poll_interval late.
+                # A claim that started after the last one's end found nothing:
+                # look from the front of the queue when the loop next may.
+                sleep = min(config.poll_interval, loop.recheck)
+                if now + sleep > notify_until:
+                    lapsed = now >= notify_until
+                    with psycopg.RawCursor(conn) as cur:
+                        cur.execute(sql.worker_sleep, (sleep + WAKE_MARGIN,))
+                    notify_until = now + sleep + WAKE_MARGIN
+                    if lapsed:
+                        # A job inserted while inserts did not notify: claim
+                        # once more before sleeping. One whose INSERT ran
+                        # before the deadline moved and whose transaction
+                        # commits after this claim is found by the poll, at
+                        # most poll_interval late.
                         continue
                 if now - listener.last_check >= LISTENER_CHECK_INTERVAL:
                     listener.check()
-                # A claim that started after the last one's end found nothing:
-                # look from the front of the queue when the loop next may.
-                listener.wait(min(config.poll_interval, loop.recheck))
+                listener.wait(sleep)
                 if slot is not None:
                     slot.beat()
                     slot.listener(listener.conn is not None, listener.healthy_at, listener.reconnects)
@@ -593,8 +581,5 @@ class Worker:
             # A second stop signal must not cut the final writes short.
             with _signals_held():
                 loop.finish()
-                if waiting:
-                    with contextlib.suppress(psycopg.Error):  # a lost connection: the row expires
-                        self._unwait(conn)
             if slot is not None:
                 slot.record(loop, 0.0)
