@@ -605,12 +605,15 @@ ON CONFLICT (id) DO UPDATE SET heartbeat_at = now()"""
 
 # worker_sleep: a worker is about to sleep on its LISTEN connection: inserts
 # notify until at least $1 seconds from now (migrations/004_wakeups.sql).
-# The sequence is never moved back: another worker may sleep longer.
+# The deadline is never moved back (another worker may sleep longer), except
+# from more than an hour ahead (the server's clock went back). No FROM: a scan
+# of the sequence costs the hot loop's session (enable_seqscan off) a plan
+# above jit_above_cost, and 25-120 ms of JIT compilation per sleep.
 worker_sleep: Final = """
 SELECT setval('fastjobs_sleep_until',
-              greatest(last_value,
-                       (date_part('epoch', clock_timestamp()) * 1000 + $1::float8 * 1000)::bigint))
-  FROM fastjobs_sleep_until"""
+              greatest(least(coalesce(pg_sequence_last_value('fastjobs_sleep_until'), 0),
+                             (date_part('epoch', clock_timestamp()) * 1000 + 3600000)::bigint),
+                       (date_part('epoch', clock_timestamp()) * 1000 + $1::float8 * 1000)::bigint))"""
 
 # worker_delete: a worker that stops cleanly removes its row.
 worker_delete: Final = "DELETE FROM fastjobs_workers WHERE id = $1"
