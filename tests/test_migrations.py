@@ -374,7 +374,7 @@ def test_fastjobs_run_on_a_schema_too_new_stops_with_the_boot_error_and_forks_no
 # A migration the next release might ship: a column (a short ACCESS EXCLUSIVE
 # transaction) and an index built CONCURRENTLY. The running code never reads either.
 NEXT_MIGRATION = """
--- 003_next: a column and its index, as a next release would add them.
+-- NNN_next: a column and its index, as a next release would add them.
 ALTER TABLE fastjobs_jobs ADD COLUMN IF NOT EXISTS tenant text;
 
 -- fastjobs: concurrently
@@ -393,7 +393,8 @@ def test_a_rolling_upgrade_with_jobs_in_flight_loses_nothing_and_runs_nothing_tw
     directory.mkdir()
     for shipped in schema.migrations():
         (directory / f"{shipped.label}.sql").write_text(shipped.sql)
-    (directory / "003_next.sql").write_text(NEXT_MIGRATION)
+    next_label = f"{schema.migrations()[-1].version + 1:03d}_next"
+    (directory / f"{next_label}.sql").write_text(NEXT_MIGRATION)
 
     long_id = app.enqueue("record", {"n": -1, "sleep": 12.0})
     app.enqueue_many("record", ({"n": n, "sleep": 0.01} for n in range(300)))
@@ -403,7 +404,7 @@ def test_a_rolling_upgrade_with_jobs_in_flight_loses_nothing_and_runs_nothing_tw
         wait_for(lambda: procs.count(db, "SELECT count(*) FROM runs") > 20, "the old master to drain")
         with psycopg.connect(dsn) as conn:
             applied = schema.migrate(conn, dsn=dsn, lock_timeout=1.0, directory=directory)
-        assert [m.label for m in applied] == ["003_next"]
+        assert [m.label for m in applied] == [next_label]
         assert procs.alive(old.pid) and runs_left(db) > 0  # migrated mid-drain
 
         new = masters.start("--processes", "2", "--rescue-after", "5")  # runs on the schema one ahead

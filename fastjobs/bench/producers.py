@@ -124,7 +124,19 @@ def run_producers(
     echo: Callable[[str], None],
 ) -> dict[str, Any]:
     """Each contender `repeat` times, alternating, for `seconds`; medians of jobs/s and of the ratios."""
-    target = bench_dsn(dsn)
+    return measure(bench_dsn(dsn), producers, seconds, repeat, threads, results, echo)
+
+
+def measure(
+    target: str,
+    producers: int,
+    seconds: float,
+    repeat: int,
+    threads: bool,
+    results: Path | None,
+    echo: Callable[[str], None],
+) -> dict[str, Any]:
+    """`run_producers` on the migrated database `target`, whose jobs it deletes."""
     with psycopg.connect(target, autocommit=True) as conn:
         conn.execute(queries.bench_plain_create)
     rates: dict[str, list[float]] = {name: [] for name in CONTENDERS}
