@@ -871,6 +871,7 @@ NOT_PREPARABLE: Final = frozenset(
         "listen_jobs",
         "listen_ping",
         "listen_cancel",
+        "testing_notify_commit",
     }
 )
 
@@ -892,6 +893,11 @@ testing_queues_due: Final = """
 SELECT DISTINCT queue FROM fastjobs_jobs
  WHERE state = 'available' AND run_at <= now() AND ($1::text[] IS NULL OR queue = ANY($1::text[]))
  ORDER BY queue"""
+
+# testing_notify_commit: the inline kit's own wake-up in the caller's
+# transaction, heard by that session at its commit (the insert trigger
+# notifies only while a worker sleeps).
+testing_notify_commit: Final = "NOTIFY fastjobs"
 
 # testing_args_round_trip: job args as a worker reads them back (jsonb
 # normalises numbers: the float 1e16 comes back as the integer 10000000000000000).
@@ -971,6 +977,7 @@ STATEMENTS: Final[Mapping[str, str]] = MappingProxyType(
         "notify_queue_usage": notify_queue_usage,
         "testing_shift_due": testing_shift_due,
         "testing_queues_due": testing_queues_due,
+        "testing_notify_commit": testing_notify_commit,
         "testing_args_round_trip": testing_args_round_trip,
         "testing_jobs_in_states": testing_jobs_in_states,
     }

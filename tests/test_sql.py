@@ -204,6 +204,7 @@ def test_every_channel_a_statement_names_is_a_channel_constant():
         "job_release_unstarted": wake,
         "job_cancel": {sql.CANCEL_CHANNEL},
         "job_retry": wake,
+        "testing_notify_commit": wake,
     }
     assert {sql.NOTIFY_CHANNEL, sql.PING_CHANNEL, sql.CANCEL_CHANNEL} == sql.CHANNELS
 
