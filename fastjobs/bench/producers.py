@@ -6,7 +6,8 @@ flush. Three contenders, each run by N producers for the same seconds, in the
 same run, against one database:
 
 - raw: `INSERT` into `fastjobs_bench_plain`, a table like fastjobs_jobs
-  (columns, defaults, indexes) without its trigger: the limit;
+  (columns, defaults, indexes) without its trigger, the very statement
+  app.enqueue sends: the limit;
 - trigger: the same `INSERT` into fastjobs_jobs, its wake-up trigger included;
 - fastjobs: `app.enqueue`, on the pool of connections `App` keeps.
 
@@ -32,6 +33,7 @@ import psycopg
 
 from ..app import App
 from ..impl import IMPLEMENTATION
+from ..types import DEFAULT_MAX_ATTEMPTS, DEFAULT_PRIORITY, DEFAULT_QUEUE
 from . import BENCH_KIND, _noop, _record, _reset, _write, bench_dsn, queries
 
 CONTENDERS = ("raw", "trigger", "fastjobs")
@@ -60,7 +62,9 @@ def _produce(dsn: str, name: str, begin: float, until: float) -> int:
     with psycopg.connect(dsn, autocommit=True, prepare_threshold=0) as conn, psycopg.RawCursor(conn) as cur:
         time.sleep(max(0.0, begin - time.time()))
         while time.time() < until:
-            cur.execute(statement, (BENCH_KIND, orjson.dumps({"i": count}).decode()))
+            args = orjson.dumps({"i": count}).decode()
+            cur.execute(statement, (DEFAULT_QUEUE, BENCH_KIND, args, DEFAULT_PRIORITY, DEFAULT_MAX_ATTEMPTS))
+            cur.fetchone()
             count += 1
     return count
 

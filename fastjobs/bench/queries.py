@@ -32,11 +32,18 @@ CREATE TABLE IF NOT EXISTS fastjobs_bench_plain (LIKE fastjobs_jobs INCLUDING AL
 # bench_plain_reset: empty that table between runs.
 bench_plain_reset: Final = "TRUNCATE fastjobs_bench_plain RESTART IDENTITY"
 
-# bench_plain_insert: the limit, one job into the table without trigger.
-bench_plain_insert: Final = "INSERT INTO fastjobs_bench_plain (kind, args) VALUES ($1, $2::jsonb)"
+# bench_plain_insert: the limit, one job into the table without trigger: the
+# statement app.enqueue sends (sql.job_insert_now), without fastjobs around it.
+bench_plain_insert: Final = """
+INSERT INTO fastjobs_bench_plain (queue, kind, args, priority, max_attempts)
+VALUES ($1, $2, $3::jsonb, $4, $5)
+RETURNING id"""
 
 # bench_trigger_insert: the same INSERT into fastjobs_jobs, its trigger included.
-bench_trigger_insert: Final = "INSERT INTO fastjobs_jobs (kind, args) VALUES ($1, $2::jsonb)"
+bench_trigger_insert: Final = """
+INSERT INTO fastjobs_jobs (queue, kind, args, priority, max_attempts)
+VALUES ($1, $2, $3::jsonb, $4, $5)
+RETURNING id"""
 
 
 # Statements PREPARE cannot take: tests/test_sql.py runs them instead.
