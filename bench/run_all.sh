@@ -14,5 +14,7 @@ run fastjobs bench --drain-only --processes 2 --keep-completed
 run fastjobs bench --drain-only --processes 1
 run fastjobs bench --drain-only --processes 4
 run fastjobs bench --latency-only --rate 1000 --latency-seconds 10
+run fastjobs bench --producers 16 --repeat 3
+run fastjobs bench --producers 1 --repeat 5
 run fastjobs bench --cleaner 1000000
 run fastjobs bench --soak 10 --hold 120 --plot bench/soak.png

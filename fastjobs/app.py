@@ -307,7 +307,7 @@ class App:
             job_id = enqueue.insert(conn, params)
         else:
             with self.connection() as own:
-                job_id = enqueue.insert(own, params)
+                job_id = enqueue.insert_own(own, params)
         if self._testing is not None:
             self._testing.inserted(conn)
         return job_id

@@ -249,6 +249,21 @@ def _parser() -> argparse.ArgumentParser:
         help="only: enqueue and drain at a steady rate for MINUTES, then again with a transaction held"
         " open in the middle; samples every 10 s",
     )
+    only.add_argument(
+        "--producers",
+        type=_positive_int,
+        metavar="N",
+        help="only: N producers each enqueueing one job per transaction (app.enqueue), beside raw"
+        " INSERTs with and without the jobs table's trigger",
+    )
+    run_bench.add_argument(
+        "--producer-seconds", type=float, default=4.0, help="with --producers: length of each run"
+    )
+    run_bench.add_argument(
+        "--producer-threads",
+        action="store_true",
+        help="with --producers: threads of one process instead of processes",
+    )
     run_bench.add_argument(
         "--soak-rate",
         type=float,
@@ -723,6 +738,19 @@ def _bench(args: argparse.Namespace) -> int:
             args.hold,
             args.results,
             args.plot,
+            bench.echo,
+        )
+        return 0
+    if args.producers:
+        from .bench import producers
+
+        producers.run_producers(
+            dsn,
+            args.producers,
+            args.producer_seconds,
+            args.repeat,
+            args.producer_threads,
+            args.results,
             bench.echo,
         )
         return 0

@@ -457,13 +457,14 @@ class Testing:
         if conn is None or conn.autocommit or not _in_transaction(conn):
             self._run_inline()
             return
-        # Inside the caller's transaction: the insert trigger's notification
-        # reaches sessions listening (this one included) only if it commits,
-        # and psycopg hands it to the handler while processing the COMMIT.
-        # A LISTEN made in a transaction that rolls back is undone with it.
-        # The jobs run while psycopg holds `conn`'s lock: a handler using this
-        # very connection object would wait forever (README says so).
+        # Inside the caller's transaction: a notification reaches sessions
+        # listening (this one included) only if it commits, and psycopg hands
+        # it to the handler while processing the COMMIT. A LISTEN made in a
+        # transaction that rolls back is undone with it. The jobs run while
+        # psycopg holds `conn`'s lock: a handler using this very connection
+        # object would wait forever (README says so).
         conn.execute(sql.listen_jobs)
+        conn.execute(sql.testing_notify_commit)
         if conn not in self._listening:
             conn.add_notify_handler(self._on_notify)
             self._listening.add(conn)
@@ -476,6 +477,7 @@ class Testing:
             self._run_inline()
             return
         await conn.execute(sql.listen_jobs)
+        await conn.execute(sql.testing_notify_commit)
         if conn not in self._listening:
             conn.add_notify_handler(self._on_notify)
             self._listening.add(conn)

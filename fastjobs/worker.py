@@ -36,6 +36,11 @@ LISTENER_CHECK_INTERVAL = 30.0
 PARENT_CHECK_INTERVAL = 0.5
 # An orphaned worker stops now when its grace is over, and exits this much later whatever it is doing.
 ORPHAN_EXIT_AFTER = 2.0
+# How long inserts keep notifying past the end of a worker's sleep
+# (sql.worker_sleep): one deadline covers the many short sleeps of a worker
+# between jobs (a statement per WAKE_MARGIN, not one per sleep); and once the
+# workers are busy, commits notify for at most poll_interval + WAKE_MARGIN.
+WAKE_MARGIN = 0.25
 # A worker whose predecessor died writing several failed jobs' outcomes runs
 # one job per batch this long, so the outcome that kills it is found alone.
 CAREFUL_FOR = 60.0
@@ -595,6 +600,8 @@ class Worker:
         next_schedule = 0.0 if config.schedule else float("inf")
         next_title = time.monotonic() + 1.0
         careful_until = 0.0
+        # Until when (time.monotonic()) inserts notify, as this worker last moved it.
+        notify_until = 0.0
         if self.careful:
             # One job per batch and no claim ahead: each statement then
             # carries at most one failed job's outcome (see Master._blame).
@@ -628,11 +635,24 @@ class Worker:
                         continue
                 if self.exit_when_empty and loop.recheck == float("inf"):
                     break
-                if now - listener.last_check >= LISTENER_CHECK_INTERVAL:
-                    listener.check()
                 # A claim that started after the last one's end found nothing:
                 # look from the front of the queue when the loop next may.
-                listener.wait(min(config.poll_interval, loop.recheck))
+                sleep = min(config.poll_interval, loop.recheck)
+                if now + sleep > notify_until:
+                    lapsed = now >= notify_until
+                    with psycopg.RawCursor(conn) as cur:
+                        cur.execute(sql.worker_sleep, (sleep + WAKE_MARGIN,))
+                    notify_until = now + sleep + WAKE_MARGIN
+                    if lapsed:
+                        # A job inserted while inserts did not notify: claim
+                        # once more before sleeping. One whose INSERT ran
+                        # before the deadline moved and whose transaction
+                        # commits after this claim is found by the poll, at
+                        # most poll_interval late.
+                        continue
+                if now - listener.last_check >= LISTENER_CHECK_INTERVAL:
+                    listener.check()
+                listener.wait(sleep)
                 if slot is not None:
                     slot.beat()
         finally:

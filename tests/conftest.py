@@ -19,7 +19,7 @@ from fastjobs.impl import IMPLEMENTATION
 from fastjobs.testing import databases
 
 from . import procs
-from .helpers import NOTIFY_END
+from .helpers import NOTIFY_END, asleep
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -98,8 +98,10 @@ def masters(tmp_path: Path, dsn: str) -> Iterator[procs.Masters]:
 
 @pytest.fixture
 def listener(dsn: str) -> Iterator[psycopg.Connection[Any]]:
-    """A connection listening on the fastjobs channel (see helpers.notifications)."""
+    """A connection listening on the fastjobs channel (see helpers.notifications), as a sleeping
+    worker's: inserts notify (helpers.asleep)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(f"LISTEN {sql.NOTIFY_CHANNEL}")
         conn.execute(f"LISTEN {NOTIFY_END}")
+        asleep(dsn)
         yield conn

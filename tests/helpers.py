@@ -166,6 +166,12 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
     return True
 
 
+def asleep(dsn: str, seconds: float = 3600.0) -> None:
+    """Inserts notify for `seconds`, as while a worker sleeps on its LISTEN connection (sql.worker_sleep)."""
+    with psycopg.connect(dsn, autocommit=True) as conn, psycopg.RawCursor(conn) as cur:
+        cur.execute(sql.worker_sleep, (seconds,))
+
+
 # Channel of the marker `notifications` sends after the work under test.
 NOTIFY_END = "fastjobs_test_end"
 

@@ -24,6 +24,7 @@ from fastjobs.worker import Listener, Worker, WorkerConfig
 from .helpers import (
     OVERLAP,
     WorkerThread,
+    asleep,
     batch_loop,
     by_state,
     drain,
@@ -595,6 +596,7 @@ def test_worker_polls_while_its_listener_is_down_and_reconnects(app: App, dsn, s
 def listener(dsn):
     made = Listener(dsn, ["default"])
     assert made.connect()
+    asleep(dsn)  # as its worker does before it sleeps: inserts notify
     yield made
     made.close()
 

@@ -24,6 +24,31 @@ bench_raw_complete_keep: Final = (
     "UPDATE fastjobs_jobs SET state = 'completed', finalized_at = now() WHERE id = ANY($1::bigint[])"
 )
 
+# bench_plain_create: the producers benchmark's limit, a table like fastjobs_jobs
+# (columns, defaults, identity, indexes, checks, storage) without its trigger.
+bench_plain_create: Final = """
+CREATE TABLE IF NOT EXISTS fastjobs_bench_plain (LIKE fastjobs_jobs INCLUDING ALL)"""
+
+# bench_plain_reset: empty that table between runs.
+bench_plain_reset: Final = "TRUNCATE fastjobs_bench_plain RESTART IDENTITY"
+
+# bench_plain_insert: the limit, one job into the table without trigger: the
+# statement app.enqueue sends (sql.job_insert_now), without fastjobs around it.
+bench_plain_insert: Final = """
+INSERT INTO fastjobs_bench_plain (queue, kind, args, priority, max_attempts)
+VALUES ($1, $2, $3::jsonb, $4, $5)
+RETURNING id"""
+
+# bench_trigger_insert: the same INSERT into fastjobs_jobs, its trigger included.
+bench_trigger_insert: Final = """
+INSERT INTO fastjobs_jobs (queue, kind, args, priority, max_attempts)
+VALUES ($1, $2, $3::jsonb, $4, $5)
+RETURNING id"""
+
+
+# Statements PREPARE cannot take: tests/test_sql.py runs them instead.
+NOT_PREPARABLE: Final = frozenset({"bench_plain_create", "bench_plain_reset"})
+
 
 # Every statement of this module, by name (as fastjobs.sql.STATEMENTS).
 STATEMENTS: Final[Mapping[str, str]] = MappingProxyType(
@@ -32,5 +57,9 @@ STATEMENTS: Final[Mapping[str, str]] = MappingProxyType(
         "bench_seed_finished": bench_seed_finished,
         "bench_raw_complete": bench_raw_complete,
         "bench_raw_complete_keep": bench_raw_complete_keep,
+        "bench_plain_create": bench_plain_create,
+        "bench_plain_reset": bench_plain_reset,
+        "bench_plain_insert": bench_plain_insert,
+        "bench_trigger_insert": bench_trigger_insert,
     }
 )
