@@ -641,6 +641,7 @@ def test_the_listener_writes_each_change_of_its_state_to_the_slot(app: App, dsn)
         assert slot["listener_reconnects"] == 1 and made.conn is None
         assert made.wait(0) is False  # the worker's next sleep makes it again
         assert (slot["listening"], slot["listener_reconnects"]) == (1, 1)
+        asleep(dsn)  # as the sleeping worker's deadline: enqueues notify
         app.enqueue("anything")  # a wake-up read by a poll is kept for the next sleep
         assert wait_for(polled(lambda: made._woken))
         assert made.wait(60) is True
