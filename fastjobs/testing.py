@@ -377,7 +377,9 @@ class Testing:
         """The jobs matching every criterion given, oldest first.
 
         `args` matches when each of its keys is among the job's args with
-        that value (compared after the JSON round trip the job's args made).
+        that value (compared after the JSON round trip the job's args made;
+        for a kind with typed arguments, a value is taken as the enqueue took
+        it, a dataclass or a Decimal, or in its stored JSON form).
         By default only jobs waiting to run (available, scheduled, retryable)
         are looked at; `state` names others.
         """
@@ -435,7 +437,7 @@ class Testing:
             JobState(s)  # an unknown state fails here, naming it
         kind = _kind(kind_or_job) if kind_or_job is not None else None
         with self.app.connection() as conn, psycopg.RawCursor(conn) as cur:
-            expected = _through_jsonb(conn, _dumps(args)) if args is not None else None
+            expected = _through_jsonb(conn, _dumps(self._stored(kind, args))) if args is not None else None
             rows = cur.execute(sql.testing_jobs_in_states, (states,)).fetchall()
         jobs = [EnqueuedJob(*row) for row in rows]
         found = [job for job in jobs if _misses(job, kind, expected, queue, priority) == 0]
@@ -447,6 +449,22 @@ class Testing:
             # Fewest criteria missed first (each argument is one), then the newest.
             jobs.sort(key=lambda job: (_misses(job, kind, expected, queue, priority), -job.id))
         return found, jobs, wanted
+
+    def _stored(self, kind: str | None, args: Mapping[str, Any]) -> dict[str, Any]:
+        """`args` in the form an enqueue of `kind` stores them: each value through the kind's
+        annotations (a dataclass, Decimal, set, datetime as the enqueue converted it); a value
+        they refuse is taken as given, already in its stored JSON form ("10.50" for a Decimal)."""
+        spec = self.app.jobs.get(kind) if kind is not None else None
+        schema = spec.args_schema if spec is not None else None
+        if schema is None:
+            return dict(args)
+        stored: dict[str, Any] = {}
+        for name, value in args.items():
+            try:
+                stored.update(schema.encode({name: value}))
+            except (TypeError, ValueError):
+                stored[name] = value
+        return stored
 
     # -- inline mode
 
