@@ -265,8 +265,12 @@ class Testing:
         datetime, or a timedelta from the present) moves time forward for
         the drain: jobs due by then run, in the order they would have, their
         run_at moved back by the difference; with it, a job failing every
-        time runs until it is discarded. `queue` drains one queue (or a list).
-        More than `limit` jobs run raises: something requeues itself forever.
+        time runs until it is discarded. `queue` drains one queue (or a list);
+        by default every queue but those only kinds declared as handled
+        elsewhere (`app.declare`) use, which are left to their service.
+        Sync jobs run one at a time on this thread, threads or not in
+        production (`--queues name:N`). More than `limit` jobs run raises:
+        something requeues itself forever.
         """
         if isinstance(now, dt.timedelta):
             now = dt.datetime.now(dt.UTC) + now
@@ -281,6 +285,9 @@ class Testing:
         executor = Executor()
         executor.worker = WORKER_ID
         saved = (getattr(handlers._thread, "job", None), getattr(handlers._thread, "executor", None))
+        # The queues of kinds handled elsewhere alone (app.declare): the app's workers never serve them.
+        app = self.app
+        elsewhere = {s.queue for s in app.declared.values()} - {s.queue for s in app.jobs.values()}
         executor.bind()
         self._draining = True
         try:
@@ -293,6 +300,8 @@ class Testing:
                             cur.execute(sql.testing_shift_due, (now, queues))
                         leader.schedule_once(conn)
                         due = [row[0] for row in cur.execute(sql.testing_queues_due, (queues,))]
+                        if queues is None:
+                            due = [queue for queue in due if queue not in elsewhere]
                         if not due:
                             break
                         # A worker's settings, after the kit's own statements:

@@ -264,6 +264,29 @@ def test_assert_enqueued_matches_typed_args_by_the_value_enqueued_or_its_stored_
             kit.assert_enqueued(order, args={"tags": {"other"}})
 
 
+def test_drain_and_inline_leave_a_declared_kind_to_its_own_service(app: App) -> None:
+    """A declared kind (handled elsewhere, on its own queue) is enqueued, never run by the kit."""
+    charge = app.declare("billing.charge", queue="billing")
+
+    @app.job(kind="signup")
+    def signup(user: int) -> None:
+        charge.enqueue(user=user, cents=500)
+
+    with app.testing() as kit:
+        signup.enqueue(user=1)
+        assert kit.drain() == Drained(completed=1)
+        [job] = kit.assert_enqueued(charge, args={"user": 1, "cents": 500}, count=1)
+        assert job.state == "available" and job.attempt == 0 and job.errors is None
+        assert kit.drain() == Drained()
+    with app.testing(mode="inline") as kit:
+        signup.enqueue(user=2)
+        charge.enqueue(user=3, cents=100)
+        kit.assert_enqueued(charge, args={"user": 2}, count=1)
+        kit.assert_enqueued(charge, args={"user": 3}, count=1)
+        assert kit.enqueued(charge) == kit.enqueued(charge, state="available")
+        assert len(kit.enqueued(charge)) == 3
+
+
 def test_the_kit_runs_typed_handlers_as_a_worker_does(app: App, dsn: str) -> None:
     """Typed args are converted in drain and inline runs, Retry/Snooze/Cancel raised by a typed
     handler act, and a row that does not convert is discarded by the drain."""
