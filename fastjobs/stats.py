@@ -198,7 +198,7 @@ class Slot:
 
 
 class SlowJobs:
-    """The slow jobs (async, or with a timeout) whose handlers run now, in the worker's slot.
+    """The slow jobs (async, with a timeout, or on threads) whose handlers run now, in the worker's slot.
 
     The executor adds a job just before its handler starts and removes it
     when the handler returns: if the worker dies, exactly these count a
