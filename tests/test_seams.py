@@ -207,6 +207,16 @@ def test_typed_jobs_on_the_pool_and_off_it_are_converted_and_counted_under_their
     for kind, (outcomes, runs) in EXPECTED.items():
         assert tuple(kinds[kind]["outcomes"][o] for o in OUTCOMES) == outcomes, kind
         assert kinds[kind]["run_seconds"]["count"] == runs, kind
+
+    # The cluster view: the same counts, named the same, through the worker's heartbeat.
+    def beaten() -> list[dict[str, Any]] | None:
+        [host] = procs.stats_json(app.dsn)["cluster"]
+        done = sum(row[o] for row in host["kinds"] for o in OUTCOMES)
+        return host["kinds"] if done == total else None
+
+    rows = {row["kind"]: row for row in wait_for(beaten, "a heartbeat to carry every outcome", timeout=15)}
+    for kind, (outcomes, _) in EXPECTED.items():
+        assert tuple(rows[kind][o] for o in OUTCOMES) == outcomes, kind
     assert master.stop() == 0, master.stderr()
 
 
