@@ -446,7 +446,9 @@ class Testing:
             JobState(s)  # an unknown state fails here, naming it
         kind = _kind(kind_or_job) if kind_or_job is not None else None
         with self.app.connection() as conn, psycopg.RawCursor(conn) as cur:
-            expected = _through_jsonb(conn, _dumps(self._stored(kind, args))) if args is not None else None
+            expected = (
+                _through_jsonb(conn, _dumps(self._stored(kind, args), kind)) if args is not None else None
+            )
             rows = cur.execute(sql.testing_jobs_in_states, (states,)).fetchall()
         jobs = [EnqueuedJob(*row) for row in rows]
         found = [job for job in jobs if _misses(job, kind, expected, queue, priority) == 0]
@@ -571,11 +573,12 @@ def _kind(job: Any) -> str:
     return kind
 
 
-def _dumps(args: Mapping[str, Any]) -> str:
+def _dumps(args: Mapping[str, Any], kind: str | None) -> str:
     try:
         return orjson.dumps(dict(args)).decode()
     except TypeError as exc:
-        raise TypeError(f"args={args!r} could never match: they cannot be stored ({exc})") from None
+        hint = "; name the job's kind for its annotations to convert them" if kind is None else ""
+        raise TypeError(f"args={args!r} could never match: they cannot be stored ({exc}){hint}") from None
 
 
 def _through_jsonb(conn: psycopg.Connection[Any], data: str) -> dict[str, Any]:

@@ -272,6 +272,8 @@ def test_assert_enqueued_matches_typed_args_by_the_value_enqueued_or_its_stored_
         kit.refute_enqueued(order, args={"item": Item("a-1", 3)})
         with pytest.raises(AssertionError, match="expected a job"):
             kit.assert_enqueued(order, args={"tags": {"other"}})
+        with pytest.raises(TypeError, match=r"could never match.*name the job's kind for its annotations"):
+            kit.assert_enqueued(args={"total": decimal.Decimal("10.50")})
 
 
 def test_drain_and_inline_leave_a_declared_kind_to_its_own_service(app: App) -> None:
