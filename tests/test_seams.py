@@ -339,3 +339,26 @@ def test_the_kit_runs_typed_handlers_as_a_worker_does(app: App, dsn: str) -> Non
             ship.using(conn).enqueue(item=Item("in tx", 2), how="ok")
             assert seen == []
         assert seen == [(Item("in tx", 2), 1)]
+
+
+DECLARING_MODULE = """
+import fastjobs
+
+app = fastjobs.App()
+app.declare("billing.charge")  # on "default", which this app's workers serve
+app.declare("billing.refund", queue="billing")
+
+
+@app.job("mine")
+def mine():
+    pass
+"""
+
+
+def test_a_master_serving_the_queue_of_a_declared_kind_says_so(masters: procs.Masters) -> None:
+    (masters.cwd / "fjdeclaring.py").write_text(DECLARING_MODULE)
+    master = masters.start("--processes", "1", module="fjdeclaring")
+    master.wait_child("fastjobs: worker 1 ")
+    master.wait_stderr(r"job kind 'billing.charge' is declared as handled elsewhere, but its queue 'default'")
+    assert master.stop() == 0, master.stderr()
+    assert "billing.refund" not in master.stderr()
