@@ -445,6 +445,10 @@ class Testing:
         for s in states:
             JobState(s)  # an unknown state fails here, naming it
         kind = _kind(kind_or_job) if kind_or_job is not None else None
+        if kind is not None:
+            # A kind this App could not enqueue (a typo) is refused as at enqueue: else
+            # refute_enqueued("send_welcom") would pass whatever the code under test did.
+            self.app._spec(kind)
         with self.app.connection() as conn, psycopg.RawCursor(conn) as cur:
             expected = (
                 _through_jsonb(conn, _dumps(self._stored(kind, args), kind)) if args is not None else None

@@ -18,7 +18,7 @@ import orjson
 import psycopg
 import pytest
 
-from fastjobs import App, Cancel, Retry, Snooze, current_job
+from fastjobs import App, Cancel, Retry, Snooze, UnknownKind, current_job
 from fastjobs.abc import OUTCOMES
 from fastjobs.testing import Drained
 
@@ -362,3 +362,31 @@ def test_a_master_serving_the_queue_of_a_declared_kind_says_so(masters: procs.Ma
     master.wait_stderr(r"job kind 'billing.charge' is declared as handled elsewhere, but its queue 'default'")
     assert master.stop() == 0, master.stderr()
     assert "billing.refund" not in master.stderr()
+
+
+def test_the_kits_assertions_refuse_a_kind_the_app_could_not_enqueue(app: App) -> None:
+    """An App that knows kinds refuses a typo at enqueue; its kit's assertions do too, or
+    refute_enqueued("welcom") would pass whatever the code under test enqueued."""
+
+    @app.job(kind="welcome")
+    def welcome(n: int) -> None:
+        pass
+
+    charge = app.declare("billing.charge", queue="billing")
+    welcome.enqueue(n=1)
+    charge.enqueue(n=2)
+    with app.testing() as kit:
+        for check in (kit.refute_enqueued, kit.assert_enqueued, kit.enqueued):
+            with pytest.raises(UnknownKind, match="did you mean 'welcome'"):
+                check("welcom")
+        kit.assert_enqueued("welcome", count=1)
+        kit.assert_enqueued("billing.charge", args={"n": 2}, count=1)
+        kit.refute_enqueued(charge, args={"n": 1})
+    producer = App(app.dsn)  # knows no kinds: enqueues any, and its kit looks for any
+    try:
+        producer.enqueue("anything", {"n": 3})
+        with producer.testing() as kit:
+            kit.assert_enqueued("anything", count=1)
+            kit.refute_enqueued("welcom")
+    finally:
+        producer.close()
