@@ -37,7 +37,7 @@ from . import database, enqueue, handlers, leader, schema, sql
 from .errors import FastjobsError
 from .handlers import Executor, JobContext
 from .impl import core
-from .types import JobState
+from .types import ArgsSchema, JobState
 
 if TYPE_CHECKING:
     from .app import App, Job
@@ -387,8 +387,9 @@ class Testing:
 
         `args` matches when each of its keys is among the job's args with
         that value (compared after the JSON round trip the job's args made;
-        for a kind with typed arguments, a value is taken as the enqueue took
-        it, a dataclass or a Decimal, or in its stored JSON form).
+        for a kind with typed arguments, a value may be given as the enqueue
+        took it, a dataclass or a Decimal, and matches the stored argument as
+        its handler gets it; or in its stored JSON form).
         By default only jobs waiting to run (available, scheduled, retryable)
         are looked at; `state` names others.
         """
@@ -455,14 +456,20 @@ class Testing:
             )
             rows = cur.execute(sql.testing_jobs_in_states, (states,)).fetchall()
         jobs = [EnqueuedJob(*row) for row in rows]
-        found = [job for job in jobs if _misses(job, kind, expected, queue, priority) == 0]
         given = dict(args) if args is not None else None  # as the test wrote them
+        spec = self.app.jobs.get(kind) if kind is not None else None
+        same = _same_as_given(spec.args_schema if spec is not None else None, given)
+
+        def misses(job: EnqueuedJob) -> int:
+            return _missed(job, kind, expected, queue, priority, same)
+
+        found = [job for job in jobs if misses(job) == 0]
         criteria = {"kind": kind, "args": given, "queue": queue, "priority": priority}
         wanted = ", ".join(f"{k}={v!r}" for k, v in criteria.items() if v is not None)
         wanted = f"({wanted}) in state {'/'.join(states)}" if wanted else f"in state {'/'.join(states)}"
         if not found:
             # Fewest criteria missed first (each argument is one), then the newest.
-            jobs.sort(key=lambda job: (_misses(job, kind, expected, queue, priority), -job.id))
+            jobs.sort(key=lambda job: (misses(job), -job.id))
         return found, jobs, wanted
 
     def _stored(self, kind: str | None, args: Mapping[str, Any]) -> dict[str, Any]:
@@ -595,14 +602,39 @@ def _through_jsonb(conn: psycopg.Connection[Any], data: str) -> dict[str, Any]:
     return value
 
 
-def _misses(
-    job: EnqueuedJob, kind: str | None, args: dict[str, Any] | None, queue: str | None, priority: int | None
+def _same_as_given(
+    args_schema: ArgsSchema | None, given: dict[str, Any] | None
+) -> Callable[[str, Any], bool]:
+    """Whether a stored argument, converted as its handler gets it, equals the test's value: a set
+    matches whatever order it was stored in."""
+    if args_schema is None or given is None:
+        return lambda name, stored: False
+
+    def same(name: str, stored: Any) -> bool:
+        try:
+            return bool(args_schema.decode(name, stored) == given[name])
+        except Exception:  # it does not convert (InvalidArguments), or its __eq__ fails: no match
+            return False
+
+    return same
+
+
+def _missed(
+    job: EnqueuedJob,
+    kind: str | None,
+    args: dict[str, Any] | None,
+    queue: str | None,
+    priority: int | None,
+    same: Callable[[str, Any], bool],
 ) -> int:
-    """How many of the criteria `job` fails (an argument key each)."""
+    """How many of the criteria `job` fails (an argument key each): an argument matches in its
+    stored JSON form, or converted as its handler gets it (`same`)."""
     missed = (kind is not None and job.kind != kind) + (queue is not None and job.queue != queue)
     missed += priority is not None and job.priority != priority
     if args is not None:
-        missed += sum(1 for key, value in args.items() if key not in job.args or job.args[key] != value)
+        for key, value in args.items():
+            if key not in job.args or (job.args[key] != value and not same(key, job.args[key])):
+                missed += 1
     return int(missed)
 
 

@@ -268,7 +268,14 @@ def test_assert_enqueued_matches_typed_args_by_the_value_enqueued_or_its_stored_
         }
         kit.assert_enqueued(order, args=stored, count=1)
         kit.assert_enqueued("order", args={"total": decimal.Decimal("10.50")}, count=1)
-        kit.refute_enqueued(order, args={"total": decimal.Decimal("10.5")})  # stored exact: "10.50"
+        # A set matches whatever order its JSON array was stored in (a set's iteration order varies).
+        tags = {f"tag{n}" for n in range(8)}
+        stored_args = {**stored, "tags": list(tags)[::-1]}
+        insert_raw(app.dsn, "order", orjson.dumps(stored_args).decode())
+        kit.assert_enqueued(order, args={"tags": tags}, count=1)
+        kit.assert_enqueued(order, args={"tags": list(tags)[::-1]}, count=1)  # the JSON form, as stored
+        kit.refute_enqueued(order, args={"total": decimal.Decimal("10.51")})
+        kit.assert_enqueued(order, args={"total": decimal.Decimal("10.5")}, count=2)  # equal as a Decimal
         kit.refute_enqueued(order, args={"item": Item("a-1", 3)})
         with pytest.raises(AssertionError, match="expected a job"):
             kit.assert_enqueued(order, args={"tags": {"other"}})
