@@ -164,7 +164,7 @@ def _insert(dsn: str, kind: str, args_json: str, max_attempts: int) -> None:
         )
 
 
-@pytest.mark.parametrize("queues", ["default", "default:4"], ids=["inline", "pooled"])
+@pytest.mark.parametrize("queues", ["default", "default:4"], ids=["loop_thread", "pooled"])
 def test_typed_jobs_on_the_pool_and_off_it_are_converted_and_counted_under_their_own_kind(
     masters: procs.Masters, app: App, db: psycopg.Connection[Any], queues: str, monkeypatch: Any
 ) -> None:
