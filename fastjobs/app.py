@@ -542,10 +542,11 @@ class Job(Generic[P, R]):
     def using(self, conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> Job[P, R]:
         """A handle that enqueues in `conn`'s transaction: the jobs exist once it commits.
 
-        A `psycopg.AsyncConnection` serves the `_async` methods.
+        A `psycopg.AsyncConnection` serves the `_async` methods; the enqueue
+        checks the connection further, as it checks a `conn=`.
         """
         if not isinstance(conn, psycopg.Connection | psycopg.AsyncConnection):
-            raise TypeError(f"using() takes a psycopg connection, not {type(conn).__name__}")
+            raise enqueue.foreign_conn(conn, "using() takes a psycopg 3 Connection or AsyncConnection")
         return Job(self.app, self.spec, conn, **self._defaults)
 
     def args(self, *args: P.args, **kwargs: P.kwargs) -> dict[str, Any]:
@@ -571,19 +572,12 @@ class Job(Generic[P, R]):
         params = inspect.signature(self.spec.func).parameters.values()
         return [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
 
-    def _sync_conn(self, conn: Any) -> psycopg.Connection[Any] | None:
-        conn = self._conn if conn is None else conn
-        if conn is not None and not isinstance(conn, psycopg.Connection):
-            raise TypeError(
-                f"{self.kind}: enqueue needs a psycopg.Connection; use the _async methods for {conn!r}"
-            )
-        return conn
+    # The App's methods check the connection (enqueue.check_conn), whichever way it came.
+    def _sync_conn(self, conn: Any) -> Any:
+        return self._conn if conn is None else conn
 
-    def _async_conn(self, conn: Any) -> psycopg.AsyncConnection[Any] | None:
-        conn = self._conn if conn is None else conn
-        if conn is not None and not isinstance(conn, psycopg.AsyncConnection):
-            raise TypeError(f"{self.kind}: the _async methods need a psycopg.AsyncConnection, not {conn!r}")
-        return conn
+    def _async_conn(self, conn: Any) -> Any:
+        return self._conn if conn is None else conn
 
     def enqueue(self, *args: P.args, **kwargs: P.kwargs) -> int:
         """Enqueue one job with the handler's arguments; returns its id."""

@@ -633,7 +633,7 @@ def _stats(args: argparse.Namespace) -> int:
     _print_cluster(hosts)
     _print_health(health, now)
     for line in warnings:
-        _echo(f"\n{line}")
+        _echo(f"\n{_safe(line)}")
     return 0
 
 
@@ -706,7 +706,8 @@ def _print_health(health: stats.Health, now: float) -> None:
         _echo("oldest snapshot: none open")
     else:
         held = "" if h.seconds is None else f" open {h.seconds:,.1f}s,"
-        _echo(f"oldest snapshot: {h.source} {h.ident},{held} {h.xid_age or 0:,} xids old ({h.detail})")
+        who = _safe(f"{h.source} {h.ident}")
+        _echo(f"oldest snapshot: {who},{held} {h.xid_age or 0:,} xids old ({_safe(h.detail)})")
     _echo(f"NOTIFY queue: {health.notify_queue:.1%} used")
     _table(_table_columns(now), health.tables)
 

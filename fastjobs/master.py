@@ -607,6 +607,17 @@ class Master:
                 "  sync jobs of %s: as many at once per worker as its share, on threads",
                 ", ".join(sorted(self.threaded)),
             )
+        served = {queue for share in self.plan for queue in share}
+        for kind, spec in sorted(self.app.declared.items()):
+            if spec.queue in served:
+                # A worker claims every job of its queues: this kind's would fail here, no handler.
+                logger.warning(
+                    "job kind %r is declared as handled elsewhere, but its queue %r is served here:"
+                    " these workers would claim its jobs and fail them (no handler); give it a queue"
+                    " of its own",
+                    kind,
+                    spec.queue,
+                )
 
     def _titles(self, now: float) -> None:
         """Write each worker's rate to its slot once a second, and the master's title."""

@@ -1134,12 +1134,14 @@ vacuum_jobs: Final = "VACUUM (SKIP_LOCKED) fastjobs_jobs"
 # themselves are left out (PostgreSQL ignores their snapshots when it
 # computes the horizon), and so is this session.
 # Backends of other users show no xmin to a role without pg_read_all_stats.
+# The query's runs of whitespace become one space: its detail is one line.
 mvcc_horizon: Final = """
 SELECT source, ident, seconds, xid_age, detail FROM (
   SELECT 'backend' AS source, pid::text AS ident,
          extract(epoch FROM clock_timestamp() - coalesce(xact_start, query_start))::float8 AS seconds,
          age(coalesce(backend_xmin, backend_xid))::int8 AS xid_age,
-         concat_ws(', ', nullif(application_name, ''), state, left(query, 100)) AS detail
+         concat_ws(', ', nullif(application_name, ''), state,
+                   left(regexp_replace(query, '[[:space:]]+', ' ', 'g'), 100)) AS detail
     FROM pg_stat_activity
    WHERE pid <> pg_backend_pid() AND coalesce(backend_xmin, backend_xid) IS NOT NULL
      AND backend_type <> 'autovacuum worker' AND query NOT ILIKE 'vacuum%'

@@ -163,7 +163,7 @@ class Slot:
 
     def slow_jobs(self) -> SlowJobs:
         """Where the worker's executor records the slow jobs whose handlers run."""
-        return SlowJobs(self.ints)
+        return SlowJobs(self.ints, timed=self.counts_view() is not None)
 
     def counts_view(self) -> Any:
         """The int64 rows per (queue, kind) the hot loop bumps per job (None in a file without them)."""
@@ -198,7 +198,7 @@ class Slot:
 
 
 class SlowJobs:
-    """The slow jobs (async, or with a timeout) whose handlers run now, in the worker's slot.
+    """The slow jobs (async, with a timeout, or on threads) whose handlers run now, in the worker's slot.
 
     The executor adds a job just before its handler starts and removes it
     when the handler returns: if the worker dies, exactly these count a
@@ -207,19 +207,22 @@ class SlowJobs:
     and the master then leaves all of that worker's jobs to the rescuer.
     """
 
-    def __init__(self, ints: Any) -> None:
+    def __init__(self, ints: Any, timed: bool = True) -> None:
         self._ints = ints
         base = len(INT_FIELDS)
         self._free = list(range(len(ints) - 1, base - 1, -1))
         self._at: dict[int, int] = {}
         self._over: set[int] = set()
         # Each slow job's run time in ns (from add to discard), which the hot
-        # loop takes for its run-time histogram (count_slow).
+        # loop takes for its run-time histogram (count_slow); only `timed`:
+        # a slot without counts has no histogram, and nothing would take them.
+        self._timed = timed
         self._began: dict[int, int] = {}
         self.took: dict[int, int] = {}
 
     def add(self, job_id: int) -> None:
-        self._began[job_id] = time.perf_counter_ns()
+        if self._timed:
+            self._began[job_id] = time.perf_counter_ns()
         if self._free:
             index = self._free.pop()
             self._at[job_id] = index

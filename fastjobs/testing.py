@@ -37,7 +37,7 @@ from . import database, enqueue, handlers, leader, schema, sql
 from .errors import FastjobsError
 from .handlers import Executor, JobContext
 from .impl import core
-from .types import JobState
+from .types import ArgsSchema, JobState
 
 if TYPE_CHECKING:
     from .app import App, Job
@@ -265,8 +265,12 @@ class Testing:
         datetime, or a timedelta from the present) moves time forward for
         the drain: jobs due by then run, in the order they would have, their
         run_at moved back by the difference; with it, a job failing every
-        time runs until it is discarded. `queue` drains one queue (or a list).
-        More than `limit` jobs run raises: something requeues itself forever.
+        time runs until it is discarded. `queue` drains one queue (or a list);
+        by default every queue but those only kinds declared as handled
+        elsewhere (`app.declare`) use, which are left to their service.
+        Sync jobs run one at a time on this thread, threads or not in
+        production (`--queues name:N`). More than `limit` jobs run raises:
+        something requeues itself forever.
         """
         if isinstance(now, dt.timedelta):
             now = dt.datetime.now(dt.UTC) + now
@@ -281,6 +285,9 @@ class Testing:
         executor = Executor()
         executor.worker = WORKER_ID
         saved = (getattr(handlers._thread, "job", None), getattr(handlers._thread, "executor", None))
+        # The queues of kinds handled elsewhere alone (app.declare): the app's workers never serve them.
+        app = self.app
+        elsewhere = {s.queue for s in app.declared.values()} - {s.queue for s in app.jobs.values()}
         executor.bind()
         self._draining = True
         try:
@@ -293,6 +300,8 @@ class Testing:
                             cur.execute(sql.testing_shift_due, (now, queues))
                         leader.schedule_once(conn)
                         due = [row[0] for row in cur.execute(sql.testing_queues_due, (queues,))]
+                        if queues is None:
+                            due = [queue for queue in due if queue not in elsewhere]
                         if not due:
                             break
                         # A worker's settings, after the kit's own statements:
@@ -377,7 +386,10 @@ class Testing:
         """The jobs matching every criterion given, oldest first.
 
         `args` matches when each of its keys is among the job's args with
-        that value (compared after the JSON round trip the job's args made).
+        that value (compared after the JSON round trip the job's args made;
+        for a kind with typed arguments, a value may be given as the enqueue
+        took it, a dataclass or a Decimal, and matches the stored argument as
+        its handler gets it; or in its stored JSON form).
         By default only jobs waiting to run (available, scheduled, retryable)
         are looked at; `state` names others.
         """
@@ -434,19 +446,47 @@ class Testing:
         for s in states:
             JobState(s)  # an unknown state fails here, naming it
         kind = _kind(kind_or_job) if kind_or_job is not None else None
+        if kind is not None:
+            # A kind this App could not enqueue (a typo) is refused as at enqueue: else
+            # refute_enqueued("send_welcom") would pass whatever the code under test did.
+            self.app._spec(kind)
         with self.app.connection() as conn, psycopg.RawCursor(conn) as cur:
-            expected = _through_jsonb(conn, _dumps(args)) if args is not None else None
+            expected = (
+                _through_jsonb(conn, _dumps(self._stored(kind, args), kind)) if args is not None else None
+            )
             rows = cur.execute(sql.testing_jobs_in_states, (states,)).fetchall()
         jobs = [EnqueuedJob(*row) for row in rows]
-        found = [job for job in jobs if _misses(job, kind, expected, queue, priority) == 0]
         given = dict(args) if args is not None else None  # as the test wrote them
+        spec = self.app.jobs.get(kind) if kind is not None else None
+        same = _same_as_given(spec.args_schema if spec is not None else None, given)
+
+        def misses(job: EnqueuedJob) -> int:
+            return _missed(job, kind, expected, queue, priority, same)
+
+        found = [job for job in jobs if misses(job) == 0]
         criteria = {"kind": kind, "args": given, "queue": queue, "priority": priority}
         wanted = ", ".join(f"{k}={v!r}" for k, v in criteria.items() if v is not None)
         wanted = f"({wanted}) in state {'/'.join(states)}" if wanted else f"in state {'/'.join(states)}"
         if not found:
             # Fewest criteria missed first (each argument is one), then the newest.
-            jobs.sort(key=lambda job: (_misses(job, kind, expected, queue, priority), -job.id))
+            jobs.sort(key=lambda job: (misses(job), -job.id))
         return found, jobs, wanted
+
+    def _stored(self, kind: str | None, args: Mapping[str, Any]) -> dict[str, Any]:
+        """`args` in the form an enqueue of `kind` stores them: each value through the kind's
+        annotations (a dataclass, Decimal, set, datetime as the enqueue converted it); a value
+        they refuse is taken as given, already in its stored JSON form ("10.50" for a Decimal)."""
+        spec = self.app.jobs.get(kind) if kind is not None else None
+        schema = spec.args_schema if spec is not None else None
+        if schema is None:
+            return dict(args)
+        stored: dict[str, Any] = {}
+        for name, value in args.items():
+            try:
+                stored.update(schema.encode({name: value}))
+            except (TypeError, ValueError):
+                stored[name] = value
+        return stored
 
     # -- inline mode
 
@@ -546,11 +586,12 @@ def _kind(job: Any) -> str:
     return kind
 
 
-def _dumps(args: Mapping[str, Any]) -> str:
+def _dumps(args: Mapping[str, Any], kind: str | None) -> str:
     try:
         return orjson.dumps(dict(args)).decode()
     except TypeError as exc:
-        raise TypeError(f"args={args!r} could never match: they cannot be stored ({exc})") from None
+        hint = "; name the job's kind for its annotations to convert them" if kind is None else ""
+        raise TypeError(f"args={args!r} could never match: they cannot be stored ({exc}){hint}") from None
 
 
 def _through_jsonb(conn: psycopg.Connection[Any], data: str) -> dict[str, Any]:
@@ -563,14 +604,39 @@ def _through_jsonb(conn: psycopg.Connection[Any], data: str) -> dict[str, Any]:
     return value
 
 
-def _misses(
-    job: EnqueuedJob, kind: str | None, args: dict[str, Any] | None, queue: str | None, priority: int | None
+def _same_as_given(
+    args_schema: ArgsSchema | None, given: dict[str, Any] | None
+) -> Callable[[str, Any], bool]:
+    """Whether a stored argument, converted as its handler gets it, equals the test's value: a set
+    matches whatever order it was stored in."""
+    if args_schema is None or given is None:
+        return lambda name, stored: False
+
+    def same(name: str, stored: Any) -> bool:
+        try:
+            return bool(args_schema.decode(name, stored) == given[name])
+        except Exception:  # it does not convert (InvalidArguments), or its __eq__ fails: no match
+            return False
+
+    return same
+
+
+def _missed(
+    job: EnqueuedJob,
+    kind: str | None,
+    args: dict[str, Any] | None,
+    queue: str | None,
+    priority: int | None,
+    same: Callable[[str, Any], bool],
 ) -> int:
-    """How many of the criteria `job` fails (an argument key each)."""
+    """How many of the criteria `job` fails (an argument key each): an argument matches in its
+    stored JSON form, or converted as its handler gets it (`same`)."""
     missed = (kind is not None and job.kind != kind) + (queue is not None and job.queue != queue)
     missed += priority is not None and job.priority != priority
     if args is not None:
-        missed += sum(1 for key, value in args.items() if key not in job.args or job.args[key] != value)
+        for key, value in args.items():
+            if key not in job.args or (job.args[key] != value and not same(key, job.args[key])):
+                missed += 1
     return int(missed)
 
 

@@ -662,6 +662,16 @@ class Schema:
             raise _error(exc.error, self.kind, name, exc, row) from None
         return args if out is None else out
 
+    def decode(self, name: str, value: Any) -> Any:
+        """One stored argument as its handler gets it; InvalidArguments if it does not convert."""
+        node = self._nodes.get(name, self._extra)
+        if node is None or node.is_any:
+            return value
+        try:
+            return node.decode(value)
+        except _Invalid as exc:
+            raise _error(InvalidArguments, self.kind, name, exc) from None
+
     def encode_rows(self, rows: Iterable[Any]) -> Iterator[Any]:
         encode = self.encode
         for row, args in enumerate(rows):

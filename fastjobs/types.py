@@ -39,6 +39,9 @@ class ArgsSchema(Protocol):
     def encode_rows(self, rows: Any) -> Any:
         """`encode` over an iterable of argument dicts, naming the row of a bad one."""
 
+    def decode(self, name: str, value: Any) -> Any:
+        """One stored argument as its handler gets it; InvalidArguments if it does not convert."""
+
 
 @dataclass(frozen=True, slots=True)
 class JobSpec:

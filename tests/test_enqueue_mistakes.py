@@ -231,6 +231,9 @@ SYNC_CALLS: dict[str, Callable[[App, Any, list[int]], Any]] = {
     "enqueue": lambda app, conn, log: app.enqueue("k", {"n": 1}, conn=conn),
     "enqueue_many": lambda app, conn, log: app.enqueue_many("k", untouched(log), conn=conn),
     "cancel": lambda app, conn, log: app.cancel(1, conn=conn),
+    "job.enqueue": lambda app, conn, log: app.declare("k").enqueue(n=1, conn=conn),
+    "job.enqueue_many": lambda app, conn, log: app.declare("k").enqueue_many(untouched(log), conn=conn),
+    "job.using": lambda app, conn, log: app.declare("k").using(conn).enqueue(n=1),
 }
 
 
@@ -243,9 +246,12 @@ def test_a_conn_of_another_driver_is_a_type_error_saying_what_is_accepted(
         with pytest.raises(TypeError) as excinfo:
             SYNC_CALLS[call](app, conn, log)
         message = str(excinfo.value)
-        assert (
-            "conn= must be a psycopg 3 Connection (psycopg2 and other drivers are not supported)" in message
+        expected = (
+            "using() takes a psycopg 3 Connection or AsyncConnection"
+            if call == "job.using"
+            else "conn= must be a psycopg 3 Connection"
         )
+        assert f"{expected} (psycopg2 and other drivers are not supported)" in message
         assert f"not {type(conn).__module__}.{type(conn).__qualname__}" in message
         assert "connection underneath" in message
     assert log == []
@@ -268,6 +274,8 @@ def test_an_async_connection_to_the_sync_api_is_a_type_error(app: App, dsn: str,
 ASYNC_CALLS: dict[str, Callable[[App, Any, list[int]], Any]] = {
     "enqueue_async": lambda app, conn, log: app.enqueue_async("k", {"n": 1}, conn=conn),
     "enqueue_many_async": lambda app, conn, log: app.enqueue_many_async("k", untouched(log), conn=conn),
+    "job.enqueue_async": lambda app, conn, log: app.declare("k").enqueue_async(n=1, conn=conn),
+    "job.using": lambda app, conn, log: app.declare("k").using(conn).enqueue_async(n=1),
 }
 
 
@@ -284,7 +292,9 @@ def test_a_sync_or_foreign_conn_to_the_async_api_is_a_type_error(
     with psycopg.connect(dsn) as conn:
         asyncio.run(attempt(conn, "conn= is a psycopg.Connection: the async methods take an AsyncConnection"))
     for conn in foreign:
-        asyncio.run(attempt(conn, "conn= must be a psycopg 3 AsyncConnection"))
+        asyncio.run(
+            attempt(conn, "(conn= must be|using\\(\\) takes) a psycopg 3 (Connection or )?AsyncConnection")
+        )
     assert log == []
     assert count(dsn) == 0
 

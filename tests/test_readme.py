@@ -202,3 +202,35 @@ def test_the_tutorial_runs_as_written(dsn, tmp_path):
     listed = outputs["fastjobs jobs list --state retryable"]
     assert "jobs.send_welcome" in listed and re.search(r"\b2\b", listed)
     assert "cannot deliver to bob@example.invalid" in outputs["fastjobs jobs show 2"]
+
+
+def test_the_cluster_views_sample_output_is_what_fastjobs_stats_prints(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The README's `fastjobs stats` cluster sample, printed from the hosts it shows."""
+    from fastjobs import cli
+    from fastjobs.stats import ClusterHost, ClusterWorker
+
+    [sample] = [code for lang, code in BLOCKS if lang == "text" and code.startswith("cluster: ")]
+
+    def worker(wid: str, rate: float, beat: float, stale: bool = False) -> ClusterWorker:
+        return ClusterWorker(
+            wid, int(wid.split(":")[1]), ["default", "emails"], 3600.0, beat, stale, rate, {}
+        )
+
+    web1 = [
+        worker("web-1:4811:9f3c1a2b7d0e4c55", 5790, 0.4),
+        worker("web-1:4812:1d0b6e2f8a4c7e90", 5414, 1.1),
+    ]
+    web2 = [
+        worker("web-2:5120:0b7e44c9a1d2f3e6", 0, 7.9, True),
+        worker("web-2:5121:c2a95f1e07d34b88", 8377, 0.6),
+    ]
+    queues = ["default", "emails"]
+    cli._print_cluster(
+        [
+            ClusterHost("web-1", web1, queues, 0, 0.4, 11204, {"completed": 3120455, "failed": 12}, []),
+            ClusterHost("web-2", web2, queues, 1, 0.6, 8377, {"completed": 2904118, "failed": 9}, []),
+        ]
+    )
+    assert capsys.readouterr().out.lstrip("\n") == sample

@@ -213,6 +213,25 @@ def test_a_transaction_holding_back_cleanup_is_named_and_warned_about(
         assert re.search(rf"\nWARNING: cleanup horizon pinned for \d+s by backend {holder_pid}", human.stdout)
         # Under the default threshold (60 s) a young transaction is no news.
         assert procs.stats_json(app.dsn)["warnings"] == []
+
+
+def test_the_query_of_the_oldest_snapshot_is_printed_on_its_line(
+    app: App, db: psycopg.Connection[Any]
+) -> None:
+    """A multi-line query (a CTE as written in an application) holding the horizon is shown as one
+    line, its control characters escaped: `fastjobs stats` keeps one line per fact."""
+    with psycopg.connect(app.dsn, application_name="report") as holder:
+        holder.execute("WITH t AS (\n  SELECT txid_current() AS x\n)\nSELECT x, '\x1b[31m' FROM t")
+        human = procs.cli(app.dsn, "stats", "--horizon-warning", "0")
+        assert human.returncode == 0, human.stderr
+        [line] = [line for line in human.stdout.splitlines() if line.startswith("oldest snapshot:")]
+        query = "WITH t AS ( SELECT txid_current() AS x ) SELECT x, '\\x1b[31m' FROM t"
+        assert line.endswith(f"(report, idle in transaction, {query})"), line
+        assert "\x1b" not in human.stdout
+        [warning] = [
+            line for line in human.stdout.splitlines() if line.startswith("WARNING: cleanup horizon")
+        ]
+        assert "WITH t AS ( SELECT txid_current() AS x ) SELECT" in warning
         holder.rollback()
     assert procs.stats_json(app.dsn, "--horizon-warning", "0")["health"]["horizon"] is None
 

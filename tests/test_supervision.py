@@ -23,7 +23,7 @@ import pytest
 
 from fastjobs import App
 from fastjobs.leader import HEARTBEAT_INTERVAL
-from fastjobs.stats import WORKER, Slots
+from fastjobs.stats import WORKER, Labels, Slots
 
 from . import procs
 from .procs import count, runs, wait_for
@@ -345,6 +345,23 @@ def test_the_slot_records_the_slow_jobs_running_and_says_when_it_cannot() -> Non
         assert slot.crash_report() == ([14, 12], 0)
         slot.running_view()[0] = 7  # the fast path's job counts too
         assert slot.crash_report() == ([14, 12, 7], 0)
+        for job_id in (12, 14):
+            running.discard(job_id)
+        # No counts per kind in this slot: nothing takes the run times, so none is kept.
+        assert running.took == {}
+    finally:
+        slots.close(unlink=True)
+
+
+def test_the_run_times_of_slow_jobs_are_kept_for_the_counts_of_the_slot_alone() -> None:
+    slots = Slots.create(1, capacity=2, labels=Labels(["k"], [["default"]]))
+    try:
+        slot = slots[0]
+        slot.claim(WORKER, 0)
+        running = slot.slow_jobs()
+        running.add(21)
+        running.discard(21)
+        assert list(running.took) == [21] and running.took[21] >= 0
     finally:
         slots.close(unlink=True)
 

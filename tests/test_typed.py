@@ -354,7 +354,7 @@ def test_the_conn_keyword_still_works_untyped(app: App, dsn):
         job.enqueue(user=USER, when=NOW, conn=conn)  # type: ignore[call-arg]
         conn.rollback()
     assert jobs(dsn) == []
-    with pytest.raises(TypeError, match="psycopg connection"):
+    with pytest.raises(TypeError, match="using\\(\\) takes a psycopg 3 Connection or AsyncConnection"):
         job.using("postgresql://")  # type: ignore[arg-type]
 
 
