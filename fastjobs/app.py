@@ -452,7 +452,7 @@ class Job(Generic[P, R]):
         A `psycopg.AsyncConnection` serves the `_async` methods.
         """
         if not isinstance(conn, psycopg.Connection | psycopg.AsyncConnection):
-            raise TypeError(f"using() takes a psycopg connection, not {type(conn).__name__}")
+            raise enqueue.foreign_conn(conn, "using() takes a psycopg 3 Connection or AsyncConnection")
         return Job(self.app, self.spec, conn, **self._defaults)
 
     def args(self, *args: P.args, **kwargs: P.kwargs) -> dict[str, Any]:
@@ -480,17 +480,15 @@ class Job(Generic[P, R]):
 
     def _sync_conn(self, conn: Any) -> psycopg.Connection[Any] | None:
         conn = self._conn if conn is None else conn
-        if conn is not None and not isinstance(conn, psycopg.Connection):
-            raise TypeError(
-                f"{self.kind}: enqueue needs a psycopg.Connection; use the _async methods for {conn!r}"
-            )
-        return conn
+        if conn is None or isinstance(conn, psycopg.Connection):
+            return conn
+        raise enqueue.conn_type_error(conn, psycopg.Connection)
 
     def _async_conn(self, conn: Any) -> psycopg.AsyncConnection[Any] | None:
         conn = self._conn if conn is None else conn
-        if conn is not None and not isinstance(conn, psycopg.AsyncConnection):
-            raise TypeError(f"{self.kind}: the _async methods need a psycopg.AsyncConnection, not {conn!r}")
-        return conn
+        if conn is None or isinstance(conn, psycopg.AsyncConnection):
+            return conn
+        raise enqueue.conn_type_error(conn, psycopg.AsyncConnection)
 
     def enqueue(self, *args: P.args, **kwargs: P.kwargs) -> int:
         """Enqueue one job with the handler's arguments; returns its id."""
@@ -525,11 +523,20 @@ class Job(Generic[P, R]):
 
 def _close_matches(kind: str, known: list[str]) -> list[str]:
     """Up to 3 known kinds like `kind`, whole or by their last dotted part (`send_welcome` finds
-    `app.jobs.send_welcome`, whose whole name is too long for difflib's ratio alone)."""
+    `app.jobs.send_welcome`, whose whole name is too long for difflib's ratio alone).
+
+    The dotted prefix both share is left out of the comparison: `shop.jobs.` alone would make
+    every kind of the module look like `shop.jobs.send_emial`.
+    """
     tail = kind.rpartition(".")[2]
+    parts = kind.split(".")
     scored = []
     for name in known:
-        whole = difflib.SequenceMatcher(None, kind, name).ratio()
+        other = name.split(".")
+        shared = 0
+        while shared < min(len(parts), len(other)) - 1 and parts[shared] == other[shared]:
+            shared += 1
+        whole = difflib.SequenceMatcher(None, ".".join(parts[shared:]), ".".join(other[shared:])).ratio()
         last = difflib.SequenceMatcher(None, tail, name.rpartition(".")[2]).ratio()
         if max(whole, last) >= 0.6:  # difflib.get_close_matches' default cutoff
             scored.append((-max(whole, last), name))
