@@ -316,7 +316,11 @@ def load_app(target: str, dsn: str | None = None) -> App:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
-        raise ConfigurationError(f"cannot import {module_name!r}: {type(exc).__name__}: {exc}") from exc
+        hint = ""
+        if module_name.endswith(".py") or os.sep in module_name:  # `flask --app` takes a file; we do not
+            dotted = module_name.removesuffix(".py").strip(os.sep).replace(os.sep, ".")
+            hint = f" (name the module, as in an import: {dotted}, not its file)"
+        raise ConfigurationError(f"cannot import {module_name!r}: {type(exc).__name__}: {exc}{hint}") from exc
     if attr:
         app = getattr(module, attr, None)
         if not isinstance(app, App):

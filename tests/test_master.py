@@ -244,6 +244,11 @@ def test_a_killed_worker_is_replaced_and_the_jobs_keep_draining(
             r"cannot import 'missingdep'.*fastjobs_no_such_dependency",
         ),
         ("nosuchmodule", None, r"cannot import 'nosuchmodule'"),
+        (
+            "app/fjjobs.py",
+            None,
+            r"cannot import 'app/fjjobs\.py'.*name the module, .*: app\.fjjobs, not its file",
+        ),
         ("noapp", "import fastjobs\n", r"module 'noapp' holds 0 fastjobs\.App"),
         ("fjjobs:missing", None, r"'fjjobs:missing' is not a fastjobs\.App"),
     ],
