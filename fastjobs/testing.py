@@ -37,7 +37,7 @@ from . import database, enqueue, handlers, leader, schema, sql
 from .errors import FastjobsError
 from .handlers import Executor, JobContext
 from .impl import core
-from .types import JobState
+from .types import JobSpec, JobState
 
 if TYPE_CHECKING:
     from .app import App, Job
@@ -434,8 +434,9 @@ class Testing:
         for s in states:
             JobState(s)  # an unknown state fails here, naming it
         kind = _kind(kind_or_job) if kind_or_job is not None else None
+        stored = _stored(self.app.jobs.get(kind) if kind is not None else None, args)
         with self.app.connection() as conn, psycopg.RawCursor(conn) as cur:
-            expected = _through_jsonb(conn, _dumps(args)) if args is not None else None
+            expected = _through_jsonb(conn, _dumps(stored)) if stored is not None else None
             rows = cur.execute(sql.testing_jobs_in_states, (states,)).fetchall()
         jobs = [EnqueuedJob(*row) for row in rows]
         found = [job for job in jobs if _misses(job, kind, expected, queue, priority) == 0]
@@ -542,6 +543,19 @@ def _kind(job: Any) -> str:
     if not isinstance(kind, str):
         raise TypeError(f"name a job by its kind or the handle @app.job returned, not {job!r}")
     return kind
+
+
+def _stored(spec: JobSpec | None, args: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """`args` in the JSON form an enqueue of `spec` stores them in (a dataclass as its object, a
+    Decimal as its string); a value its annotation refuses (a dict for a dataclass) as given."""
+    schema = spec.args_schema if spec is not None else None
+    if schema is None or args is None:
+        return args
+    out = dict(args)
+    for name, value in args.items():
+        with contextlib.suppress(TypeError, ValueError):  # else compared as given, as for untyped kinds
+            out[name] = schema.encode({name: value})[name]
+    return out
 
 
 def _dumps(args: Mapping[str, Any]) -> str:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
+import decimal
 import importlib.metadata
 import subprocess
 import sys
@@ -190,6 +192,44 @@ def test_assertions_match_by_kind_args_subset_queue_priority_and_count(app: App)
     kit.refute_enqueued(welcome, queue="default")
     assert [job.args["user_id"] for job in kit.enqueued(welcome)] == [1, 2]
     assert kit.enqueued(welcome, state="completed") == []
+
+
+@dataclasses.dataclass
+class Line:
+    sku: str
+    price: decimal.Decimal
+
+
+@dataclasses.dataclass
+class Invoice:
+    order_id: int
+    lines: list[Line]
+    due: dt.date
+
+
+def test_assertions_take_typed_args_as_the_enqueue_did(app: App):
+    """A dataclass, a Decimal, a date: compared in the JSON form the enqueue stored them in."""
+
+    @app.job(kind="invoice")
+    def invoice(invoice: Invoice, copies: int = 1) -> None:
+        pass
+
+    first = Invoice(1, [Line("s", decimal.Decimal("1.50"))], dt.date(2026, 1, 1))
+    invoice.enqueue(invoice=first)
+    kit = app.testing()
+    [one] = kit.assert_enqueued(invoice, args={"invoice": first})
+    assert one.args["invoice"] == {
+        "order_id": 1,
+        "lines": [{"sku": "s", "price": "1.50"}],
+        "due": "2026-01-01",
+    }
+    kit.assert_enqueued("invoice", args={"invoice": first}, count=1)  # by its kind too
+    other = dataclasses.replace(first, lines=[Line("s", decimal.Decimal("1.5"))])  # another string
+    kit.refute_enqueued(invoice, args={"invoice": other})
+    with pytest.raises(AssertionError, match=r"expected a job \(kind='invoice', args=\{'invoice': Invoice\("):
+        kit.assert_enqueued(invoice, args={"invoice": other})
+    # What its annotation refuses is compared as given: the stored JSON object, written out.
+    kit.assert_enqueued(invoice, args={"invoice": one.args["invoice"]})
 
 
 def test_a_failed_assertion_shows_the_closest_jobs_that_were_enqueued(app: App):
