@@ -8,6 +8,7 @@ a fixed sleep.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import re
 import signal
@@ -107,6 +108,28 @@ def test_parse_queues() -> None:
 def test_parse_queues_rejects_bad_specs(spec: str) -> None:
     with pytest.raises(ConfigurationError, match="--queues"):
         parse_queues(spec, [], 2)
+
+
+def test_parse_queues_says_what_a_bad_concurrency_was() -> None:
+    assert parse_queues("emails: 20", ["emails"], 2) == {"emails": 20}  # a space is no mistake
+    with pytest.raises(ConfigurationError, match=r"not '20 default' \(queues are separated by commas"):
+        parse_queues("emails:20 default", ["emails"], 2)
+
+
+def test_a_queue_no_job_is_registered_on_is_served_with_a_warning_naming_the_close_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="fastjobs.master"):
+        assert parse_queues("email:20,default", ["default", "emails"], 2) == {"email": 20, "default": 20}
+    assert [r.getMessage() for r in caplog.records] == [
+        "--queues: no job of this App is registered on queue 'email'; did you mean 'emails'?"
+        " (its queues: default, emails)"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fastjobs.master"):
+        parse_queues("emails:20,default", ["default", "emails"], 2)
+        parse_queues("other", [], 2)  # an App with no jobs: nothing to compare with
+    assert caplog.records == []
 
 
 def test_only_queues_given_a_concurrency_run_sync_jobs_on_threads() -> None:
