@@ -597,7 +597,15 @@ class Master:
         )
         worker.install_signals()
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
-        worker.run()
+        try:
+            worker.run()
+        except KeyboardInterrupt:
+            if not worker.stopping_now:
+                raise  # a handler's own: a crash, traceback and all
+            # Asked for (a second Ctrl-C): no traceback. Still EXIT_CRASH, so the master's
+            # _blame gives back what it holds, as after any death mid-batch.
+            logger.warning("%s (pid %d) stopped now", self._name(child), os.getpid())
+            return EXIT_CRASH
         return EXIT_OK
 
     def _name(self, child: Child) -> str:

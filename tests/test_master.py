@@ -362,6 +362,10 @@ def test_a_second_signal_stops_now_and_records_the_running_job(
     ).fetchone() or (None, None, None)
     assert state in ("available", "retryable"), (state, master.stderr())
     assert attempt == 1 and errors, "the interrupted attempt is recorded"
+    assert "stopped now (a second stop signal)" in errors[0]["error"], errors
+    # A stop asked for is no crash: one line, no traceback.
+    assert "stopping now" in master.stderr() and "stopped now" in master.stderr()
+    assert "Traceback" not in master.stderr() and "crashed" not in master.stderr(), master.stderr()
 
 
 def test_the_grace_period_ends_with_sigkill(
