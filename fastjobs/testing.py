@@ -434,7 +434,10 @@ class Testing:
         for s in states:
             JobState(s)  # an unknown state fails here, naming it
         kind = _kind(kind_or_job) if kind_or_job is not None else None
-        stored = _stored(self.app.jobs.get(kind) if kind is not None else None, args)
+        # A kind the App would refuse to enqueue is a typo: an assertion on it could never pass,
+        # and a refutation never fail. UnknownKind names the close matches.
+        spec = self.app._spec(kind) if kind is not None else None
+        stored = _stored(spec, args)
         with self.app.connection() as conn, psycopg.RawCursor(conn) as cur:
             expected = _through_jsonb(conn, _dumps(stored)) if stored is not None else None
             rows = cur.execute(sql.testing_jobs_in_states, (states,)).fetchall()

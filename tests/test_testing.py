@@ -253,6 +253,24 @@ def test_a_failed_assertion_shows_the_closest_jobs_that_were_enqueued(app: App):
         kit.enqueued(state="finished")
 
 
+def test_a_kind_the_app_does_not_know_is_refused_naming_the_close_one(app: App):
+    """A typo'd kind would make refute_enqueued pass whatever was enqueued."""
+
+    @app.job(kind="shop.jobs.send_email")
+    def send_email(to: str) -> None:
+        pass
+
+    send_email.enqueue(to="a@example.com")
+    kit = app.testing()
+    for check in (kit.assert_enqueued, kit.refute_enqueued, kit.enqueued):
+        with pytest.raises(fastjobs.UnknownKind, match=r"did you mean 'shop\.jobs\.send_email'\?"):
+            check("send_email")
+    with pytest.raises(AssertionError, match="expected no job"):
+        kit.refute_enqueued("shop.jobs.send_email")
+    app.declare("billing.charge")  # a declared kind is known: asserting on it is fine
+    kit.refute_enqueued("billing.charge")
+
+
 def test_an_assertion_on_an_empty_table_says_so(app: App):
     with pytest.raises(AssertionError, match="no job at all was in those states"):
         app.testing().assert_enqueued("anything")
