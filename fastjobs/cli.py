@@ -22,7 +22,7 @@ from .app import App
 from .errors import ConfigurationError, FastjobsError
 from .impl import FALLBACK, IMPLEMENTATION
 from .leader import DEFAULT_LEASE, LeaderConfig, RescuerConfig, periodic_status
-from .master import DEFAULT_WORKER_TIMEOUT, Master, parse_queues, threaded_queues
+from .master import DEFAULT_WORKER_TIMEOUT, EXIT_BOOT_ERROR, Master, parse_queues, threaded_queues
 from .stats import HORIZON_WARNING
 from .types import JobState
 from .worker import WorkerConfig, host_id
@@ -363,7 +363,8 @@ def _run(args: argparse.Namespace) -> int:
         threaded=threaded_queues(args.queues),
     )
     code = master.run()
-    logger.info("stopped")
+    if code != EXIT_BOOT_ERROR:  # what could not start says why, and nothing was stopped
+        logger.info("stopped")
     return code
 
 

@@ -314,6 +314,7 @@ def test_a_database_without_the_schema_stops_the_master_with_the_boot_error_code
     assert master.wait(15) == EXIT_BOOT_ERROR, master.stderr()
     err = master.stderr()
     assert "the fastjobs schema is at none" in err and "run `fastjobs migrate`" in err
+    assert "fastjobs: stopped" not in err  # nothing had started
     assert "restarting" not in err and "Traceback" not in err
     assert master.forks() == []  # the master checks the schema before forking
     assert procs.children(master.pid) == []
