@@ -87,6 +87,32 @@ def test_now_runs_scheduled_jobs_due_by_then_in_the_order_they_were_due(app: App
         kit.drain(now=dt.datetime.now())
 
 
+def test_now_moves_the_clock_one_job_at_a_time_so_a_snoozing_job_runs_as_often_as_it_would(app: App):
+    """A job snoozing a minute, drained ten and a half minutes ahead, runs ten times: each
+    snooze counts from the time it ran, not from the real now (which made it run until the
+    drain's limit of 10,000 jobs)."""
+    runs: list[int] = []
+
+    @app.job(kind="poll")
+    def poll() -> None:
+        runs.append(1)
+        raise Snooze(60)
+
+    @app.job(kind="mail")
+    def mail(n: int) -> None:
+        runs.append(n)
+
+    poll.enqueue()
+    kit = app.testing()
+    assert kit.drain() == Drained(snoozed=1)
+    mail.options(delay=150).enqueue(n=150)  # between the third and the fourth poll
+    assert kit.drain(now=dt.timedelta(minutes=10, seconds=30)) == Drained(completed=1, snoozed=10)
+    assert runs == [1, 1, 1, 150, 1, 1, 1, 1, 1, 1, 1, 1]
+    [left] = kit.enqueued(poll)
+    assert left.state == "scheduled"
+    assert dt.timedelta(seconds=50) < left.run_at - dt.datetime.now(dt.UTC) <= dt.timedelta(seconds=60)
+
+
 def test_drain_keeps_snooze_cancel_and_timeouts_as_a_worker_does(app: App):
     stuck = threading.Event()
 
