@@ -612,11 +612,20 @@ class Job(Generic[P, R]):
 
 def _close_matches(kind: str, known: list[str]) -> list[str]:
     """Up to 3 known kinds like `kind`, whole or by their last dotted part (`send_welcome` finds
-    `app.jobs.send_welcome`, whose whole name is too long for difflib's ratio alone)."""
+    `app.jobs.send_welcome`, whose whole name is too long for difflib's ratio alone).
+
+    The dotted prefix both share is left out of the comparison: `shop.jobs.` alone would make
+    every kind of the module look like `shop.jobs.send_emial`.
+    """
     tail = kind.rpartition(".")[2]
+    parts = kind.split(".")
     scored = []
     for name in known:
-        whole = difflib.SequenceMatcher(None, kind, name).ratio()
+        other = name.split(".")
+        shared = 0
+        while shared < min(len(parts), len(other)) - 1 and parts[shared] == other[shared]:
+            shared += 1
+        whole = difflib.SequenceMatcher(None, ".".join(parts[shared:]), ".".join(other[shared:])).ratio()
         last = difflib.SequenceMatcher(None, tail, name.rpartition(".")[2]).ratio()
         if max(whole, last) >= 0.6:  # difflib.get_close_matches' default cutoff
             scored.append((-max(whole, last), name))

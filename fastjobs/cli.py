@@ -22,7 +22,7 @@ from .app import App
 from .errors import ConfigurationError, FastjobsError
 from .impl import FALLBACK, IMPLEMENTATION
 from .leader import DEFAULT_LEASE, LeaderConfig, RescuerConfig, periodic_status
-from .master import DEFAULT_WORKER_TIMEOUT, Master, parse_queues, threaded_queues
+from .master import DEFAULT_WORKER_TIMEOUT, EXIT_BOOT_ERROR, Master, parse_queues, threaded_queues
 from .stats import HORIZON_WARNING
 from .types import JobState
 from .worker import WorkerConfig, host_id
@@ -166,8 +166,10 @@ def _parser() -> argparse.ArgumentParser:
     listing = jobs_commands.add_parser("list", help="jobs, newest first")
     listing.add_argument("--queue")
     listing.add_argument("--state", choices=[s.value for s in JobState])
-    listing.add_argument("--kind")
-    listing.add_argument("--limit", type=int, default=50)
+    listing.add_argument("--kind", help="the kind, whole: module.function unless @app.job(kind=...)")
+    listing.add_argument(
+        "--limit", type=_positive_int, default=50, help="at most this many, newest first (default 50)"
+    )
     listing.add_argument("--json", action="store_true")
     show = jobs_commands.add_parser("show", help="one job: args, attempts, error history")
     show.add_argument("id", type=int)
@@ -334,7 +336,11 @@ def load_app(target: str, dsn: str | None = None) -> App:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
-        raise ConfigurationError(f"cannot import {module_name!r}: {type(exc).__name__}: {exc}") from exc
+        hint = ""
+        if module_name.endswith(".py") or os.sep in module_name:  # `flask --app` takes a file; we do not
+            dotted = module_name.removesuffix(".py").strip(os.sep).replace(os.sep, ".")
+            hint = f" (name the module, as in an import: {dotted}, not its file)"
+        raise ConfigurationError(f"cannot import {module_name!r}: {type(exc).__name__}: {exc}{hint}") from exc
     if attr:
         app = getattr(module, attr, None)
         if not isinstance(app, App):
@@ -375,7 +381,8 @@ def _run(args: argparse.Namespace) -> int:
         threaded=threaded_queues(args.queues),
     )
     code = master.run()
-    logger.info("stopped")
+    if code != EXIT_BOOT_ERROR:  # what could not start says why, and nothing was stopped
+        logger.info("stopped")
     return code
 
 
@@ -385,13 +392,23 @@ def _jobs(args: argparse.Namespace) -> int:
         schema.check(conn)
         command = args.jobs_command
         if command == "list":
+            # One row more than asked says whether the listing was cut.
             rows = control.list_jobs(
-                conn, queue=args.queue, state=args.state, kind=args.kind, limit=args.limit
+                conn, queue=args.queue, state=args.state, kind=args.kind, limit=args.limit + 1
             )
+            more, rows = len(rows) > args.limit, rows[: args.limit]
             if args.json:
                 _echo(json.dumps(rows, default=str, indent=2))
-                return 0
-            _table(_JOB_COLUMNS, rows)
+            else:
+                _table(_JOB_COLUMNS, rows)
+            if more:
+                logger.info("the newest %d shown, and there are more: --limit N for more", args.limit)
+            elif not rows and args.kind and "." not in args.kind:
+                logger.info(
+                    "no job of kind %r: a kind is matched whole, and is module.function unless"
+                    " @app.job(kind=...) named it (`fastjobs jobs list` shows them)",
+                    args.kind,
+                )
             return 0
         if command == "show":
             job = control.show(conn, args.id)

@@ -161,13 +161,22 @@ def check_max_attempts(max_attempts: object) -> None:
         raise ValueError(f"max_attempts must be between 1 and {MAX_ATTEMPTS_LIMIT}, not {max_attempts}")
 
 
-def foreign_conn(conn: object, what: str) -> TypeError:
-    """The error for a connection of another driver (or no connection at all), saying what to pass."""
+def foreign_conn(conn: object, wanted: str) -> TypeError:
+    """The error for a connection of another driver (or a cursor, a DSN), saying what to pass."""
     return TypeError(
-        f"{what} (psycopg2 and other drivers are not supported), not "
+        f"{wanted} (psycopg2 and other drivers are not supported), not "
         f"{type(conn).__module__}.{type(conn).__qualname__}; pass the psycopg connection underneath "
         "(Django: django.db.connection.connection; SQLAlchemy: connection.connection.driver_connection)"
     )
+
+
+def conn_type_error(conn: object, expected: type[Any]) -> TypeError:
+    """The error for a `conn=` that is not an `expected` (psycopg.Connection or AsyncConnection)."""
+    if isinstance(conn, psycopg.AsyncConnection):
+        return TypeError("conn= is a psycopg.AsyncConnection: use enqueue_async or enqueue_many_async")
+    if isinstance(conn, psycopg.Connection):
+        return TypeError("conn= is a psycopg.Connection: the async methods take an AsyncConnection")
+    return foreign_conn(conn, f"conn= must be a psycopg 3 {expected.__name__}")
 
 
 def check_conn(conn: object, expected: type[Any]) -> None:
@@ -178,11 +187,7 @@ def check_conn(conn: object, expected: type[Any]) -> None:
     the caller's rollback anyway: better said at the call.
     """
     if not isinstance(conn, expected):
-        if isinstance(conn, psycopg.AsyncConnection):
-            raise TypeError("conn= is a psycopg.AsyncConnection: use enqueue_async or enqueue_many_async")
-        if isinstance(conn, psycopg.Connection):
-            raise TypeError("conn= is a psycopg.Connection: the async methods take an AsyncConnection")
-        raise foreign_conn(conn, f"conn= must be a psycopg 3 {expected.__name__}")
+        raise conn_type_error(conn, expected)
     if conn.closed:
         raise ValueError("conn= is closed")
     if conn.pgconn.transaction_status == pq.TransactionStatus.INERROR:  # conn.info's costs 0.7 us

@@ -12,6 +12,7 @@ held is given back by a releaser, a short-lived child it forks (see _release).
 from __future__ import annotations
 
 import contextlib
+import difflib
 import logging
 import os
 import secrets
@@ -87,12 +88,27 @@ def parse_queues(spec: str | None, registered: list[str], processes: int) -> dic
             raise ConfigurationError(f"--queues: empty queue name in {spec!r}")
         if name in queues:
             raise ConfigurationError(f"--queues: queue {name!r} is named twice in {spec!r}")
+        count = count.strip()
         if count:
             if not count.isdigit() or int(count) < 1:
-                raise ConfigurationError(f"--queues: concurrency of {name!r} must be a positive integer")
+                raise ConfigurationError(
+                    f"--queues: concurrency of {name!r} must be a positive integer, not {count!r}"
+                    " (queues are separated by commas: default:8,emails:2)"
+                )
             queues[name] = int(count)
         else:
             queues[name] = processes * DEFAULT_CONCURRENCY
+    unregistered = sorted(queues.keys() - set(registered)) if registered else []
+    for name in unregistered:
+        # Served all the same (a job may be enqueued with options(queue=...)), but a typo
+        # would leave the queue it meant unserved while this one waits for nothing.
+        close = difflib.get_close_matches(name, registered, n=1)
+        logger.warning(
+            "--queues: no job of this App is registered on queue %r%s (its queues: %s)",
+            name,
+            f"; did you mean {close[0]!r}?" if close else "",
+            ", ".join(registered),
+        )
     return queues
 
 
@@ -581,7 +597,15 @@ class Master:
         )
         worker.install_signals()
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
-        worker.run()
+        try:
+            worker.run()
+        except KeyboardInterrupt:
+            if not worker.stopping_now:
+                raise  # a handler's own: a crash, traceback and all
+            # Asked for (a second Ctrl-C): no traceback. Still EXIT_CRASH, so the master's
+            # _blame gives back what it holds, as after any death mid-batch.
+            logger.warning("%s (pid %d) stopped now", self._name(child), os.getpid())
+            return EXIT_CRASH
         return EXIT_OK
 
     def _name(self, child: Child) -> str:

@@ -1210,14 +1210,30 @@ NOT_PREPARABLE: Final = frozenset(
 # The testing kit's (fastjobs.testing): its drain claims and completes through
 # the hot loop's own statements; these only pick what it drains and move its clock.
 
-# testing_shift_due: time moved forward to $1 for the queues $2 (NULL: all).
-# Pending jobs due by $1 have their run_at moved back by ($1 - now()), all by
-# the same amount, so the real claim and scheduler find them due, in the
-# order they would have run.
+# testing_shift_due: the drain's clock moved forward to the next pending job of
+# the queues $2 (NULL: all) if it is due by $1: the pending jobs due by $1 have
+# their run_at moved back by (its run_at - now()), all by the same amount, so
+# the real claim and scheduler find it due, the others in the order they would
+# have run. Returns that amount, in seconds (NULL: nothing moved), which the
+# drain takes off $1: a job the drain runs and snoozes (or retries) for d is
+# due again d after the time it ran, not d after the real now, so it runs
+# again only if that is by $1 (as it would have, one step at a time).
 testing_shift_due: Final = """
-UPDATE fastjobs_jobs SET run_at = run_at - ($1::timestamptz - now())
- WHERE state IN ('available', 'scheduled', 'retryable') AND run_at <= $1::timestamptz
-   AND $1::timestamptz > now() AND ($2::text[] IS NULL OR queue = ANY($2::text[]))"""
+WITH next AS (
+  SELECT min(run_at) AS at FROM fastjobs_jobs
+   WHERE state IN ('available', 'scheduled', 'retryable')
+     AND ($2::text[] IS NULL OR queue = ANY($2::text[]))
+), moved AS (
+  UPDATE fastjobs_jobs j SET run_at = j.run_at - (next.at - now())
+    FROM next
+   WHERE next.at > now() AND next.at <= $1::timestamptz
+     AND j.state IN ('available', 'scheduled', 'retryable') AND j.run_at <= $1::timestamptz
+     AND ($2::text[] IS NULL OR j.queue = ANY($2::text[]))
+  RETURNING 1
+)
+SELECT CASE WHEN next.at > now() AND next.at <= $1::timestamptz
+            THEN extract(epoch FROM next.at - now())::float8 END
+  FROM next"""
 
 # testing_queues_due: the queues among $1 (NULL: all) with a job available now.
 testing_queues_due: Final = """

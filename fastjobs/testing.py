@@ -297,7 +297,9 @@ class Testing:
                 with database.connect(self.app.dsn, autocommit=True) as conn:
                     with psycopg.RawCursor(conn) as cur:
                         if now is not None:
-                            cur.execute(sql.testing_shift_due, (now, queues))
+                            (shift,) = cur.execute(sql.testing_shift_due, (now, queues)).fetchone() or (None,)
+                            if shift is not None:  # the clock moved to the next job: less of it is left
+                                now -= dt.timedelta(seconds=shift)
                         leader.schedule_once(conn)
                         due = [row[0] for row in cur.execute(sql.testing_queues_due, (queues,))]
                         if queues is None:

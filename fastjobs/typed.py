@@ -753,7 +753,13 @@ def schema(kind: str, func: Callable[..., Any]) -> Schema | None:
             hints = inspect.signature(func, eval_str=True).parameters
         except Exception as exc:  # NameError for a name only imported under TYPE_CHECKING, ...
             name = getattr(func, "__qualname__", repr(func))
-            raise _Unsupported(f"the annotations of {name}, which do not resolve ({exc})") from None
+            # Not a type fastjobs cannot store: the list of those it can would mislead.
+            raise TypeError(
+                f"{kind}: the annotations of {name}, which do not resolve ({exc}), are read when"
+                " the handler is registered: define or import what they name before it (a class"
+                " defined further down the module, or imported only under TYPE_CHECKING, is not"
+                " there yet), or annotate the parameter Any to take raw JSON"
+            ) from None
         nodes: dict[str, Node] = {}
         extra: Node | None = None
         for p in annotated:

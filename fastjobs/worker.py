@@ -476,6 +476,11 @@ class Worker:
             with contextlib.suppress(OSError):
                 os.write(self._wake_w, b"x")
 
+    @property
+    def stopping_now(self) -> bool:
+        """Whether a stop-now signal interrupted it (KeyboardInterrupt raised in its handler)."""
+        return self._stopping_now
+
     def install_signals(self) -> None:
         """Standalone, first SIGTERM/SIGINT: graceful stop; second: stop now (KeyboardInterrupt).
 
@@ -487,7 +492,7 @@ class Worker:
             self.stop()
             if not self._stopping_now:
                 self._stopping_now = True
-                raise KeyboardInterrupt
+                raise KeyboardInterrupt("stopped now (a second stop signal)")  # the job's error says so
 
         def handle(signum: int, frame: object) -> None:
             if self._stop and self.parent is None:

@@ -342,3 +342,66 @@ def test_a_closed_or_failed_async_conn_is_a_value_error(app: App, dsn: str, call
     asyncio.run(attempt())
     assert log == []
     assert count(dsn) == 0
+
+
+def test_a_typo_names_only_close_kinds_not_every_kind_of_the_same_module(app: App, dsn: str):
+    @app.job(kind="shop.jobs.send_email")
+    def send_email(to: str) -> None: ...
+
+    @app.job(kind="shop.jobs.call_api")
+    def call_api(to: str) -> None: ...
+
+    @app.job(kind="shop.jobs.moody")
+    def moody(to: str) -> None: ...
+
+    with pytest.raises(UnknownKind) as excinfo:
+        app.enqueue("shop.jobs.send_emial", {"to": "a"})
+    assert "did you mean 'shop.jobs.send_email'?" in str(excinfo.value)  # and no other
+    assert count(dsn) == 0
+
+
+# Every way to give a job's handle a connection.
+HANDLE_CALLS: dict[str, Callable[[Any, Any], Any]] = {
+    "using": lambda job, conn: job.using(conn).enqueue(user_id=1),
+    "enqueue": lambda job, conn: job.enqueue(user_id=1, conn=conn),
+    "enqueue_many": lambda job, conn: job.enqueue_many([{"user_id": 1}], conn=conn),
+    "enqueue_async": lambda job, conn: asyncio.run(job.enqueue_async(user_id=1, conn=conn)),
+    "enqueue_many_async": lambda job, conn: asyncio.run(job.enqueue_many_async([{"user_id": 1}], conn=conn)),
+}
+
+
+@pytest.mark.parametrize("call", HANDLE_CALLS)
+def test_a_conn_of_another_driver_given_to_a_handle_says_what_is_accepted(
+    app: App, dsn: str, foreign: list[Any], call: str
+):
+    @app.job()
+    def send_welcome(user_id: int) -> None: ...
+
+    for conn in foreign:
+        with pytest.raises(TypeError) as excinfo:
+            HANDLE_CALLS[call](send_welcome, conn)
+        message = str(excinfo.value)
+        assert "(psycopg2 and other drivers are not supported)" in message
+        assert f"not {type(conn).__module__}.{type(conn).__qualname__};" in message  # sqlite3.Connection
+        assert "connection underneath" in message
+        assert "_async" not in message  # a cursor is no AsyncConnection
+    assert count(dsn) == 0
+
+
+def test_a_handle_given_the_other_kind_of_psycopg_conn_names_the_methods_for_it(app: App, dsn: str):
+    @app.job()
+    def send_welcome(user_id: int) -> None: ...
+
+    with (
+        psycopg.connect(dsn) as conn,
+        pytest.raises(TypeError, match="the async methods take an AsyncConnection"),
+    ):
+        asyncio.run(send_welcome.using(conn).enqueue_async(user_id=1))
+
+    async def attempt() -> None:
+        async with await psycopg.AsyncConnection.connect(dsn) as aconn:
+            with pytest.raises(TypeError, match="use enqueue_async or enqueue_many_async"):
+                send_welcome.using(aconn).enqueue(user_id=1)
+
+    asyncio.run(attempt())
+    assert count(dsn) == 0

@@ -115,6 +115,36 @@ def test_list_of_an_unknown_state_is_a_usage_error(dsn: str, capsys: pytest.Capt
     assert "invalid choice: 'finished'" in capsys.readouterr().err
 
 
+def test_a_listing_cut_at_its_limit_says_so(
+    dsn: str, capsys: pytest.CaptureFixture[str], seeded: dict[str, int]
+) -> None:
+    code, out, err = jobs_cli(dsn, capsys, "list", "--limit", "3")
+    assert code == 0 and len(out.splitlines()) == 1 + 3
+    assert "the newest 3 shown, and there are more: --limit N for more" in err
+    assert len(jobs_json(dsn, capsys, "list", "--limit", "3")) == 3
+    code, out, err = jobs_cli(dsn, capsys, "list", "--limit", "4")  # all of them: nothing to say
+    assert code == 0 and len(out.splitlines()) == 1 + 4 and err == ""
+
+
+@pytest.mark.parametrize("limit", ["0", "-3", "x"])
+def test_a_limit_below_one_is_a_usage_error(dsn: str, capsys: pytest.CaptureFixture[str], limit: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--dsn", dsn, "jobs", "list", "--limit", limit])
+    assert exit_info.value.code == 2
+    assert "argument --limit" in capsys.readouterr().err
+
+
+def test_a_short_kind_that_lists_nothing_says_kinds_are_matched_whole(
+    app: App, dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    app.enqueue("shop.jobs.make_invoice", {"n": 1})
+    code, out, err = jobs_cli(dsn, capsys, "list", "--kind", "make_invoice")
+    assert code == 0 and out.splitlines()[1:] == []
+    assert "no job of kind 'make_invoice': a kind is matched whole, and is module.function" in err
+    code, out, err = jobs_cli(dsn, capsys, "list", "--kind", "shop.jobs.make_invoice")
+    assert len(out.splitlines()) == 2 and err == ""
+
+
 # --- show ----------------------------------------------------------------------------------------
 
 

@@ -8,6 +8,7 @@ a fixed sleep.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import re
 import signal
@@ -107,6 +108,28 @@ def test_parse_queues() -> None:
 def test_parse_queues_rejects_bad_specs(spec: str) -> None:
     with pytest.raises(ConfigurationError, match="--queues"):
         parse_queues(spec, [], 2)
+
+
+def test_parse_queues_says_what_a_bad_concurrency_was() -> None:
+    assert parse_queues("emails: 20", ["emails"], 2) == {"emails": 20}  # a space is no mistake
+    with pytest.raises(ConfigurationError, match=r"not '20 default' \(queues are separated by commas"):
+        parse_queues("emails:20 default", ["emails"], 2)
+
+
+def test_a_queue_no_job_is_registered_on_is_served_with_a_warning_naming_the_close_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="fastjobs.master"):
+        assert parse_queues("email:20,default", ["default", "emails"], 2) == {"email": 20, "default": 20}
+    assert [r.getMessage() for r in caplog.records] == [
+        "--queues: no job of this App is registered on queue 'email'; did you mean 'emails'?"
+        " (its queues: default, emails)"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fastjobs.master"):
+        parse_queues("emails:20,default", ["default", "emails"], 2)
+        parse_queues("other", [], 2)  # an App with no jobs: nothing to compare with
+    assert caplog.records == []
 
 
 def test_only_queues_given_a_concurrency_run_sync_jobs_on_threads() -> None:
@@ -244,6 +267,11 @@ def test_a_killed_worker_is_replaced_and_the_jobs_keep_draining(
             r"cannot import 'missingdep'.*fastjobs_no_such_dependency",
         ),
         ("nosuchmodule", None, r"cannot import 'nosuchmodule'"),
+        (
+            "app/fjjobs.py",
+            None,
+            r"cannot import 'app/fjjobs\.py'.*name the module, .*: app\.fjjobs, not its file",
+        ),
         ("noapp", "import fastjobs\n", r"module 'noapp' holds 0 fastjobs\.App"),
         ("fjjobs:missing", None, r"'fjjobs:missing' is not a fastjobs\.App"),
     ],
@@ -286,6 +314,7 @@ def test_a_database_without_the_schema_stops_the_master_with_the_boot_error_code
     assert master.wait(15) == EXIT_BOOT_ERROR, master.stderr()
     err = master.stderr()
     assert "the fastjobs schema is at none" in err and "run `fastjobs migrate`" in err
+    assert "fastjobs: stopped" not in err  # nothing had started
     assert "restarting" not in err and "Traceback" not in err
     assert master.forks() == []  # the master checks the schema before forking
     assert procs.children(master.pid) == []
@@ -334,6 +363,10 @@ def test_a_second_signal_stops_now_and_records_the_running_job(
     ).fetchone() or (None, None, None)
     assert state in ("available", "retryable"), (state, master.stderr())
     assert attempt == 1 and errors, "the interrupted attempt is recorded"
+    assert "stopped now (a second stop signal)" in errors[0]["error"], errors
+    # A stop asked for is no crash: one line, no traceback.
+    assert "stopping now" in master.stderr() and "stopped now" in master.stderr()
+    assert "Traceback" not in master.stderr() and "crashed" not in master.stderr(), master.stderr()
 
 
 def test_the_grace_period_ends_with_sigkill(

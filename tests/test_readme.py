@@ -78,7 +78,7 @@ def test_a_pytest_example_passes(tmp_path, code):
         text=True,
         timeout=120,
     )
-    tests = len(re.findall(r"^def test_", code, flags=re.M))
+    tests = len(re.findall(r"^(?:async )?def test_", code, flags=re.M))
     assert done.returncode == 0 and f"{tests} passed" in done.stdout, done.stdout + done.stderr
 
 

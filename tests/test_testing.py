@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
+import decimal
 import importlib.metadata
 import subprocess
 import sys
@@ -83,6 +85,32 @@ def test_now_runs_scheduled_jobs_due_by_then_in_the_order_they_were_due(app: App
     kit.assert_enqueued(tick, args={"name": "in 2 h"}, state="scheduled")
     with pytest.raises(ValueError, match="timezone"):
         kit.drain(now=dt.datetime.now())
+
+
+def test_now_moves_the_clock_one_job_at_a_time_so_a_snoozing_job_runs_as_often_as_it_would(app: App):
+    """A job snoozing a minute, drained ten and a half minutes ahead, runs ten times: each
+    snooze counts from the time it ran, not from the real now (which made it run until the
+    drain's limit of 10,000 jobs)."""
+    runs: list[int] = []
+
+    @app.job(kind="poll")
+    def poll() -> None:
+        runs.append(1)
+        raise Snooze(60)
+
+    @app.job(kind="mail")
+    def mail(n: int) -> None:
+        runs.append(n)
+
+    poll.enqueue()
+    kit = app.testing()
+    assert kit.drain() == Drained(snoozed=1)
+    mail.options(delay=150).enqueue(n=150)  # between the third and the fourth poll
+    assert kit.drain(now=dt.timedelta(minutes=10, seconds=30)) == Drained(completed=1, snoozed=10)
+    assert runs == [1, 1, 1, 150, 1, 1, 1, 1, 1, 1, 1, 1]
+    [left] = kit.enqueued(poll)
+    assert left.state == "scheduled"
+    assert dt.timedelta(seconds=50) < left.run_at - dt.datetime.now(dt.UTC) <= dt.timedelta(seconds=60)
 
 
 def test_drain_keeps_snooze_cancel_and_timeouts_as_a_worker_does(app: App):
@@ -192,6 +220,44 @@ def test_assertions_match_by_kind_args_subset_queue_priority_and_count(app: App)
     assert kit.enqueued(welcome, state="completed") == []
 
 
+@dataclasses.dataclass
+class Line:
+    sku: str
+    price: decimal.Decimal
+
+
+@dataclasses.dataclass
+class Invoice:
+    order_id: int
+    lines: list[Line]
+    due: dt.date
+
+
+def test_assertions_take_typed_args_as_the_enqueue_did(app: App):
+    """A dataclass, a Decimal, a date: compared in the JSON form the enqueue stored them in."""
+
+    @app.job(kind="invoice")
+    def invoice(invoice: Invoice, copies: int = 1) -> None:
+        pass
+
+    first = Invoice(1, [Line("s", decimal.Decimal("1.50"))], dt.date(2026, 1, 1))
+    invoice.enqueue(invoice=first)
+    kit = app.testing()
+    [one] = kit.assert_enqueued(invoice, args={"invoice": first})
+    assert one.args["invoice"] == {
+        "order_id": 1,
+        "lines": [{"sku": "s", "price": "1.50"}],
+        "due": "2026-01-01",
+    }
+    kit.assert_enqueued("invoice", args={"invoice": first}, count=1)  # by its kind too
+    other = dataclasses.replace(first, lines=[Line("s", decimal.Decimal("2.50"))])  # another price
+    kit.refute_enqueued(invoice, args={"invoice": other})
+    with pytest.raises(AssertionError, match=r"expected a job \(kind='invoice', args=\{'invoice': Invoice\("):
+        kit.assert_enqueued(invoice, args={"invoice": other})
+    # What its annotation refuses is compared as given: the stored JSON object, written out.
+    kit.assert_enqueued(invoice, args={"invoice": one.args["invoice"]})
+
+
 def test_a_failed_assertion_shows_the_closest_jobs_that_were_enqueued(app: App):
     app.enqueue("welcome", {"user_id": 1, "email": "a@example.com"}, queue="emails")
     app.enqueue("welcome", {"user_id": 2, "email": "b@example.com"}, queue="emails")
@@ -211,6 +277,24 @@ def test_a_failed_assertion_shows_the_closest_jobs_that_were_enqueued(app: App):
         kit.refute_enqueued("invoice")
     with pytest.raises(ValueError, match="'finished' is not a valid JobState"):
         kit.enqueued(state="finished")
+
+
+def test_a_kind_the_app_does_not_know_is_refused_naming_the_close_one(app: App):
+    """A typo'd kind would make refute_enqueued pass whatever was enqueued."""
+
+    @app.job(kind="shop.jobs.send_email")
+    def send_email(to: str) -> None:
+        pass
+
+    send_email.enqueue(to="a@example.com")
+    kit = app.testing()
+    for check in (kit.assert_enqueued, kit.refute_enqueued, kit.enqueued):
+        with pytest.raises(fastjobs.UnknownKind, match=r"did you mean 'shop\.jobs\.send_email'\?"):
+            check("send_email")
+    with pytest.raises(AssertionError, match="expected no job"):
+        kit.refute_enqueued("shop.jobs.send_email")
+    app.declare("billing.charge")  # a declared kind is known: asserting on it is fine
+    kit.refute_enqueued("billing.charge")
 
 
 def test_an_assertion_on_an_empty_table_says_so(app: App):

@@ -7,6 +7,7 @@ import datetime as dt
 import decimal
 import enum
 import functools
+import importlib
 import os
 import subprocess
 import sys
@@ -458,6 +459,32 @@ def test_unsupported_annotations_are_refused_at_registration(app: App):
     ):
         app.job(kind="u")(unresolved)
     assert app.jobs == {}
+
+
+def test_an_annotation_naming_a_class_defined_further_down_says_to_define_it_first(
+    app: App, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """`from __future__ import annotations` makes a forward reference legal Python, but the
+    decorator reads the annotations when it registers the handler: the error says so."""
+    (tmp_path / "fjforward.py").write_text(
+        "from __future__ import annotations\n"
+        "import dataclasses\n"
+        "import fastjobs\n"
+        "app = fastjobs.App()\n"
+        "@app.job()\n"
+        "def ship(order: Order) -> None: ...\n"
+        "@dataclasses.dataclass\n"
+        "class Order:\n"
+        "    id: int\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(TypeError) as excinfo:
+        importlib.import_module("fjforward")
+    message = str(excinfo.value)
+    assert message.startswith("fjforward.ship: the annotations of ship, which do not resolve")
+    assert "name 'Order' is not defined" in message
+    assert "define or import what they name before it" in message
+    assert "fastjobs stores" not in message  # Order is a dataclass: a type it does store
 
 
 def test_the_schema_compiles_once_per_handler():
