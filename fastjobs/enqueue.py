@@ -257,6 +257,9 @@ def insert_own(conn: psycopg.Connection[Any], params: tuple[Any, ...]) -> int:
     pgconn = conn.pgconn
     with schema.required():
         if conn not in _prepared:
+            # job_insert_now would run on any schema since 001: the connection's first enqueue
+            # checks the schema's version once, so an out-of-date one says to migrate.
+            schema.check(conn)
             res = pgconn.prepare(_INSERT_NOW, sql.job_insert_now.encode())
             if res.status != pq.ExecStatus.COMMAND_OK:
                 raise psycopg.errors.error_from_result(res, encoding=conn.info.encoding)
