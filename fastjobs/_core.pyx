@@ -22,7 +22,8 @@ import orjson
 
 from fastjobs import handlers, sql, stats
 from fastjobs.abc import (BATCH_SECONDS, BUCKETS_NS, COMPLETED, FULL_CLAIM_DUTY, FULL_CLAIM_MAX_WAIT,
-                          MARK_RUN_AT_MAX, MARK_RUN_AT_MIN, PG_EPOCH_US, PICKUP_SUM, ROW, RUN_SUM)
+                          INT64_MAX, MARK_RUN_AT_MAX, MARK_RUN_AT_MIN, OBSERVED_MAX_NS, PG_EPOCH_US,
+                          PICKUP_SUM, ROW, RUN_SUM)
 from fastjobs.args import dump_args as _dump_args_checked
 from fastjobs.errors import LoopError
 
@@ -102,6 +103,8 @@ cdef Py_ssize_t _RUN_SUM = RUN_SUM
 cdef Py_ssize_t _PICKUP_SUM = PICKUP_SUM
 cdef Py_ssize_t _ROW = ROW
 cdef int64_t _PG_EPOCH_US = PG_EPOCH_US
+cdef int64_t _OBSERVED_MAX_NS = OBSERVED_MAX_NS
+cdef int64_t _INT64_MAX = INT64_MAX
 # The histograms' bucket bounds in ns (fastjobs.abc.BUCKETS), for a binary search per observation.
 cdef enum:
     NBOUNDS = 24
@@ -232,14 +235,25 @@ cdef inline void _observe(long long *cells, int64_t ns) noexcept nogil:
     cdef int lo = 0, hi = NBOUNDS, mid
     if ns < 0:
         ns = 0
+    elif ns > _OBSERVED_MAX_NS:
+        ns = _OBSERVED_MAX_NS
     while lo < hi:
         mid = (lo + hi) >> 1
         if _BOUNDS[mid] < ns:
             lo = mid + 1
         else:
             hi = mid
-    cells[0] += ns
+    cells[0] = cells[0] + ns if ns <= _INT64_MAX - cells[0] else _INT64_MAX
     cells[1 + lo] += 1
+
+
+cdef inline int64_t _latency_ns(int64_t now_us, int64_t then_us) noexcept nogil:
+    """now - then in ns, clamped before the multiplication could overflow (then: year 1 at worst)."""
+    if then_us >= now_us:
+        return 0
+    if now_us - then_us > _OBSERVED_MAX_NS // 1000:
+        return _OBSERVED_MAX_NS
+    return (now_us - then_us) * 1000
 
 
 cdef inline double _wallclock() noexcept nogil:
@@ -428,6 +442,11 @@ cdef class BatchLoop:
         self._kind_rows = {k.encode(): v for k, v in self._slow_rows.items()}
         self._stride = self._other + _ROW
         self._batch_base = self._last_row = 0
+        if counts is not None and len(counts) < len(queues) * self._stride:
+            # The master lays the slot out from its own plan: stores past its end would land
+            # in the next slot. A kind registered after it planned is such a mismatch.
+            raise ValueError(f"the counts view holds {len(counts)} cells; these queues and kinds"
+                             f" need {len(queues) * self._stride}")
         if counts is not None and len(counts):
             self._counts_obj = counts
             self._counts_view = counts
@@ -835,7 +854,7 @@ cdef class BatchLoop:
                     self._last_fast = not self._last_spec.is_async and self._last_spec.timeout is None
             if self._counts != NULL:
                 row = self._counts + self._batch_base + self._last_row
-                _observe(row + _PICKUP_SUM, (claimed_us - _int8(PQgetvalue(rows, i, 6))) * 1000)
+                _observe(row + _PICKUP_SUM, _latency_ns(claimed_us, _int8(PQgetvalue(rows, i, 6))))
             spec = self._last_spec
             if spec is None:
                 failures.append(self._tally(row, _unknown_kind(
@@ -854,11 +873,15 @@ cdef class BatchLoop:
                     job_id, attempt, f"args must be a JSON object, not {type(args).__name__}")))
                 continue
             if self._full_context:
-                # jsonb's binary format again; a NULL or non-object meta reads as {}.
+                # jsonb's binary format again; a NULL, non-object or undecodable meta (jsonb
+                # nests deeper than orjson reads) reads as {}: the job runs all the same.
                 meta = None
                 if not PQgetisnull(rows, i, 7):
                     raw = PQgetvalue(rows, i, 7)
-                    meta = _loads(PyBytes_FromStringAndSize(raw + 1, PQgetlength(rows, i, 7) - 1))
+                    try:
+                        meta = _loads(PyBytes_FromStringAndSize(raw + 1, PQgetlength(rows, i, 7) - 1))
+                    except _JSONDecodeError:
+                        meta = None
                 claimed = (meta if type(meta) is dict else {}, _int8(PQgetvalue(rows, i, 8)),
                            _int8(PQgetvalue(rows, i, 6)))
             if not self._last_fast or self._pooled:

@@ -132,6 +132,11 @@ class BatchLoop:
         self._kind_rows, self._other = stats.kind_rows(specs)
         self._stride = self._other + ROW
         self._batch_base = 0
+        if counts is not None and len(counts) < len(queues) * self._stride:
+            raise ValueError(
+                f"the counts view holds {len(counts)} cells; these queues and kinds"
+                f" need {len(queues) * self._stride}"
+            )
         # Once a statement failed, its record stays: the worker dies of it,
         # though `finish` may still write other outcomes first.
         self._write_failed = False
@@ -469,7 +474,10 @@ class BatchLoop:
             claimed = None
             if claimed_raw is not None:
                 meta_raw, enqueued, scheduled = claimed_raw
-                meta = orjson.loads(meta_raw[1:]) if meta_raw is not None else None
+                try:  # an undecodable meta (jsonb nests deeper than orjson reads) reads as {}
+                    meta = orjson.loads(meta_raw[1:]) if meta_raw is not None else None
+                except orjson.JSONDecodeError:
+                    meta = None
                 claimed = (meta if type(meta) is dict else {}, enqueued, scheduled)
             if spec.is_async or spec.timeout is not None or self._pooled:
                 slow.append((spec, job_id, args, attempt, max_attempts, claimed))

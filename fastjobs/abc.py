@@ -49,6 +49,11 @@ BUCKETS = (
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 3600.0,
 )  # fmt: skip
 BUCKETS_NS = tuple(round(b * 1e9) for b in BUCKETS)
+# The most one observation adds to a histogram's sum (a day, in ns), and the
+# most a sum holds: a run_at centuries back (year 1 is accepted) must neither
+# overflow an int64 cell nor, summed over a worker's life, wrap it.
+OBSERVED_MAX_NS = 86_400 * 10**9
+INT64_MAX = 2**63 - 1
 RUN_SUM = len(OUTCOMES)
 RUN = RUN_SUM + 1
 PICKUP_SUM = RUN + len(BUCKETS) + 1

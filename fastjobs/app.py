@@ -294,12 +294,39 @@ class App:
         params = enqueue.insert_params(opts, args)  # bad args fail before a connection is taken
         if not self._enqueue_middleware:
             return self._insert(params, conn)
+        if conn is not None:
+            enqueue.check_conn(conn, psycopg.Connection)
         call = _enqueue_call(opts, {} if args is None else args)
+        with self._chain_target(conn) as target:
 
-        def insert() -> int:
-            return self._insert(_with_meta(params, call), conn)
+            def insert() -> int:
+                return enqueue.insert(target, _with_meta(params, call))
 
-        return middleware.run_enqueue(self._enqueue_middleware, call, insert)
+            job_id = middleware.run_enqueue(self._enqueue_middleware, call, insert)
+        if self._testing is not None:
+            self._testing.inserted(conn)
+        return job_id
+
+    @contextlib.contextmanager
+    def _chain_target(self, conn: psycopg.Connection[Any] | None) -> Iterator[psycopg.Connection[Any]]:
+        """Where an enqueue behind middleware inserts: the caller's connection, or one of fastjobs'
+        own in a transaction around the whole chain, so that a middleware raising after
+        call_next() (or calling it twice) leaves nothing inserted, as raising promises."""
+        if conn is not None:
+            yield conn
+            return
+        with self.connection() as own, own.transaction():
+            yield own
+
+    @contextlib.asynccontextmanager
+    async def _chain_target_async(
+        self, conn: psycopg.AsyncConnection[Any] | None
+    ) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        if conn is not None:
+            yield conn
+            return
+        async with self.connection_async() as own, own.transaction():
+            yield own
 
     def _insert(self, params: tuple[Any, ...], conn: psycopg.Connection[Any] | None) -> int:
         if conn is not None:
@@ -335,11 +362,12 @@ class App:
             count = self._copy(opts, args_iterable, None, conn)
         else:
             call = _enqueue_call(opts, None)
+            with self._chain_target(conn) as target:
 
-            def copy() -> int:
-                return self._copy(opts, args_iterable, enqueue.dump_meta(call.meta), conn)
+                def copy() -> int:
+                    return enqueue.copy_many(target, opts, args_iterable, enqueue.dump_meta(call.meta))
 
-            count = middleware.run_enqueue(self._enqueue_middleware, call, copy)
+                count = middleware.run_enqueue(self._enqueue_middleware, call, copy)
         if self._testing is not None:
             self._testing.inserted(conn)
         return count
@@ -369,12 +397,18 @@ class App:
         params = enqueue.insert_params(opts, args)
         if not self._enqueue_middleware_async:
             return await self._insert_async(params, conn)
+        if conn is not None:
+            enqueue.check_conn(conn, psycopg.AsyncConnection)
         call = _enqueue_call(opts, {} if args is None else args)
+        async with self._chain_target_async(conn) as target:
 
-        async def insert() -> int:
-            return await self._insert_async(_with_meta(params, call), conn)
+            async def insert() -> int:
+                return await enqueue.insert_async(target, _with_meta(params, call))
 
-        return await middleware.run_enqueue_async(self._enqueue_middleware_async, call, insert)
+            job_id = await middleware.run_enqueue_async(self._enqueue_middleware_async, call, insert)
+        if self._testing is not None:
+            await self._testing.inserted_async(conn)
+        return job_id
 
     async def _insert_async(self, params: tuple[Any, ...], conn: psycopg.AsyncConnection[Any] | None) -> int:
         if conn is not None:
@@ -403,11 +437,14 @@ class App:
             count = await self._copy_async(opts, args_iterable, None, conn)
         else:
             call = _enqueue_call(opts, None)
+            async with self._chain_target_async(conn) as target:
 
-            async def copy() -> int:
-                return await self._copy_async(opts, args_iterable, enqueue.dump_meta(call.meta), conn)
+                async def copy() -> int:
+                    return await enqueue.copy_many_async(
+                        target, opts, args_iterable, enqueue.dump_meta(call.meta)
+                    )
 
-            count = await middleware.run_enqueue_async(self._enqueue_middleware_async, call, copy)
+                count = await middleware.run_enqueue_async(self._enqueue_middleware_async, call, copy)
         if self._testing is not None:
             await self._testing.inserted_async(conn)
         return count

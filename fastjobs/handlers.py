@@ -606,6 +606,9 @@ class Executor:
         # The worker's slot (stats.SlowJobs): the jobs whose handlers run now,
         # which alone count a crash if the worker dies.
         self.running: Any = None
+        # Set by the thread pool when a job's thread outlived its timeout inside a C call: the
+        # worker's control thread then stops beating its slot, so the master replaces it.
+        self.hung = False
         self._tasks: dict[int, asyncio.Task[Any]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 

@@ -111,6 +111,8 @@ def run_enqueue(chain: Sequence[EnqueueMiddleware], enqueue: Enqueue, insert: Ca
 
     def step(index: int) -> Any:
         if index == len(chain):
+            if done:  # raising rolls back what the first call inserted (or, with conn=, the caller may)
+                raise FastjobsError("an enqueue middleware called call_next() more than once")
             done.append(insert())
             return done[0]
         return chain[index](enqueue, lambda: step(index + 1))
@@ -127,6 +129,8 @@ async def run_enqueue_async(
 
     async def step(index: int) -> Any:
         if index == len(chain):
+            if done:  # raising rolls back what the first call inserted (or, with conn=, the caller may)
+                raise FastjobsError("an enqueue middleware called call_next() more than once")
             done.append(await insert())
             return done[0]
         return await chain[index](enqueue, lambda: step(index + 1))

@@ -11,8 +11,9 @@ reaches the main thread only, so a pool thread past its timeout gets
 JobTimeout as an asynchronous exception (PyThreadState_SetAsyncExc),
 which Python raises at the thread's next bytecode. A thread blocked in a C
 call (`time.sleep`, a socket read without a timeout) finishes that call
-before it sees the exception; the master's watchdog still replaces a
-worker whose process stops beating.
+before it sees the exception; one still there after as long again (at least
+1 s) marks the worker hung: its control thread stops beating, and under
+`fastjobs run` the master replaces it after `--worker-timeout`.
 """
 
 from __future__ import annotations
@@ -136,17 +137,37 @@ class Pool:
             while wave.active and wave.error is None:
                 now = time.monotonic()
                 soonest = float("inf")
-                for ident, (_, deadline, _) in wave.running.items():
+                for ident, (job_id, deadline, timeout) in wave.running.items():
                     if ident in wave.fired:
+                        # Still running after JobTimeout was sent: blocked in a C call, which no
+                        # exception interrupts. Past a grace as long again (at least 1 s), the
+                        # worker is hung: it stops beating, and its master replaces it.
+                        stuck = deadline + max(1.0, timeout)
+                        if stuck <= now:
+                            self._hung(job_id, timeout)
+                        else:
+                            soonest = min(soonest, stuck)
                         continue
                     if deadline <= now:
                         wave.fired.add(ident)
                         _interrupt(ident, _ThreadTimeout)
+                        soonest = min(soonest, deadline + max(1.0, timeout))  # to see if it ended
                     else:
                         soonest = min(soonest, deadline)
                 self._changed.wait(None if soonest == float("inf") else soonest - now)
             if wave.error is not None:
                 raise wave.error
+
+    def _hung(self, job_id: int, timeout: float) -> None:
+        if not self._executor.hung:
+            self._executor.hung = True
+            logger.error(
+                "job %d ran past its timeout of %gs blocked in a C call on a pool thread: this worker"
+                " stops beating, so its master replaces it (the job counts a crash); give the call"
+                " a timeout of its own",
+                job_id,
+                timeout,
+            )
 
     def _abandon(self, wave: Wave, exc: type[BaseException]) -> None:
         with self._lock:

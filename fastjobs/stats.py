@@ -49,7 +49,9 @@ from .abc import (
     CANCELLED,
     COMPLETED,
     DISCARDED,
+    INT64_MAX,
     MAX_KINDS,
+    OBSERVED_MAX_NS,
     OUTCOMES,
     PICKUP_SUM,
     RETRIED,
@@ -268,9 +270,8 @@ def outcome_column(outcome: dict[str, Any]) -> int:
 
 def observe(counts: Any, at: int, ns: int) -> None:
     """Add `ns` nanoseconds to the histogram whose sum is counts[at] (its buckets follow)."""
-    if ns < 0:
-        ns = 0
-    counts[at] += ns
+    ns = 0 if ns < 0 else min(ns, OBSERVED_MAX_NS)
+    counts[at] = min(counts[at] + ns, INT64_MAX)
     counts[at + 1 + bisect_left(BUCKETS_NS, ns)] += 1
 
 

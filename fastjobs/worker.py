@@ -116,7 +116,7 @@ class Control(threading.Thread):
         conn: psycopg.Connection[Any] | None = None
         next_beat = 0.0
         while not self._stop_event.is_set():
-            if self.slot is not None:
+            if self.slot is not None and not self.executor.hung:
                 self.slot.beat()
             try:
                 if conn is None:
@@ -197,6 +197,19 @@ class Control(threading.Thread):
         for payload in payloads:
             with contextlib.suppress(ValueError):
                 self._heard.add(int(payload))
+
+
+def _check_sleep_deadline(conn: psycopg.Connection[Any]) -> None:
+    """Move the sleep deadline to now (a no-op for the producers): a role that may not move it
+    fails at start, with the grant it lacks, rather than at its first idle moment, restarting."""
+    try:
+        with psycopg.RawCursor(conn) as cur:
+            cur.execute(sql.worker_sleep, (0.0,))
+    except psycopg.errors.InsufficientPrivilege as exc:
+        raise ConfigurationError(
+            f"this role cannot move the workers' sleep deadline ({exc.diag.message_primary}):"
+            " GRANT UPDATE ON SEQUENCE fastjobs_sleep_until TO the role workers connect as"
+        ) from None
 
 
 class Listener:
@@ -548,6 +561,7 @@ class Worker:
             schema.check(conn)
             with psycopg.RawCursor(conn) as cur:
                 cur.execute(sql.worker_session)
+            _check_sleep_deadline(conn)
             listener.connect()
             register = (self.worker_id, self.host, os.getpid(), self.queues)
             with psycopg.RawCursor(conn) as cur:

@@ -13,8 +13,11 @@
 -- that deadline. Under load no worker sleeps, no commit notifies, commits
 -- share their flushes, and the trigger costs its WHEN test alone.
 --
--- One short transaction step: the trigger is replaced under lock_timeout
--- (SHARE ROW EXCLUSIVE on fastjobs_jobs for milliseconds). Workers of 003 do
+-- One short transaction step: the trigger is replaced under lock_timeout.
+-- DROP TRIGGER takes ACCESS EXCLUSIVE on fastjobs_jobs (CREATE OR REPLACE
+-- TRIGGER would take less, but needs PostgreSQL 14): held for milliseconds,
+-- and waited for at most lock_timeout per try, during which enqueues, claims
+-- and readers queue behind it; the step gives way and retries. Workers of 003 do
 -- not move the deadline: on this schema they are notified only while a
 -- worker of 004 sleeps, and otherwise find new jobs by their poll
 -- (poll_interval, 1 s by default) until they are upgraded.

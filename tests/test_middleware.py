@@ -489,3 +489,66 @@ def test_jobs_on_a_queues_threads_run_behind_middleware_with_their_whole_context
     assert sorted(result for name, result in seen if name == "mw after") == list(range(6))
     assert same == [True] * 6
     assert jobs(app.dsn) == []
+
+
+def test_an_enqueue_middleware_raising_after_call_next_leaves_nothing_inserted(app: App) -> None:
+    """Raising refuses the enqueue, before or after call_next(): without conn= the chain runs in
+    one transaction of fastjobs' own; a second call_next() is an error, not a second job."""
+    app.declare("k")
+
+    def after(call: Enqueue, call_next: Callable[[], Any]) -> Any:
+        call_next()
+        if call.kind == "k":
+            raise RuntimeError("reporting failed")
+
+    app.enqueue_middleware(after)
+    with pytest.raises(RuntimeError, match="reporting failed"):
+        app.enqueue("k", {"n": 1})
+    with pytest.raises(RuntimeError, match="reporting failed"):
+        app.enqueue_many("k", [{"n": 2}, {"n": 3}])
+    assert jobs(app.dsn) == []
+
+    twice = App(app.dsn)
+    twice.declare("k")
+    twice.enqueue_middleware(lambda call, call_next: (call_next(), call_next())[1])
+    try:
+        with pytest.raises(FastjobsError, match=r"call_next\(\) more than once"):
+            twice.enqueue("k", {"n": 4})
+        assert jobs(app.dsn) == []
+    finally:
+        twice.close()
+
+
+async def test_an_async_enqueue_middleware_raising_after_call_next_leaves_nothing_inserted(app: App) -> None:
+    app.declare("k")
+
+    async def after(call: Enqueue, call_next: Callable[[], Any]) -> Any:
+        await call_next()
+        raise RuntimeError("reporting failed")
+
+    app.enqueue_middleware(after)
+    with pytest.raises(RuntimeError, match="reporting failed"):
+        await app.enqueue_async("k", {"n": 1})
+    with pytest.raises(RuntimeError, match="reporting failed"):
+        await app.enqueue_many_async("k", [{"n": 2}])
+    await app.aclose()
+    assert jobs(app.dsn) == []
+
+
+def test_a_meta_too_deep_to_decode_reads_as_empty_and_the_job_runs(app: App) -> None:
+    """jsonb nests deeper than orjson reads: that meta reads as {}, on both loops, and the job
+    runs instead of its worker dying of it."""
+    seen: Seen = []
+    app.middleware(_recording(seen, "mw"))
+
+    @app.job(kind="deep")
+    def deep() -> None:
+        pass
+
+    job_id = deep.enqueue()
+    query(
+        app.dsn, "UPDATE fastjobs_jobs SET meta = %s::jsonb WHERE id = %s", ("[" * 1100 + "]" * 1100, job_id)
+    )
+    drain(app)
+    assert [fields["meta"] for name, fields in seen if name == "mw before"] == [{}]
+    assert jobs(app.dsn) == []

@@ -8,6 +8,7 @@ the database (the cluster view, which two masters posing as two hosts share).
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import signal
 import struct
@@ -16,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
 
-from fastjobs import App, stats
-from fastjobs.abc import BUCKETS, OUTCOMES
+from fastjobs import App, _core, _core_py, stats
+from fastjobs.abc import BUCKETS, COMPLETED, INT64_MAX, OUTCOMES, PICKUP_SUM, ROW
+from fastjobs.handlers import Executor
 
 from . import procs
 from .procs import count, wait_for
@@ -244,3 +247,53 @@ def test_a_host_id_a_worker_id_cannot_carry_is_refused_before_the_application_is
         in done.stderr
     )
     assert "no_such_module" not in done.stderr
+
+
+@pytest.mark.parametrize("core", [_core, _core_py], ids=["c", "python"])
+def test_a_job_due_in_year_1_is_counted_in_the_last_bucket_and_sums_saturate(app: App, core: Any) -> None:
+    """A run_at centuries back (year 1 is accepted) and a sum near its end: each observation is
+    clamped and each sum saturates, on both loops, instead of overflowing an int64 cell (the
+    Python loop raised, killing its worker; the C one wrapped)."""
+
+    @app.job(kind="old")
+    def old() -> None:
+        pass
+
+    app.enqueue("old", {}, run_at=dt.datetime(1, 1, 1, tzinfo=dt.UTC))
+    app.enqueue("old", {})
+    labels = stats.Labels(list(app.jobs), [["default"]])
+    counts = memoryview(bytearray(labels.rows * ROW * 8)).cast("q")
+    [(at, _, _)] = [name for name in labels.names(0) if name[2] == "old"]
+    counts[at + PICKUP_SUM] = INT64_MAX - 10
+    executor = Executor()
+    executor.bind()
+    try:
+        with psycopg.connect(app.dsn, autocommit=True) as conn:
+            loop = core.BatchLoop(
+                conn, app.runnable(), executor, "w", ["default"], batch_min=2, batch_max=2, counts=counts
+            )
+            loop.prepare()
+            while loop.step():
+                pass
+            loop.finish()
+    finally:
+        executor.close()
+    assert counts[at + COMPLETED] == 2
+    assert counts[at + PICKUP_SUM] == INT64_MAX
+    pickup = counts[at + PICKUP_SUM + 1 : at + PICKUP_SUM + 2 + len(BUCKETS)]
+    assert pickup[-1] == 1 and sum(pickup) == 2  # year 1 in +Inf, today's in a small bucket
+
+
+@pytest.mark.parametrize("core", [_core, _core_py], ids=["c", "python"])
+def test_a_counts_view_shorter_than_the_plan_is_refused(app: App, core: Any) -> None:
+    @app.job(kind="k")
+    def k() -> None:
+        pass
+
+    labels = stats.Labels(list(app.jobs), [["default"]])
+    short = memoryview(bytearray((labels.rows * ROW - 1) * 8)).cast("q")
+    with (
+        psycopg.connect(app.dsn, autocommit=True) as conn,
+        pytest.raises(ValueError, match="counts view holds"),
+    ):
+        core.BatchLoop(conn, app.runnable(), Executor(), "w", ["default"], counts=short)

@@ -88,6 +88,13 @@ def spin(n):
         _ended()
 
 
+@app.job("blocked", timeout=0.5, max_attempts=3)
+def blocked(n):
+    """Runs past its timeout inside one C call that no exception interrupts (a lock's wait)."""
+    _span(n, _started())
+    threading.Event().wait()
+
+
 @app.job("until_cancelled", max_attempts=1)
 def until_cancelled(n):
     _span(n, _started())
@@ -335,3 +342,32 @@ def test_a_standalone_worker_stopped_now_fails_its_running_threaded_jobs_and_giv
             assert error is not None and error.startswith("KeyboardInterrupt"), error
         else:
             assert (state, attempt, error) == ("available", 0, None)
+
+
+def test_a_threaded_job_blocked_in_c_past_its_timeout_gets_its_worker_replaced(
+    threads: procs.Masters, app: App, db: psycopg.Connection[Any]
+) -> None:
+    """JobTimeout cannot reach a thread blocked in one C call: past as long again the worker
+    stops beating, its master replaces it, and the job goes back with a crash counted, instead
+    of the worker and its jobs staying `running` for ever."""
+    app.enqueue("blocked", {"n": 1})
+    master = threads.start(
+        "--processes",
+        "1",
+        "--queues",
+        "default:2",
+        "--worker-timeout",
+        "2",
+        "--rescue-after",
+        "5",
+        "--grace",
+        "1",
+        module=MODULE,
+    )
+    first = master.wait_child("fastjobs: worker 1 ")
+    wait_for(lambda: spans(db), "the job to start")
+    master.wait_child("fastjobs: worker 1 ", exclude=(first,))  # the hung one replaced
+    wait_for(lambda: len(spans(db)) >= 2, "the job to run again, on the new worker")
+    assert {row[1] for row in spans(db)} != {first}
+    assert "ran past its timeout of 0.5s blocked in a C call" in master.stderr()
+    assert master.stop() == 0, master.stderr()

@@ -8,15 +8,18 @@ whose wake-up was lost is found by the sleeping worker's poll.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 
 from fastjobs import App, sql
 from fastjobs.bench import producers
+from fastjobs.errors import ConfigurationError
 from fastjobs.worker import Worker, WorkerConfig
 
 from .helpers import NOTIFY_END, WorkerThread, asleep, notifications, wait_for
@@ -170,3 +173,24 @@ def test_the_producers_benchmark_reports_the_three_contenders(dsn: str, tmp_path
         "threads",
     ]
     assert any("app.enqueue" in line for line in lines)
+
+
+def test_a_role_that_may_not_move_the_sleep_deadline_stops_its_worker_at_start(dsn: str) -> None:
+    """The role workers connect as needs UPDATE on the deadline's sequence: without it a worker
+    fails at start with a ConfigurationError naming the grant (a boot error, which its master
+    does not restart), instead of crashing at each first idle moment and restarting for ever."""
+    role = f"fastjobs_nosleep_{os.getpid()}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {role} LOGIN")
+        conn.execute(f"GRANT USAGE ON SCHEMA public TO {role}")
+        conn.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role}")
+        conn.execute(f"GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA public TO {role}")
+    app = App(make_conninfo(dsn, user=role))
+    try:
+        with pytest.raises(ConfigurationError, match="GRANT UPDATE ON SEQUENCE fastjobs_sleep_until"):
+            Worker(app, exit_when_empty=True).run()
+    finally:
+        app.close()
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(f"DROP OWNED BY {role}")
+            conn.execute(f"DROP ROLE {role}")
