@@ -158,14 +158,27 @@ def test_two_hosts_are_both_seen_with_their_counts_and_a_silent_one_is_flagged_s
     """Two masters on one database posing as two hosts (--host-id): `fastjobs stats` shows both,
     each with what its workers ran; only the leader's metrics carry the cluster; a host whose
     worker stops heartbeating (SIGSTOP) is flagged stale while the other is not."""
-    alpha = masters.start("--processes", "1", "--host-id", "alpha", "--metrics-port", "0")
+    # A queue each, so that each host runs jobs (one worker could drain a shared queue alone).
+    alpha = masters.start(
+        "--processes", "1", "--host-id", "alpha", "--queues", "alpha", "--metrics-port", "0"
+    )
     beta = masters.start(
-        "--processes", "1", "--host-id", "beta", "--metrics-port", "0", "--worker-timeout", "120"
+        "--processes",
+        "1",
+        "--host-id",
+        "beta",
+        "--queues",
+        "beta",
+        "--metrics-port",
+        "0",
+        "--worker-timeout",
+        "120",
     )
     ports = {"alpha": metrics_port(alpha), "beta": metrics_port(beta)}
     alpha.wait_child("fastjobs: worker 1 ")
     beta.wait_child("fastjobs: worker 1 ")
-    app.enqueue_many("record", ({"n": n, "sleep": 0.002} for n in range(400)))
+    for name in ("alpha", "beta"):
+        app.enqueue_many("record", ({"n": n, "sleep": 0.002} for n in range(200)), queue=name)
     wait_for(lambda: count(db, "SELECT count(*) FROM runs") == 400, "the drain", timeout=60)
     ran = dict(db.execute("SELECT pid, count(*) FROM runs GROUP BY pid").fetchall())
 
@@ -181,13 +194,13 @@ def test_two_hosts_are_both_seen_with_their_counts_and_a_silent_one_is_flagged_s
         [worker] = host["workers"]
         assert worker["id"].startswith(f"{name}:{worker['pid']}:")
         assert host["totals"]["completed"] == ran.get(worker["pid"], 0), name
-        assert host["queues"] == ["default"] and host["stale"] == 0
+        assert host["queues"] == [name] and host["stale"] == 0
         assert not worker["stale"] and worker["heartbeat_age"] < stats.STALE_AFTER
         [row] = host["kinds"]
         assert (row["queue"], row["kind"], row["completed"]) == (
-            "default",
+            name,
             "record",
-            ran.get(worker["pid"], 0),
+            200,
         )
     assert set(ran) == {w["pid"] for h in doc["cluster"] for w in h["workers"]}  # both hosts ran jobs
 
@@ -201,7 +214,7 @@ def test_two_hosts_are_both_seen_with_their_counts_and_a_silent_one_is_flagged_s
     for name, host in host_of(doc).items():
         assert found[f'fastjobs_cluster_workers{{host="{name}"}}'] == 1
         assert found[f'fastjobs_cluster_jobs_completed_total{{host="{name}"}}'] == host["totals"]["completed"]
-        labels = f'host="{name}",queue="default",kind="record",outcome="completed"'
+        labels = f'host="{name}",queue="{name}",kind="record",outcome="completed"'
         assert found[f"fastjobs_cluster_job_outcomes_total{{{labels}}}"] == host["totals"]["completed"]
 
     # beta's worker falls silent: stopped, it heartbeats no more.
