@@ -610,16 +610,14 @@ class Job(Generic[P, R]):
         return [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
 
     # The App's methods check the connection (enqueue.check_conn), whichever way it came.
-    def _sync_conn(self, conn: Any) -> Any:
-        return self._conn if conn is None else conn
-
-    def _async_conn(self, conn: Any) -> Any:
+    def _conn_for(self, conn: Any) -> Any:
+        """The call's `conn=`, else the one bound by `using`."""
         return self._conn if conn is None else conn
 
     def enqueue(self, *args: P.args, **kwargs: P.kwargs) -> int:
         """Enqueue one job with the handler's arguments; returns its id."""
         named = dict(kwargs)
-        conn = self._sync_conn(named.pop("conn", None))
+        conn = self._conn_for(named.pop("conn", None))
         return self.app.enqueue(self.kind, self._named(args, named), conn=conn, **self._defaults)
 
     def enqueue_many(
@@ -629,18 +627,18 @@ class Job(Generic[P, R]):
 
         `job.args(...)` builds a dict a type checker checks like a call.
         """
-        return self.app.enqueue_many(self.kind, args_iterable, conn=self._sync_conn(conn), **self._defaults)
+        return self.app.enqueue_many(self.kind, args_iterable, conn=self._conn_for(conn), **self._defaults)
 
     async def enqueue_async(self, *args: P.args, **kwargs: P.kwargs) -> int:
         named = dict(kwargs)
-        conn = self._async_conn(named.pop("conn", None))
+        conn = self._conn_for(named.pop("conn", None))
         return await self.app.enqueue_async(self.kind, self._named(args, named), conn=conn, **self._defaults)
 
     async def enqueue_many_async(
         self, args_iterable: Iterable[dict[str, Any]], *, conn: psycopg.AsyncConnection[Any] | None = None
     ) -> int:
         return await self.app.enqueue_many_async(
-            self.kind, args_iterable, conn=self._async_conn(conn), **self._defaults
+            self.kind, args_iterable, conn=self._conn_for(conn), **self._defaults
         )
 
     def __repr__(self) -> str:
