@@ -23,7 +23,7 @@ import orjson
 from fastjobs import handlers, sql, stats
 from fastjobs.abc import (BATCH_SECONDS, BUCKETS_NS, COMPLETED, FULL_CLAIM_DUTY, FULL_CLAIM_MAX_WAIT,
                           INT64_MAX, MARK_RUN_AT_MAX, MARK_RUN_AT_MIN, OBSERVED_MAX_NS, PG_EPOCH_US,
-                          PICKUP_SUM, ROW, RUN_SUM)
+                          PICKUP_SUM, ROW, RUN_SUM, SIZE_DECAY)
 from fastjobs.args import dump_args as _dump_args_checked
 from fastjobs.errors import LoopError
 
@@ -76,6 +76,7 @@ IMPLEMENTATION = "c"
 
 cdef double _BATCH_SECONDS = BATCH_SECONDS
 cdef double _FULL_CLAIM_MAX_WAIT = FULL_CLAIM_MAX_WAIT
+cdef Py_ssize_t _SIZE_DECAY = SIZE_DECAY
 cdef int64_t _MARK_RUN_AT_MIN = MARK_RUN_AT_MIN
 cdef int64_t _MARK_RUN_AT_MAX = MARK_RUN_AT_MAX
 cdef double _INF = float("inf")
@@ -712,7 +713,8 @@ cdef class BatchLoop:
         if self._limit > 0:
             self._mark(n)
         self._full = self._limit > 0 and n >= self._limit
-        self.size = min(self.batch_max, self._cap, max(self.batch_min, 2 * n))
+        # A short or empty claim halves the size at most: see the reference.
+        self.size = min(self.batch_max, self._cap, max(self.batch_min, 2 * n, self.size // _SIZE_DECAY))
         return 0
 
     cdef int _mark(self, int n) except -1:

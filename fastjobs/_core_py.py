@@ -23,6 +23,7 @@ from .abc import (
     PICKUP_SUM,
     ROW,
     RUN_SUM,
+    SIZE_DECAY,
 )
 from .args import dump_args as dump_args
 from .errors import LoopError
@@ -94,7 +95,11 @@ class BatchLoop:
     `batch_min` and `batch_max`, so a shallow queue is claimed a few jobs at
     a time (latency) and a deep one in large batches (throughput); and no
     more than the last batch's pace runs in BATCH_SECONDS, so a deep queue
-    of slow jobs is shared among workers instead of hoarded by one.
+    of slow jobs is shared among workers instead of hoarded by one. A short
+    or empty claim halves the size at most (SIZE_DECAY): a producer that
+    commits hundreds of jobs at once, between claims that found none, had
+    each of its batches claimed 1, 2, 4, ... jobs at a time, a round trip
+    per doubling, and after a stall the backlog was climbed the same way.
     """
 
     def __init__(
@@ -332,7 +337,7 @@ class BatchLoop:
         if self._limit > 0:
             self._mark(res, n)
         self._full = self._limit > 0 and n >= self._limit
-        self.size = min(self.batch_max, self._cap, max(self.batch_min, 2 * n))
+        self.size = min(self.batch_max, self._cap, max(self.batch_min, 2 * n, self.size // SIZE_DECAY))
         return rows
 
     def _mark(self, res: Any, n: int) -> None:

@@ -18,6 +18,11 @@ if TYPE_CHECKING:
 
 # What one batch should take at most, judged by the last batch's pace.
 BATCH_SECONDS = 0.1
+# The next claim's size is twice what the last one found, but at most this
+# factor below the last claim's size: a burst arriving between empty claims
+# (a producer's COPY of hundreds of jobs every 10 ms) is claimed in one or
+# two round trips, not in a doubling from batch_min (see _core_py.BatchLoop).
+SIZE_DECAY = 2
 
 # A claim scans the claim index from its front only as often as costs 10% of
 # the loop's time (it wades through the dead entries of every job claimed

@@ -1125,8 +1125,14 @@ SELECT queue, state, count,
 jobs_dead_rows: Final = "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = 'fastjobs_jobs'::regclass"
 
 # vacuum_jobs: the leader's VACUUM of the jobs table; it skips a table
-# another VACUUM (autovacuum, say) is working on instead of waiting.
-vacuum_jobs: Final = "VACUUM (SKIP_LOCKED) fastjobs_jobs"
+# another VACUUM (autovacuum, say) is working on instead of waiting. It
+# leaves the empty pages at the table's end in place (TRUNCATE false): a
+# queue's table ends in pages emptied a moment ago and filled again the next,
+# and cutting them off takes an ACCESS EXCLUSIVE lock that every claim and
+# enqueue queues behind. Under the soak at 80% load, VACUUM spent its time in
+# the VacuumTruncate wait, workers in relation extension, and pickup latency
+# had stalls of 0.1-0.4 s (bench/RESULTS.md, latency under load).
+vacuum_jobs: Final = "VACUUM (SKIP_LOCKED, TRUNCATE false) fastjobs_jobs"
 
 # mvcc_horizon: the oldest snapshot of this database holding back cleanup
 # (VACUUM cannot remove a dead row any snapshot may still see): a backend's

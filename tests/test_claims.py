@@ -1,4 +1,4 @@
-"""Claims that start where the last one ended: the late-commit margin, and timely claims from the front."""
+"""Claims that start where the last one ended (late-commit margin, claims from the front), and their size."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import time
 from psycopg.types.json import Jsonb
 
 from fastjobs import App
+from fastjobs.abc import SIZE_DECAY
 from fastjobs.worker import Worker, WorkerConfig
 
 from .helpers import OVERLAP, WorkerThread, batch_loop, by_state, handler_event, query, wait_for
@@ -62,3 +63,26 @@ def test_a_higher_priority_job_waits_about_one_batch_behind_slow_jobs(app: App, 
             waits.append(ran[1000 + k] - began)
     # One batch is ~0.1 s; the batch running and the one claimed ahead come first.
     assert max(waits) < 0.45, [round(w, 3) for w in waits]
+
+
+def test_an_empty_claim_does_not_shrink_the_next_claim_to_one_job(app: App) -> None:
+    """A burst committed between claims that found nothing (the soak's producer: hundreds of jobs
+    every 10 ms) is claimed whole: the size after an empty claim is half the last one's, not
+    batch_min, which made each burst a doubling of round trips (1, 2, 4, ...). Idle, it still
+    shrinks to batch_min."""
+
+    @app.job(kind="burst")
+    def burst(n: int) -> None:
+        pass
+
+    with batch_loop(app, 1000, overlap=False) as loop:
+        loop.batch_min, loop.size = 1, 64
+        burst.enqueue_many({"n": n} for n in range(64))
+        assert loop.step() == 64
+        assert loop.step() == 0  # found none: the size halves
+        assert loop.size == 128 // SIZE_DECAY
+        burst.enqueue_many({"n": n} for n in range(64))
+        assert loop.step() == 64
+        for _ in range(10):
+            assert loop.step() == 0
+        assert loop.size == 1
