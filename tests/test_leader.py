@@ -495,6 +495,19 @@ def test_vacuum_once_vacuums_the_jobs_table_past_its_threshold_of_dead_rows(dsn:
     assert wait_for(lambda: (s := vacuum_stats(dsn))["vacuums"] == 1 and s["dead"] == 0 and s, "the vacuum")
 
 
+def test_vacuum_once_leaves_the_empty_pages_at_the_tables_end(dsn: str) -> None:
+    """Cutting them off takes an ACCESS EXCLUSIVE lock every claim and enqueue waits behind, and a
+    queue fills them again a moment later: the leader's VACUUM leaves them (sql.vacuum_jobs)."""
+    vacuumer = Vacuumer(dsn, VacuumConfig(threshold=100, interval=0.5), lambda: True)
+    dead_rows(dsn, 2_000)
+    [before] = query(dsn, "SELECT pg_relation_size('fastjobs_jobs') AS size")
+    assert before["size"] > 0
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        vacuumer.vacuum_once(conn)
+    assert vacuumer.runs == 1
+    assert query(dsn, "SELECT pg_relation_size('fastjobs_jobs') AS size") == [before]
+
+
 def test_no_vacuum_again_while_the_snapshot_that_held_the_last_one_back_stays_open(dsn: str) -> None:
     vacuumer = Vacuumer(dsn, VacuumConfig(threshold=100, interval=0.5), lambda: True)
     with psycopg.connect(dsn, autocommit=True) as conn, psycopg.connect(dsn) as holder:
