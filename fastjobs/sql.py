@@ -1131,7 +1131,7 @@ jobs_dead_rows: Final = "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid 
 # and cutting them off takes an ACCESS EXCLUSIVE lock that every claim and
 # enqueue queues behind. Under the soak at 80% load, VACUUM spent its time in
 # the VacuumTruncate wait, workers in relation extension, and pickup latency
-# had stalls of 0.1-0.4 s (bench/RESULTS.md, latency under load).
+# had stalls of 0.1-3 s (bench/RESULTS.md, latency under load).
 vacuum_jobs: Final = "VACUUM (SKIP_LOCKED, TRUNCATE false) fastjobs_jobs"
 
 # mvcc_horizon: the oldest snapshot of this database holding back cleanup
