@@ -35,10 +35,13 @@ GRANT SELECT ON SEQUENCE fastjobs_slot TO PUBLIC;
 SELECT setval('fastjobs_slot', 1) WHERE pg_sequence_last_value('fastjobs_slot') IS NULL;
 
 -- ACCESS EXCLUSIVE for milliseconds: a column with a constant default
--- touches no row, NOT VALID checks none.
-ALTER TABLE fastjobs_jobs ADD COLUMN IF NOT EXISTS slot smallint NOT NULL DEFAULT 0;
+-- touches no row, NOT VALID checks none. (Tested first: on a partition,
+-- ADD COLUMN IF NOT EXISTS fails even when the column exists.)
 DO $$
 BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'fastjobs_jobs'::regclass AND attname = 'slot') THEN
+        ALTER TABLE fastjobs_jobs ADD COLUMN slot smallint NOT NULL DEFAULT 0;
+    END IF;
     IF NOT EXISTS (SELECT 1 FROM pg_constraint WHERE conname = 'fastjobs_jobs_slot_check') THEN
         ALTER TABLE fastjobs_jobs ADD CONSTRAINT fastjobs_jobs_slot_check CHECK (slot = 0) NOT VALID;
     END IF;

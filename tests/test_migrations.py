@@ -245,8 +245,21 @@ CREATE TABLE IF NOT EXISTS u (x int);
 # --- migrations on a live system -----------------------------------------------------------------
 
 
+def roll_back_005(dsn: str) -> None:
+    """Undo what 005 creates and its record: fastjobs_jobs as 004 left it (its rows kept), 005 pending."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("ALTER TABLE fastjobs_jobs_all DETACH PARTITION fastjobs_jobs")
+        conn.execute("DROP TABLE fastjobs_jobs_all")
+        conn.execute("ALTER TABLE fastjobs_jobs DROP COLUMN slot, ALTER COLUMN id DROP DEFAULT")
+        conn.execute("DROP SEQUENCE fastjobs_jobs_id, fastjobs_slot")
+        start = conn.execute("SELECT coalesce(max(id), 0) + 1 FROM fastjobs_jobs").fetchone()[0]  # type: ignore[index]
+        conn.execute(f"ALTER TABLE fastjobs_jobs ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (START {start})")
+        conn.execute("DELETE FROM fastjobs_migrations WHERE version >= 5")
+
+
 def roll_back_002(dsn: str) -> None:
-    """Undo what 002 creates and its record: the database is as 001 left it, 002 pending."""
+    """Undo what 002 and 005 create and their records: the database is as 001 left it, 002 pending."""
+    roll_back_005(dsn)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("DROP INDEX fastjobs_jobs_unique_idx, fastjobs_jobs_finalized_idx")
         conn.execute("ALTER TABLE fastjobs_jobs DROP COLUMN crashes, DROP COLUMN cancel_requested")
@@ -330,7 +343,7 @@ def test_migrate_behind_a_reader_gives_way_to_enqueues_says_what_it_waits_on_and
 
 
 def count_jobs(conn: psycopg.Connection[Any]) -> int:
-    row = conn.execute("SELECT count(*) FROM fastjobs_jobs").fetchone()
+    row = conn.execute("SELECT count(*) FROM fastjobs_jobs_all").fetchone()
     assert row is not None
     return int(row[0])
 
@@ -375,7 +388,7 @@ def test_fastjobs_run_on_a_schema_too_new_stops_with_the_boot_error_and_forks_no
 # transaction) and an index built CONCURRENTLY. The running code never reads either.
 NEXT_MIGRATION = """
 -- NNN_next: a column and its index, as a next release would add them.
-ALTER TABLE fastjobs_jobs ADD COLUMN IF NOT EXISTS tenant text;
+ALTER TABLE fastjobs_jobs_all ADD COLUMN IF NOT EXISTS tenant text;
 
 -- fastjobs: concurrently
 CREATE INDEX CONCURRENTLY IF NOT EXISTS fastjobs_jobs_tenant_idx
@@ -411,13 +424,13 @@ def test_a_rolling_upgrade_with_jobs_in_flight_loses_nothing_and_runs_nothing_tw
         new.wait_child("fastjobs: worker 2 ")
         old.signal(signal.SIGTERM)  # its leader steps down at once; its long job finishes in the grace
         new.wait_stderr(r"leader elected")
-        long_state = db.execute("SELECT state::text FROM fastjobs_jobs WHERE id = %s", (long_id,)).fetchone()
+        long_state = db.execute("SELECT state::text FROM fastjobs_jobs_all WHERE id = %s", (long_id,)).fetchone()
         assert long_state == ("running",)  # still on the old master's worker, under the new leader
         assert old.wait(30) == 0, old.stderr()
         wait_for(lambda: runs_left(db) == 0, "the new master to drain the rest")
         ran = Counter(n for (n,) in db.execute("SELECT n FROM runs"))
         assert ran == Counter({n: 1 for n in [-1, *range(300)]}), {n: c for n, c in ran.items() if c != 1}
-        assert procs.count(db, "SELECT count(*) FROM fastjobs_jobs WHERE id = %s", long_id) == 0
+        assert procs.count(db, "SELECT count(*) FROM fastjobs_jobs_all WHERE id = %s", long_id) == 0
         [(long_pid,)] = db.execute("SELECT pid FROM runs WHERE n = -1").fetchall()
         assert long_pid in old.forks()
     assert new.stop() == 0, new.stderr()
@@ -426,7 +439,7 @@ def test_a_rolling_upgrade_with_jobs_in_flight_loses_nothing_and_runs_nothing_tw
 
 
 def runs_left(db: psycopg.Connection[Any]) -> int:
-    return procs.count(db, "SELECT count(*) FROM fastjobs_jobs")
+    return procs.count(db, "SELECT count(*) FROM fastjobs_jobs_all")
 
 
 def test_the_jobs_tables_column_defaults_are_the_python_ones(dsn):

@@ -36,7 +36,7 @@ def runs_by_pid(db: psycopg.Connection[Any]) -> dict[int, int]:
 def emails_age(db: psycopg.Connection[Any]) -> float:
     """Seconds since the oldest job of `emails` became due, by the database's clock."""
     row = db.execute(
-        "SELECT extract(epoch FROM now() - min(run_at))::float8 FROM fastjobs_jobs WHERE queue = 'emails'"
+        "SELECT extract(epoch FROM now() - min(run_at))::float8 FROM fastjobs_jobs_all WHERE queue = 'emails'"
     ).fetchone()
     assert row is not None
     return float(row[0])
@@ -50,7 +50,7 @@ def drained_master(masters: procs.Masters, app: App, db: psycopg.Connection[Any]
     wait_for(lambda: count(db, "SELECT count(*) FROM runs") >= 50, "50 executions")
     app.enqueue_many("record", ({"n": n} for n in range(100, 120)))
     wait_for(
-        lambda: count(db, "SELECT count(*) FROM fastjobs_jobs WHERE queue = 'default'") == 0, "the drain"
+        lambda: count(db, "SELECT count(*) FROM fastjobs_jobs_all WHERE queue = 'default'") == 0, "the drain"
     )
     assert count(db, "SELECT count(*) FROM runs") == 120
     return master
@@ -241,7 +241,7 @@ def test_dead_rows_and_vacuums_of_the_fastjobs_tables(app: App, db: psycopg.Conn
     # One session for both, so its counts reach the statistics in order (the
     # estimate of live rows is inserts minus deletes as they arrive).
     app.enqueue_many("record", ({"n": n} for n in range(500)), conn=db)
-    db.execute("DELETE FROM fastjobs_jobs WHERE (args->>'n')::int < 300")
+    db.execute("DELETE FROM fastjobs_jobs_all WHERE (args->>'n')::int < 300")
     db.execute("SELECT pg_stat_force_next_flush()")
 
     def jobs_table() -> dict[str, Any] | None:
@@ -595,7 +595,7 @@ def test_the_listener_state_is_true_while_the_worker_is_busy(
     master = masters.start("--processes", "1", "--batch-max", "4")
     wait_for(lambda: count(db, "SELECT count(*) FROM runs") >= 1, "the drain to start")
     busy = wait_for(lambda: worker_slot(app.dsn, master.pid), "the worker in `fastjobs stats`")
-    assert count(db, "SELECT count(*) FROM fastjobs_jobs WHERE state = 'available'") > 0, "no longer busy"
+    assert count(db, "SELECT count(*) FROM fastjobs_jobs_all WHERE state = 'available'") > 0, "no longer busy"
     assert (busy["listening"], busy["listener_reconnects"]) == (1, 0)
     assert busy["listener_ok"] > 0
 
@@ -610,10 +610,10 @@ def test_the_listener_state_is_true_while_the_worker_is_busy(
     )
     assert down["listener_reconnects"] == 1
     human = procs.cli(app.dsn, "stats").stdout
-    assert count(db, "SELECT count(*) FROM fastjobs_jobs WHERE state = 'available'") > 0, "no longer busy"
+    assert count(db, "SELECT count(*) FROM fastjobs_jobs_all WHERE state = 'available'") > 0, "no longer busy"
     assert re.search(r"\nworker 1 .*  DOWN \(polling\), 1 reconnects\n", human), human
     # Idle, it makes its listener again.
-    db.execute("DELETE FROM fastjobs_jobs WHERE state = 'available'")
+    db.execute("DELETE FROM fastjobs_jobs_all WHERE state = 'available'")
     back = wait_for(
         lambda: (w := worker_slot(app.dsn, master.pid)) and w["listening"] == 1 and w, "the listener back"
     )
@@ -642,7 +642,7 @@ def test_stats_json_gives_whole_numbers_as_integers_and_tables_keep_wide_values_
     # Wide values: a 60-character queue, and table sizes past 1,000 kB beside a dead-row count.
     db.execute("ALTER TABLE fastjobs_jobs SET (autovacuum_enabled = off)")
     app.enqueue_many("record", ({"n": n, "pad": "x" * 100} for n in range(20_000)), queue="bulk", conn=db)
-    db.execute("DELETE FROM fastjobs_jobs WHERE queue = 'bulk' AND (args->>'n')::int % 2 = 0")
+    db.execute("DELETE FROM fastjobs_jobs_all WHERE queue = 'bulk' AND (args->>'n')::int % 2 = 0")
     db.execute("SELECT pg_stat_force_next_flush()")
     wait_for(
         lambda: (
