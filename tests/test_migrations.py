@@ -458,3 +458,91 @@ def test_the_jobs_tables_column_defaults_are_the_python_ones(dsn):
     assert (registered.queue, registered.priority, registered.max_attempts) == expected
     opts = enqueue.options("unregistered", None)
     assert (opts.queue, opts.priority, opts.max_attempts) == expected
+
+
+# --- 005: the jobs table becomes slot 0 of fastjobs_jobs_all, live ---------------------------------
+
+# What code of 004 sends: the same statements on fastjobs_jobs (005 moved them to the parent).
+OLD_INSERT_NOW = sql.job_insert_now.replace("fastjobs_jobs_all", "fastjobs_jobs")
+OLD_CLAIM = sql.job_claim_many.replace("fastjobs_jobs_all", "fastjobs_jobs")
+OLD_COMPLETE = "DELETE FROM fastjobs_jobs WHERE id = ANY($1::bigint[]) AND state = 'running'"
+
+
+def test_005_applies_live_under_workers_and_producers_of_004_which_keep_working(dsn: str, app: App) -> None:
+    """At 004, with jobs in flight: producers of 004 (plain and unique inserts, with their ON
+    CONFLICT) and a worker of 004 (claim, complete) run throughout `migrate`; none of their
+    statements fails or waits much past the lock timeout, nothing is lost, and afterwards code of
+    004 and of 005 both run."""
+    expected = _snapshot(dsn)
+    roll_back_005(dsn)
+    with psycopg.connect(dsn, autocommit=True) as db:
+        db.execute("INSERT INTO fastjobs_jobs (kind) SELECT 'old' FROM generate_series(1, 2000)")
+    stalls: list[float] = []
+    errors: list[BaseException] = []
+    done = threading.Event()
+    inserted = Counter[str]()
+    completed: list[int] = []
+
+    def producer() -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn, psycopg.RawCursor(conn) as cur:
+            n = 0
+            while not done.is_set():
+                began = time.monotonic()
+                try:
+                    cur.execute(OLD_INSERT_NOW, ("default", "old", "{}", 0, 25))
+                    inserted["plain"] += 1
+                    key = f"key-{n % 50}"  # half of them taken: ON CONFLICT ... DO NOTHING
+                    params = enqueue.insert_params(enqueue.options("old", None, unique_key=key), {})
+                    if cur.execute(sql.job_insert, params).fetchone() is not None:
+                        inserted["unique"] += 1
+                except BaseException as exc:
+                    errors.append(exc)
+                    return
+                stalls.append(time.monotonic() - began)
+                n += 1
+                done.wait(0.005)
+
+    def worker() -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn, psycopg.RawCursor(conn) as cur:
+            while not done.is_set():
+                try:
+                    ids = [r[0] for r in cur.execute(OLD_CLAIM, ("default", 50, "old-worker"))]
+                    cur.execute(OLD_COMPLETE, (ids,))
+                except BaseException as exc:
+                    errors.append(exc)
+                    return
+                completed.extend(ids)
+                done.wait(0.005)
+
+    threads = [threading.Thread(target=producer), threading.Thread(target=worker)]
+    for thread in threads:
+        thread.start()
+    try:
+        wait_for(lambda: len(completed) > 200, "the old worker to drain")
+        with psycopg.connect(dsn) as conn:
+            applied = schema.migrate(conn, dsn=dsn, lock_timeout=0.5)
+        assert [m.label for m in applied] == ["005_rotation"]
+        after, produced = len(completed), inserted["plain"]
+        wait_for(lambda: len(completed) > after + 200, "the old worker to go on draining on 005")
+        wait_for(lambda: inserted["plain"] > produced + 20, "the old producer to go on inserting on 005")
+    finally:
+        done.set()
+        for thread in threads:
+            thread.join(10)
+    assert errors == []
+    assert len(stalls) > 20 and max(stalls) < 1.5, sorted(stalls)[-5:]
+    assert _snapshot(dsn) == expected
+    with psycopg.connect(dsn, autocommit=True) as db:
+        left = count_jobs(db)
+        # Every job the old producers inserted is either done or still there, once each.
+        assert len(completed) == len(set(completed))
+        assert left + len(completed) == 2000 + inserted["plain"] + inserted["unique"]
+        # Code of 005 on the same database: its jobs go to the rotating slot, and a worker runs them all.
+        app.enqueue_many("old", [{} for _ in range(10)])
+        assert procs.count(db, "SELECT count(*) FROM fastjobs_jobs_all WHERE slot = 1") == 10
+    ran = Counter[str]()
+    app.job(kind="old")(lambda: ran.update(["old"]))
+    from .helpers import drain
+
+    drain(app)
+    assert ran["old"] == left + 10
