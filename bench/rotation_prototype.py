@@ -49,8 +49,7 @@ CREATE TABLE plain_jobs (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, {CO
 {INDEXES.format(t="plain_jobs")}
 """
 
-ROTATING = (
-    f"""
+ROTATING = f"""
 DROP TABLE IF EXISTS rot_jobs CASCADE;
 DROP SEQUENCE IF EXISTS rot_slot;
 CREATE SEQUENCE rot_slot AS smallint MINVALUE 1 MAXVALUE {SLOTS};
@@ -63,12 +62,10 @@ CREATE UNIQUE INDEX ON rot_jobs (id, slot);
 {INDEXES.format(t="rot_jobs")}
 CREATE TABLE rot_jobs_0 PARTITION OF rot_jobs FOR VALUES IN (0)
   WITH (fillfactor = 70, autovacuum_vacuum_scale_factor = 0.0, autovacuum_vacuum_threshold = 5000);
-"""
-    + "".join(
-        f"CREATE TABLE rot_jobs_{k} PARTITION OF rot_jobs FOR VALUES IN ({k})"
-        " WITH (fillfactor = 70, autovacuum_enabled = false);\n"
-        for k in range(1, SLOTS + 1)
-    )
+""" + "".join(
+    f"CREATE TABLE rot_jobs_{k} PARTITION OF rot_jobs FOR VALUES IN ({k})"
+    " WITH (fillfactor = 70, autovacuum_enabled = false);\n"
+    for k in range(1, SLOTS + 1)
 )
 
 CLAIM = """
@@ -79,7 +76,9 @@ UPDATE {t} j SET state = 'running', attempt = j.attempt + 1, attempted_at = now(
 RETURNING j.id"""
 COMPLETE = "DELETE FROM {t} j WHERE j.id = ANY($1::bigint[]) AND j.state = 'running' AND j.attempted_by = $2"
 INSERT = "INSERT INTO {t} (kind, args) VALUES ('k', $1::jsonb) RETURNING id"
-INSERT_MANY = "INSERT INTO {t} (kind, args) SELECT 'k', jsonb_build_object('i', i) FROM generate_series(1, $1) i"
+INSERT_MANY = (
+    "INSERT INTO {t} (kind, args) SELECT 'k', jsonb_build_object('i', i) FROM generate_series(1, $1) i"
+)
 
 
 def rotate(conn: psycopg.Connection, timeout_ms: int) -> tuple[bool, float, float]:
@@ -98,8 +97,9 @@ def rotate(conn: psycopg.Connection, timeout_ms: int) -> tuple[bool, float, floa
             conn.execute(f"LOCK TABLE rot_jobs_{oldest} IN ACCESS EXCLUSIVE MODE")
             t0 = time.perf_counter()
             conn.execute(
-                f"INSERT INTO rot_jobs_{cur_slot} SELECT id, queue, kind, args, priority, state, run_at, attempt,"
-                " max_attempts, created_at, attempted_at, finalized_at, attempted_by, errors, unique_key, meta,"
+                f"INSERT INTO rot_jobs_{cur_slot} SELECT id, queue, kind, args, priority, state, run_at,"
+                " attempt, max_attempts, created_at, attempted_at, finalized_at, attempted_by, errors,"
+                " unique_key, meta,"
                 f" {cur_slot} FROM rot_jobs_{oldest}"
             )
             conn.execute(f"TRUNCATE rot_jobs_{oldest}")
@@ -113,7 +113,10 @@ def size_mb(conn: psycopg.Connection, table: str) -> float:
     if table == "plain_jobs":
         q = "SELECT pg_total_relation_size('plain_jobs')"
     else:
-        q = "SELECT sum(pg_total_relation_size(c.oid)) FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = 'rot_jobs'::regclass AND c.relkind = 'r'"
+        q = (
+            "SELECT sum(pg_total_relation_size(c.oid)) FROM pg_inherits i JOIN pg_class c"
+            " ON c.oid = i.inhrelid WHERE i.inhparent = 'rot_jobs'::regclass AND c.relkind = 'r'"
+        )
     return float(conn.execute(q).fetchone()[0]) / 2**20
 
 
@@ -133,9 +136,11 @@ def locks(dsn: str) -> None:
                     for _ in range(6):  # past the 5 custom plans
                         cur.execute(stmt, args, prepare=True)
                         rels = cur.connection.execute(
-                            "SELECT string_agg(relation::regclass::text || ' ' || mode, ', ' ORDER BY relation::regclass::text)"
+                            "SELECT string_agg(relation::regclass::text || ' ' || mode, ', '"
+                            " ORDER BY relation::regclass::text)"
                             " FROM pg_locks WHERE pid = pg_backend_pid() AND locktype = 'relation'"
-                            " AND relation::regclass::text LIKE 'rot_jobs%' AND relation::regclass::text NOT LIKE '%idx'"
+                            " AND relation::regclass::text LIKE 'rot_jobs%'"
+                            " AND relation::regclass::text NOT LIKE '%idx'"
                         ).fetchone()[0]
                         conn.rollback()
                     print(f"   {name:6} ({mode}): {rels}")
@@ -186,8 +191,14 @@ def drain(dsn: str, jobs: int = 100_000, repeats: int = 3) -> None:
     for _ in range(repeats):
         plain.append(drain_once(dsn, "plain_jobs", jobs))
         rot.append(drain_once(dsn, "rot_jobs", jobs))
-        print(f"   plain {plain[-1]:>9,.0f} jobs/s   partitioned {rot[-1]:>9,.0f} jobs/s   ratio {rot[-1] / plain[-1]:.2f}")
-    print(f"   median ratio partitioned / plain: {statistics.median(r / p for r, p in zip(rot, plain)):.2f}")
+        print(
+            f"   plain {plain[-1]:>9,.0f} jobs/s   partitioned {rot[-1]:>9,.0f} jobs/s"
+            f"   ratio {rot[-1] / plain[-1]:.2f}"
+        )
+    print(
+        "   median ratio partitioned / plain:",
+        f"{statistics.median(r / p for r, p in zip(rot, plain, strict=True)):.2f}",
+    )
 
 
 # --- 3. soak with a held snapshot ---------------------------------------------------------------
@@ -255,9 +266,12 @@ def soak(dsn: str, table: str, seconds: int, rate: float, hold_from: float, rota
                     next_rotate = now + 0.1
             if now >= next_sample:
                 d = done.value
-                backlog = watch.execute(f"SELECT count(*) FROM {table} WHERE state = 'available'").fetchone()[0]
+                backlog = watch.execute(f"SELECT count(*) FROM {table} WHERE state = 'available'").fetchone()[
+                    0
+                ]
                 print(
-                    f"   {now - began:>5.0f}s {(d - last_done) / (now - last_t):>9,.0f} jobs/s  backlog {backlog:>8,}"
+                    f"   {now - began:>5.0f}s {(d - last_done) / (now - last_t):>9,.0f} jobs/s"
+                    f"  backlog {backlog:>8,}"
                     f"  table+indexes {size_mb(watch, table):>8.1f} MB{'  (snapshot held)' if held else ''}"
                 )
                 last_done, last_t, next_sample = d, now, next_sample + 10
@@ -270,7 +284,8 @@ def soak(dsn: str, table: str, seconds: int, rate: float, hold_from: float, rota
         p.join()
     ls = sorted(x[1] for x in lat)
     print(
-        f"   single enqueues: {len(ls):,}, p50 {ls[len(ls) // 2] * 1e3:.2f} ms, p99 {ls[int(len(ls) * 0.99)] * 1e3:.2f} ms,"
+        f"   single enqueues: {len(ls):,}, p50 {ls[len(ls) // 2] * 1e3:.2f} ms,"
+        f" p99 {ls[int(len(ls) * 0.99)] * 1e3:.2f} ms,"
         f" max {ls[-1] * 1e3:.2f} ms"
     )
     if rotations:
@@ -313,7 +328,10 @@ def main() -> None:
         drain(dsn)
         seconds = int(sys.argv[2]) if len(sys.argv) > 2 else 70
         rate = float(sys.argv[3]) if len(sys.argv) > 3 else 8000.0
-        print(f"3. {seconds} s at a fixed offered rate, 2 consumers; rotation every 2 s for the partitioned layout:")
+        print(
+            f"3. {seconds} s at a fixed offered rate, 2 consumers;"
+            " rotation every 2 s for the partitioned layout:"
+        )
         soak(dsn, "plain_jobs", seconds, rate, 10, 2.0)
         soak(dsn, "rot_jobs", seconds, rate, 10, 2.0)
     finally:

@@ -605,9 +605,7 @@ class Leader:
             ("cleaner", config.cleaner.interval, lambda: clean_once(conn, config=config.cleaner)),
         ]
         if config.rotation.enabled:
-            services.append(
-                ("rotator", config.rotation.interval, lambda: rotate_once(conn, config.rotation))
-            )
+            services.append(("rotator", config.rotation.interval, lambda: rotate_once(conn, config.rotation)))
         if self.periodic:
             services.append(
                 (

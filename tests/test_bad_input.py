@@ -594,7 +594,9 @@ def test_an_enormous_exception_message_is_recorded_bounded(app: App, dsn: str):
     assert rows[before]["state"] == rows[after]["state"] == "completed"
     assert rows[failing]["state"] == "retryable"
     assert only_error(rows[failing]).startswith("ValueError: spam spam")
-    [size] = query(dsn, "SELECT octet_length(errors::text) AS n FROM fastjobs_jobs_all WHERE id = %s", (failing,))
+    [size] = query(
+        dsn, "SELECT octet_length(errors::text) AS n FROM fastjobs_jobs_all WHERE id = %s", (failing,)
+    )
     assert size["n"] < MB
 
 

@@ -255,7 +255,8 @@ def test_retry_of_a_waiting_job_runs_it_now_with_its_attempts_as_they_are(
     assert (code, err) == (0, "")
     assert out == f"job {job_id}: {job_state}, now available: runs now as attempt {attempt + 1} of 5\n"
     [row] = query(
-        dsn, "SELECT state::text, attempt, max_attempts, crashes, run_at <= now() AS due FROM fastjobs_jobs_all"
+        dsn,
+        "SELECT state::text, attempt, max_attempts, crashes, run_at <= now() AS due FROM fastjobs_jobs_all",
     )
     assert row == {"state": "available", "attempt": attempt, "max_attempts": 5, "crashes": 1, "due": True}
     drain(app)
@@ -356,7 +357,9 @@ def test_retry_of_a_unique_job_whose_key_is_held_again_names_the_holder(
     app: App, dsn: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     first = app.enqueue("k", {"n": 1}, unique_key="once")
-    query(dsn, "UPDATE fastjobs_jobs_all SET state = 'discarded', finalized_at = now() WHERE id = %s", (first,))
+    query(
+        dsn, "UPDATE fastjobs_jobs_all SET state = 'discarded', finalized_at = now() WHERE id = %s", (first,)
+    )
     holder = app.enqueue("k", {"n": 2}, unique_key="once")
     assert holder != first
 

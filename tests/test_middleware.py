@@ -186,7 +186,9 @@ def test_middleware_may_transform_what_the_handler_raises_and_fails_the_job_when
 
     snoozed, swallowed, broken = (mode.enqueue(mode=m) for m in ("snooze", "swallow", "broken"))
     drain(app)
-    rows = {r["id"]: r for r in query(app.dsn, "SELECT id, state::text, attempt, errors FROM fastjobs_jobs_all")}
+    rows = {
+        r["id"]: r for r in query(app.dsn, "SELECT id, state::text, attempt, errors FROM fastjobs_jobs_all")
+    }
     assert (rows[snoozed]["state"], rows[snoozed]["attempt"]) == ("scheduled", 0)
     assert swallowed not in rows  # completed and deleted
     assert rows[broken]["state"] == "retryable"
@@ -547,7 +549,9 @@ def test_a_meta_too_deep_to_decode_reads_as_empty_and_the_job_runs(app: App) -> 
 
     job_id = deep.enqueue()
     query(
-        app.dsn, "UPDATE fastjobs_jobs_all SET meta = %s::jsonb WHERE id = %s", ("[" * 1100 + "]" * 1100, job_id)
+        app.dsn,
+        "UPDATE fastjobs_jobs_all SET meta = %s::jsonb WHERE id = %s",
+        ("[" * 1100 + "]" * 1100, job_id),
     )
     drain(app)
     assert [fields["meta"] for name, fields in seen if name == "mw before"] == [{}]

@@ -253,7 +253,9 @@ def roll_back_005(dsn: str) -> None:
         conn.execute("ALTER TABLE fastjobs_jobs DROP COLUMN slot, ALTER COLUMN id DROP DEFAULT")
         conn.execute("DROP SEQUENCE fastjobs_jobs_id, fastjobs_slot")
         start = conn.execute("SELECT coalesce(max(id), 0) + 1 FROM fastjobs_jobs").fetchone()[0]  # type: ignore[index]
-        conn.execute(f"ALTER TABLE fastjobs_jobs ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (START {start})")
+        conn.execute(
+            f"ALTER TABLE fastjobs_jobs ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (START {start})"
+        )
         conn.execute("DELETE FROM fastjobs_migrations WHERE version >= 5")
 
 
@@ -424,7 +426,9 @@ def test_a_rolling_upgrade_with_jobs_in_flight_loses_nothing_and_runs_nothing_tw
         new.wait_child("fastjobs: worker 2 ")
         old.signal(signal.SIGTERM)  # its leader steps down at once; its long job finishes in the grace
         new.wait_stderr(r"leader elected")
-        long_state = db.execute("SELECT state::text FROM fastjobs_jobs_all WHERE id = %s", (long_id,)).fetchone()
+        long_state = db.execute(
+            "SELECT state::text FROM fastjobs_jobs_all WHERE id = %s", (long_id,)
+        ).fetchone()
         assert long_state == ("running",)  # still on the old master's worker, under the new leader
         assert old.wait(30) == 0, old.stderr()
         wait_for(lambda: runs_left(db) == 0, "the new master to drain the rest")

@@ -124,8 +124,8 @@ def test_a_foreign_worker_with_the_same_host_and_pid_keeps_its_running_job(
     ours = app.enqueue("record", {"n": 2}, queue="elsewhere")
     for job_id, by in ((theirs, foreign), (ours, own)):
         db.execute(
-            "UPDATE fastjobs_jobs_all SET state = 'running', attempt = 1, attempted_at = now(), attempted_by = %s"
-            " WHERE id = %s",
+            "UPDATE fastjobs_jobs_all SET state = 'running', attempt = 1, attempted_at = now(),"
+            " attempted_by = %s WHERE id = %s",
             (by, job_id),
         )
     with psycopg.connect(app.dsn, autocommit=True) as listener:
@@ -234,7 +234,9 @@ def test_a_job_whose_outcome_kills_its_worker_is_quarantined_alone(
     # Its batch-mates are never charged: the failing ones fail once, the others complete.
     for failing in (first, other):
         assert job(db, failing)[:3] == ("discarded", 1, 0)
-    wait_for(lambda: not count(db, "SELECT count(*) FROM fastjobs_jobs_all WHERE kind = 'record'"), "the rest")
+    wait_for(
+        lambda: not count(db, "SELECT count(*) FROM fastjobs_jobs_all WHERE kind = 'record'"), "the rest"
+    )
     assert set(runs(db)) >= set(range(100, 120))
     assert master.stop() == 0, master.stderr()
 

@@ -266,7 +266,8 @@ def test_a_worker_killed_mid_wave_counts_an_attempt_for_exactly_its_running_jobs
 
     def running_by_victim() -> set[int]:
         rows = db.execute(
-            "SELECT id FROM fastjobs_jobs_all WHERE state = 'running' AND split_part(attempted_by, ':', 2) = %s",
+            "SELECT id FROM fastjobs_jobs_all"
+            " WHERE state = 'running' AND split_part(attempted_by, ':', 2) = %s",
             (str(victim),),
         ).fetchall()
         return {row[0] for row in rows}
