@@ -418,7 +418,7 @@ def _reject(dsn: str, condition: str, event: str = "UPDATE") -> None:
     )
     query(
         dsn,
-        f"CREATE TRIGGER reject BEFORE {event} ON fastjobs_jobs FOR EACH ROW WHEN ({condition})"
+        f"CREATE TRIGGER reject BEFORE {event} ON fastjobs_jobs_all FOR EACH ROW WHEN ({condition})"
         " EXECUTE FUNCTION reject()",
     )
 
