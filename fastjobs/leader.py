@@ -169,6 +169,7 @@ class RotationConfig:
     drains oldest first) is left to drain instead of being copied under the lock.
     """
 
+    # Off, nothing cleans the rotating slots (autovacuum is off on them): for tests and tools only.
     enabled: bool = True
     interval: float = 2.0
     lock_timeout: float = 0.05
