@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import psycopg
+from psycopg import sql as pgsql
 
 from . import database, enqueue, schema, sql
 from .cron import Cron
@@ -148,6 +149,65 @@ class VacuumConfig:
 
     def rest(self, spent: float) -> float:
         return max(self.interval, spent * (1.0 - self.duty) / self.duty)
+
+
+@dataclass(frozen=True, slots=True)
+class RotationConfig:
+    """The rotating slots of fastjobs_jobs_all are emptied by TRUNCATE, one every `interval` seconds.
+
+    VACUUM can remove no dead row that an open snapshot may still see; TRUNCATE
+    frees a table's storage whatever the snapshots. Jobs due now go to the
+    current one of SLOTS rotating slots (migrations/005_rotation.sql); every
+    `interval` the leader empties the oldest, the one after the current, and
+    makes it current, so a job's dead rows live at most SLOTS x `interval`
+    seconds, and a claim never walks index entries older than that. The
+    rotation waits at most `lock_timeout` for its lock, then gives way and
+    tries again `retry` seconds later: enqueues never wait for it (an insert
+    locks only the current slot), claims and finishes at most that long plus
+    the time the lock is held (tens of ms: the copy, the truncation and its
+    commit). A slot still holding more than `max_move` rows (a backlog: it
+    drains oldest first) is left to drain instead of being copied under the lock.
+    """
+
+    # Off, nothing cleans the rotating slots (autovacuum is off on them): for tests and tools only.
+    enabled: bool = True
+    interval: float = 2.0
+    lock_timeout: float = 0.05
+    retry: float = 0.2
+    max_move: int = 10_000
+
+
+# The rotating slots, 1..SLOTS (slot 0 is fastjobs_jobs, the durable one).
+SLOTS = 4
+
+
+def rotate_once(conn: psycopg.Connection[Any], config: RotationConfig = RotationConfig()) -> dict[str, int]:
+    """Empty the oldest rotating slot and make it the current one (see RotationConfig).
+
+    Counts: `rotated` 1 and the rows `moved` out of it; or `gave way` 1 (its
+    lock was not granted within lock_timeout) or `deferred` 1 (it still
+    holds more than max_move rows): then nothing changed, try again later.
+    """
+    with psycopg.RawCursor(conn) as cur:
+        row = cur.execute(sql.slot_current).fetchone()
+        assert row is not None
+        current = row[0]
+        oldest = current % SLOTS + 1
+        count = cur.execute(sql.slot_rows, (oldest, config.max_move + 1)).fetchone()
+        if count is not None and count[0] > config.max_move:
+            return {"deferred": 1}
+        partition = pgsql.Identifier(f"fastjobs_jobs_{oldest}")
+        try:
+            with conn.transaction():
+                cur.execute(sql.slot_lock_timeout, (f"{max(1, int(config.lock_timeout * 1000))}ms",))
+                cur.execute(pgsql.SQL(sql.slot_lock).format(partition=partition))
+                moved = cur.execute(sql.slot_move, (oldest, current)).rowcount
+                cur.execute(pgsql.SQL(sql.slot_truncate).format(partition=partition))
+        except psycopg.errors.LockNotAvailable:
+            return {"gave way": 1}
+        # After the commit: setval is not transactional, and a slot must be empty before it is current.
+        cur.execute(sql.slot_advance, (oldest,))
+    return {"rotated": 1, "moved": moved}
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,6 +382,7 @@ class LeaderConfig:
     rescuer: RescuerConfig = RescuerConfig()
     cleaner: CleanerConfig = CleanerConfig()
     vacuum: VacuumConfig = VacuumConfig()
+    rotation: RotationConfig = RotationConfig()
     periodic: PeriodicConfig = PeriodicConfig()
 
     def __post_init__(self) -> None:
@@ -544,6 +605,8 @@ class Leader:
             ("scheduler", config.scheduler.interval, lambda: schedule_once(conn, config=config.scheduler)),
             ("cleaner", config.cleaner.interval, lambda: clean_once(conn, config=config.cleaner)),
         ]
+        if config.rotation.enabled:
+            services.append(("rotator", config.rotation.interval, lambda: rotate_once(conn, config.rotation)))
         if self.periodic:
             services.append(
                 (
@@ -563,6 +626,11 @@ class Leader:
             spent = time.monotonic() - now
             if name == "cleaner" and spent >= config.cleaner.budget:
                 self._due[name] = time.monotonic() + config.cleaner.rest(spent)  # a backlog: paced
+            if name == "rotator":
+                if result.get("gave way"):
+                    self._due[name] = time.monotonic() + config.rotation.retry
+                logger.debug("leader rotator: %s", _describe(result))  # every few seconds: routine
+                continue
             if result and (not isinstance(result, dict) or any(result.values())):
                 # Rescued jobs are trouble (their workers died or fell silent); the rest is routine.
                 level = logging.WARNING if name == "rescuer" else logging.INFO

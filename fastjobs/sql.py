@@ -104,10 +104,18 @@ schema_version: Final = "SELECT max(version) FROM fastjobs_migrations"
 # job_insert_staged spell it as UNIQUE_STATES does (tests/test_sql.py checks).
 UNIQUE_STATES: Final = "state IN ('available', 'scheduled', 'running', 'retryable')"
 
-# job_insert: one job; scheduled when its run_at ($6, or now + $7 seconds) is
-# in the future; $9 its meta (enqueue middleware's, or NULL). With a unique key
-# ($8) already taken, nothing is inserted and no row returned (job_get_unique
-# then finds the holder).
+# Jobs live in fastjobs_jobs_all, partitioned on `slot`
+# (migrations/005_rotation.sql). Every statement that reads, claims or
+# finishes names the parent. Inserts name their partition's table only where
+# a job must stay durable: unique-key jobs (their unique index is
+# fastjobs_jobs's: a partitioned table's would have to include the slot)
+# and scheduled ones go into fastjobs_jobs, slot 0, directly; jobs due now
+# without a key go through the parent into the current rotating slot.
+
+# job_insert: one job, into slot 0 (fastjobs_jobs); scheduled when its run_at
+# ($6, or now + $7 seconds) is in the future; $9 its meta (enqueue
+# middleware's, or NULL). With a unique key ($8) already taken, nothing is
+# inserted and no row returned (job_get_unique then finds the holder).
 job_insert: Final = """
 INSERT INTO fastjobs_jobs (queue, kind, args, priority, max_attempts, state, run_at, unique_key, meta)
 SELECT $1, $2, $3::jsonb, $4, $5,
@@ -124,12 +132,13 @@ RETURNING id"""
 # are. A plain INSERT ... VALUES: job_insert's INSERT ... SELECT with its ON
 # CONFLICT arbiter costs the server about twice as much per row (measured
 # 120-140 us against 55-65 us a statement, one session, PostgreSQL 15).
+# Through the parent: into the current rotating slot (the slot's default).
 job_insert_now: Final = """
-INSERT INTO fastjobs_jobs (queue, kind, args, priority, max_attempts)
+INSERT INTO fastjobs_jobs_all (queue, kind, args, priority, max_attempts)
 VALUES ($1, $2, $3::jsonb, $4, $5)
 RETURNING id"""
 
-# job_get_unique: the pending or running job holding unique key $1.
+# job_get_unique: the pending or running job holding unique key $1 (only slot 0 holds keys).
 job_get_unique: Final = """
 SELECT id FROM fastjobs_jobs
  WHERE unique_key = $1 AND state IN ('available', 'scheduled', 'running', 'retryable')"""
@@ -160,12 +169,13 @@ ON CONFLICT (unique_key)
 # job_stage_clear: empty the staging table (a caller's transaction may stage again before commit).
 job_stage_clear: Final = "DELETE FROM fastjobs_staged"
 
-# job_copy: bulk insert, binary COPY; rows are encoded by fastjobs._core.encode_copy_rows.
+# job_copy: bulk insert of jobs due now into the current rotating slot, binary
+# COPY; rows are encoded by fastjobs._core.encode_copy_rows.
 job_copy: Final = (
-    "COPY fastjobs_jobs (queue, kind, args, priority, max_attempts, meta) FROM STDIN (FORMAT BINARY)"
+    "COPY fastjobs_jobs_all (queue, kind, args, priority, max_attempts, meta) FROM STDIN (FORMAT BINARY)"
 )
 
-# job_copy_at: bulk insert of jobs that all share one run_at (and state).
+# job_copy_at: bulk insert of jobs that all share one run_at (and state), into slot 0.
 job_copy_at: Final = (
     "COPY fastjobs_jobs (queue, kind, args, priority, max_attempts, state, run_at, meta)"
     " FROM STDIN (FORMAT BINARY)"
@@ -180,11 +190,11 @@ job_copy_at: Final = (
 # hand) would otherwise fail the whole statement, so every claim of its queue;
 # it runs as its last attempt instead (max_attempts is a smallint too).
 job_claim_many: Final = """
-UPDATE fastjobs_jobs j
+UPDATE fastjobs_jobs_all j
    SET state = 'running', attempt = least(j.attempt, 32766) + 1,
        attempted_at = now(), attempted_by = $3
  WHERE j.id = ANY(ARRAY(
-           SELECT id FROM fastjobs_jobs
+           SELECT id FROM fastjobs_jobs_all
             WHERE state = 'available' AND queue = $1 AND run_at <= now()
             ORDER BY priority DESC, run_at, id
             LIMIT $2
@@ -243,18 +253,18 @@ RETURNING j.id, j.kind, j.args, j.attempt, j.max_attempts, j.priority, j.run_at"
 # job_finish_claim_many: finish a batch (completed jobs deleted) and claim the next from the front.
 job_finish_claim_many: Final = """
 WITH completed AS (
-    DELETE FROM fastjobs_jobs j
+    DELETE FROM fastjobs_jobs_all j
      WHERE j.id = ANY($1::bigint[]) AND j.attempt = 1
        AND j.attempted_by = $5 AND j.state::text = 'running'
     RETURNING j.id
 ), completed_later AS (
-    DELETE FROM fastjobs_jobs j
+    DELETE FROM fastjobs_jobs_all j
      USING jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state)
      WHERE f.state = 'completed' AND j.id = f.id AND j.attempt = f.attempt
        AND j.attempted_by = $5 AND j.state::text = 'running'
     RETURNING j.id
 ), failed AS (
-    UPDATE fastjobs_jobs j
+    UPDATE fastjobs_jobs_all j
        SET state = CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
                         THEN 'cancelled'
                         WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
@@ -283,11 +293,11 @@ WITH completed AS (
        AND j.attempted_by = $5 AND j.state::text = 'running'
     RETURNING j.id, j.queue, j.state
 ), claimed AS (
-    UPDATE fastjobs_jobs j
+    UPDATE fastjobs_jobs_all j
        SET state = 'running', attempt = least(j.attempt, 32766) + 1,
            attempted_at = now(), attempted_by = $5
      WHERE j.id = ANY(ARRAY(
-               SELECT id FROM fastjobs_jobs
+               SELECT id FROM fastjobs_jobs_all
                 WHERE state = 'available' AND queue = $3 AND run_at <= now()
                 ORDER BY priority DESC, run_at, id
                 LIMIT $4
@@ -314,18 +324,18 @@ SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL
 # job_finish_claim_after: finish a batch (completed jobs deleted) and claim after the mark ($6, $7).
 job_finish_claim_after: Final = """
 WITH completed AS (
-    DELETE FROM fastjobs_jobs j
+    DELETE FROM fastjobs_jobs_all j
      WHERE j.id = ANY($1::bigint[]) AND j.attempt = 1
        AND j.attempted_by = $5 AND j.state::text = 'running'
     RETURNING j.id
 ), completed_later AS (
-    DELETE FROM fastjobs_jobs j
+    DELETE FROM fastjobs_jobs_all j
      USING jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state)
      WHERE f.state = 'completed' AND j.id = f.id AND j.attempt = f.attempt
        AND j.attempted_by = $5 AND j.state::text = 'running'
     RETURNING j.id
 ), failed AS (
-    UPDATE fastjobs_jobs j
+    UPDATE fastjobs_jobs_all j
        SET state = CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
                         THEN 'cancelled'
                         WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
@@ -354,11 +364,11 @@ WITH completed AS (
        AND j.attempted_by = $5 AND j.state::text = 'running'
     RETURNING j.id, j.queue, j.state
 ), claimed AS (
-    UPDATE fastjobs_jobs j
+    UPDATE fastjobs_jobs_all j
        SET state = 'running', attempt = least(j.attempt, 32766) + 1,
            attempted_at = now(), attempted_by = $5
      WHERE j.id = ANY(ARRAY(
-               SELECT id FROM fastjobs_jobs
+               SELECT id FROM fastjobs_jobs_all
                 WHERE state = 'available' AND queue = $3 AND run_at <= now() AND priority = $6
                   AND run_at >= timestamptz '2000-01-01 00:00:00+00'
                                 + ($7::int8 - 100000) * interval '1 microsecond'
@@ -387,18 +397,18 @@ SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL
 # job_finish_claim_many_keep: finish a batch (completed jobs kept) and claim the next from the front.
 job_finish_claim_many_keep: Final = """
 WITH completed AS (
-    UPDATE fastjobs_jobs j SET state = 'completed', finalized_at = now()
+    UPDATE fastjobs_jobs_all j SET state = 'completed', finalized_at = now()
      WHERE j.id = ANY($1::bigint[]) AND j.attempt = 1
        AND j.attempted_by = $5 AND j.state::text = 'running'
     RETURNING j.id
 ), completed_later AS (
-    UPDATE fastjobs_jobs j SET state = 'completed', finalized_at = now()
+    UPDATE fastjobs_jobs_all j SET state = 'completed', finalized_at = now()
       FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state)
      WHERE f.state = 'completed' AND j.id = f.id AND j.attempt = f.attempt
        AND j.attempted_by = $5 AND j.state::text = 'running'
     RETURNING j.id
 ), failed AS (
-    UPDATE fastjobs_jobs j
+    UPDATE fastjobs_jobs_all j
        SET state = CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
                         THEN 'cancelled'
                         WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
@@ -427,11 +437,11 @@ WITH completed AS (
        AND j.attempted_by = $5 AND j.state::text = 'running'
     RETURNING j.id, j.queue, j.state
 ), claimed AS (
-    UPDATE fastjobs_jobs j
+    UPDATE fastjobs_jobs_all j
        SET state = 'running', attempt = least(j.attempt, 32766) + 1,
            attempted_at = now(), attempted_by = $5
      WHERE j.id = ANY(ARRAY(
-               SELECT id FROM fastjobs_jobs
+               SELECT id FROM fastjobs_jobs_all
                 WHERE state = 'available' AND queue = $3 AND run_at <= now()
                 ORDER BY priority DESC, run_at, id
                 LIMIT $4
@@ -458,18 +468,18 @@ SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL
 # job_finish_claim_after_keep: finish a batch (completed jobs kept) and claim after the mark ($6, $7).
 job_finish_claim_after_keep: Final = """
 WITH completed AS (
-    UPDATE fastjobs_jobs j SET state = 'completed', finalized_at = now()
+    UPDATE fastjobs_jobs_all j SET state = 'completed', finalized_at = now()
      WHERE j.id = ANY($1::bigint[]) AND j.attempt = 1
        AND j.attempted_by = $5 AND j.state::text = 'running'
     RETURNING j.id
 ), completed_later AS (
-    UPDATE fastjobs_jobs j SET state = 'completed', finalized_at = now()
+    UPDATE fastjobs_jobs_all j SET state = 'completed', finalized_at = now()
       FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state)
      WHERE f.state = 'completed' AND j.id = f.id AND j.attempt = f.attempt
        AND j.attempted_by = $5 AND j.state::text = 'running'
     RETURNING j.id
 ), failed AS (
-    UPDATE fastjobs_jobs j
+    UPDATE fastjobs_jobs_all j
        SET state = CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
                         THEN 'cancelled'
                         WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
@@ -498,11 +508,11 @@ WITH completed AS (
        AND j.attempted_by = $5 AND j.state::text = 'running'
     RETURNING j.id, j.queue, j.state
 ), claimed AS (
-    UPDATE fastjobs_jobs j
+    UPDATE fastjobs_jobs_all j
        SET state = 'running', attempt = least(j.attempt, 32766) + 1,
            attempted_at = now(), attempted_by = $5
      WHERE j.id = ANY(ARRAY(
-               SELECT id FROM fastjobs_jobs
+               SELECT id FROM fastjobs_jobs_all
                 WHERE state = 'available' AND queue = $3 AND run_at <= now() AND priority = $6
                   AND run_at >= timestamptz '2000-01-01 00:00:00+00'
                                 + ($7::int8 - 100000) * interval '1 microsecond'
@@ -537,18 +547,18 @@ SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL
 # job_finish_claim_many_context: job_finish_claim_many, returning meta and created_at too.
 job_finish_claim_many_context: Final = """
 WITH completed AS (
-    DELETE FROM fastjobs_jobs j
+    DELETE FROM fastjobs_jobs_all j
      WHERE j.id = ANY($1::bigint[]) AND j.attempt = 1
        AND j.attempted_by = $5 AND j.state::text = 'running'
     RETURNING j.id
 ), completed_later AS (
-    DELETE FROM fastjobs_jobs j
+    DELETE FROM fastjobs_jobs_all j
      USING jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state)
      WHERE f.state = 'completed' AND j.id = f.id AND j.attempt = f.attempt
        AND j.attempted_by = $5 AND j.state::text = 'running'
     RETURNING j.id
 ), failed AS (
-    UPDATE fastjobs_jobs j
+    UPDATE fastjobs_jobs_all j
        SET state = CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
                         THEN 'cancelled'
                         WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
@@ -577,11 +587,11 @@ WITH completed AS (
        AND j.attempted_by = $5 AND j.state::text = 'running'
     RETURNING j.id, j.queue, j.state
 ), claimed AS (
-    UPDATE fastjobs_jobs j
+    UPDATE fastjobs_jobs_all j
        SET state = 'running', attempt = least(j.attempt, 32766) + 1,
            attempted_at = now(), attempted_by = $5
      WHERE j.id = ANY(ARRAY(
-               SELECT id FROM fastjobs_jobs
+               SELECT id FROM fastjobs_jobs_all
                 WHERE state = 'available' AND queue = $3 AND run_at <= now()
                 ORDER BY priority DESC, run_at, id
                 LIMIT $4
@@ -609,18 +619,18 @@ SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 # job_finish_claim_after_context: job_finish_claim_after, returning meta and created_at too.
 job_finish_claim_after_context: Final = """
 WITH completed AS (
-    DELETE FROM fastjobs_jobs j
+    DELETE FROM fastjobs_jobs_all j
      WHERE j.id = ANY($1::bigint[]) AND j.attempt = 1
        AND j.attempted_by = $5 AND j.state::text = 'running'
     RETURNING j.id
 ), completed_later AS (
-    DELETE FROM fastjobs_jobs j
+    DELETE FROM fastjobs_jobs_all j
      USING jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state)
      WHERE f.state = 'completed' AND j.id = f.id AND j.attempt = f.attempt
        AND j.attempted_by = $5 AND j.state::text = 'running'
     RETURNING j.id
 ), failed AS (
-    UPDATE fastjobs_jobs j
+    UPDATE fastjobs_jobs_all j
        SET state = CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
                         THEN 'cancelled'
                         WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
@@ -649,11 +659,11 @@ WITH completed AS (
        AND j.attempted_by = $5 AND j.state::text = 'running'
     RETURNING j.id, j.queue, j.state
 ), claimed AS (
-    UPDATE fastjobs_jobs j
+    UPDATE fastjobs_jobs_all j
        SET state = 'running', attempt = least(j.attempt, 32766) + 1,
            attempted_at = now(), attempted_by = $5
      WHERE j.id = ANY(ARRAY(
-               SELECT id FROM fastjobs_jobs
+               SELECT id FROM fastjobs_jobs_all
                 WHERE state = 'available' AND queue = $3 AND run_at <= now() AND priority = $6
                   AND run_at >= timestamptz '2000-01-01 00:00:00+00'
                                 + ($7::int8 - 100000) * interval '1 microsecond'
@@ -683,18 +693,18 @@ SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 # job_finish_claim_many_keep_context: job_finish_claim_many_keep, returning meta and created_at too.
 job_finish_claim_many_keep_context: Final = """
 WITH completed AS (
-    UPDATE fastjobs_jobs j SET state = 'completed', finalized_at = now()
+    UPDATE fastjobs_jobs_all j SET state = 'completed', finalized_at = now()
      WHERE j.id = ANY($1::bigint[]) AND j.attempt = 1
        AND j.attempted_by = $5 AND j.state::text = 'running'
     RETURNING j.id
 ), completed_later AS (
-    UPDATE fastjobs_jobs j SET state = 'completed', finalized_at = now()
+    UPDATE fastjobs_jobs_all j SET state = 'completed', finalized_at = now()
       FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state)
      WHERE f.state = 'completed' AND j.id = f.id AND j.attempt = f.attempt
        AND j.attempted_by = $5 AND j.state::text = 'running'
     RETURNING j.id
 ), failed AS (
-    UPDATE fastjobs_jobs j
+    UPDATE fastjobs_jobs_all j
        SET state = CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
                         THEN 'cancelled'
                         WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
@@ -723,11 +733,11 @@ WITH completed AS (
        AND j.attempted_by = $5 AND j.state::text = 'running'
     RETURNING j.id, j.queue, j.state
 ), claimed AS (
-    UPDATE fastjobs_jobs j
+    UPDATE fastjobs_jobs_all j
        SET state = 'running', attempt = least(j.attempt, 32766) + 1,
            attempted_at = now(), attempted_by = $5
      WHERE j.id = ANY(ARRAY(
-               SELECT id FROM fastjobs_jobs
+               SELECT id FROM fastjobs_jobs_all
                 WHERE state = 'available' AND queue = $3 AND run_at <= now()
                 ORDER BY priority DESC, run_at, id
                 LIMIT $4
@@ -755,18 +765,18 @@ SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 # job_finish_claim_after_keep_context: job_finish_claim_after_keep, returning meta and created_at too.
 job_finish_claim_after_keep_context: Final = """
 WITH completed AS (
-    UPDATE fastjobs_jobs j SET state = 'completed', finalized_at = now()
+    UPDATE fastjobs_jobs_all j SET state = 'completed', finalized_at = now()
      WHERE j.id = ANY($1::bigint[]) AND j.attempt = 1
        AND j.attempted_by = $5 AND j.state::text = 'running'
     RETURNING j.id
 ), completed_later AS (
-    UPDATE fastjobs_jobs j SET state = 'completed', finalized_at = now()
+    UPDATE fastjobs_jobs_all j SET state = 'completed', finalized_at = now()
       FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state)
      WHERE f.state = 'completed' AND j.id = f.id AND j.attempt = f.attempt
        AND j.attempted_by = $5 AND j.state::text = 'running'
     RETURNING j.id
 ), failed AS (
-    UPDATE fastjobs_jobs j
+    UPDATE fastjobs_jobs_all j
        SET state = CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
                         THEN 'cancelled'
                         WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
@@ -795,11 +805,11 @@ WITH completed AS (
        AND j.attempted_by = $5 AND j.state::text = 'running'
     RETURNING j.id, j.queue, j.state
 ), claimed AS (
-    UPDATE fastjobs_jobs j
+    UPDATE fastjobs_jobs_all j
        SET state = 'running', attempt = least(j.attempt, 32766) + 1,
            attempted_at = now(), attempted_by = $5
      WHERE j.id = ANY(ARRAY(
-               SELECT id FROM fastjobs_jobs
+               SELECT id FROM fastjobs_jobs_all
                 WHERE state = 'available' AND queue = $3 AND run_at <= now() AND priority = $6
                   AND run_at >= timestamptz '2000-01-01 00:00:00+00'
                                 + ($7::int8 - 100000) * interval '1 microsecond'
@@ -831,9 +841,9 @@ SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 # waiting workers can be woken.
 job_schedule_many: Final = """
 WITH promoted AS (
-    UPDATE fastjobs_jobs SET state = 'available'
+    UPDATE fastjobs_jobs_all SET state = 'available'
      WHERE id = ANY(ARRAY(
-               SELECT id FROM fastjobs_jobs
+               SELECT id FROM fastjobs_jobs_all
                 WHERE state IN ('scheduled', 'retryable') AND run_at <= coalesce($2::timestamptz, now())
                 ORDER BY run_at
                 LIMIT $1
@@ -938,7 +948,7 @@ worker_delete: Final = "DELETE FROM fastjobs_workers WHERE id = $1"
 # At most $4 per statement. A running row with no attempted_at (written by
 # hand: no claim leaves one) counts as stale.
 job_rescue_many: Final = """
-UPDATE fastjobs_jobs j
+UPDATE fastjobs_jobs_all j
    SET crashes = j.crashes + 1,
        state = CASE WHEN j.cancel_requested THEN 'cancelled'
                     WHEN j.crashes + 1 >= $3 OR j.attempt >= j.max_attempts THEN 'discarded'
@@ -955,7 +965,7 @@ UPDATE fastjobs_jobs j
                          ELSE format('worker %s died while running the job (crash %s)',
                                      j.attempted_by, j.crashes + 1) END))
  WHERE j.id = ANY(ARRAY(
-           SELECT r.id FROM fastjobs_jobs r
+           SELECT r.id FROM fastjobs_jobs_all r
             WHERE r.state = 'running'
               AND (r.attempted_at < $2::timestamptz - make_interval(secs => $1)
                    OR r.attempted_at IS NULL)
@@ -980,7 +990,7 @@ releaser_session: Final = (
 # got jobs back are woken once.
 job_release_unstarted: Final = """
 WITH released AS (
-    UPDATE fastjobs_jobs
+    UPDATE fastjobs_jobs_all
        SET state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'available' END::fastjobs_state,
            attempt = greatest(attempt - 1, 0),
            finalized_at = CASE WHEN cancel_requested THEN now() END,
@@ -997,15 +1007,15 @@ SELECT queue, count(*), CASE WHEN bool_or(state = 'available') THEN pg_notify('f
 
 # job_clean_completed_many: delete up to $2 completed or cancelled jobs finalized before $1.
 job_clean_completed_many: Final = """
-DELETE FROM fastjobs_jobs WHERE id IN (
-    SELECT id FROM fastjobs_jobs
+DELETE FROM fastjobs_jobs_all WHERE id IN (
+    SELECT id FROM fastjobs_jobs_all
      WHERE state IN ('completed', 'cancelled') AND finalized_at < $1
      LIMIT $2)"""
 
 # job_clean_discarded_many: delete up to $2 discarded jobs finalized before $1.
 job_clean_discarded_many: Final = """
-DELETE FROM fastjobs_jobs WHERE id IN (
-    SELECT id FROM fastjobs_jobs
+DELETE FROM fastjobs_jobs_all WHERE id IN (
+    SELECT id FROM fastjobs_jobs_all
      WHERE state = 'discarded' AND finalized_at < $1
      LIMIT $2)"""
 
@@ -1013,7 +1023,7 @@ DELETE FROM fastjobs_jobs WHERE id IN (
 worker_prune_many: Final = """
 DELETE FROM fastjobs_workers w
  WHERE w.heartbeat_at < $1
-   AND NOT EXISTS (SELECT 1 FROM fastjobs_jobs j WHERE j.state = 'running' AND j.attempted_by = w.id)"""
+   AND NOT EXISTS (SELECT 1 FROM fastjobs_jobs_all j WHERE j.state = 'running' AND j.attempted_by = w.id)"""
 
 # periodic_advance: take tick $2 of periodic kind $1 if no leader has; a row
 # back means enqueue it, and says whether the kind was seen for the first time
@@ -1037,11 +1047,11 @@ db_now: Final = "SELECT now()"
 # cancel_requested and its worker is told on the fastjobs_cancel channel.
 job_cancel: Final = """
 WITH target AS (
-    SELECT id, state FROM fastjobs_jobs
+    SELECT id, state FROM fastjobs_jobs_all
      WHERE id = $1 AND state IN ('available', 'scheduled', 'retryable', 'running')
        FOR UPDATE
 ), changed AS (
-    UPDATE fastjobs_jobs j
+    UPDATE fastjobs_jobs_all j
        SET state = CASE WHEN t.state = 'running' THEN j.state ELSE 'cancelled' END,
            finalized_at = CASE WHEN t.state = 'running' THEN j.finalized_at ELSE now() END,
            cancel_requested = (t.state = 'running')
@@ -1053,11 +1063,11 @@ SELECT c.state::text, CASE WHEN c.state = 'running' THEN pg_notify('fastjobs_can
   FROM changed c"""
 
 # job_state: the state of job $1 (NULL when there is no such job).
-job_state: Final = "SELECT state::text FROM fastjobs_jobs WHERE id = $1"
+job_state: Final = "SELECT state::text FROM fastjobs_jobs_all WHERE id = $1"
 
 # job_cancel_requested: running jobs of worker $1 whose cancellation was requested.
 job_cancel_requested: Final = """
-SELECT id FROM fastjobs_jobs WHERE state = 'running' AND attempted_by = $1 AND cancel_requested"""
+SELECT id FROM fastjobs_jobs_all WHERE state = 'running' AND attempted_by = $1 AND cancel_requested"""
 
 # job_retry: job $1 to run now. A retryable or scheduled job keeps its
 # attempts and limit; a discarded, cancelled or completed one comes back
@@ -1067,11 +1077,11 @@ SELECT id FROM fastjobs_jobs WHERE state = 'running' AND attempted_by = $1 AND c
 # limit before and after, and wakes its queue's workers (an UPDATE fires no enqueue trigger).
 job_retry: Final = """
 WITH target AS (
-    SELECT id, state::text AS state, max_attempts FROM fastjobs_jobs
+    SELECT id, state::text AS state, max_attempts FROM fastjobs_jobs_all
      WHERE id = $1 AND state IN ('discarded', 'cancelled', 'completed', 'retryable', 'scheduled')
        FOR UPDATE
 )
-UPDATE fastjobs_jobs j
+UPDATE fastjobs_jobs_all j
    SET state = 'available', run_at = now(), finalized_at = NULL, cancel_requested = false,
        max_attempts = CASE WHEN t.state IN ('retryable', 'scheduled') THEN j.max_attempts
                       ELSE greatest(j.max_attempts, least(j.attempt, 32766) + 1) END,
@@ -1082,14 +1092,14 @@ RETURNING t.state, j.attempt, t.max_attempts, j.max_attempts, pg_notify('fastjob
 
 # job_discard: a job that is not running becomes discarded now.
 job_discard: Final = """
-UPDATE fastjobs_jobs SET state = 'discarded', finalized_at = now()
+UPDATE fastjobs_jobs_all SET state = 'discarded', finalized_at = now()
  WHERE id = $1 AND state IN ('available', 'scheduled', 'retryable', 'cancelled')
 RETURNING state::text"""
 
 # job_list: jobs filtered by queue ($1), state ($2), kind ($3), newest first, up to $4.
 job_list: Final = """
 SELECT id, queue, kind, state::text, priority, attempt, max_attempts, run_at, created_at
-  FROM fastjobs_jobs
+  FROM fastjobs_jobs_all
  WHERE ($1::text IS NULL OR queue = $1)
    AND ($2::fastjobs_state IS NULL OR state = $2)
    AND ($3::text IS NULL OR kind = $3)
@@ -1101,7 +1111,7 @@ job_get: Final = """
 SELECT id, queue, kind, args, priority, state::text, run_at, attempt, max_attempts,
        created_at, attempted_at, finalized_at, attempted_by, errors, unique_key, meta,
        crashes, cancel_requested
-  FROM fastjobs_jobs WHERE id = $1"""
+  FROM fastjobs_jobs_all WHERE id = $1"""
 
 # job_stats_by_queue: depth and oldest age (seconds) per queue and state, for
 # `fastjobs stats` and the metrics endpoint. Ages: available since run_at,
@@ -1116,15 +1126,16 @@ SELECT queue, state, count,
                min(CASE state WHEN 'available' THEN run_at
                               WHEN 'running' THEN attempted_at
                               ELSE created_at END) AS oldest
-          FROM fastjobs_jobs
+          FROM fastjobs_jobs_all
          GROUP BY queue, state) AS depths
  ORDER BY queue, state"""
 
-# jobs_dead_rows: dead row versions of the jobs table the statistics know of
-# (each backend reports within a second or so), for the leader's vacuumer.
+# jobs_dead_rows: dead row versions of slot 0, fastjobs_jobs (the rotating
+# slots are truncated, never vacuumed), that the statistics know of (each
+# backend reports within a second or so), for the leader's vacuumer.
 jobs_dead_rows: Final = "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = 'fastjobs_jobs'::regclass"
 
-# vacuum_jobs: the leader's VACUUM of the jobs table; it skips a table
+# vacuum_jobs: the leader's VACUUM of slot 0 (fastjobs_jobs); it skips a table
 # another VACUUM (autovacuum, say) is working on instead of waiting. It
 # leaves the empty pages at the table's end in place (TRUNCATE false): a
 # queue's table ends in pages emptied a moment ago and filled again the next,
@@ -1133,6 +1144,54 @@ jobs_dead_rows: Final = "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid 
 # the VacuumTruncate wait, workers in relation extension, and pickup latency
 # had stalls of 0.1-3 s (bench/RESULTS.md, latency under load).
 vacuum_jobs: Final = "VACUUM (SKIP_LOCKED, TRUNCATE false) fastjobs_jobs"
+
+# The rotation (fastjobs.leader.rotate_once): inserts through the parent go
+# to the slot fastjobs_slot names; every `interval` the leader empties the
+# oldest rotating slot, the one after the current, and makes it current. The
+# slot's table is named in slot_lock and slot_truncate ({partition}:
+# fastjobs_jobs_1 .. _4, composed with psycopg.sql.Identifier as
+# migration_index_drop's index is): LOCK and TRUNCATE take no parameter.
+
+# slot_current: the rotating slot inserts go to now.
+slot_current: Final = "SELECT pg_sequence_last_value('fastjobs_slot')::int"
+
+# slot_rows: the rows slot $1 still holds, counted up to $2 (a slot holding
+# more waits: a backlog drains oldest first, from the oldest slot).
+slot_rows: Final = "SELECT count(*) FROM (SELECT FROM fastjobs_jobs_all WHERE slot = $1 LIMIT $2) AS r"
+
+# slot_lock_timeout: how long the rotation waits for its lock (this
+# transaction only). Enqueues never wait behind it (an insert locks only the
+# slot it goes to, never the oldest); claims and finishes, which lock every
+# slot, wait at most this long, plus the time the lock is held.
+slot_lock_timeout: Final = "SELECT set_config('lock_timeout', $1, true)"
+
+# slot_lock: the slot to empty, ACCESS EXCLUSIVE until the rotation commits.
+# Granted once the transactions that inserted into it (or hold its rows)
+# have ended, so every row committed into it is then visible to slot_move;
+# a statement that waited for it runs afterwards on a snapshot that sees the
+# rows where slot_move put them (tests/test_rotation.py).
+slot_lock: Final = "LOCK TABLE {partition} IN ACCESS EXCLUSIVE MODE"
+
+# slot_move: the rows slot $1 still holds, copied whole (id, state, attempt,
+# attempted_by, errors...): available and running ones into slot $2 (the
+# current one), the rest (scheduled, retryable, finished) into slot 0,
+# where the scheduler promotes and the cleaner removes them.
+slot_move: Final = """
+INSERT INTO fastjobs_jobs_all (id, queue, kind, args, priority, state, run_at, attempt, max_attempts,
+                               created_at, attempted_at, finalized_at, attempted_by, errors, unique_key,
+                               meta, crashes, cancel_requested, slot)
+SELECT id, queue, kind, args, priority, state, run_at, attempt, max_attempts,
+       created_at, attempted_at, finalized_at, attempted_by, errors, unique_key,
+       meta, crashes, cancel_requested,
+       CASE WHEN state IN ('available', 'running') THEN $2::smallint ELSE 0::smallint END
+  FROM fastjobs_jobs_all
+ WHERE slot = $1::smallint"""
+
+# slot_truncate: empty the slot: its storage is freed at commit, whatever snapshot is open.
+slot_truncate: Final = "TRUNCATE {partition}"
+
+# slot_advance: inserts go to slot $1 from now on (seen by every session at once, without a commit).
+slot_advance: Final = "SELECT setval('fastjobs_slot', $1)"
 
 # mvcc_horizon: the oldest snapshot of this database holding back cleanup
 # (VACUUM cannot remove a dead row any snapshot may still see): a backend's
@@ -1199,6 +1258,8 @@ notify_queue_usage: Final = "SELECT pg_notification_queue_usage()"
 NOT_PREPARABLE: Final = frozenset(
     {
         "vacuum_jobs",
+        "slot_lock",
+        "slot_truncate",
         "job_copy",
         "job_copy_at",
         "job_copy_staged",
@@ -1226,11 +1287,11 @@ NOT_PREPARABLE: Final = frozenset(
 # again only if that is by $1 (as it would have, one step at a time).
 testing_shift_due: Final = """
 WITH next AS (
-  SELECT min(run_at) AS at FROM fastjobs_jobs
+  SELECT min(run_at) AS at FROM fastjobs_jobs_all
    WHERE state IN ('available', 'scheduled', 'retryable')
      AND ($2::text[] IS NULL OR queue = ANY($2::text[]))
 ), moved AS (
-  UPDATE fastjobs_jobs j SET run_at = j.run_at - (next.at - now())
+  UPDATE fastjobs_jobs_all j SET run_at = j.run_at - (next.at - now())
     FROM next
    WHERE next.at > now() AND next.at <= $1::timestamptz
      AND j.state IN ('available', 'scheduled', 'retryable') AND j.run_at <= $1::timestamptz
@@ -1243,7 +1304,7 @@ SELECT CASE WHEN next.at > now() AND next.at <= $1::timestamptz
 
 # testing_queues_due: the queues among $1 (NULL: all) with a job available now.
 testing_queues_due: Final = """
-SELECT DISTINCT queue FROM fastjobs_jobs
+SELECT DISTINCT queue FROM fastjobs_jobs_all
  WHERE state = 'available' AND run_at <= now() AND ($1::text[] IS NULL OR queue = ANY($1::text[]))
  ORDER BY queue"""
 
@@ -1259,7 +1320,7 @@ testing_args_round_trip: Final = "SELECT $1::jsonb::text"
 # testing_jobs_in_states: the jobs in states $1, oldest first, for the kit's assertions.
 testing_jobs_in_states: Final = """
 SELECT id, kind, queue, args, priority, state::text, run_at, attempt, max_attempts, errors, unique_key
-  FROM fastjobs_jobs WHERE state = ANY($1::fastjobs_state[]) ORDER BY id"""
+  FROM fastjobs_jobs_all WHERE state = ANY($1::fastjobs_state[]) ORDER BY id"""
 
 # Every statement above, by its name: the name it is prepared as and its test
 # id (tests/test_sql.py prepares each, and checks that this lists every one).
@@ -1329,6 +1390,13 @@ STATEMENTS: Final[Mapping[str, str]] = MappingProxyType(
         "job_stats_by_queue": job_stats_by_queue,
         "jobs_dead_rows": jobs_dead_rows,
         "vacuum_jobs": vacuum_jobs,
+        "slot_current": slot_current,
+        "slot_rows": slot_rows,
+        "slot_lock_timeout": slot_lock_timeout,
+        "slot_lock": slot_lock,
+        "slot_move": slot_move,
+        "slot_truncate": slot_truncate,
+        "slot_advance": slot_advance,
         "mvcc_horizon": mvcc_horizon,
         "mvcc_tables": mvcc_tables,
         "database_identity": database_identity,

@@ -9,10 +9,19 @@
 
 -- Times a job was running on a worker that died: kept apart from ordinary
 -- failures so a job that kills its worker is quarantined, not retried forever.
-ALTER TABLE fastjobs_jobs ADD COLUMN IF NOT EXISTS crashes smallint NOT NULL DEFAULT 0;
-
 -- Cancellation of a running job is a request its worker acts on.
-ALTER TABLE fastjobs_jobs ADD COLUMN IF NOT EXISTS cancel_requested boolean NOT NULL DEFAULT false;
+-- (Tested first, not IF NOT EXISTS alone: once 005 has made fastjobs_jobs a
+-- partition, ALTER TABLE ... ADD COLUMN on it fails even when the column
+-- exists, and `fastjobs migrate --sql` output must run again harmlessly.)
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_attribute
+                    WHERE attrelid = 'fastjobs_jobs'::regclass AND attname = 'cancel_requested') THEN
+        ALTER TABLE fastjobs_jobs ADD COLUMN IF NOT EXISTS crashes smallint NOT NULL DEFAULT 0;
+        ALTER TABLE fastjobs_jobs ADD COLUMN IF NOT EXISTS cancel_requested boolean NOT NULL DEFAULT false;
+    END IF;
+END
+$$;
 
 -- The last tick each periodic job was enqueued for: the leader advances it in
 -- the same transaction as the enqueue, so a tick is enqueued once across

@@ -36,14 +36,14 @@ def jobs(dsn: str) -> list[dict[str, Any]]:
         dsn,
         """SELECT *, extract(epoch FROM run_at - now())::float8 AS run_in,
                   extract(epoch FROM run_at - attempted_at)::float8 AS delay_after_claim
-             FROM fastjobs_jobs ORDER BY id""",
+             FROM fastjobs_jobs_all ORDER BY id""",
     )
 
 
 def by_state(dsn: str) -> dict[str, int]:
     return {
         r["state"]: r["n"]
-        for r in query(dsn, "SELECT state::text, count(*) AS n FROM fastjobs_jobs GROUP BY 1")
+        for r in query(dsn, "SELECT state::text, count(*) AS n FROM fastjobs_jobs_all GROUP BY 1")
     }
 
 

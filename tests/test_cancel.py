@@ -28,13 +28,13 @@ from .helpers import WorkerThread, drain, query, wait_for
 
 
 def job(dsn: str, job_id: int) -> dict[str, Any]:
-    rows = query(dsn, "SELECT *, state::text AS state FROM fastjobs_jobs WHERE id = %s", (job_id,))
+    rows = query(dsn, "SELECT *, state::text AS state FROM fastjobs_jobs_all WHERE id = %s", (job_id,))
     assert rows, f"job {job_id} is gone"
     return rows[0]
 
 
 def state(dsn: str, job_id: int) -> str | None:
-    rows = query(dsn, "SELECT state::text FROM fastjobs_jobs WHERE id = %s", (job_id,))
+    rows = query(dsn, "SELECT state::text FROM fastjobs_jobs_all WHERE id = %s", (job_id,))
     return rows[0]["state"] if rows else None
 
 
@@ -47,7 +47,7 @@ def test_cancel_of_queued_jobs_is_immediate(app: App, dsn: str) -> None:
     available = app.enqueue("k", {"name": "available"})
     scheduled = app.enqueue("k", {"name": "scheduled"}, delay=3600)
     retryable = app.enqueue("k", {"name": "retryable"})
-    query(dsn, "UPDATE fastjobs_jobs SET state = 'retryable', attempt = 1 WHERE id = %s", (retryable,))
+    query(dsn, "UPDATE fastjobs_jobs_all SET state = 'retryable', attempt = 1 WHERE id = %s", (retryable,))
     assert [state(dsn, i) for i in (available, scheduled, retryable)] == [
         "available",
         "scheduled",
@@ -61,7 +61,7 @@ def test_cancel_of_queued_jobs_is_immediate(app: App, dsn: str) -> None:
         assert row["finalized_at"] is not None
         assert row["cancel_requested"] is False
 
-    query(dsn, "UPDATE fastjobs_jobs SET run_at = now() - interval '1 hour'")  # nothing is due any more
+    query(dsn, "UPDATE fastjobs_jobs_all SET run_at = now() - interval '1 hour'")  # nothing is due any more
     drain(app)
     assert ran == []
     assert {state(dsn, i) for i in (available, scheduled, retryable)} == {"cancelled"}

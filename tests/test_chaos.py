@@ -126,8 +126,8 @@ def poison(n, hold=0):
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         [(held,)] = _conn[os.getpid()].execute(
-            "SELECT count(*) FROM fastjobs_jobs WHERE id <> %s AND state = 'running'"
-            " AND attempted_by = (SELECT attempted_by FROM fastjobs_jobs WHERE id = %s)",
+            "SELECT count(*) FROM fastjobs_jobs_all WHERE id <> %s AND state = 'running'"
+            " AND attempted_by = (SELECT attempted_by FROM fastjobs_jobs_all WHERE id = %s)",
             (job, job),
         ).fetchall()
         if held >= hold:
@@ -386,7 +386,7 @@ class Chaos:
     def pending(self) -> int:
         return int(
             self.query(
-                "SELECT count(*) FROM fastjobs_jobs"
+                "SELECT count(*) FROM fastjobs_jobs_all"
                 " WHERE state::text IN ('available', 'running', 'retryable', 'scheduled')"
             )[0][0]
         )
@@ -424,7 +424,7 @@ class Chaos:
             executions[job].append((at, pid))
             assert n_of.setdefault(job, n) == n, f"job {job} ran as n={n_of[job]} and n={n}"
         assert len(executions) == len(ns), "one n ran under two job ids"
-        [(completed, crashes)] = self.query("SELECT count(*), max(crashes) FROM fastjobs_jobs")
+        [(completed, crashes)] = self.query("SELECT count(*), max(crashes) FROM fastjobs_jobs_all")
         # Kept, each job that ran is one completed row; deleted, nothing is left.
         assert completed == (len(executions) if self.keep_completed else 0)
 
@@ -471,7 +471,7 @@ class Chaos:
 
 
 # Jobs not finished, by state: anything but completed rows (which the default deletes at once).
-LEFT = "SELECT state::text, count(*) FROM fastjobs_jobs WHERE state::text <> 'completed'"
+LEFT = "SELECT state::text, count(*) FROM fastjobs_jobs_all WHERE state::text <> 'completed'"
 
 
 def backend_kind(query: str, leads: bool) -> str:
@@ -692,7 +692,7 @@ def test_a_poison_job_is_quarantined_alone(chaos: Chaos) -> None:
     master = chaos.start_master(processes=1)
 
     def state(job_id: int) -> str:
-        return str(chaos.query("SELECT state::text FROM fastjobs_jobs WHERE id = %s", (job_id,))[0][0])
+        return str(chaos.query("SELECT state::text FROM fastjobs_jobs_all WHERE id = %s", (job_id,))[0][0])
 
     chaos.wait(lambda: state(poison) == "discarded", "the poison job to be quarantined", master)
     chaos.wait(lambda: chaos.pending() == 0, "the innocent jobs to finish", master, timeout=30)
@@ -701,7 +701,7 @@ def test_a_poison_job_is_quarantined_alone(chaos: Chaos) -> None:
     assert ran[-1] == 3, ran  # the poison ran three times, killing its worker each time
     if not (ran[0] and ran[1]):
         left = chaos.query(
-            "SELECT id, state::text, crashes, errors FROM fastjobs_jobs WHERE id = ANY(%s)", (innocent,)
+            "SELECT id, state::text, crashes, errors FROM fastjobs_jobs_all WHERE id = ANY(%s)", (innocent,)
         )
         raise InnocentQuarantined(f"innocent jobs discarded without ever running: {left}")
-    assert chaos.query("SELECT id FROM fastjobs_jobs WHERE id = ANY(%s)", (innocent,)) == []  # completed
+    assert chaos.query("SELECT id FROM fastjobs_jobs_all WHERE id = ANY(%s)", (innocent,)) == []  # completed

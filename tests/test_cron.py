@@ -201,7 +201,7 @@ def specs(app: App) -> list[JobSpec]:
 
 def periodic_jobs(dsn: str) -> list[tuple[str, str, str | None]]:
     """(kind, queue, unique_key) of every job, oldest first."""
-    rows = query(dsn, "SELECT kind, queue, unique_key FROM fastjobs_jobs ORDER BY id")
+    rows = query(dsn, "SELECT kind, queue, unique_key FROM fastjobs_jobs_all ORDER BY id")
     return [(r["kind"], r["queue"], r["unique_key"]) for r in rows]
 
 
@@ -232,7 +232,7 @@ def test_each_kind_has_its_own_ticks_and_queue(dsn: str) -> None:
             ("hourly", at(3, 12, 0)),
         ]
         assert periodic_once(conn, specs(app), at(3, 12, 1, 30)) == [("minutely", at(3, 12, 1))]
-    rows = query(dsn, "SELECT kind, queue, priority, state::text, args FROM fastjobs_jobs ORDER BY id")
+    rows = query(dsn, "SELECT kind, queue, priority, state::text, args FROM fastjobs_jobs_all ORDER BY id")
     assert [(r["kind"], r["queue"], r["priority"], r["state"], r["args"]) for r in rows] == [
         ("minutely", "cron", 0, "available", {}),
         ("hourly", "default", 5, "available", {}),

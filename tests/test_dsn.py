@@ -61,7 +61,7 @@ def test_app_resolves_its_dsn_from_the_environment(no_env, dsn):
     finally:
         app.close()
     with psycopg.connect(dsn) as conn:
-        assert conn.execute("SELECT id FROM fastjobs_jobs").fetchall() == [(job_id,)]
+        assert conn.execute("SELECT id FROM fastjobs_jobs_all").fetchall() == [(job_id,)]
 
 
 def _assert_names_host_and_port_only(message: str) -> None:
@@ -212,7 +212,7 @@ def test_embedded_without_the_extra_says_how_to_install_it(no_env, tmp_path):
 
 def _kinds(dsn: str) -> list[str]:
     with psycopg.connect(dsn) as conn:
-        return [row[0] for row in conn.execute("SELECT kind FROM fastjobs_jobs ORDER BY id")]
+        return [row[0] for row in conn.execute("SELECT kind FROM fastjobs_jobs_all ORDER BY id")]
 
 
 @pytest.fixture

@@ -23,12 +23,12 @@ def send_email(user_id: int, email: str, retries: int = 3) -> None:
 def _jobs(dsn: str, where: str = "true") -> list[dict[str, Any]]:
     """The job rows as another session sees them (committed only)."""
     with psycopg.connect(dsn, row_factory=dict_row) as conn:
-        return conn.execute(f"SELECT * FROM fastjobs_jobs WHERE {where} ORDER BY id").fetchall()
+        return conn.execute(f"SELECT * FROM fastjobs_jobs_all WHERE {where} ORDER BY id").fetchall()
 
 
 def _count(dsn: str) -> int:
     with psycopg.connect(dsn) as conn:
-        row = conn.execute("SELECT count(*) FROM fastjobs_jobs").fetchone()
+        row = conn.execute("SELECT count(*) FROM fastjobs_jobs_all").fetchone()
     assert row is not None
     return int(row[0])
 

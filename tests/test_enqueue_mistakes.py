@@ -21,7 +21,7 @@ from .helpers import drain, query
 
 
 def count(dsn: str) -> int:
-    return int(query(dsn, "SELECT count(*) AS n FROM fastjobs_jobs")[0]["n"])
+    return int(query(dsn, "SELECT count(*) AS n FROM fastjobs_jobs_all")[0]["n"])
 
 
 def untouched(log: list[int]) -> Iterator[dict[str, Any]]:
@@ -136,7 +136,7 @@ def test_the_kinds_an_app_knows_enqueue_by_name_and_by_handle(emails: App, dsn: 
     emails.enqueue("emails.send_welcome", {"user_id": 1})
     emails.enqueue("reports.hourly")  # a periodic kind is a registered one
     assert emails.enqueue_many("emails.send_reset", [{"user_id": 2}]) == 1
-    assert [r["kind"] for r in query(dsn, "SELECT kind FROM fastjobs_jobs ORDER BY id")] == [
+    assert [r["kind"] for r in query(dsn, "SELECT kind FROM fastjobs_jobs_all ORDER BY id")] == [
         "emails.send_welcome",
         "reports.hourly",
         "emails.send_reset",
@@ -155,7 +155,7 @@ def test_a_declared_kind_is_enqueued_with_its_defaults_and_never_run_here(emails
     emails.enqueue("billing.charge", {"invoice": 2})
     charge.options(priority=9).enqueue_many([{"invoice": 3}])
     asyncio.run(_async_enqueue(emails, "billing.charge"))
-    rows = query(dsn, "SELECT queue, priority, max_attempts FROM fastjobs_jobs ORDER BY id")
+    rows = query(dsn, "SELECT queue, priority, max_attempts FROM fastjobs_jobs_all ORDER BY id")
     assert [tuple(r.values()) for r in rows] == [
         ("billing", 5, 3),
         ("billing", 5, 3),
@@ -166,7 +166,7 @@ def test_a_declared_kind_is_enqueued_with_its_defaults_and_never_run_here(emails
     assert "billing.charge" not in emails.runnable()
     assert Worker(emails).queues == ["default", "emails"]
     drain(emails)
-    assert [r["state"] for r in query(dsn, "SELECT state::text FROM fastjobs_jobs")] == ["available"] * 4
+    assert [r["state"] for r in query(dsn, "SELECT state::text FROM fastjobs_jobs_all")] == ["available"] * 4
     with pytest.raises(TypeError, match="declared here but runs elsewhere"):
         charge(invoice=4)
 

@@ -29,7 +29,7 @@ def jobs_json(dsn: str, capsys: pytest.CaptureFixture[str], *args: str) -> Any:
 
 
 def state(dsn: str, job_id: int) -> str:
-    return str(query(dsn, "SELECT state::text FROM fastjobs_jobs WHERE id = %s", (job_id,))[0]["state"])
+    return str(query(dsn, "SELECT state::text FROM fastjobs_jobs_all WHERE id = %s", (job_id,))[0]["state"])
 
 
 @pytest.fixture
@@ -41,7 +41,7 @@ def seeded(app: App, dsn: str) -> dict[str, int]:
         "b1": app.enqueue("beta", {"n": 3}, delay=3600),
         "b2": app.enqueue("beta", {"n": 4}, queue="mail", priority=7),
     }
-    query(dsn, "UPDATE fastjobs_jobs SET state = 'running', attempt = 1 WHERE id = %s", (ids["a1"],))
+    query(dsn, "UPDATE fastjobs_jobs_all SET state = 'running', attempt = 1 WHERE id = %s", (ids["a1"],))
     return ids
 
 
@@ -247,7 +247,7 @@ def test_retry_of_a_waiting_job_runs_it_now_with_its_attempts_as_they_are(
     attempt = 2 if job_state == "retryable" else 0
     query(
         dsn,
-        "UPDATE fastjobs_jobs SET state = %s::fastjobs_state, attempt = %s, crashes = 1,"
+        "UPDATE fastjobs_jobs_all SET state = %s::fastjobs_state, attempt = %s, crashes = 1,"
         " run_at = now() + interval '1 hour'",
         (job_state, attempt),
     )
@@ -255,22 +255,23 @@ def test_retry_of_a_waiting_job_runs_it_now_with_its_attempts_as_they_are(
     assert (code, err) == (0, "")
     assert out == f"job {job_id}: {job_state}, now available: runs now as attempt {attempt + 1} of 5\n"
     [row] = query(
-        dsn, "SELECT state::text, attempt, max_attempts, crashes, run_at <= now() AS due FROM fastjobs_jobs"
+        dsn,
+        "SELECT state::text, attempt, max_attempts, crashes, run_at <= now() AS due FROM fastjobs_jobs_all",
     )
     assert row == {"state": "available", "attempt": attempt, "max_attempts": 5, "crashes": 1, "due": True}
     drain(app)
-    assert query(dsn, "SELECT count(*) AS n FROM fastjobs_jobs") == [{"n": 0}]  # it ran, and completed
+    assert query(dsn, "SELECT count(*) AS n FROM fastjobs_jobs_all") == [{"n": 0}]  # it ran, and completed
 
 
 def test_retry_leaves_an_available_job_and_refuses_a_running_one(
     app: App, dsn: str, capsys: pytest.CaptureFixture[str], seeded: dict[str, int]
 ) -> None:
     available, running = seeded["a2"], seeded["a1"]
-    before = query(dsn, "SELECT run_at FROM fastjobs_jobs WHERE id = %s", (available,))
+    before = query(dsn, "SELECT run_at FROM fastjobs_jobs_all WHERE id = %s", (available,))
     code, out, err = jobs_cli(dsn, capsys, "retry", str(available))
     assert (code, out, err) == (0, f"job {available}: available already, left as it is\n", "")
     # Its place in the queue is kept.
-    assert query(dsn, "SELECT run_at FROM fastjobs_jobs WHERE id = %s", (available,)) == before
+    assert query(dsn, "SELECT run_at FROM fastjobs_jobs_all WHERE id = %s", (available,)) == before
     code, out, err = jobs_cli(dsn, capsys, "retry", str(running))
     assert (code, out) == (1, "")
     assert err == f"fastjobs: job {running} is running: a running job cannot be retried until it ends\n"
@@ -356,7 +357,9 @@ def test_retry_of_a_unique_job_whose_key_is_held_again_names_the_holder(
     app: App, dsn: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     first = app.enqueue("k", {"n": 1}, unique_key="once")
-    query(dsn, "UPDATE fastjobs_jobs SET state = 'discarded', finalized_at = now() WHERE id = %s", (first,))
+    query(
+        dsn, "UPDATE fastjobs_jobs_all SET state = 'discarded', finalized_at = now() WHERE id = %s", (first,)
+    )
     holder = app.enqueue("k", {"n": 2}, unique_key="once")
     assert holder != first
 
@@ -368,7 +371,7 @@ def test_retry_of_a_unique_job_whose_key_is_held_again_names_the_holder(
     )
     assert state(dsn, first) == "discarded"
 
-    query(dsn, "DELETE FROM fastjobs_jobs WHERE id = %s", (holder,))  # the holder completed
+    query(dsn, "DELETE FROM fastjobs_jobs_all WHERE id = %s", (holder,))  # the holder completed
     assert jobs_json(dsn, capsys, "retry", str(first))["state"] == "available"
 
 
@@ -388,7 +391,7 @@ def test_show_and_list_escape_control_characters_of_job_input(
         "error": f"ValueError: {_EVIL}",
         "traceback": f"line 1\n\tline {_EVIL}",
     }
-    query(dsn, "UPDATE fastjobs_jobs SET errors = jsonb_build_array(%s::jsonb)", (json.dumps(error),))
+    query(dsn, "UPDATE fastjobs_jobs_all SET errors = jsonb_build_array(%s::jsonb)", (json.dumps(error),))
 
     for command in (["list"], ["show", str(job_id)]):
         code, out, err = jobs_cli(dsn, capsys, *command)

@@ -90,13 +90,13 @@ def add_worker(dsn: str, worker_id: str, heartbeat_at: dt.datetime) -> None:
 
 
 def row(dsn: str, job_id: int) -> dict[str, Any]:
-    rows = query(dsn, "SELECT *, state::text AS state FROM fastjobs_jobs WHERE id = %s", (job_id,))
+    rows = query(dsn, "SELECT *, state::text AS state FROM fastjobs_jobs_all WHERE id = %s", (job_id,))
     assert rows, f"job {job_id} is gone"
     return rows[0]
 
 
 def ids(dsn: str) -> list[int]:
-    return [r["id"] for r in query(dsn, "SELECT id FROM fastjobs_jobs ORDER BY id")]
+    return [r["id"] for r in query(dsn, "SELECT id FROM fastjobs_jobs_all ORDER BY id")]
 
 
 # --- election ----------------------------------------------------------------------------------
@@ -370,7 +370,7 @@ def test_rescue_once_quarantines_a_job_that_keeps_killing_its_worker(dsn: str) -
             if crash > 1:  # claimed again, and its worker dies again
                 query(
                     dsn,
-                    "UPDATE fastjobs_jobs SET state = 'running', attempt = attempt + 1 WHERE id = %s",
+                    "UPDATE fastjobs_jobs_all SET state = 'running', attempt = attempt + 1 WHERE id = %s",
                     (job_id,),
                 )
             expected = "discarded" if crash == 3 else "retryable"
@@ -423,7 +423,7 @@ def test_rescue_once_works_in_batches_until_one_comes_back_short(dsn: str) -> No
     add_jobs(dsn, 35, state="running", attempted_by="dead-worker", attempted_at=ago(120), attempt=1)
     with psycopg.connect(dsn, autocommit=True) as conn:
         assert rescue_once(conn, NOW, RescuerConfig(batch=10)) == {"retryable": 35}
-    assert query(dsn, "SELECT state::text, crashes, count(*) AS n FROM fastjobs_jobs GROUP BY 1, 2") == [
+    assert query(dsn, "SELECT state::text, crashes, count(*) AS n FROM fastjobs_jobs_all GROUP BY 1, 2") == [
         {"state": "retryable", "crashes": 1, "n": 35}
     ]
 
@@ -454,7 +454,7 @@ def test_a_retried_quarantined_job_gets_its_crash_allowance_back(dsn: str) -> No
     # Claimed again, and its worker is killed once (a deploy, an unrelated OOM).
     query(
         dsn,
-        "UPDATE fastjobs_jobs SET state = 'running', attempt = attempt + 1, attempted_by = 'dead-worker',"
+        "UPDATE fastjobs_jobs_all SET state = 'running', attempt = attempt + 1, attempted_by = 'dead-worker',"
         " attempted_at = %s WHERE id = %s",
         (ago(120), job_id),
     )
@@ -478,7 +478,7 @@ def dead_rows(dsn: str, count: int) -> None:
     """`count` dead row versions in the jobs table, reported to the statistics."""
     add_jobs(dsn, count)
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("DELETE FROM fastjobs_jobs")
+        conn.execute("DELETE FROM fastjobs_jobs_all")
         conn.execute("SELECT pg_stat_force_next_flush()")
     wait_for(lambda: vacuum_stats(dsn)["dead"] >= count, f"{count} dead rows in the statistics")
 
@@ -725,7 +725,7 @@ def test_a_cron_tick_runs_once_across_a_leader_change_between_two_masters(
     and does not enqueue that minute again."""
     first = masters.start("--processes", "1", "--keep-completed", module="cronjobs")
     first.wait_stderr(r"leader elected")
-    [job] = wait_for(lambda: query(dsn, "SELECT id, unique_key FROM fastjobs_jobs"), "the tick's job")
+    [job] = wait_for(lambda: query(dsn, "SELECT id, unique_key FROM fastjobs_jobs_all"), "the tick's job")
     wait_for(lambda: row(dsn, job["id"])["state"] == "completed", "the tick's job to run")
     [holder] = lock_holders(dsn)
 
@@ -744,7 +744,7 @@ def test_a_cron_tick_runs_once_across_a_leader_change_between_two_masters(
     wait_for(passed, "the new leader's periodic pass", timeout=10)
     assert second.stop() == 0, second.stderr()
 
-    jobs = query(dsn, "SELECT id, unique_key, state::text AS state FROM fastjobs_jobs ORDER BY id")
+    jobs = query(dsn, "SELECT id, unique_key, state::text AS state FROM fastjobs_jobs_all ORDER BY id")
     keys = [j["unique_key"] for j in jobs]
     assert keys[0] == job["unique_key"]
     assert len(set(keys)) == len(keys), keys  # one job per tick (a second only if a minute turned)

@@ -158,7 +158,7 @@ def test_the_worker_timeout_must_exceed_the_beat() -> None:
 def jobs_left(db: psycopg.Connection[Any]) -> list[tuple[int, str, int, str | None]]:
     """(n, state, attempt, attempted_by) of every job still in the table."""
     return db.execute(
-        "SELECT (args->>'n')::int, state::text, attempt, attempted_by FROM fastjobs_jobs ORDER BY 1"
+        "SELECT (args->>'n')::int, state::text, attempt, attempted_by FROM fastjobs_jobs_all ORDER BY 1"
     ).fetchall()
 
 
@@ -359,7 +359,7 @@ def test_a_second_signal_stops_now_and_records_the_running_job(
     master.wait(10)
     assert time.monotonic() - started < 5, master.stderr()
     state, attempt, errors = db.execute(
-        "SELECT state::text, attempt, errors FROM fastjobs_jobs WHERE id = %s", (job_id,)
+        "SELECT state::text, attempt, errors FROM fastjobs_jobs_all WHERE id = %s", (job_id,)
     ).fetchone() or (None, None, None)
     assert state in ("available", "retryable"), (state, master.stderr())
     assert attempt == 1 and errors, "the interrupted attempt is recorded"
@@ -381,7 +381,7 @@ def test_the_grace_period_ends_with_sigkill(
     assert time.monotonic() - started < 5
     assert "grace period over: sending SIGKILL" in master.stderr()
     # Killed mid-job: nothing recorded it, so it waits for the rescuer.
-    assert db.execute("SELECT state::text FROM fastjobs_jobs WHERE id = %s", (job_id,)).fetchone() == (
+    assert db.execute("SELECT state::text FROM fastjobs_jobs_all WHERE id = %s", (job_id,)).fetchone() == (
         "running",
     )
 
@@ -405,7 +405,7 @@ def test_the_watchdog_replaces_a_worker_hung_in_c(
     )
     # The hung job is left to the rescuer, still claimed by the killed process.
     state, by = db.execute(
-        "SELECT state::text, attempted_by FROM fastjobs_jobs WHERE id = %s", (hung_id,)
+        "SELECT state::text, attempted_by FROM fastjobs_jobs_all WHERE id = %s", (hung_id,)
     ).fetchone() or (None, None)
     assert state == "running" and f":{hung}:" in (by or "")
     assert master.stop() == 0, master.stderr()
@@ -421,7 +421,7 @@ def test_a_long_sync_job_outlasting_the_worker_timeout_runs_once_to_completion(
     wait_for(lambda: runs(db)[1] == 1, "the long job to start")
     began = time.monotonic()
     wait_for(
-        lambda: count(db, "SELECT count(*) FROM fastjobs_jobs WHERE id = %s", job_id) == 0,
+        lambda: count(db, "SELECT count(*) FROM fastjobs_jobs_all WHERE id = %s", job_id) == 0,
         "the long job to complete",
         timeout=20,
     )

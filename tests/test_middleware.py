@@ -163,7 +163,7 @@ def test_retry_snooze_and_cancel_pass_through_middleware(app: App, raised: Excep
     job_id = steer.enqueue()
     drain(app)
     assert seen[1:] == [("mw raised", type(raised).__name__)]
-    assert query(app.dsn, "SELECT state::text FROM fastjobs_jobs WHERE id = %s", (job_id,)) == [
+    assert query(app.dsn, "SELECT state::text FROM fastjobs_jobs_all WHERE id = %s", (job_id,)) == [
         {"state": state}
     ]
 
@@ -186,7 +186,9 @@ def test_middleware_may_transform_what_the_handler_raises_and_fails_the_job_when
 
     snoozed, swallowed, broken = (mode.enqueue(mode=m) for m in ("snooze", "swallow", "broken"))
     drain(app)
-    rows = {r["id"]: r for r in query(app.dsn, "SELECT id, state::text, attempt, errors FROM fastjobs_jobs")}
+    rows = {
+        r["id"]: r for r in query(app.dsn, "SELECT id, state::text, attempt, errors FROM fastjobs_jobs_all")
+    }
     assert (rows[snoozed]["state"], rows[snoozed]["attempt"]) == ("scheduled", 0)
     assert swallowed not in rows  # completed and deleted
     assert rows[broken]["state"] == "retryable"
@@ -228,7 +230,7 @@ def test_enqueue_middleware_stores_meta_on_every_job_of_each_kind_of_enqueue(app
         ("once", True, None, 2),
         ("plain", False, {"n": 6}, calls[-1][3]),
     ]
-    stored = {r["args"]["n"]: r["meta"] for r in query(app.dsn, "SELECT args, meta FROM fastjobs_jobs")}
+    stored = {r["args"]["n"]: r["meta"] for r in query(app.dsn, "SELECT args, meta FROM fastjobs_jobs_all")}
     assert stored == {
         0: {"request": "r0"},
         1: {"request": "r1"},
@@ -255,7 +257,7 @@ async def test_async_enqueue_middleware_wraps_the_async_enqueues(app: App) -> No
     one = await app.enqueue_async("k", {"n": 1})
     assert await app.enqueue_many_async("k", [{"n": 2}, {"n": 3}]) == 2
     await app.aclose()
-    rows = query(app.dsn, "SELECT id, meta FROM fastjobs_jobs ORDER BY id")
+    rows = query(app.dsn, "SELECT id, meta FROM fastjobs_jobs_all ORDER BY id")
     assert rows[0]["id"] == one
     assert [r["meta"] for r in rows] == [{"via": "async"}] * 3
 
@@ -315,7 +317,7 @@ def _contexts(core: Any, dsn: str) -> list[dict[str, Any]]:
 
     app.job(kind="async")(coroutine)
     ids = [app.enqueue(kind, {"n": n}) for n, kind in enumerate(["fast", "timed", "async", "fast"])]
-    query(dsn, "UPDATE fastjobs_jobs SET meta = '[\"not an object\"]' WHERE id = %s", (ids[3],))
+    query(dsn, "UPDATE fastjobs_jobs_all SET meta = '[\"not an object\"]' WHERE id = %s", (ids[3],))
     executor = Executor()
     executor.bind()
     try:
@@ -547,7 +549,9 @@ def test_a_meta_too_deep_to_decode_reads_as_empty_and_the_job_runs(app: App) -> 
 
     job_id = deep.enqueue()
     query(
-        app.dsn, "UPDATE fastjobs_jobs SET meta = %s::jsonb WHERE id = %s", ("[" * 1100 + "]" * 1100, job_id)
+        app.dsn,
+        "UPDATE fastjobs_jobs_all SET meta = %s::jsonb WHERE id = %s",
+        ("[" * 1100 + "]" * 1100, job_id),
     )
     drain(app)
     assert [fields["meta"] for name, fields in seen if name == "mw before"] == [{}]

@@ -245,8 +245,23 @@ CREATE TABLE IF NOT EXISTS u (x int);
 # --- migrations on a live system -----------------------------------------------------------------
 
 
+def roll_back_005(dsn: str) -> None:
+    """Undo what 005 creates and its record: fastjobs_jobs as 004 left it (its rows kept), 005 pending."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("ALTER TABLE fastjobs_jobs_all DETACH PARTITION fastjobs_jobs")
+        conn.execute("DROP TABLE fastjobs_jobs_all")
+        conn.execute("ALTER TABLE fastjobs_jobs DROP COLUMN slot, ALTER COLUMN id DROP DEFAULT")
+        conn.execute("DROP SEQUENCE fastjobs_jobs_id, fastjobs_slot")
+        start = conn.execute("SELECT coalesce(max(id), 0) + 1 FROM fastjobs_jobs").fetchone()[0]  # type: ignore[index]
+        conn.execute(
+            f"ALTER TABLE fastjobs_jobs ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (START {start})"
+        )
+        conn.execute("DELETE FROM fastjobs_migrations WHERE version >= 5")
+
+
 def roll_back_002(dsn: str) -> None:
-    """Undo what 002 creates and its record: the database is as 001 left it, 002 pending."""
+    """Undo what 002 and 005 create and their records: the database is as 001 left it, 002 pending."""
+    roll_back_005(dsn)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("DROP INDEX fastjobs_jobs_unique_idx, fastjobs_jobs_finalized_idx")
         conn.execute("ALTER TABLE fastjobs_jobs DROP COLUMN crashes, DROP COLUMN cancel_requested")
@@ -330,7 +345,7 @@ def test_migrate_behind_a_reader_gives_way_to_enqueues_says_what_it_waits_on_and
 
 
 def count_jobs(conn: psycopg.Connection[Any]) -> int:
-    row = conn.execute("SELECT count(*) FROM fastjobs_jobs").fetchone()
+    row = conn.execute("SELECT count(*) FROM fastjobs_jobs_all").fetchone()
     assert row is not None
     return int(row[0])
 
@@ -375,7 +390,7 @@ def test_fastjobs_run_on_a_schema_too_new_stops_with_the_boot_error_and_forks_no
 # transaction) and an index built CONCURRENTLY. The running code never reads either.
 NEXT_MIGRATION = """
 -- NNN_next: a column and its index, as a next release would add them.
-ALTER TABLE fastjobs_jobs ADD COLUMN IF NOT EXISTS tenant text;
+ALTER TABLE fastjobs_jobs_all ADD COLUMN IF NOT EXISTS tenant text;
 
 -- fastjobs: concurrently
 CREATE INDEX CONCURRENTLY IF NOT EXISTS fastjobs_jobs_tenant_idx
@@ -411,13 +426,15 @@ def test_a_rolling_upgrade_with_jobs_in_flight_loses_nothing_and_runs_nothing_tw
         new.wait_child("fastjobs: worker 2 ")
         old.signal(signal.SIGTERM)  # its leader steps down at once; its long job finishes in the grace
         new.wait_stderr(r"leader elected")
-        long_state = db.execute("SELECT state::text FROM fastjobs_jobs WHERE id = %s", (long_id,)).fetchone()
+        long_state = db.execute(
+            "SELECT state::text FROM fastjobs_jobs_all WHERE id = %s", (long_id,)
+        ).fetchone()
         assert long_state == ("running",)  # still on the old master's worker, under the new leader
         assert old.wait(30) == 0, old.stderr()
         wait_for(lambda: runs_left(db) == 0, "the new master to drain the rest")
         ran = Counter(n for (n,) in db.execute("SELECT n FROM runs"))
         assert ran == Counter({n: 1 for n in [-1, *range(300)]}), {n: c for n, c in ran.items() if c != 1}
-        assert procs.count(db, "SELECT count(*) FROM fastjobs_jobs WHERE id = %s", long_id) == 0
+        assert procs.count(db, "SELECT count(*) FROM fastjobs_jobs_all WHERE id = %s", long_id) == 0
         [(long_pid,)] = db.execute("SELECT pid FROM runs WHERE n = -1").fetchall()
         assert long_pid in old.forks()
     assert new.stop() == 0, new.stderr()
@@ -426,7 +443,7 @@ def test_a_rolling_upgrade_with_jobs_in_flight_loses_nothing_and_runs_nothing_tw
 
 
 def runs_left(db: psycopg.Connection[Any]) -> int:
-    return procs.count(db, "SELECT count(*) FROM fastjobs_jobs")
+    return procs.count(db, "SELECT count(*) FROM fastjobs_jobs_all")
 
 
 def test_the_jobs_tables_column_defaults_are_the_python_ones(dsn):
@@ -445,3 +462,91 @@ def test_the_jobs_tables_column_defaults_are_the_python_ones(dsn):
     assert (registered.queue, registered.priority, registered.max_attempts) == expected
     opts = enqueue.options("unregistered", None)
     assert (opts.queue, opts.priority, opts.max_attempts) == expected
+
+
+# --- 005: the jobs table becomes slot 0 of fastjobs_jobs_all, live ---------------------------------
+
+# What code of 004 sends: the same statements on fastjobs_jobs (005 moved them to the parent).
+OLD_INSERT_NOW = sql.job_insert_now.replace("fastjobs_jobs_all", "fastjobs_jobs")
+OLD_CLAIM = sql.job_claim_many.replace("fastjobs_jobs_all", "fastjobs_jobs")
+OLD_COMPLETE = "DELETE FROM fastjobs_jobs WHERE id = ANY($1::bigint[]) AND state = 'running'"
+
+
+def test_005_applies_live_under_workers_and_producers_of_004_which_keep_working(dsn: str, app: App) -> None:
+    """At 004, with jobs in flight: producers of 004 (plain and unique inserts, with their ON
+    CONFLICT) and a worker of 004 (claim, complete) run throughout `migrate`; none of their
+    statements fails or waits much past the lock timeout, nothing is lost, and afterwards code of
+    004 and of 005 both run."""
+    expected = _snapshot(dsn)
+    roll_back_005(dsn)
+    with psycopg.connect(dsn, autocommit=True) as db:
+        db.execute("INSERT INTO fastjobs_jobs (kind) SELECT 'old' FROM generate_series(1, 2000)")
+    stalls: list[float] = []
+    errors: list[BaseException] = []
+    done = threading.Event()
+    inserted = Counter[str]()
+    completed: list[int] = []
+
+    def producer() -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn, psycopg.RawCursor(conn) as cur:
+            n = 0
+            while not done.is_set():
+                began = time.monotonic()
+                try:
+                    cur.execute(OLD_INSERT_NOW, ("default", "old", "{}", 0, 25))
+                    inserted["plain"] += 1
+                    key = f"key-{n % 50}"  # half of them taken: ON CONFLICT ... DO NOTHING
+                    params = enqueue.insert_params(enqueue.options("old", None, unique_key=key), {})
+                    if cur.execute(sql.job_insert, params).fetchone() is not None:
+                        inserted["unique"] += 1
+                except BaseException as exc:
+                    errors.append(exc)
+                    return
+                stalls.append(time.monotonic() - began)
+                n += 1
+                done.wait(0.005)
+
+    def worker() -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn, psycopg.RawCursor(conn) as cur:
+            while not done.is_set():
+                try:
+                    ids = [r[0] for r in cur.execute(OLD_CLAIM, ("default", 50, "old-worker"))]
+                    cur.execute(OLD_COMPLETE, (ids,))
+                except BaseException as exc:
+                    errors.append(exc)
+                    return
+                completed.extend(ids)
+                done.wait(0.005)
+
+    threads = [threading.Thread(target=producer), threading.Thread(target=worker)]
+    for thread in threads:
+        thread.start()
+    try:
+        wait_for(lambda: len(completed) > 200, "the old worker to drain")
+        with psycopg.connect(dsn) as conn:
+            applied = schema.migrate(conn, dsn=dsn, lock_timeout=0.5)
+        assert [m.label for m in applied] == ["005_rotation"]
+        after, produced = len(completed), inserted["plain"]
+        wait_for(lambda: len(completed) > after + 200, "the old worker to go on draining on 005")
+        wait_for(lambda: inserted["plain"] > produced + 20, "the old producer to go on inserting on 005")
+    finally:
+        done.set()
+        for thread in threads:
+            thread.join(10)
+    assert errors == []
+    assert len(stalls) > 20 and max(stalls) < 1.5, sorted(stalls)[-5:]
+    assert _snapshot(dsn) == expected
+    with psycopg.connect(dsn, autocommit=True) as db:
+        left = count_jobs(db)
+        # Every job the old producers inserted is either done or still there, once each.
+        assert len(completed) == len(set(completed))
+        assert left + len(completed) == 2000 + inserted["plain"] + inserted["unique"]
+        # Code of 005 on the same database: its jobs go to the rotating slot, and a worker runs them all.
+        app.enqueue_many("old", [{} for _ in range(10)])
+        assert procs.count(db, "SELECT count(*) FROM fastjobs_jobs_all WHERE slot = 1") == 10
+    ran = Counter[str]()
+    app.job(kind="old")(lambda: ran.update(["old"]))
+    from .helpers import drain
+
+    drain(app)
+    assert ran["old"] == left + 10

@@ -100,7 +100,7 @@ EXPECTED = {  # kind: (completed, retried, discarded, cancelled, snoozed), handl
 
 
 def unfinished(db: psycopg.Connection[Any]) -> int:
-    return count(db, "SELECT count(*) FROM fastjobs_jobs WHERE state NOT IN ('discarded', 'cancelled')")
+    return count(db, "SELECT count(*) FROM fastjobs_jobs_all WHERE state NOT IN ('discarded', 'cancelled')")
 
 
 def test_every_outcome_is_counted_per_queue_and_kind_with_its_run_time_and_pickup(

@@ -49,7 +49,7 @@ def test_a_job_continues_its_enqueues_trace_and_a_retry_links_to_it(
             raise ValueError("first attempt fails")
 
     job_id = app.enqueue("flaky", {"n": 1}, queue="traced")
-    [meta] = [r["meta"] for r in query(app.dsn, "SELECT meta FROM fastjobs_jobs")]
+    [meta] = [r["meta"] for r in query(app.dsn, "SELECT meta FROM fastjobs_jobs_all")]
     [producer] = spans.get_finished_spans()
     assert producer.kind == SpanKind.PRODUCER and producer.name == "send traced"
     assert dict(producer.attributes or {}) == {
@@ -67,7 +67,7 @@ def test_a_job_continues_its_enqueues_trace_and_a_retry_links_to_it(
     }
 
     drain(app, ["traced"])  # attempt 1, retried after its backoff: made due at once
-    query(app.dsn, "UPDATE fastjobs_jobs SET run_at = now(), state = 'available'")
+    query(app.dsn, "UPDATE fastjobs_jobs_all SET run_at = now(), state = 'available'")
     drain(app, ["traced"])
     first, second = _by_kind(spans.get_finished_spans(), SpanKind.CONSUMER)
     assert first.name == second.name == "process traced"
@@ -127,7 +127,7 @@ def test_enqueue_many_is_one_span_whose_context_every_row_carries(
         (c.parent.span_id if c.parent else None, (c.attributes or {})["messaging.message.id"])
         for c in consumers
     )
-    ids = [str(r["id"]) for r in query(app.dsn, "SELECT id FROM fastjobs_jobs")]  # the snoozed one
+    ids = [str(r["id"]) for r in query(app.dsn, "SELECT id FROM fastjobs_jobs_all")]  # the snoozed one
     one, two = (p.get_span_context().span_id for p in producers)  # type: ignore[union-attr]
     assert [parent for parent, _ in parents] == sorted([one, one, one, two])
     snoozed = [c for c in consumers if (c.attributes or {}).get("messaging.fastjobs.outcome") == "snoozed"]

@@ -34,7 +34,7 @@ def _row(dsn: str, job_id: int) -> dict[str, Any]:
         dsn,
         """SELECT state::text AS state, attempt, attempted_by, errors, run_at, crashes, finalized_at,
                   cancel_requested, extract(epoch FROM run_at - now())::float8 AS run_in
-             FROM fastjobs_jobs WHERE id = %s""",
+             FROM fastjobs_jobs_all WHERE id = %s""",
         (job_id,),
     )
     assert rows, f"job {job_id} is gone"
@@ -92,7 +92,7 @@ def test_a_late_outcome_of_an_attempt_whose_row_was_taken_is_dropped(
     def slow(n: int) -> None:
         if taken:  # run again: the late outcome was applied (the test fails below)
             return
-        query(dsn, f"UPDATE fastjobs_jobs SET {TAKEOVERS[takeover]} WHERE id = %s", (job_id,))
+        query(dsn, f"UPDATE fastjobs_jobs_all SET {TAKEOVERS[takeover]} WHERE id = %s", (job_id,))
         taken.append(_row(dsn, job_id))
         _late(outcome)
 
@@ -124,7 +124,7 @@ def test_a_late_success_is_dropped_at_any_attempt_whether_completed_jobs_are_kep
     def slow() -> None:
         if len(taken) or fastjobs.current_job().attempt < attempt:  # type: ignore[union-attr]
             raise Retry(0)
-        query(dsn, f"UPDATE fastjobs_jobs SET {TAKEOVERS[takeover]} WHERE id = %s", (job_id,))
+        query(dsn, f"UPDATE fastjobs_jobs_all SET {TAKEOVERS[takeover]} WHERE id = %s", (job_id,))
         taken.append(_row(dsn, job_id))
 
     job_id = app.enqueue("slow")
@@ -148,7 +148,7 @@ def test_a_stale_release_is_dropped(app: App, dsn: str) -> None:
     @app.job(kind="first")
     def first() -> None:
         ran.append("first")
-        query(dsn, f"UPDATE fastjobs_jobs SET {TAKEOVERS['claimed-by-another']} WHERE id = %s", (second,))
+        query(dsn, f"UPDATE fastjobs_jobs_all SET {TAKEOVERS['claimed-by-another']} WHERE id = %s", (second,))
         holder[0].stopping = True
 
     @app.job(kind="second")
@@ -233,7 +233,7 @@ def test_error_text_jsonb_cannot_store_is_escaped(
     [error] = _errors(row)
     assert error["error"] == f"FileNotFoundError: {stored}"
     assert stored in error["traceback"]
-    assert not query(dsn, "SELECT id FROM fastjobs_jobs WHERE id = ANY(%s)", (good,))
+    assert not query(dsn, "SELECT id FROM fastjobs_jobs_all WHERE id = ANY(%s)", (good,))
 
 
 DELAYS = [
@@ -347,7 +347,7 @@ def test_the_default_backoff_of_a_very_late_attempt_stays_within_timestamptz(app
         raise ValueError("again")
 
     job_id = app.enqueue("bad")
-    query(dsn, "UPDATE fastjobs_jobs SET attempt = 5000 WHERE id = %s", (job_id,))
+    query(dsn, "UPDATE fastjobs_jobs_all SET attempt = 5000 WHERE id = %s", (job_id,))
     drain(app)
     row = _row(dsn, job_id)
     assert (row["state"], row["attempt"]) == ("retryable", 5001)
@@ -418,7 +418,7 @@ def _reject(dsn: str, condition: str, event: str = "UPDATE") -> None:
     )
     query(
         dsn,
-        f"CREATE TRIGGER reject BEFORE {event} ON fastjobs_jobs FOR EACH ROW WHEN ({condition})"
+        f"CREATE TRIGGER reject BEFORE {event} ON fastjobs_jobs_all FOR EACH ROW WHEN ({condition})"
         " EXECUTE FUNCTION reject()",
     )
 

@@ -56,7 +56,7 @@ def test_a_python_example_runs(dsn, tmp_path, code):
     )
     assert done.returncode == 0, done.stderr
     with psycopg.connect(dsn) as conn:
-        enqueued = conn.execute("SELECT count(*) FROM fastjobs_jobs").fetchone()
+        enqueued = conn.execute("SELECT count(*) FROM fastjobs_jobs_all").fetchone()
     calls = len(re.findall(r"\.enqueue\(", code))
     bulk = sum(int(n.replace("_", "")) for n in re.findall(r"in range\(([\d_]+)\)", code))
     assert enqueued == (calls + bulk,)
@@ -185,7 +185,7 @@ def test_the_tutorial_runs_as_written(dsn, tmp_path):
         assert '"job":2' in outputs["curl -d email=bob@example.invalid"]
         _wait(lambda: db("SELECT welcomed_at FROM users WHERE email = 'ada@example.com'"), "Ada's welcome")
         _wait(
-            lambda: db("SELECT attempt >= 2 AND state = 'retryable' FROM fastjobs_jobs WHERE id = 2"),
+            lambda: db("SELECT attempt >= 2 AND state = 'retryable' FROM fastjobs_jobs_all WHERE id = 2"),
             "Bob's job to fail twice",
         )
         assert db("SELECT welcomed_at FROM users WHERE email = 'bob@example.invalid'") is None

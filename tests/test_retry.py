@@ -350,7 +350,7 @@ def test_schedule_once_works_in_batches_until_one_comes_back_short(dsn):
     with psycopg.connect(dsn, autocommit=True) as conn:
         counts = leader.schedule_once(conn, now, leader.SchedulerConfig(batch=10))
     assert counts == {"q0": 12, "q1": 13}
-    assert not query(dsn, "SELECT id FROM fastjobs_jobs WHERE state <> 'available'")
+    assert not query(dsn, "SELECT id FROM fastjobs_jobs_all WHERE state <> 'available'")
 
 
 def test_a_retried_job_runs_again_once_promoted(app: App, dsn):
@@ -367,7 +367,7 @@ def test_a_retried_job_runs_again_once_promoted(app: App, dsn):
     [row] = jobs(dsn)
     assert row["state"] == "retryable"
 
-    query(dsn, "UPDATE fastjobs_jobs SET run_at = now() - interval '1 second'")  # its time has come
+    query(dsn, "UPDATE fastjobs_jobs_all SET run_at = now() - interval '1 second'")  # its time has come
     with psycopg.connect(dsn, autocommit=True) as conn:
         assert leader.schedule_once(conn) == {"default": 1}
     drain(app, keep_completed=True)

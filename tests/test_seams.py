@@ -178,7 +178,7 @@ def test_typed_jobs_on_the_pool_and_off_it_are_converted_and_counted_under_their
     _enqueue_raw(app.dsn)
     master = masters.start("--processes", "1", "--queues", queues, "--metrics-port", "0", module="fjseams")
     port = metrics_port(master)
-    finished = "SELECT count(*) FROM fastjobs_jobs WHERE state NOT IN ('discarded', 'cancelled')"
+    finished = "SELECT count(*) FROM fastjobs_jobs_all WHERE state NOT IN ('discarded', 'cancelled')"
     wait_for(lambda: count(db, finished) == 0, f"every job to finish:\n{master.stderr()}")
     total = sum(sum(outcomes) for outcomes, _ in EXPECTED.values())
 
@@ -189,7 +189,7 @@ def test_typed_jobs_on_the_pool_and_off_it_are_converted_and_counted_under_their
 
     found = wait_for(counted, "the outcomes to be counted")
     errors = db.execute(
-        "SELECT kind, errors FROM fastjobs_jobs WHERE state = 'discarded' AND kind <> 'typed_retry'"
+        "SELECT kind, errors FROM fastjobs_jobs_all WHERE state = 'discarded' AND kind <> 'typed_retry'"
     ).fetchall()
     for kind, errs in errors:
         assert "InvalidArguments" in errs[-1]["error"] and "'p'" in errs[-1]["error"], (kind, errs)

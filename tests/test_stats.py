@@ -36,7 +36,7 @@ def runs_by_pid(db: psycopg.Connection[Any]) -> dict[int, int]:
 def emails_age(db: psycopg.Connection[Any]) -> float:
     """Seconds since the oldest job of `emails` became due, by the database's clock."""
     row = db.execute(
-        "SELECT extract(epoch FROM now() - min(run_at))::float8 FROM fastjobs_jobs WHERE queue = 'emails'"
+        "SELECT extract(epoch FROM now() - min(run_at))::float8 FROM fastjobs_jobs_all WHERE queue = 'emails'"
     ).fetchone()
     assert row is not None
     return float(row[0])
@@ -50,7 +50,7 @@ def drained_master(masters: procs.Masters, app: App, db: psycopg.Connection[Any]
     wait_for(lambda: count(db, "SELECT count(*) FROM runs") >= 50, "50 executions")
     app.enqueue_many("record", ({"n": n} for n in range(100, 120)))
     wait_for(
-        lambda: count(db, "SELECT count(*) FROM fastjobs_jobs WHERE queue = 'default'") == 0, "the drain"
+        lambda: count(db, "SELECT count(*) FROM fastjobs_jobs_all WHERE queue = 'default'") == 0, "the drain"
     )
     assert count(db, "SELECT count(*) FROM runs") == 120
     return master
@@ -237,32 +237,35 @@ def test_the_query_of_the_oldest_snapshot_is_printed_on_its_line(
 
 
 def test_dead_rows_and_vacuums_of_the_fastjobs_tables(app: App, db: psycopg.Connection[Any]) -> None:
+    # The jobs go to the current rotating slot, fastjobs_jobs_1 (never autovacuumed).
     db.execute("ALTER TABLE fastjobs_jobs SET (autovacuum_enabled = off)")
     # One session for both, so its counts reach the statistics in order (the
     # estimate of live rows is inserts minus deletes as they arrive).
     app.enqueue_many("record", ({"n": n} for n in range(500)), conn=db)
-    db.execute("DELETE FROM fastjobs_jobs WHERE (args->>'n')::int < 300")
+    db.execute("DELETE FROM fastjobs_jobs_all WHERE (args->>'n')::int < 300")
     db.execute("SELECT pg_stat_force_next_flush()")
 
     def jobs_table() -> dict[str, Any] | None:
         tables = {t["table"]: t for t in procs.stats_json(app.dsn)["health"]["tables"]}
-        assert {"fastjobs_jobs", "fastjobs_workers", "fastjobs_periodic"} <= set(tables)
-        table: dict[str, Any] = tables["fastjobs_jobs"]
+        assert {"fastjobs_jobs", "fastjobs_jobs_1", "fastjobs_workers", "fastjobs_periodic"} <= set(tables)
+        table: dict[str, Any] = tables["fastjobs_jobs_1"]
         return table if (table["live"], table["dead"]) == (200, 300) else None
 
     table = wait_for(jobs_table, "200 live and 300 dead rows in the statistics")
     assert table["table_bytes"] > 0 and table["index_bytes"] > 0
     assert table["last_vacuum"] is None
-    db.execute("VACUUM fastjobs_jobs")
+    db.execute("VACUUM fastjobs_jobs_1")
     db.execute("SELECT pg_stat_force_next_flush()")
 
     def vacuumed() -> dict[str, Any] | None:
-        [table] = [t for t in procs.stats_json(app.dsn)["health"]["tables"] if t["table"] == "fastjobs_jobs"]
+        [table] = [
+            t for t in procs.stats_json(app.dsn)["health"]["tables"] if t["table"] == "fastjobs_jobs_1"
+        ]
         return table if table["dead"] == 0 else None
 
     assert wait_for(vacuumed, "the vacuum in the statistics")["last_vacuum"] is not None
     human = procs.cli(app.dsn, "stats").stdout
-    row = r"fastjobs_jobs\s+200\s+0\s+[\d.]+ kB\s+[\d.]+ kB  \d+s ago \(0 autovacuums\)"
+    row = r"fastjobs_jobs_1\s+200\s+0\s+[\d.]+ kB\s+[\d.]+ kB  \d+s ago \(0 autovacuums\)"
     assert re.search(row, human), human
 
 
@@ -595,7 +598,7 @@ def test_the_listener_state_is_true_while_the_worker_is_busy(
     master = masters.start("--processes", "1", "--batch-max", "4")
     wait_for(lambda: count(db, "SELECT count(*) FROM runs") >= 1, "the drain to start")
     busy = wait_for(lambda: worker_slot(app.dsn, master.pid), "the worker in `fastjobs stats`")
-    assert count(db, "SELECT count(*) FROM fastjobs_jobs WHERE state = 'available'") > 0, "no longer busy"
+    assert count(db, "SELECT count(*) FROM fastjobs_jobs_all WHERE state = 'available'") > 0, "no longer busy"
     assert (busy["listening"], busy["listener_reconnects"]) == (1, 0)
     assert busy["listener_ok"] > 0
 
@@ -610,10 +613,10 @@ def test_the_listener_state_is_true_while_the_worker_is_busy(
     )
     assert down["listener_reconnects"] == 1
     human = procs.cli(app.dsn, "stats").stdout
-    assert count(db, "SELECT count(*) FROM fastjobs_jobs WHERE state = 'available'") > 0, "no longer busy"
+    assert count(db, "SELECT count(*) FROM fastjobs_jobs_all WHERE state = 'available'") > 0, "no longer busy"
     assert re.search(r"\nworker 1 .*  DOWN \(polling\), 1 reconnects\n", human), human
     # Idle, it makes its listener again.
-    db.execute("DELETE FROM fastjobs_jobs WHERE state = 'available'")
+    db.execute("DELETE FROM fastjobs_jobs_all WHERE state = 'available'")
     back = wait_for(
         lambda: (w := worker_slot(app.dsn, master.pid)) and w["listening"] == 1 and w, "the listener back"
     )
@@ -641,8 +644,11 @@ def test_stats_json_gives_whole_numbers_as_integers_and_tables_keep_wide_values_
 
     # Wide values: a 60-character queue, and table sizes past 1,000 kB beside a dead-row count.
     db.execute("ALTER TABLE fastjobs_jobs SET (autovacuum_enabled = off)")
-    app.enqueue_many("record", ({"n": n, "pad": "x" * 100} for n in range(20_000)), queue="bulk", conn=db)
-    db.execute("DELETE FROM fastjobs_jobs WHERE queue = 'bulk' AND (args->>'n')::int % 2 = 0")
+    # Scheduled, so in slot 0 (fastjobs_jobs): the running leader truncates the rotating slots.
+    app.enqueue_many(
+        "record", ({"n": n, "pad": "x" * 100} for n in range(20_000)), queue="bulk", delay=3600, conn=db
+    )
+    db.execute("DELETE FROM fastjobs_jobs_all WHERE queue = 'bulk' AND (args->>'n')::int % 2 = 0")
     db.execute("SELECT pg_stat_force_next_flush()")
     wait_for(
         lambda: (

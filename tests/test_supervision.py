@@ -33,7 +33,7 @@ def job(db: psycopg.Connection[Any], job_id: int) -> tuple[str, int, int, str | 
     """(state, attempt, crashes, attempted_by, has errors) of one job."""
     row = db.execute(
         "SELECT state::text, attempt, crashes, attempted_by, errors IS NOT NULL"
-        " FROM fastjobs_jobs WHERE id = %s",
+        " FROM fastjobs_jobs_all WHERE id = %s",
         (job_id,),
     ).fetchone()
     assert row is not None, f"job {job_id} is gone"
@@ -43,7 +43,7 @@ def job(db: psycopg.Connection[Any], job_id: int) -> tuple[str, int, int, str | 
 def running_by(db: psycopg.Connection[Any], pid: int) -> list[int]:
     """Ids of the running jobs claimed by the worker process `pid`."""
     rows = db.execute(
-        "SELECT id FROM fastjobs_jobs WHERE state = 'running' AND split_part(attempted_by, ':', 2) = %s"
+        "SELECT id FROM fastjobs_jobs_all WHERE state = 'running' AND split_part(attempted_by, ':', 2) = %s"
         " ORDER BY id",
         (str(pid),),
     ).fetchall()
@@ -92,11 +92,11 @@ def test_a_stop_signal_is_one_graceful_stop_however_it_arrives(
     assert "stopping now" not in master.stderr()
     ran = runs(db)
     assert ran and max(ran.values()) == 1, f"a job ran twice: {master.stderr()}"
-    left = db.execute("SELECT state::text, attempt, count(*) FROM fastjobs_jobs GROUP BY 1, 2").fetchall()
+    left = db.execute("SELECT state::text, attempt, count(*) FROM fastjobs_jobs_all GROUP BY 1, 2").fetchall()
     assert [row for row in left if row[:2] != ("available", 0)] == [], left
 
     again = masters.start("--processes", "2")
-    wait_for(lambda: not count(db, "SELECT count(*) FROM fastjobs_jobs"), "the rest to drain", timeout=15)
+    wait_for(lambda: not count(db, "SELECT count(*) FROM fastjobs_jobs_all"), "the rest to drain", timeout=15)
     assert again.stop() == 0, again.stderr()
     assert runs(db) == Counter(range(total))
 
@@ -124,8 +124,8 @@ def test_a_foreign_worker_with_the_same_host_and_pid_keeps_its_running_job(
     ours = app.enqueue("record", {"n": 2}, queue="elsewhere")
     for job_id, by in ((theirs, foreign), (ours, own)):
         db.execute(
-            "UPDATE fastjobs_jobs SET state = 'running', attempt = 1, attempted_at = now(), attempted_by = %s"
-            " WHERE id = %s",
+            "UPDATE fastjobs_jobs_all SET state = 'running', attempt = 1, attempted_at = now(),"
+            " attempted_by = %s WHERE id = %s",
             (by, job_id),
         )
     with psycopg.connect(app.dsn, autocommit=True) as listener:
@@ -234,7 +234,9 @@ def test_a_job_whose_outcome_kills_its_worker_is_quarantined_alone(
     # Its batch-mates are never charged: the failing ones fail once, the others complete.
     for failing in (first, other):
         assert job(db, failing)[:3] == ("discarded", 1, 0)
-    wait_for(lambda: not count(db, "SELECT count(*) FROM fastjobs_jobs WHERE kind = 'record'"), "the rest")
+    wait_for(
+        lambda: not count(db, "SELECT count(*) FROM fastjobs_jobs_all WHERE kind = 'record'"), "the rest"
+    )
     assert set(runs(db)) >= set(range(100, 120))
     assert master.stop() == 0, master.stderr()
 
@@ -259,11 +261,11 @@ def test_the_workers_of_a_killed_master_give_back_their_jobs_and_exit_within_the
     wait_for(lambda: not procs.alive(worker), "the orphaned worker to exit", timeout=grace + 3)
     assert time.monotonic() - killed >= grace - 0.5  # it gave the running job its grace
     assert runs(db) == Counter({0: 1}), "nothing started after the master died"
-    assert count(db, "SELECT count(*) FROM fastjobs_jobs WHERE state = 'running'") == 0
+    assert count(db, "SELECT count(*) FROM fastjobs_jobs_all WHERE state = 'running'") == 0
     state, attempt, crashes, _, errors = job(db, long)
     assert state in ("available", "retryable") and attempt == 1 and crashes == 0 and errors
     assert db.execute(
-        "SELECT count(*) FROM fastjobs_jobs WHERE id <> %s AND (state <> 'available' OR attempt <> 0)",
+        "SELECT count(*) FROM fastjobs_jobs_all WHERE id <> %s AND (state <> 'available' OR attempt <> 0)",
         (long,),
     ).fetchone() == (0,)
 
@@ -283,7 +285,7 @@ def test_a_grace_kill_gives_back_the_unstarted_jobs_before_the_master_exits(
     # By the time the master has exited: the killed job waits for the rescuer, the rest are back.
     assert running_by(db, worker) == [long]
     assert db.execute(
-        "SELECT count(*) FROM fastjobs_jobs WHERE id <> %s AND (state <> 'available' OR attempt <> 0)",
+        "SELECT count(*) FROM fastjobs_jobs_all WHERE id <> %s AND (state <> 'available' OR attempt <> 0)",
         (long,),
     ).fetchone() == (0,)
 

@@ -430,7 +430,7 @@ def test_testing_points_the_app_at_a_database_and_back(app: App):
         assert app.dsn == other
         kit.assert_enqueued("somewhere", count=1)
     assert app.dsn == before
-    assert query(before, "SELECT count(*) AS n FROM fastjobs_jobs") == [{"n": 0}]
+    assert query(before, "SELECT count(*) AS n FROM fastjobs_jobs_all") == [{"n": 0}]
     with pytest.raises(ValueError, match="mode must be one of manual, inline"):
         app.testing(mode="eager")  # type: ignore[arg-type]
 

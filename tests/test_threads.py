@@ -147,7 +147,7 @@ def spans(db: psycopg.Connection[Any], where: str = "note IS NULL") -> list[tupl
 
 def job_state(db: psycopg.Connection[Any], job_id: int) -> tuple[str, int, str | None]:
     row = db.execute(
-        "SELECT state::text, attempt, errors->-1->>'error' FROM fastjobs_jobs WHERE id = %s", (job_id,)
+        "SELECT state::text, attempt, errors->-1->>'error' FROM fastjobs_jobs_all WHERE id = %s", (job_id,)
     ).fetchone()
     assert row is not None
     return row[0], row[1], row[2]
@@ -163,7 +163,7 @@ def test_a_queues_concurrency_runs_that_many_sync_jobs_at_once(
     total = 200
     ids = {app.enqueue("io", {"n": n, "sleep": 0.1}): n for n in range(total)}
     master = threads.start("--processes", "2", "--queues", queues, module=MODULE)
-    wait_for(lambda: not count(db, "SELECT count(*) FROM fastjobs_jobs"), "the jobs to drain", timeout=60)
+    wait_for(lambda: not count(db, "SELECT count(*) FROM fastjobs_jobs_all"), "the jobs to drain", timeout=60)
     assert master.stop() == 0, master.stderr()
     rows = spans(db)
     assert Counter(n for n, *_ in rows) == Counter(range(total))  # each exactly once
@@ -189,8 +189,8 @@ def test_a_threaded_job_past_its_timeout_fails_and_the_others_run_on(
     worker = master.wait_child("fastjobs: worker 1 ")
     wait_for(
         lambda: (
-            count(db, "SELECT count(*) FROM fastjobs_jobs WHERE state = 'running'") == 0
-            and count(db, "SELECT count(*) FROM fastjobs_jobs WHERE state = 'available'") == 0
+            count(db, "SELECT count(*) FROM fastjobs_jobs_all WHERE state = 'running'") == 0
+            and count(db, "SELECT count(*) FROM fastjobs_jobs_all WHERE state = 'available'") == 0
         ),
         "every job to end",
     )
@@ -198,7 +198,7 @@ def test_a_threaded_job_past_its_timeout_fails_and_the_others_run_on(
         state, attempt, error = job_state(db, job_id)
         assert (state, attempt) == ("discarded", 1), (state, attempt, error)
         assert error == "JobTimeout: job ran longer than its timeout of 0.5s"
-    assert not count(db, "SELECT count(*) FROM fastjobs_jobs WHERE id = ANY(%s)", ios)  # completed
+    assert not count(db, "SELECT count(*) FROM fastjobs_jobs_all WHERE id = ANY(%s)", ios)  # completed
     # Spins ran at once, on threads of their own, and the worker never restarted.
     rows = spans(db, "n < 10")
     assert max(row[5] for row in rows) >= 2, rows
@@ -239,13 +239,13 @@ def test_a_graceful_stop_lets_the_running_threaded_jobs_finish_and_gives_back_th
     [(signalled,)] = db.execute("SELECT at FROM spans WHERE note = 'signalled'").fetchall()
     late = db.execute("SELECT n FROM spans WHERE note IS NULL AND at > %s", (signalled,)).fetchall()
     assert late == []  # nothing started once the stop had arrived
-    assert not count(db, "SELECT count(*) FROM fastjobs_jobs WHERE id = %s", stopper)  # it finished
-    left = db.execute("SELECT state::text, attempt, count(*) FROM fastjobs_jobs GROUP BY 1, 2").fetchall()
+    assert not count(db, "SELECT count(*) FROM fastjobs_jobs_all WHERE id = %s", stopper)  # it finished
+    left = db.execute("SELECT state::text, attempt, count(*) FROM fastjobs_jobs_all GROUP BY 1, 2").fetchall()
     assert [row for row in left if row[:2] != ("available", 0)] == [], left
     assert left and left[0][2] >= 10  # jobs were given back (the stopper's wave and the claim ahead)
 
     again = threads.start("--processes", "1", "--queues", "default:4", module=MODULE)
-    wait_for(lambda: not count(db, "SELECT count(*) FROM fastjobs_jobs"), "the rest to drain")
+    wait_for(lambda: not count(db, "SELECT count(*) FROM fastjobs_jobs_all"), "the rest to drain")
     assert again.stop() == 0, again.stderr()
     rows = spans(db)
     assert Counter(n for n, *_ in rows) == Counter(range(400))
@@ -266,7 +266,8 @@ def test_a_worker_killed_mid_wave_counts_an_attempt_for_exactly_its_running_jobs
 
     def running_by_victim() -> set[int]:
         rows = db.execute(
-            "SELECT id FROM fastjobs_jobs WHERE state = 'running' AND split_part(attempted_by, ':', 2) = %s",
+            "SELECT id FROM fastjobs_jobs_all"
+            " WHERE state = 'running' AND split_part(attempted_by, ':', 2) = %s",
             (str(victim),),
         ).fetchall()
         return {row[0] for row in rows}
@@ -290,7 +291,7 @@ def test_systemexit_in_a_threaded_handler_stops_the_worker_as_on_its_main_thread
     master = threads.start("--processes", "1", "--queues", "default:3", module=MODULE)
     victim = master.wait_child("fastjobs: worker 1 ")
     wait_for(
-        lambda: not count(db, "SELECT count(*) FROM fastjobs_jobs WHERE id = ANY(%s)", rest),
+        lambda: not count(db, "SELECT count(*) FROM fastjobs_jobs_all WHERE id = ANY(%s)", rest),
         "the rest to run, on the heir",
     )
     for job_id in [*running, exits]:

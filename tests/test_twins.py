@@ -102,7 +102,7 @@ def _register(app: App, dsn: str, executor: Executor) -> None:
     @app.job("stale")
     def stale() -> None:
         # Taken from this worker while it runs (as the rescuer would): its outcome is dropped.
-        query(dsn, "UPDATE fastjobs_jobs SET attempted_by = 'another-worker' WHERE id = %s", (own_id(),))
+        query(dsn, "UPDATE fastjobs_jobs_all SET attempted_by = 'another-worker' WHERE id = %s", (own_id(),))
 
     @app.job("slow_ok", timeout=30)
     def slow_ok() -> None: ...
@@ -200,7 +200,7 @@ def _rows(dsn: str, ids: list[int]) -> list[Any]:
             dsn,
             """SELECT id, state::text, attempt, errors, attempted_by,
                       greatest(0, floor(extract(epoch FROM run_at - attempted_at)))::int AS delay
-                 FROM fastjobs_jobs WHERE id = ANY(%s)""",
+                 FROM fastjobs_jobs_all WHERE id = ANY(%s)""",
             (ids,),
         )
     }
@@ -414,7 +414,7 @@ def _connection_lost_in_a_statement(core: Core, dsn: str) -> str:
         with psycopg.connect(dsn, autocommit=True) as conn, psycopg.connect(dsn) as locker:
             loop = _loop(core, app, conn)
             assert loop.step() == 1
-            locker.execute("SELECT 1 FROM fastjobs_jobs WHERE id = %s FOR UPDATE", (job_id,))
+            locker.execute("SELECT 1 FROM fastjobs_jobs_all WHERE id = %s FOR UPDATE", (job_id,))
 
             def finish() -> None:
                 try:
@@ -447,7 +447,7 @@ def _statement_failed(core: Core, dsn: str) -> str:
             conn.execute("SET lock_timeout = '100ms'")
             loop = _loop(core, app, conn)
             assert loop.step() == 1
-            locker.execute("SELECT 1 FROM fastjobs_jobs WHERE id = %s FOR UPDATE", (job_id,))
+            locker.execute("SELECT 1 FROM fastjobs_jobs_all WHERE id = %s FOR UPDATE", (job_id,))
             with pytest.raises(LoopError) as raised:
                 loop.finish()
             return str(raised.value)

@@ -22,7 +22,7 @@ from .helpers import drain, query
 
 def rows(dsn: str) -> list[dict[str, Any]]:
     return query(
-        dsn, "SELECT id, kind, args, state::text AS state, unique_key FROM fastjobs_jobs ORDER BY id"
+        dsn, "SELECT id, kind, args, state::text AS state, unique_key FROM fastjobs_jobs_all ORDER BY id"
     )
 
 
@@ -49,7 +49,7 @@ def test_a_duplicate_key_returns_the_pending_jobs_id(app: App, dsn: str) -> None
 @pytest.mark.parametrize("state", ["scheduled", "running", "retryable"])
 def test_every_pending_or_running_state_holds_the_key(app: App, dsn: str, state: str) -> None:
     first = app.enqueue("k", unique_key="key")
-    query(dsn, "UPDATE fastjobs_jobs SET state = %s::fastjobs_state", (state,))
+    query(dsn, "UPDATE fastjobs_jobs_all SET state = %s::fastjobs_state", (state,))
     assert app.enqueue("k", unique_key="key") == first
     assert len(rows(dsn)) == 1
 
@@ -57,7 +57,7 @@ def test_every_pending_or_running_state_holds_the_key(app: App, dsn: str, state:
 @pytest.mark.parametrize("state", ["completed", "discarded", "cancelled"])
 def test_a_finished_job_frees_the_key(app: App, dsn: str, state: str) -> None:
     first = app.enqueue("k", unique_key="key")
-    query(dsn, "UPDATE fastjobs_jobs SET state = %s::fastjobs_state, finalized_at = now()", (state,))
+    query(dsn, "UPDATE fastjobs_jobs_all SET state = %s::fastjobs_state, finalized_at = now()", (state,))
     second = app.enqueue("k", unique_key="key")
     assert second != first
     assert [(r["id"], r["state"]) for r in rows(dsn)] == [(first, state), (second, "available")]
@@ -216,7 +216,7 @@ def test_enqueue_many_unique_in_many_chunks(app: App, dsn: str) -> None:
 
     assert item.enqueue_many({"n": n % 10_000} for n in range(20_000)) == 10_000
     assert item.enqueue_many({"n": n} for n in range(5_000, 15_000)) == 5_000
-    assert query(dsn, "SELECT count(*) AS n, count(DISTINCT unique_key) AS keys FROM fastjobs_jobs") == [
+    assert query(dsn, "SELECT count(*) AS n, count(DISTINCT unique_key) AS keys FROM fastjobs_jobs_all") == [
         {"n": 15_000, "keys": 15_000}
     ]
 
@@ -244,7 +244,7 @@ def test_unique_enqueues_in_a_rolled_back_transaction_leave_nothing(app: App, ds
 
 
 def rows_in(conn: psycopg.Connection[Any]) -> list[int]:
-    return [r[0] for r in conn.execute("SELECT id FROM fastjobs_jobs ORDER BY id")]
+    return [r[0] for r in conn.execute("SELECT id FROM fastjobs_jobs_all ORDER BY id")]
 
 
 def test_enqueue_many_unique_on_an_idle_caller_connection_waits_for_its_commit(app: App, dsn: str) -> None:

@@ -126,7 +126,7 @@ def test_a_transactional_enqueue_runs_once_committed_and_never_when_rolled_back(
             conn.rollback()
             tx.using(conn).enqueue(n=2)
             with psycopg.connect(dsn, autocommit=True) as other:  # invisible until the commit
-                row = other.execute("SELECT count(*) FROM fastjobs_jobs").fetchone()
+                row = other.execute("SELECT count(*) FROM fastjobs_jobs_all").fetchone()
                 assert row == (0,)
             conn.commit()
         assert committed.wait(30.0)  # woken at the commit: the poll is a minute

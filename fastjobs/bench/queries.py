@@ -7,7 +7,7 @@ from types import MappingProxyType
 from typing import Final
 
 # bench_available_count: progress of a benchmark drain (reads only the claim index).
-bench_available_count: Final = "SELECT count(*) FROM fastjobs_jobs WHERE state = 'available'"
+bench_available_count: Final = "SELECT count(*) FROM fastjobs_jobs_all WHERE state = 'available'"
 
 # bench_seed_finished: $1 completed jobs finalized two days ago, for the cleaner benchmark.
 bench_seed_finished: Final = """
@@ -17,11 +17,11 @@ SELECT 'fastjobs.bench.old', jsonb_build_object('i', i), 'completed', 1,
   FROM generate_series(1, $1::int) AS i"""
 
 # bench_raw_complete: the raw-SQL limit's completion, DELETE by id array.
-bench_raw_complete: Final = "DELETE FROM fastjobs_jobs WHERE id = ANY($1::bigint[])"
+bench_raw_complete: Final = "DELETE FROM fastjobs_jobs_all WHERE id = ANY($1::bigint[])"
 
 # bench_raw_complete_keep: the raw-SQL limit's completion when completed jobs are kept.
 bench_raw_complete_keep: Final = (
-    "UPDATE fastjobs_jobs SET state = 'completed', finalized_at = now() WHERE id = ANY($1::bigint[])"
+    "UPDATE fastjobs_jobs_all SET state = 'completed', finalized_at = now() WHERE id = ANY($1::bigint[])"
 )
 
 # bench_plain_create: the producers benchmark's limit, a table like fastjobs_jobs
@@ -39,9 +39,10 @@ INSERT INTO fastjobs_bench_plain (queue, kind, args, priority, max_attempts)
 VALUES ($1, $2, $3::jsonb, $4, $5)
 RETURNING id"""
 
-# bench_trigger_insert: the same INSERT into fastjobs_jobs, its trigger included.
+# bench_trigger_insert: the same INSERT into fastjobs_jobs_all, as sql.job_insert_now: its trigger
+# and the routing to the current rotating slot included.
 bench_trigger_insert: Final = """
-INSERT INTO fastjobs_jobs (queue, kind, args, priority, max_attempts)
+INSERT INTO fastjobs_jobs_all (queue, kind, args, priority, max_attempts)
 VALUES ($1, $2, $3::jsonb, $4, $5)
 RETURNING id"""
 

@@ -16,6 +16,7 @@ import math
 import mmap
 import multiprocessing
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +43,7 @@ LOAD = 0.8  # the offered rate, as a share of the measured maximum
 BINS = 400
 _FLOOR, _GROWTH = 1e-5, math.log(1.05)
 REGIONS = 64
+_ROTATING = re.compile(r"fastjobs_jobs_[0-9]+$")
 
 
 class Histograms:
@@ -295,7 +297,8 @@ def run_phase(
                 now, total, enqueued = time.perf_counter(), histograms.total(), sent.value
                 bins = [a - b for a, b in zip(total[1:], last[1:], strict=True)]
                 health = stats.health(watch)
-                jobs = next(t for t in health.tables if t.table == "fastjobs_jobs")
+                # fastjobs_jobs (slot 0) and the rotating slots fastjobs_jobs_1..4: the jobs' partitions.
+                parts = [t for t in health.tables if t.table == "fastjobs_jobs" or _ROTATING.match(t.table)]
                 backlog = watch.execute(queries.bench_available_count).fetchone()[0]  # type: ignore[index]
                 p50, p99 = percentile(bins, 0.50), percentile(bins, 0.99)
                 h = health.horizon
@@ -306,12 +309,12 @@ def run_phase(
                     p50_ms=None if p50 is None else round(p50 * 1000, 2),
                     p99_ms=None if p99 is None else round(p99 * 1000, 2),
                     backlog=int(backlog),
-                    table_mb=round(jobs.table_bytes / 2**20, 1),
-                    index_mb=round(jobs.index_bytes / 2**20, 1),
-                    dead_rows=jobs.dead,
-                    live_rows=jobs.live,
+                    table_mb=round(sum(t.table_bytes for t in parts) / 2**20, 1),
+                    index_mb=round(sum(t.index_bytes for t in parts) / 2**20, 1),
+                    dead_rows=sum(t.dead for t in parts),
+                    live_rows=sum(t.live for t in parts),
                     horizon_s=round(h.seconds or 0.0, 1) if h is not None else 0.0,
-                    autovacuums=jobs.autovacuums,
+                    autovacuums=sum(t.autovacuums for t in parts),
                 )
                 samples.append(sample)
                 echo(_line(sample))
@@ -454,7 +457,7 @@ def _plot(record: dict[str, Any], path: Path, echo: Callable[[str], None]) -> No
         ("jobs_per_s", "jobs/s completed"),
         ("p99_ms", "pickup p99 (ms)"),
         ("backlog", "available jobs"),
-        ("mb", "fastjobs_jobs (MB)"),
+        ("mb", "jobs' partitions (MB)"),
         ("dead_rows", "dead rows"),
     )
     fig, axes = plt.subplots(len(panels), 1, figsize=(10, 13), sharex=True)
