@@ -524,7 +524,7 @@ cdef class BatchLoop:
         return 0
 
     cdef int _lock(self, Py_ssize_t limit) except -1:
-        """The fast lane's claim (see the reference): the rows go to self._rows, the transaction stays open."""
+        """The fast lane's claim (see the reference): rows to self._rows, the transaction left open."""
         cdef char limit_text[24]
         cdef const char *values[2]
         cdef list error = []

@@ -1,4 +1,4 @@
-"""The fast lane: short sync jobs claimed by row lock in a transaction held over their batch (sql.job_lock_many).
+"""The fast lane: short sync jobs claimed by row lock in a transaction held over their batch.
 
 One write per job: a completed job is deleted, another outcome updates its
 row once, and a job in flight never reads 'running'. Jobs that may not hold a
@@ -22,7 +22,7 @@ from fastjobs.abc import BATCH_SECONDS
 from fastjobs.worker import Worker, WorkerConfig
 
 from . import procs
-from .helpers import WorkerThread, batch_loop, by_state, query, wait_for
+from .helpers import batch_loop, by_state, query
 
 
 def _outcome_rows(dsn: str) -> list[tuple[Any, ...]]:
