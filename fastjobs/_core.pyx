@@ -382,6 +382,7 @@ cdef class BatchLoop:
     # and when that batch stops starting jobs.
     cdef list _fast_queues
     cdef list _state_until
+    cdef list _proven
     cdef bint _tx
     cdef double _deadline
     cdef bytes _lock_statement, _lock_sql
@@ -424,6 +425,7 @@ cdef class BatchLoop:
         name, text = sql.LOCK[bool(full_context)]
         self._lock_statement, self._lock_sql = name.encode(), text.encode()
         self._state_until = [0.0] * len(queues)
+        self._proven = [False] * len(queues)  # see the reference
         self._tx = False
         self._deadline = 0.0
         self.fast = 0
@@ -492,12 +494,14 @@ cdef class BatchLoop:
 
     cdef bint _fast_for(self, Py_ssize_t index):
         """Whether the next claim of queue `index` takes the fast lane."""
-        if not self._fast_queues[index] or <double>self._state_until[index] > _monotonic():
+        if (not (self._fast_queues[index] and self._proven[index])
+                or <double>self._state_until[index] > _monotonic()):
             return False
         return not (self._executor.threads and self._executor.pooled(self._queues[index]))
 
     cdef void _demote(self, Py_ssize_t index):
         self._state_until[index] = _monotonic() + _FAST_LANE_DEMOTE
+        self._proven[index] = False
 
     cdef int _simple(self, bytes text) except -1:
         """Run a statement without parameters or rows (the fast lane's BEGIN, COMMIT, ROLLBACK)."""
@@ -954,6 +958,8 @@ cdef class BatchLoop:
             # Slow jobs get small batches, waves (async, pooled) at least one: see the reference.
             cap = <Py_ssize_t>(_BATCH_SECONDS * n / max(ran, 1e-9))
             wave = self._executor.wave
+            if ran < _BATCH_SECONDS / 2 and not wave and not self._pooled:
+                self._proven[self._batch_base // self._stride] = True
             if wave:
                 # Whole waves, the nearest count: see the reference.
                 cap = max(<Py_ssize_t>wave, (cap + wave // 2) // wave * wave)

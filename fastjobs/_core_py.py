@@ -180,6 +180,10 @@ class BatchLoop:
                 sql.job_finish_locked_many,
             )
         self._state_until = [0.0] * len(queues)
+        # A queue takes the fast lane only once a batch of it on the state lane
+        # ran in under half BATCH_SECONDS: a long sync job that polls
+        # current_job().cancelled must not hold a lock its cancel waits for.
+        self._proven = [False] * len(queues)
         self._tx = False  # a fast-lane batch's transaction is open
         self._deadline = 0.0  # when the fast batch running stops starting jobs
         self.fast = 0  # outcomes written on the fast lane
@@ -238,12 +242,16 @@ class BatchLoop:
 
     def _fast_for(self, index: int) -> bool:
         """Whether the next claim of queue `index` takes the fast lane."""
-        if not self._fast_queues[index] or self._state_until[index] > time.monotonic():
+        if (
+            not (self._fast_queues[index] and self._proven[index])
+            or self._state_until[index] > time.monotonic()
+        ):
             return False
         return not (self._executor.threads and self._executor.pooled(self._queues[index]))
 
     def _demote(self, index: int) -> None:
         self._state_until[index] = time.monotonic() + FAST_LANE_DEMOTE
+        self._proven[index] = False
 
     def _simple(self, text: str) -> None:
         """Run a statement without parameters or rows (the fast lane's BEGIN, COMMIT, ROLLBACK)."""
@@ -545,6 +553,8 @@ class BatchLoop:
         # concurrency they were given.
         cap = int(BATCH_SECONDS * len(rows) / max(ran, 1e-9))
         wave = self._executor.wave
+        if ran < BATCH_SECONDS / 2 and not wave and not self._pooled:
+            self._proven[self._batch_base // self._stride] = True
         if wave:
             # Whole waves, the nearest count: 19 jobs on 10 threads take as long as 20.
             cap = max(wave, (cap + wave // 2) // wave * wave)

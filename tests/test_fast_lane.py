@@ -25,6 +25,17 @@ from . import procs
 from .helpers import batch_loop, by_state, query
 
 
+@pytest.fixture(autouse=True)
+def _warm_kind(app: App) -> None:
+    app.job(kind="warm")(lambda: None)
+
+
+def _warm(app: App, loop: Any) -> None:
+    """One quick job on the state lane: a queue takes the fast lane once a batch of it ran quickly."""
+    app.enqueue("warm")
+    assert loop.step() == 1 and loop.fast == 0
+
+
 def _outcome_rows(dsn: str) -> list[tuple[Any, ...]]:
     rows = query(
         dsn,
@@ -55,14 +66,15 @@ def test_outcomes_are_recorded_as_on_the_state_lane(app: App, dsn: str, lane: st
     """Completions, failures (retried, then discarded at the last attempt), Retry, Snooze and Cancel
     leave the same rows on both lanes; the fast lane writes every outcome itself."""
     _register_outcomes(app)
-    app.enqueue_many("mixed", ({"n": n} for n in range(20)))
-    query(dsn, "UPDATE fastjobs_jobs SET attempt = 1 WHERE (args->>'n')::int = 6")  # its last attempt
     with batch_loop(app, 100, fast_lane=lane == "fast") as loop:
+        _warm(app, loop)
+        app.enqueue_many("mixed", ({"n": n} for n in range(20)))
+        query(dsn, "UPDATE fastjobs_jobs SET attempt = 1 WHERE (args->>'n')::int = 6")  # its last attempt
         while loop.step():
             pass
         loop.finish()
         assert loop.fast == (24 if lane == "fast" else 0)  # 20 jobs, the 4 snoozed twice
-        assert (loop.completed, loop.retried, loop.discarded) == (8, 7, 1)
+        assert (loop.completed, loop.retried, loop.discarded) == (9, 7, 1)  # the warm-up job too
     assert _outcome_rows(dsn) == [
         ("1", "retryable", 1, 0, 1),
         ("2", "retryable", 1, 0, 1),
@@ -90,8 +102,9 @@ def test_a_job_in_flight_is_locked_and_never_running(app: App, dsn: str) -> None
             locked = other.execute("SELECT id FROM fastjobs_jobs FOR UPDATE SKIP LOCKED").fetchall()
             seen.append(locked)
 
-    look.enqueue(n=1)
     with batch_loop(app, 10, fast_lane=True) as loop:
+        _warm(app, loop)
+        look.enqueue(n=1)
         assert loop.step() == 1
         assert loop.fast == 1
     assert seen == [("available", 0), []]
@@ -111,8 +124,9 @@ def test_a_slow_job_ends_its_batch_and_sends_its_queue_to_the_state_lane(app: Ap
             row = other.execute("SELECT state::text FROM fastjobs_jobs WHERE args->>'n' = %s", (str(n),))
             states.append(row.fetchone()[0])  # type: ignore[index]
 
-    sleepy.enqueue_many({"n": n, "sleep": 3 * BATCH_SECONDS if n == 1 else 0} for n in range(6))
     with batch_loop(app, 6, fast_lane=True) as loop:
+        _warm(app, loop)
+        sleepy.enqueue_many({"n": n, "sleep": 3 * BATCH_SECONDS if n == 1 else 0} for n in range(6))
         began = time.monotonic()
         assert loop.step() == 6
         assert time.monotonic() - began < 6 * BATCH_SECONDS
@@ -175,10 +189,11 @@ def test_a_kind_of_another_queue_found_in_a_fast_batch_goes_back_to_the_state_la
     async def later(n: int) -> None:
         ran.append("later")
 
-    quick.enqueue(n=1)
-    app.enqueue("later", {"n": 2}, queue="default")
-    quick.enqueue(n=3)
     with batch_loop(app, 10, fast_lane=True, queues=["default"]) as loop:
+        _warm(app, loop)
+        quick.enqueue(n=1)
+        app.enqueue("later", {"n": 2}, queue="default")
+        quick.enqueue(n=3)
         assert loop.step() == 3
         assert loop.fast == 2 and ran == ["quick", "quick"]
         assert loop.step() == 1
@@ -195,8 +210,9 @@ def test_a_stop_mid_batch_commits_what_ran_and_leaves_the_rest(app: App, dsn: st
         if n == 2:
             loop_box[0].stopping = True
 
-    stopper.enqueue_many({"n": n} for n in range(6))
     with batch_loop(app, 6, fast_lane=True) as loop:
+        _warm(app, loop)
+        stopper.enqueue_many({"n": n} for n in range(6))
         loop_box.append(loop)
         assert loop.step() == 6
         loop.finish()
@@ -232,8 +248,9 @@ def test_a_cancel_waits_for_the_batch_and_is_not_lost(app: App, dsn: str) -> Non
         if n == 1:
             loop_box[0].stopping = True
 
-    ids.extend(c.enqueue(n=n) for n in range(3))
     with batch_loop(app, 3, fast_lane=True) as loop:
+        _warm(app, loop)
+        ids.extend(c.enqueue(n=n) for n in range(3))
         loop_box.append(loop)
         began = time.monotonic()
         assert loop.step() == 3
@@ -244,6 +261,25 @@ def test_a_cancel_waits_for_the_batch_and_is_not_lost(app: App, dsn: str) -> Non
     assert blocked == [{}]
     assert results == {ids[1]: "gone", ids[2]: "cancelled"}
     assert by_state(dsn) == {"cancelled": 1}
+
+
+def test_a_queue_takes_the_fast_lane_only_after_a_quick_batch(app: App, dsn: str) -> None:
+    """Its first batch takes the state lane; a slow one keeps it there (a long sync job polling
+    current_job().cancelled can be told), a quick one moves it to the fast lane."""
+    states: list[str] = []
+
+    @app.job(kind="probe")
+    def probe(n: int, sleep: float) -> None:
+        time.sleep(sleep)
+        with psycopg.connect(dsn, autocommit=True) as other:
+            states.append(other.execute("SELECT state::text FROM fastjobs_jobs").fetchone()[0])  # type: ignore[index]
+
+    with batch_loop(app, 1, fast_lane=True) as loop:
+        for sleep in (BATCH_SECONDS, 0.0, 0.0, 0.0):
+            probe.enqueue(n=1, sleep=sleep)
+            assert loop.step() == 1
+    assert states == ["running", "running", "available", "available"]
+    assert loop.fast == 2
 
 
 CRASHER = '''
@@ -273,6 +309,8 @@ def test_a_job_that_kills_its_worker_on_the_fast_lane_is_quarantined(
     after max_crashes (3) the job is discarded; its batch-mates run once each."""
     (tmp_path / "crashjobs.py").write_text(CRASHER)
     # (The queue of its own: fjjobs's default queue has async and timeout= kinds, the state lane's.)
+    app.declare("mate", queue="fastq")
+    app.declare("crash", queue="fastq")
     app.enqueue_many("mate", ({"n": n} for n in range(100, 110)), queue="fastq")
     crash = app.enqueue("crash", {"n": 0}, max_attempts=10, queue="fastq")
     app.enqueue_many("mate", ({"n": n} for n in range(110, 120)), queue="fastq")
