@@ -282,6 +282,33 @@ def test_a_queue_takes_the_fast_lane_only_after_a_quick_batch(app: App, dsn: str
     assert loop.fast == 2
 
 
+def test_an_outcome_postgresql_rejects_rolls_the_batch_back_to_the_state_lane(
+    app: App, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch's jobs run again (at least once) on the state lane, which isolates the bad outcome:
+    nothing is lost, the others complete, the bad job gets fastjobs's own failure record."""
+    monkeypatch.setattr(fastjobs.handlers, "clean", lambda text: text)
+    runs: dict[int, int] = {}
+
+    @app.job(kind="nul")
+    def nul(n: int) -> None:
+        runs[n] = runs.get(n, 0) + 1
+        if n == 2:
+            raise ValueError("nul \x00 here")
+
+    with batch_loop(app, 10, fast_lane=True) as loop:
+        _warm(app, loop)
+        nul.enqueue_many({"n": n} for n in range(5))
+        assert loop.step() == 5
+        assert loop.fast == 0 and by_state(dsn) == {"available": 5}  # rolled back
+        while loop.step():
+            pass
+        loop.finish()
+    assert runs == {0: 2, 1: 2, 2: 2, 3: 2, 4: 2}
+    [row] = query(dsn, "SELECT args->>'n' AS n, state::text AS state, attempt FROM fastjobs_jobs")
+    assert row == {"n": "2", "state": "retryable", "attempt": 1}
+
+
 CRASHER = '''
 """A job that kills its worker on the fast lane."""
 
