@@ -27,6 +27,7 @@ class BatchLoop:
     retried: int
     discarded: int
     stale: int
+    fast: int
     size: int
     batch_min: int
     batch_max: int
@@ -49,6 +50,7 @@ class BatchLoop:
         running: memoryview | None = None,
         counts: memoryview | None = None,
         full_context: bool = False,
+        fast_lane: bool = False,
     ) -> None: ...
     def prepare(self) -> None: ...
     def step(self) -> int: ...

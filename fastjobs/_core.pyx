@@ -21,7 +21,8 @@ import inspect
 import orjson
 
 from fastjobs import handlers, sql, stats
-from fastjobs.abc import (BATCH_SECONDS, BUCKETS_NS, COMPLETED, FULL_CLAIM_DUTY, FULL_CLAIM_MAX_WAIT,
+from fastjobs.abc import (BATCH_SECONDS, BUCKETS_NS, COMPLETED, FAST_LANE_DEMOTE, FULL_CLAIM_DUTY,
+                          FULL_CLAIM_MAX_WAIT,
                           INT64_MAX, MARK_RUN_AT_MAX, MARK_RUN_AT_MIN, OBSERVED_MAX_NS, PG_EPOCH_US,
                           PICKUP_SUM, ROW, RUN_SUM, SIZE_DECAY)
 from fastjobs.args import dump_args as _dump_args_checked
@@ -38,6 +39,7 @@ cdef extern from "libpq-fe.h" nogil:
         PGRES_TUPLES_OK
     PGresult *PQprepare(PGconn *conn, const char *name, const char *query, int nParams,
                         const unsigned int *types)
+    int PQsendQuery(PGconn *conn, const char *query)
     int PQsendQueryPrepared(PGconn *conn, const char *name, int nParams, const char * const *values,
                             const int *lengths, const int *formats, int resultFormat)
     int PQflush(PGconn *conn)
@@ -77,6 +79,7 @@ IMPLEMENTATION = "c"
 cdef double _BATCH_SECONDS = BATCH_SECONDS
 cdef double _FULL_CLAIM_MAX_WAIT = FULL_CLAIM_MAX_WAIT
 cdef Py_ssize_t _SIZE_DECAY = SIZE_DECAY
+cdef double _FAST_LANE_DEMOTE = FAST_LANE_DEMOTE
 cdef int64_t _MARK_RUN_AT_MIN = MARK_RUN_AT_MIN
 cdef int64_t _MARK_RUN_AT_MAX = MARK_RUN_AT_MAX
 cdef double _INF = float("inf")
@@ -94,6 +97,8 @@ cdef object _completed = handlers.completed
 cdef object _encode = handlers.encode
 cdef object _isolate = handlers.isolate
 cdef object _say_stale = handlers.say_stale
+cdef object _started = handlers.started
+cdef object _say_rolled_back = handlers.say_rolled_back
 cdef frozenset _OUTCOME_ERROR_CLASSES = handlers.OUTCOME_ERROR_CLASSES
 cdef int _PG_DIAG_SQLSTATE = ord("C")
 cdef object _outcome_column = stats.outcome_column
@@ -373,6 +378,16 @@ cdef class BatchLoop:
     # created_at too and each JobContext is filled whole (see the reference).
     cdef bint _full_context
     cdef str _queue_name
+    # The fast lane (see the reference): per queue whether it may take it and
+    # until when it is demoted; whether a fast batch's transaction is open,
+    # and when that batch stops starting jobs.
+    cdef list _fast_queues
+    cdef list _state_until
+    cdef list _proven
+    cdef bint _tx
+    cdef double _deadline
+    cdef bytes _lock_statement, _lock_sql
+    cdef public Py_ssize_t fast
 
     def __cinit__(self):
         self._pgconn = NULL
@@ -387,7 +402,7 @@ cdef class BatchLoop:
     def __init__(self, conn, dict specs, executor, str worker_id, list queues, bint keep_completed=False,
                  Py_ssize_t batch_min=1, Py_ssize_t batch_max=1000, bint overlap=True, progress=None,
                  double full_claim_duty=FULL_CLAIM_DUTY, running=None, counts=None,
-                 bint full_context=False):
+                 bint full_context=False, bint fast_lane=False):
         self._conn = conn
         self._pgconn = <PGconn *><size_t>conn.pgconn.pgconn_ptr
         self._specs = {k.encode(): v for k, v in specs.items()}
@@ -404,6 +419,17 @@ cdef class BatchLoop:
         self._statement, self._sql = name.encode(), text.encode()
         name, text = finish[bool(keep_completed), True]
         self._after_statement, self._after_sql = name.encode(), text.encode()
+        self._fast_queues = [
+            fast_lane and not keep_completed and all(
+                not spec.is_async and spec.timeout is None for spec in specs.values() if spec.queue == q)
+            for q in queues]
+        name, text = sql.LOCK[bool(full_context)]
+        self._lock_statement, self._lock_sql = name.encode(), text.encode()
+        self._state_until = [0.0] * len(queues)
+        self._proven = [False] * len(queues)  # see the reference
+        self._tx = False
+        self._deadline = 0.0
+        self.fast = 0
         self._marks = [None] * len(queues)
         self._next_full = [0.0] * len(queues)
         self._sent_index = 0
@@ -463,6 +489,136 @@ cdef class BatchLoop:
     def prepare(self):
         self._prepare(self._statement, self._sql)
         self._prepare(self._after_statement, self._after_sql)
+        if any(self._fast_queues):
+            self._prepare(self._lock_statement, self._lock_sql)
+            self._prepare(b"job_finish_locked_many", sql.job_finish_locked_many.encode())
+
+    cdef bint _fast_for(self, Py_ssize_t index):
+        """Whether the next claim of queue `index` takes the fast lane."""
+        if (not (self._fast_queues[index] and self._proven[index])
+                or <double>self._state_until[index] > _monotonic()):
+            return False
+        return not (self._executor.threads and self._executor.pooled(self._queues[index]))
+
+    cdef void _demote(self, Py_ssize_t index):
+        self._state_until[index] = _monotonic() + _FAST_LANE_DEMOTE
+        self._proven[index] = False
+
+    cdef int _simple(self, bytes text) except -1:
+        """Run a statement without parameters or rows (the fast lane's BEGIN, COMMIT, ROLLBACK)."""
+        cdef PGresult *res
+        cdef str error = None
+        if not PQsendQuery(self._pgconn, text):
+            raise LoopError(_conn_error(self._pgconn))
+        self._flush()
+        if not PQconsumeInput(self._pgconn):
+            raise LoopError(_conn_error(self._pgconn))
+        while True:
+            while PQisBusy(self._pgconn):
+                _wait(self._pgconn, POLLIN)
+                if not PQconsumeInput(self._pgconn):
+                    raise LoopError(_conn_error(self._pgconn))
+            res = PQgetResult(self._pgconn)
+            if res == NULL:
+                break
+            if PQresultStatus(res) != PGRES_COMMAND_OK and error is None:
+                error = PQresultErrorMessage(res).decode("utf-8", "replace")
+            PQclear(res)
+        if error is not None:
+            raise LoopError(error)
+        return 0
+
+    cdef int _lock(self, Py_ssize_t limit) except -1:
+        """The fast lane's claim (see the reference): rows to self._rows, the transaction left open."""
+        cdef char limit_text[24]
+        cdef const char *values[2]
+        cdef list error = []
+        cdef Py_ssize_t turn, size, index
+        cdef int n
+        if self._ndone or self._failures:
+            turn, size = self._turn, self.size
+            self._send(0)
+            self._receive()
+            self._turn, self.size = turn, size
+        index = self._turn % len(self._queues)
+        self._turn += 1
+        if self._rows != NULL:
+            PQclear(self._rows)
+            self._rows = NULL
+        self._nrows = 0
+        self._simple(b"BEGIN")
+        snprintf(limit_text, sizeof(limit_text), "%zd", limit)
+        values[0] = PyBytes_AS_STRING(self._queues[index])
+        values[1] = limit_text
+        if not PQsendQueryPrepared(self._pgconn, self._lock_statement, 2, values, NULL, NULL, 1):
+            raise LoopError(_conn_error(self._pgconn))
+        self._flush()
+        self._in_flight = True
+        self._rows = self._results(error)
+        if error:
+            try:
+                self._simple(b"ROLLBACK")
+            except LoopError:
+                pass
+            raise LoopError(error[0])
+        n = PQntuples(self._rows)
+        if not n:
+            PQclear(self._rows)
+            self._rows = NULL
+            self._simple(b"COMMIT")
+            return 0
+        self._tx = True
+        self._nrows = n
+        self._sent_index, self._sent_full, self._sent_at = index, True, _monotonic()
+        self._limit = limit
+        self._full = n >= limit
+        self.claimed += n
+        self.size = min(self.batch_max, self._cap, max(self.batch_min, 2 * n, self.size // _SIZE_DECAY))
+        return 0
+
+    cdef int _commit(self) except -1:
+        """Write the fast batch's outcomes in its transaction and commit it (see the reference)."""
+        cdef const char *values[3]
+        cdef list error = []
+        cdef list failures = _started(self._failures)
+        cdef Py_ssize_t ndone = self._ndone
+        cdef PGresult *res
+        cdef bytes encoded
+        self._failures = []
+        self._ndone = 0
+        self._tx = False
+        if self._running != NULL and not self._write_failed:
+            self._running[1] = len(failures)
+            self._running[2] = failures[0]["id"] if failures else 0
+        self._literal(ndone, self._done)
+        encoded = _encode(failures)
+        values[0] = self._text
+        values[1] = PyBytes_AS_STRING(encoded)
+        values[2] = PyBytes_AS_STRING(self._worker_id)
+        if not PQsendQueryPrepared(self._pgconn, b"job_finish_locked_many", 3, values, NULL, NULL, 1):
+            raise LoopError(_conn_error(self._pgconn))
+        self._flush()
+        self._in_flight = True
+        res = self._results(error)
+        if res != NULL:
+            PQclear(res)
+        if error:
+            self._simple(b"ROLLBACK")
+            self._demote(self._sent_index)
+            _say_rolled_back(ndone + len(failures), error[0])
+        else:
+            self._simple(b"COMMIT")
+            self.completed += ndone
+            if failures:
+                completed, failed, retried, discarded = _tally(failures)
+                self.completed += completed
+                self.failed += failed
+                self.retried += retried
+                self.discarded += discarded
+            self.fast += ndone + len(failures)
+        if self._running != NULL and not self._write_failed:
+            self._running[1] = 0
+        return 0
 
     cdef int _prepare(self, bytes name, bytes text) except -1:
         cdef PGresult *res = PQprepare(self._pgconn, name, text, 0, NULL)
@@ -744,8 +900,11 @@ cdef class BatchLoop:
         """Claim synchronously, trying each queue once before giving up (see the reference)."""
         cdef Py_ssize_t tries = len(self._queues) + (1 if self._failures else 0)
         for _ in range(tries):
-            self._send(self.size)
-            self._receive()
+            if self._fast_for(self._turn % len(self._queues)):
+                self._lock(self.size)
+            else:
+                self._send(self.size)
+                self._receive()
             if self._nrows:
                 return 0
         return 0
@@ -772,9 +931,25 @@ cdef class BatchLoop:
         n = self._nrows
         self._rows = NULL
         self._nrows = 0
+        if self._tx:
+            # A fast-lane batch: no claim ahead, a deadline, its outcomes committed (see the reference).
+            try:
+                began = _monotonic()
+                self._deadline = began + _BATCH_SECONDS
+                try:
+                    self._run(batch, n)
+                finally:
+                    if self._tx:
+                        self._commit()
+                ran = _monotonic() - began
+                self._cap = max(self.batch_min, <Py_ssize_t>(_BATCH_SECONDS / 2 * n / max(ran, 1e-9)))
+            finally:
+                PQclear(batch)
+            return n
         try:
-            # Claim ahead only from a deep queue: see the reference.
-            if self.overlap and self._full and not self.stopping:
+            # Claim ahead only from a deep queue, nor when the next claim takes the fast lane.
+            if (self.overlap and self._full and not self.stopping
+                    and not self._fast_for(self._turn % len(self._queues))):
                 self._send(self.size)
             began = _monotonic()
             self._run(batch, n)
@@ -785,6 +960,8 @@ cdef class BatchLoop:
             # Slow jobs get small batches, waves (async, pooled) at least one: see the reference.
             cap = <Py_ssize_t>(_BATCH_SECONDS * n / max(ran, 1e-9))
             wave = self._executor.wave
+            if ran < _BATCH_SECONDS / 2 and not wave and not self._pooled:
+                self._proven[self._batch_base // self._stride] = True
             if wave:
                 # Whole waves, the nearest count: see the reference.
                 cap = max(<Py_ssize_t>wave, (cap + wave // 2) // wave * wave)
@@ -799,6 +976,8 @@ cdef class BatchLoop:
     def finish(self):
         """Give back the batch claimed ahead and write every outcome still held."""
         cdef int i
+        if self._tx:
+            self._commit()
         if self._in_flight:
             self._receive()
         for i in range(self._nrows):
@@ -829,11 +1008,15 @@ cdef class BatchLoop:
         # the claim's time on run_at's clock (microseconds since 2000).
         cdef long long *row = NULL
         cdef int64_t claimed_us = 0, began = 0
+        cdef bint fast = self._tx
         if self._counts != NULL:
             claimed_us = _realtime_us() - _PG_EPOCH_US
         for i in range(n):
             job_id = _int8(PQgetvalue(rows, i, 0))
-            if self.stopping:
+            if self.stopping or (fast and _monotonic() > self._deadline):
+                if not self.stopping:
+                    # Jobs slower than the queue's pace: see the reference.
+                    self._demote(self._sent_index)
                 for j in range(i, n):
                     failures.append(_release(_int8(PQgetvalue(rows, j, 0)), _int2(PQgetvalue(rows, j, 3))))
                 break
@@ -887,6 +1070,11 @@ cdef class BatchLoop:
                 claimed = (meta if type(meta) is dict else {}, _int8(PQgetvalue(rows, i, 8)),
                            _int8(PQgetvalue(rows, i, 6)))
             if not self._last_fast or self._pooled:
+                if fast:
+                    # May not hold the transaction open: see the reference.
+                    self._demote(self._sent_index)
+                    failures.append(_release(job_id, attempt))
+                    continue
                 slow.append((spec, job_id, args, attempt, max_attempts, claimed))
                 continue
             if self._cancelled and job_id in self._cancelled:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import select
 import time
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from . import handlers, sql, stats
 from .abc import (
     BATCH_SECONDS,
     COMPLETED,
+    FAST_LANE_DEMOTE,
     FULL_CLAIM_DUTY,
     FULL_CLAIM_MAX_WAIT,
     MARK_RUN_AT_MAX,
@@ -118,6 +120,7 @@ class BatchLoop:
         running: memoryview | None = None,
         counts: memoryview | None = None,
         full_context: bool = False,
+        fast_lane: bool = False,
     ) -> None:
         self._pgconn = conn.pgconn
         # Shared memory written per job started (plain stores): a float
@@ -160,6 +163,35 @@ class BatchLoop:
             for name, text in (finish[keep_completed, False], finish[keep_completed, True])
         }
         self._full_name, self._after_name = (name for name, _ in self._statements.values())
+        # The fast lane (sql.job_lock_many): a queue takes it when every kind
+        # registered on it is sync without a timeout and its sync jobs do not
+        # run on threads; kept completed rows stay on the state lane. A batch
+        # that runs long or finds a job that may not run on it (async, timeout,
+        # pooled) moves its queue to the state lane for FAST_LANE_DEMOTE seconds.
+        self._fast_queues = [
+            fast_lane
+            and not keep_completed
+            and all(
+                not spec.is_async and spec.timeout is None for spec in specs.values() if spec.queue == queue
+            )
+            for queue in queues
+        ]
+        lock_name, lock_text = sql.LOCK[full_context]
+        self._lock_name = lock_name.encode()
+        if any(self._fast_queues):
+            self._statements[lock_name] = (self._lock_name, lock_text)
+            self._statements["job_finish_locked_many"] = (
+                b"job_finish_locked_many",
+                sql.job_finish_locked_many,
+            )
+        self._state_until = [0.0] * len(queues)
+        # A queue takes the fast lane only once a batch of it on the state lane
+        # ran in under half BATCH_SECONDS: a long sync job that polls
+        # current_job().cancelled must not hold a lock its cancel waits for.
+        self._proven = [False] * len(queues)
+        self._tx = False  # a fast-lane batch's transaction is open
+        self._deadline = 0.0  # when the fast batch running stops starting jobs
+        self.fast = 0  # outcomes written on the fast lane
         # Per queue: where its last claim ended (priority, run_at as binary
         # timestamptz), and when a claim from the front is due again.
         self._marks: list[tuple[int, int] | None] = [None] * len(queues)
@@ -212,6 +244,106 @@ class BatchLoop:
                 self._pgconn.consume_input()
         except psycopg.OperationalError:
             raise self._lost() from None
+
+    def _fast_for(self, index: int) -> bool:
+        """Whether the next claim of queue `index` takes the fast lane."""
+        if (
+            not (self._fast_queues[index] and self._proven[index])
+            or self._state_until[index] > time.monotonic()
+        ):
+            return False
+        return not (self._executor.threads and self._executor.pooled(self._queues[index]))
+
+    def _demote(self, index: int) -> None:
+        self._state_until[index] = time.monotonic() + FAST_LANE_DEMOTE
+        self._proven[index] = False
+
+    def _simple(self, text: str) -> None:
+        """Run a statement without parameters or rows (the fast lane's BEGIN, COMMIT, ROLLBACK)."""
+        try:
+            self._pgconn.send_query(text.encode())
+            while self._pgconn.flush():
+                _wait(self._pgconn, write=True)
+                self._pgconn.consume_input()
+            error = None
+            while True:
+                self._pgconn.consume_input()
+                while self._pgconn.is_busy():
+                    _wait(self._pgconn)
+                    self._pgconn.consume_input()
+                res = self._pgconn.get_result()
+                if res is None:
+                    break
+                if res.status != pq.ExecStatus.COMMAND_OK and error is None:
+                    error = res.error_message.decode(errors="replace")
+        except psycopg.OperationalError:
+            raise self._lost() from None
+        if error is not None:
+            raise LoopError(error)
+
+    def _lock(self, limit: int) -> list[Row]:
+        """The fast lane's claim: BEGIN, lock up to `limit` jobs; the transaction stays open if any came."""
+        if self._done or self._failures:
+            # Outcomes of the state lane still held go first, by its own statement.
+            turn, size = self._turn, self.size
+            self._send(0)
+            self._receive()
+            self._turn, self.size = turn, size
+        index = self._turn % len(self._queues)
+        self._turn += 1
+        self._simple(sql.fast_begin)
+        self._send_prepared(self._lock_name, [self._queues[index], str(limit).encode()])
+        self._in_flight = True
+        res, error, _ = self._results()
+        if error is not None:
+            with contextlib.suppress(LoopError):
+                self._simple(sql.fast_rollback)
+            raise LoopError(error)
+        n = res.ntuples
+        if not n:
+            self._simple(sql.fast_commit)
+            return []
+        self._tx = True
+        self._sent = (index, True, time.monotonic())
+        self._limit = limit
+        self._full = n >= limit
+        self.claimed += n
+        self.size = min(self.batch_max, self._cap, max(self.batch_min, 2 * n, self.size // SIZE_DECAY))
+        return self._rows_of(res, n)
+
+    def _commit(self) -> None:
+        """Write the fast batch's outcomes in its transaction and commit it (releases are left as they were).
+
+        A statement PostgreSQL rejects rolls the batch back (its jobs run
+        again: at least once) and moves the queue to the state lane, whose
+        statement isolates a bad outcome.
+        """
+        done, failures = self._done, handlers.started(self._failures)
+        self._done, self._failures = [], []
+        self._tx = False
+        if self._running is not None and not self._write_failed:
+            self._running[1] = len(failures)
+            self._running[2] = failures[0]["id"] if failures else 0
+        ids = ("{" + ",".join(map(str, done)) + "}").encode()
+        self._send_prepared(b"job_finish_locked_many", [ids, handlers.encode(failures), self._worker_id])
+        self._in_flight = True
+        _, error, _ = self._results()
+        if error is not None:
+            self._simple(sql.fast_rollback)
+            self._demote(self._sent[0])
+            handlers.say_rolled_back(len(done) + len(failures), error)
+        else:
+            self._simple(sql.fast_commit)
+            self.completed += len(done)
+            if failures:
+                completed, failed, retried, discarded = handlers.tally(failures)
+                self.completed += completed
+                self.failed += failed
+                self.retried += retried
+                self.discarded += discarded
+            self.fast += len(done) + len(failures)
+        if self._running is not None and not self._write_failed:
+            self._running[1] = 0
 
     def _send(self, limit: int) -> None:
         """Send the outcomes gathered so far and a claim of `limit` jobs."""
@@ -318,6 +450,16 @@ class BatchLoop:
         if self._running is not None and not self._write_failed:
             self._running[1] = 0
         n = self._claimed(res) if res is not None else 0
+        rows = self._rows_of(res, n)
+        self.claimed += n
+        if self._limit > 0:
+            self._mark(res, n)
+        self._full = self._limit > 0 and n >= self._limit
+        self.size = min(self.batch_max, self._cap, max(self.batch_min, 2 * n, self.size // SIZE_DECAY))
+        return rows
+
+    def _rows_of(self, res: Any, n: int) -> list[Row]:
+        rows: list[Row] = []
         for i in range(n):
             claimed = None
             if self._full_context:
@@ -333,11 +475,6 @@ class BatchLoop:
                     claimed,
                 )
             )
-        self.claimed += n
-        if self._limit > 0:
-            self._mark(res, n)
-        self._full = self._limit > 0 and n >= self._limit
-        self.size = min(self.batch_max, self._cap, max(self.batch_min, 2 * n, self.size // SIZE_DECAY))
         return rows
 
     def _mark(self, res: Any, n: int) -> None:
@@ -374,8 +511,11 @@ class BatchLoop:
         """
         tries = len(self._queues) + (1 if self._failures else 0)
         for _ in range(tries):
-            self._send(self.size)
-            rows = self._receive()
+            if self._fast_for(self._turn % len(self._queues)):
+                rows = self._lock(self.size)
+            else:
+                self._send(self.size)
+                rows = self._receive()
             if rows:
                 return rows
         return []
@@ -392,10 +532,17 @@ class BatchLoop:
         # Its sync jobs run on the executor's threads when it was given concurrency (checked per batch).
         self._pooled = bool(self._executor.threads) and self._executor.pooled(queue)
         self._batch_base = self._sent[0] * self._stride
+        if self._tx:
+            return self._fast(rows)
         # Claim ahead only from a deep queue (the last claim came back full):
         # on a shallow one it would mostly return nothing, one more round trip
-        # per wake-up.
-        if self.overlap and self._full and not self.stopping:
+        # per wake-up; nor when the next claim takes the fast lane.
+        if (
+            self.overlap
+            and self._full
+            and not self.stopping
+            and not self._fast_for(self._turn % len(self._queues))
+        ):
             self._send(self.size)
         began = time.perf_counter()
         self._run(rows)
@@ -411,6 +558,8 @@ class BatchLoop:
         # concurrency they were given.
         cap = int(BATCH_SECONDS * len(rows) / max(ran, 1e-9))
         wave = self._executor.wave
+        if ran < BATCH_SECONDS / 2 and not wave and not self._pooled:
+            self._proven[self._batch_base // self._stride] = True
         if wave:
             # Whole waves, the nearest count: 19 jobs on 10 threads take as long as 20.
             cap = max(wave, (cap + wave // 2) // wave * wave)
@@ -420,8 +569,29 @@ class BatchLoop:
             self._rows = self._receive()
         return len(rows)
 
+    def _fast(self, rows: list[Row]) -> int:
+        """Run a fast-lane batch in its transaction, then write its outcomes and commit.
+
+        No claim is sent ahead: it would share the transaction, and the commit
+        would unlock its rows. The batch stops starting jobs once it has run
+        BATCH_SECONDS (the rest stay available, untouched), and is sized for
+        half that, so no transaction stays open much longer than one job over it.
+        """
+        began = time.perf_counter()
+        self._deadline = time.monotonic() + BATCH_SECONDS
+        try:
+            self._run(rows)
+        finally:
+            if self._tx:
+                self._commit()
+        ran = time.perf_counter() - began
+        self._cap = max(self.batch_min, int(BATCH_SECONDS / 2 * len(rows) / max(ran, 1e-9)))
+        return len(rows)
+
     def finish(self) -> None:
         """Give back the batch claimed ahead and write every outcome still held."""
+        if self._tx:
+            self._commit()
         if self._in_flight:
             self._rows = self._receive()
         self._failures.extend(handlers.release(row[0], row[3]) for row in self._rows)
@@ -451,8 +621,15 @@ class BatchLoop:
             base, kind_rows, other = self._batch_base, self._kind_rows, self._other
             claimed_us = time.time_ns() // 1000 - PG_EPOCH_US  # run_at's clock: microseconds since 2000
         queue = executor.queue.decode() if isinstance(executor.queue, bytes) else executor.queue
+        fast = self._tx
         for index, (job_id, kind, raw, attempt, max_attempts, run_at, claimed_raw) in enumerate(rows):
             if self.stopping:
+                failures.extend(handlers.release(row[0], row[3]) for row in rows[index:])
+                break
+            if fast and time.monotonic() > self._deadline:
+                # Jobs slower than the queue's pace: the rest go back and the
+                # queue takes the state lane for a while.
+                self._demote(self._sent[0])
                 failures.extend(handlers.release(row[0], row[3]) for row in rows[index:])
                 break
             if self._running is not None:
@@ -485,6 +662,12 @@ class BatchLoop:
                     meta = None
                 claimed = (meta if type(meta) is dict else {}, enqueued, scheduled)
             if spec.is_async or spec.timeout is not None or self._pooled:
+                if fast:
+                    # A kind registered on another queue: it may not hold the
+                    # transaction open. It goes back, and the queue to the state lane.
+                    self._demote(self._sent[0])
+                    failures.append(handlers.release(job_id, attempt))
+                    continue
                 slow.append((spec, job_id, args, attempt, max_attempts, claimed))
                 continue
             if executor.cancelled and job_id in executor.cancelled:

@@ -24,6 +24,11 @@ BATCH_SECONDS = 0.1
 # two round trips, not in a doubling from batch_min (see _core_py.BatchLoop).
 SIZE_DECAY = 2
 
+# How long a queue whose fast-lane batch ran past BATCH_SECONDS (or met a job
+# that may not hold its transaction: async, timeout=, threads) takes the
+# state lane before it tries the fast lane again (see sql.job_lock_many).
+FAST_LANE_DEMOTE = 60.0
+
 # A claim scans the claim index from its front only as often as costs 10% of
 # the loop's time (it wades through the dead entries of every job claimed
 # since the last VACUUM); in between it starts where the last claim ended
@@ -84,6 +89,7 @@ class BatchLoop(Protocol):
     retried: int
     discarded: int
     stale: int  # outcomes dropped because their job no longer ran that attempt here
+    fast: int  # outcomes written on the fast lane (sql.job_lock_many: one write per job)
     size: int  # the next claim's size, between batch_min and batch_max
     batch_min: int
     batch_max: int
@@ -121,6 +127,7 @@ class NewBatchLoop(Protocol):
         running: memoryview | None = ...,  # the slot's int64 [0:3]: the job running, the outcomes written
         counts: memoryview | None = ...,  # the slot's int64 rows per (queue, kind): see ROW
         full_context: bool = ...,  # claim meta and created_at, fill each JobContext whole (middleware)
+        fast_lane: bool = ...,  # short sync jobs take the fast lane (sql.job_lock_many)
     ) -> BatchLoop: ...
 
 

@@ -154,6 +154,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--keep-completed", action="store_true", help="keep completed jobs instead of deleting")
     run.add_argument(
+        "--no-fast-lane",
+        dest="fast_lane",
+        action="store_false",
+        help="every job takes the state lane (claimed as 'running', then finished): two writes per job",
+    )
+    run.add_argument(
         "--rescue-after",
         type=float,
         default=RescuerConfig().stale_after,
@@ -225,6 +231,11 @@ def _parser() -> argparse.ArgumentParser:
         "--compare-sync",
         action="store_true",
         help="drain: also a strictly sequential claim/run/complete loop",
+    )
+    run_bench.add_argument(
+        "--compare-lanes",
+        action="store_true",
+        help="drain: `fastjobs run` beside `fastjobs run --no-fast-lane` (every job on the state lane)",
     )
     run_bench.add_argument(
         "--keep-completed", action="store_true", help="keep completed rows (retention mode)"
@@ -361,7 +372,12 @@ def load_app(target: str, dsn: str | None = None) -> App:
 def _run(args: argparse.Namespace) -> int:
     # The settings are checked before the application is imported.
     host = host_id(args.host_id)
-    worker = WorkerConfig(batch_max=args.batch_max, keep_completed=args.keep_completed, grace=args.grace)
+    worker = WorkerConfig(
+        batch_max=args.batch_max,
+        keep_completed=args.keep_completed,
+        grace=args.grace,
+        fast_lane=args.fast_lane,
+    )
     leader = LeaderConfig(
         lock_key=args.leader_key, rescuer=RescuerConfig.after(args.rescue_after), lease=args.leader_lease
     )
@@ -795,6 +811,7 @@ def _bench(args: argparse.Namespace) -> int:
             args.results,
             echo,
             middleware=args.middleware,
+            compare_lanes=args.compare_lanes,
         )
     if every or args.latency_only:
         bench.run_latency(

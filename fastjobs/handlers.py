@@ -313,6 +313,15 @@ def release(job_id: int, attempt: int = 0) -> Outcome:
     return _outcome(job_id, attempt, "available", uncount=1)
 
 
+def started(outcomes: list[Outcome]) -> list[Outcome]:
+    """The outcomes but releases: on the fast lane an unstarted job's row is left as it was."""
+    return [
+        o
+        for o in outcomes
+        if not (o["uncount"] and o["state"] == "available" and o["delay"] is None and o["error"] is None)
+    ]
+
+
 def cancelled(job_id: int, attempt: int) -> Outcome:
     """A job whose cancellation was requested while it was claimed or running."""
     return _outcome(
@@ -436,6 +445,16 @@ def isolate(write: Write, completed: list[int], failures: list[Outcome], reason:
         )
 
     settle(items, reason)
+
+
+def say_rolled_back(count: int, reason: str) -> None:
+    """A fast-lane batch's outcomes were rejected: the batch rolled back, its jobs run again."""
+    logger.warning(
+        "the outcomes of a fast-lane batch (%d jobs) were rejected, so it rolled back and its jobs run"
+        " again on the state lane: %s",
+        count,
+        reason.strip(),
+    )
 
 
 def _say_rejected(job_id: int, attempt: int, reason: str) -> None:

@@ -443,6 +443,16 @@ class Master:
             ):
                 cur.execute(sql.releaser_session, (f"{RELEASE_TIMEOUT}s",))
                 released = sum(row[1] for row in cur.execute(sql.job_release_unstarted, (worker_id, running)))
+                # A job it ran on the fast lane rolled back uncounted: its crash is counted here.
+                max_crashes = self.leader_config.rescuer.max_crashes
+                for job_id, state in cur.execute(sql.job_crash_fast, (worker_id, running, max_crashes)):
+                    logger.warning(
+                        "%s died running job %s on the fast lane: it counts a crash (now %s)",
+                        name,
+                        job_id,
+                        state,
+                        extra=job_fields(job_id, worker=worker_id),
+                    )
             if released:
                 logger.info(
                     "%s had claimed %d jobs it never started: released",

@@ -391,6 +391,9 @@ class WorkerConfig:
     threads: Mapping[str, int] = field(default_factory=dict)
     keep_completed: bool = False  # keep completed jobs' rows instead of deleting them
     overlap: bool = True  # send the next claim while the batch's handlers run
+    # Short sync jobs take the fast lane: their rows stay locked in a
+    # transaction while their batch runs, one write per job (sql.job_lock_many).
+    fast_lane: bool = True
     schedule: bool = True  # promote due scheduled and retryable jobs when idle
     # Seconds a stop waits for in-flight jobs: the master's deadline, and how
     # long a worker whose master died finishes before it stops now.
@@ -583,6 +586,7 @@ class Worker:
                 running=self.slot.running_view() if self.slot is not None else None,
                 counts=self.slot.counts_view() if self.slot is not None else None,
                 full_context=self.app.has_middleware,
+                fast_lane=self.config.fast_lane,
             )
             if self.slot is not None:
                 self.executor.running = self.slot.slow_jobs()

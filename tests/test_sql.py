@@ -228,6 +228,7 @@ def test_every_channel_a_statement_names_is_a_channel_constant():
         "job_finish_claim_after_context": wake,
         "job_finish_claim_many_keep_context": wake,
         "job_finish_claim_after_keep_context": wake,
+        "job_finish_locked_many": wake,
         "job_schedule_many": wake,
         "job_release_unstarted": wake,
         "job_cancel": {sql.CANCEL_CHANNEL},
@@ -251,6 +252,11 @@ def test_every_limit_a_statement_carries_is_its_constant():
         "job_finish_claim_after_keep",
         *(name for name, _ in sql.FINISH_CONTEXT.values()),
         "job_retry",
+        # The fast lane: the attempt its run makes, counted when its outcome (or its crash) is written.
+        "job_lock_many",
+        "job_lock_many_context",
+        "job_finish_locked_many",
+        "job_crash_fast",
     }
     assert {cap for found in counting.values() for cap in found} == {sql.ATTEMPT_CAP}
     # No other spelling of the cap (or of the margin) hides elsewhere.

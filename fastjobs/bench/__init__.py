@@ -372,7 +372,7 @@ def _proc_cpu(pid: int) -> float:
 
 @contextlib.contextmanager
 def master_running(
-    make_app: Callable[[], App], processes: int, batch: int, keep: bool = False
+    make_app: Callable[[], App], processes: int, batch: int, keep: bool = False, fast_lane: bool = True
 ) -> Iterator[Slots]:
     """A real `fastjobs run` (master, workers, leader) forked for a benchmark, its workers ready.
 
@@ -384,7 +384,7 @@ def master_running(
     if pid == 0:
         os.dup2(log.fileno(), 2)
         queues = {"default": processes * DEFAULT_CONCURRENCY}
-        config = WorkerConfig(batch_max=batch, keep_completed=keep)
+        config = WorkerConfig(batch_max=batch, keep_completed=keep, fast_lane=fast_lane)
         os._exit(Master(make_app(), processes, queues, worker=config).run())
     try:
         slots = _await_slots(pid, processes)
@@ -410,15 +410,16 @@ def _master_once(
     keep: bool,
     middleware: bool,
     echo: Callable[[str], None],
+    fast_lane: bool = True,
 ) -> tuple[float, float]:
-    """The real `fastjobs run` path: a Master with its workers and leader.
+    """The real `fastjobs run` path: a Master with its workers and leader (`fast_lane`: --no-fast-lane).
 
     The workers start idle; one COPY makes every job visible at once (its
     commit is the start); the end is read from the master's shared-memory
     counters, so no query competes with the drain.
     """
     _reset(dsn)
-    with master_running(lambda: _bench_app(dsn, middleware), processes, batch, keep) as slots:
+    with master_running(lambda: _bench_app(dsn, middleware), processes, batch, keep, fast_lane) as slots:
         App(dsn).enqueue_many(BENCH_KIND, ({"i": i} for i in range(jobs)))
         began = time.perf_counter()
         workers = [slots[i] for i in range(processes)]
@@ -454,6 +455,8 @@ def _await_slots(master_pid: int, processes: int, timeout: float = 30.0) -> Slot
 CONTENDERS = ("raw", "worker", "master")
 # With --compare-sync: the overlapped loop against a strictly sequential one.
 CONTENDERS_SYNC = ("raw", "worker", "worker_sync")
+# With --compare-lanes: `fastjobs run` against `fastjobs run --no-fast-lane` (the state lane alone).
+CONTENDERS_LANES = ("raw", "master", "master_state")
 
 
 def run_drain(
@@ -467,6 +470,7 @@ def run_drain(
     results: Path | None,
     echo: Callable[[str], None],
     middleware: bool = False,
+    compare_lanes: bool = False,
 ) -> dict[str, Any]:
     """Drain `jobs` no-op jobs three ways, alternating, and report medians.
 
@@ -474,10 +478,12 @@ def run_drain(
     worker: fastjobs Worker processes forked directly (the hot loop alone);
     master: the real `fastjobs run` (master, workers, leader);
     worker_sync (instead of master, with `compare_sync`): the hot loop
-    without overlap, claim, run, complete strictly in turn.
+    without overlap, claim, run, complete strictly in turn;
+    master_state (with `compare_lanes`, instead of worker): `fastjobs run
+    --no-fast-lane`, every job claimed as 'running' then finished.
     """
     target = bench_dsn(dsn)
-    contenders = CONTENDERS_SYNC if compare_sync else CONTENDERS
+    contenders = CONTENDERS_LANES if compare_lanes else CONTENDERS_SYNC if compare_sync else CONTENDERS
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
     for run in range(repeat):
         for name in contenders:
@@ -487,7 +493,8 @@ def run_drain(
                 args = (batch, name == "worker", keep, middleware)
                 measured = _drain_once(target, jobs, processes, _fastjobs_drainer, args, echo)
             else:
-                measured = _master_once(target, jobs, processes, batch, keep, middleware, echo)
+                fast = name == "master"
+                measured = _master_once(target, jobs, processes, batch, keep, middleware, echo, fast)
             runs[name].append(measured)
             echo(
                 f"\r  run {run + 1}/{repeat} {name:11s} {jobs / measured[0]:>10,.0f} jobs/s"
@@ -513,6 +520,7 @@ def run_drain(
         "worker": f"fastjobs workers ({IMPLEMENTATION})",
         "worker_sync": f"  without overlap ({IMPLEMENTATION})",
         "master": f"fastjobs run ({IMPLEMENTATION})",
+        "master_state": f"  --no-fast-lane ({IMPLEMENTATION})",
     }
     title = f"drain, {processes} processes"
     echo(f"\n{title:<30}{'jobs/s':>12}{'ratio':>8}{'CPU us/job':>12}\n")

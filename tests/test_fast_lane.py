@@ -1,0 +1,363 @@
+"""The fast lane: short sync jobs claimed by row lock in a transaction held over their batch.
+
+One write per job: a completed job is deleted, another outcome updates its
+row once, and a job in flight never reads 'running'. Jobs that may not hold a
+transaction open (async, timeout=, threads, slower than the pace) take the
+state lane; a worker that dies rolls back and its master counts the crash.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+import fastjobs
+from fastjobs import App, Retry, Snooze
+from fastjobs.abc import BATCH_SECONDS
+from fastjobs.worker import Worker, WorkerConfig
+
+from . import procs
+from .helpers import batch_loop, by_state, query
+
+
+@pytest.fixture(autouse=True)
+def _warm_kind(app: App) -> None:
+    app.job(kind="warm")(lambda: None)
+
+
+def _warm(app: App, loop: Any) -> None:
+    """One quick job on the state lane: a queue takes the fast lane once a batch of it ran quickly."""
+    app.enqueue("warm")
+    assert loop.step() == 1 and loop.fast == 0
+
+
+def _outcome_rows(dsn: str) -> list[tuple[Any, ...]]:
+    rows = query(
+        dsn,
+        "SELECT args->>'n' AS n, state::text AS state, attempt, crashes, jsonb_array_length(errors) AS errors"
+        " FROM fastjobs_jobs_all ORDER BY (args->>'n')::int",
+    )
+    return [tuple(r.values()) for r in rows]
+
+
+def _register_outcomes(app: App) -> None:
+    snoozed: set[int] = set()
+
+    @app.job(kind="mixed", max_attempts=2)
+    def mixed(n: int) -> None:
+        if n % 5 == 1:
+            raise RuntimeError("failed")
+        if n % 5 == 2:
+            raise Retry(3600)
+        if n % 5 == 3 and n not in snoozed:
+            snoozed.add(n)
+            raise Snooze(0)
+        if n % 5 == 4:
+            raise fastjobs.Cancel("no")
+
+
+@pytest.mark.parametrize("lane", ["fast", "state"])
+def test_outcomes_are_recorded_as_on_the_state_lane(app: App, dsn: str, lane: str) -> None:
+    """Completions, failures (retried, then discarded at the last attempt), Retry, Snooze and Cancel
+    leave the same rows on both lanes; the fast lane writes every outcome itself."""
+    _register_outcomes(app)
+    with batch_loop(app, 100, fast_lane=lane == "fast") as loop:
+        _warm(app, loop)
+        app.enqueue_many("mixed", ({"n": n} for n in range(20)))
+        query(dsn, "UPDATE fastjobs_jobs_all SET attempt = 1 WHERE (args->>'n')::int = 6")  # its last attempt
+        while loop.step():
+            pass
+        loop.finish()
+        assert loop.fast == (24 if lane == "fast" else 0)  # 20 jobs, the 4 snoozed twice
+        assert (loop.completed, loop.retried, loop.discarded) == (9, 7, 1)  # the warm-up job too
+    assert _outcome_rows(dsn) == [
+        ("1", "retryable", 1, 0, 1),
+        ("2", "retryable", 1, 0, 1),
+        ("4", "cancelled", 1, 0, 1),
+        ("6", "discarded", 2, 0, 1),
+        ("7", "retryable", 1, 0, 1),
+        ("9", "cancelled", 1, 0, 1),
+        ("11", "retryable", 1, 0, 1),
+        ("12", "retryable", 1, 0, 1),
+        ("14", "cancelled", 1, 0, 1),
+        ("16", "retryable", 1, 0, 1),
+        ("17", "retryable", 1, 0, 1),
+        ("19", "cancelled", 1, 0, 1),
+    ]
+
+
+def test_a_job_in_flight_is_locked_and_never_running(app: App, dsn: str) -> None:
+    """While its handler runs, the job's row reads 'available', uncounted, and is locked."""
+    seen: list[Any] = []
+
+    @app.job(kind="look")
+    def look(n: int) -> None:
+        with psycopg.connect(dsn, autocommit=True) as other:
+            seen.append(other.execute("SELECT state::text, attempt FROM fastjobs_jobs_all").fetchone())
+            locked = other.execute("SELECT id FROM fastjobs_jobs_all FOR UPDATE SKIP LOCKED").fetchall()
+            seen.append(locked)
+
+    with batch_loop(app, 10, fast_lane=True) as loop:
+        _warm(app, loop)
+        look.enqueue(n=1)
+        assert loop.step() == 1
+        assert loop.fast == 1
+    assert seen == [("available", 0), []]
+    assert by_state(dsn) == {}
+
+
+def test_a_slow_job_ends_its_batch_and_sends_its_queue_to_the_state_lane(app: App, dsn: str) -> None:
+    """A job believed fast that takes longer than BATCH_SECONDS: the batch commits what ran, leaves the
+    rest untouched (available, uncounted), and the queue's next batches take the state lane."""
+    states: list[str] = []
+
+    @app.job(kind="sleepy")
+    def sleepy(n: int, sleep: float) -> None:
+        if sleep:
+            time.sleep(sleep)
+        with psycopg.connect(dsn, autocommit=True) as other:
+            row = other.execute("SELECT state::text FROM fastjobs_jobs_all WHERE args->>'n' = %s", (str(n),))
+            states.append(row.fetchone()[0])  # type: ignore[index]
+
+    with batch_loop(app, 6, fast_lane=True) as loop:
+        _warm(app, loop)
+        sleepy.enqueue_many({"n": n, "sleep": 3 * BATCH_SECONDS if n == 1 else 0} for n in range(6))
+        began = time.monotonic()
+        assert loop.step() == 6
+        assert time.monotonic() - began < 6 * BATCH_SECONDS
+        assert loop.fast == 2 and states == ["available", "available"]
+        assert query(dsn, "SELECT state::text, attempt, count(*) FROM fastjobs_jobs_all GROUP BY 1, 2") == [
+            {"state": "available", "attempt": 0, "count": 4}
+        ]
+        assert loop.step() == 4
+        loop.finish()
+    assert loop.fast == 2 and states == ["available"] * 2 + ["running"] * 4
+    assert by_state(dsn) == {}
+
+
+@pytest.mark.parametrize("kind", ["async", "timeout", "threads"])
+def test_jobs_that_may_not_hold_a_transaction_take_the_state_lane(app: App, dsn: str, kind: str) -> None:
+    seen: list[str] = []
+
+    def state() -> None:
+        with psycopg.connect(dsn, autocommit=True) as other:
+            seen.append(other.execute("SELECT state::text FROM fastjobs_jobs_all").fetchone()[0])  # type: ignore[index]
+
+    if kind == "async":
+
+        @app.job(kind="j")
+        async def j_async(n: int) -> None:
+            state()
+
+    elif kind == "timeout":
+
+        @app.job(kind="j", timeout=10)
+        def j_timeout(n: int) -> None:
+            state()
+
+    else:
+
+        @app.job(kind="j")
+        def j_threads(n: int) -> None:
+            state()
+
+    app.enqueue("j", {"n": 1})
+    threads = {"default": 2} if kind == "threads" else {}
+    worker = Worker(app, config=WorkerConfig(threads=threads), exit_when_empty=True)
+    worker.run()
+    assert seen == ["running"]
+    assert worker.loop is not None and worker.loop.fast == 0
+
+
+def test_a_kind_of_another_queue_found_in_a_fast_batch_goes_back_to_the_state_lane(
+    app: App, dsn: str
+) -> None:
+    """An async job enqueued into a queue whose own kinds are fast is given back untouched, and
+    the queue takes the state lane, which runs it."""
+    ran: list[str] = []
+
+    @app.job(kind="quick")
+    def quick(n: int) -> None:
+        ran.append("quick")
+
+    @app.job(kind="later", queue="other")
+    async def later(n: int) -> None:
+        ran.append("later")
+
+    with batch_loop(app, 10, fast_lane=True, queues=["default"]) as loop:
+        _warm(app, loop)
+        quick.enqueue(n=1)
+        app.enqueue("later", {"n": 2}, queue="default")
+        quick.enqueue(n=3)
+        assert loop.step() == 3
+        assert loop.fast == 2 and ran == ["quick", "quick"]
+        assert loop.step() == 1
+        loop.finish()
+    assert sorted(ran) == ["later", "quick", "quick"]
+    assert by_state(dsn) == {}
+
+
+def test_a_stop_mid_batch_commits_what_ran_and_leaves_the_rest(app: App, dsn: str) -> None:
+    loop_box: list[Any] = []
+
+    @app.job(kind="stopper")
+    def stopper(n: int) -> None:
+        if n == 2:
+            loop_box[0].stopping = True
+
+    with batch_loop(app, 6, fast_lane=True) as loop:
+        _warm(app, loop)
+        stopper.enqueue_many({"n": n} for n in range(6))
+        loop_box.append(loop)
+        assert loop.step() == 6
+        loop.finish()
+        assert loop.fast == 3
+    rows = query(
+        dsn, "SELECT args->>'n' AS n, state::text AS state, attempt FROM fastjobs_jobs_all ORDER BY id"
+    )
+    assert rows == [{"n": str(n), "state": "available", "attempt": 0} for n in range(3, 6)]
+
+
+def test_a_cancel_waits_for_the_batch_and_is_not_lost(app: App, dsn: str) -> None:
+    """A cancel of a job in a fast batch waits for the batch's commit (no deadlock); a job the batch
+    gave back unstarted is then cancelled, and one it completed is gone."""
+    results: dict[int, Any] = {}
+    loop_box: list[Any] = []
+    ids: list[int] = []
+
+    def cancel(job_id: int) -> None:
+        try:
+            results[job_id] = app.cancel(job_id)
+        except fastjobs.errors.JobNotFound:
+            results[job_id] = "gone"
+
+    threads: list[threading.Thread] = []
+    blocked: list[dict[int, Any]] = []
+
+    @app.job(kind="c")
+    def c(n: int) -> None:
+        if n == 0:
+            for job_id in ids[1:]:
+                threads.append(threading.Thread(target=cancel, args=(job_id,)))
+                threads[-1].start()
+            time.sleep(BATCH_SECONDS / 2)  # the cancels are blocked on the batch's locks meanwhile
+            blocked.append(dict(results))
+        if n == 1:
+            loop_box[0].stopping = True
+
+    with batch_loop(app, 3, fast_lane=True) as loop:
+        _warm(app, loop)
+        ids.extend(c.enqueue(n=n) for n in range(3))
+        loop_box.append(loop)
+        began = time.monotonic()
+        assert loop.step() == 3
+        loop.finish()
+    for thread in threads:
+        thread.join(5)
+    assert time.monotonic() - began < 5
+    assert blocked == [{}]
+    assert results == {ids[1]: "gone", ids[2]: "cancelled"}
+    assert by_state(dsn) == {"cancelled": 1}
+
+
+def test_a_queue_takes_the_fast_lane_only_after_a_quick_batch(app: App, dsn: str) -> None:
+    """Its first batch takes the state lane; a slow one keeps it there (a long sync job polling
+    current_job().cancelled can be told), a quick one moves it to the fast lane."""
+    states: list[str] = []
+
+    @app.job(kind="probe")
+    def probe(n: int, sleep: float) -> None:
+        time.sleep(sleep)
+        with psycopg.connect(dsn, autocommit=True) as other:
+            states.append(other.execute("SELECT state::text FROM fastjobs_jobs_all").fetchone()[0])  # type: ignore[index]
+
+    with batch_loop(app, 1, fast_lane=True) as loop:
+        for sleep in (BATCH_SECONDS, 0.0, 0.0, 0.0):
+            probe.enqueue(n=1, sleep=sleep)
+            assert loop.step() == 1
+    assert states == ["running", "running", "available", "available"]
+    assert loop.fast == 2
+
+
+def test_an_outcome_postgresql_rejects_rolls_the_batch_back_to_the_state_lane(
+    app: App, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch's jobs run again (at least once) on the state lane, which isolates the bad outcome:
+    nothing is lost, the others complete, the bad job gets fastjobs's own failure record."""
+    monkeypatch.setattr(fastjobs.handlers, "clean", lambda text: text)
+    runs: dict[int, int] = {}
+
+    @app.job(kind="nul")
+    def nul(n: int) -> None:
+        runs[n] = runs.get(n, 0) + 1
+        if n == 2:
+            raise ValueError("nul \x00 here")
+
+    with batch_loop(app, 10, fast_lane=True) as loop:
+        _warm(app, loop)
+        nul.enqueue_many({"n": n} for n in range(5))
+        assert loop.step() == 5
+        assert loop.fast == 0 and by_state(dsn) == {"available": 5}  # rolled back
+        while loop.step():
+            pass
+        loop.finish()
+    assert runs == {0: 2, 1: 2, 2: 2, 3: 2, 4: 2}
+    [row] = query(dsn, "SELECT args->>'n' AS n, state::text AS state, attempt FROM fastjobs_jobs_all")
+    assert row == {"n": "2", "state": "retryable", "attempt": 1}
+
+
+CRASHER = '''
+"""A job that kills its worker on the fast lane."""
+
+import os
+
+from fjjobs import _record, app
+
+
+@app.job("crash", queue="fastq", max_attempts=10)
+def crash(n):
+    _record(n)
+    os._exit(1)
+
+
+@app.job("mate", queue="fastq")
+def mate(n):
+    _record(n)
+'''
+
+
+def test_a_job_that_kills_its_worker_on_the_fast_lane_is_quarantined(
+    masters: procs.Masters, tmp_path: Path, app: App, db: psycopg.Connection[Any]
+) -> None:
+    """Its batch rolls back (no attempt counted by the claim): the master counts each crash, and
+    after max_crashes (3) the job is discarded; its batch-mates run once each."""
+    (tmp_path / "crashjobs.py").write_text(CRASHER)
+    # (The queue of its own: fjjobs's default queue has async and timeout= kinds, the state lane's.)
+    app.declare("mate", queue="fastq")
+    app.declare("crash", queue="fastq")
+    app.enqueue_many("mate", ({"n": n} for n in range(100, 110)), queue="fastq")
+    crash = app.enqueue("crash", {"n": 0}, max_attempts=10, queue="fastq")
+    app.enqueue_many("mate", ({"n": n} for n in range(110, 120)), queue="fastq")
+    master = masters.start("--processes", "1", "--queues", "fastq", module="crashjobs")
+    try:
+        procs.wait_for(
+            lambda: procs.count(db, "SELECT count(*) FROM fastjobs_jobs_all WHERE state = 'discarded'") == 1,
+            "the crashing job to be quarantined",
+            timeout=60,
+        )
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; stderr:\n{master.stderr()[:3000]}") from None
+    state, attempt, crashes = db.execute(
+        "SELECT state::text, attempt, crashes FROM fastjobs_jobs_all WHERE id = %s", (crash,)
+    ).fetchone()  # type: ignore[misc]
+    assert (state, crashes) == ("discarded", 3) and attempt == 3
+    assert "on the fast lane: it counts a crash" in master.stderr()
+    procs.wait_for(
+        lambda: not procs.count(db, "SELECT count(*) FROM fastjobs_jobs_all WHERE kind = 'record'"), "rest"
+    )
+    assert master.stop() == 0, master.stderr()
