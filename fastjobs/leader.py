@@ -162,7 +162,8 @@ class RotationConfig:
     makes it current, so a job's dead rows live at most SLOTS x `interval`
     seconds, and a claim never walks index entries older than that. The
     rotation waits at most `lock_timeout` for its lock, then gives way and
-    tries again `retry` seconds later: enqueues never wait for it (an insert
+    tries again `retry` seconds later, doubling while it keeps giving way (up
+    to `interval`), and warns after a minute without a rotation: enqueues never wait for it (an insert
     locks only the current slot), claims and finishes at most that long plus
     the time the lock is held (tens of ms: the copy, the truncation and its
     commit). A slot still holding more than `max_move` rows (a backlog: it
@@ -172,10 +173,21 @@ class RotationConfig:
     # Off, nothing cleans the rotating slots (autovacuum is off on them): for tests and tools only.
     enabled: bool = True
     interval: float = 2.0
-    lock_timeout: float = 0.05
+    # A fast-lane batch starts no job after BATCH_SECONDS (0.1 s), so the
+    # transactions holding the slots end within about that: 0.05 s mostly gave way.
+    lock_timeout: float = 0.15
     retry: float = 0.2
     max_move: int = 10_000
 
+
+# Settled rows (finished, retryable, scheduled) leave the oldest slot for
+# slot 0 by row locks before each try, this many a statement, at most this
+# many statements a try.
+SETTLE_BATCH = 1_000
+SETTLE_BATCHES = 100
+
+# A rotator that has not rotated for this long (seconds) logs a warning, once per as long.
+ROTATION_LATE = 60.0
 
 # The rotating slots, 1..SLOTS (slot 0 is fastjobs_jobs, the durable one).
 SLOTS = 4
@@ -193,9 +205,15 @@ def rotate_once(conn: psycopg.Connection[Any], config: RotationConfig = Rotation
         assert row is not None
         current = row[0]
         oldest = current % SLOTS + 1
+        settled = 0
+        for _ in range(SETTLE_BATCHES):
+            moved = cur.execute(sql.slot_settle, (oldest, SETTLE_BATCH)).rowcount
+            settled += moved
+            if moved < SETTLE_BATCH:
+                break
         count = cur.execute(sql.slot_rows, (oldest, config.max_move + 1)).fetchone()
         if count is not None and count[0] > config.max_move:
-            return {"deferred": 1}
+            return {"deferred": 1, "settled": settled}
         partition = pgsql.Identifier(f"fastjobs_jobs_{oldest}")
         try:
             with conn.transaction():
@@ -204,10 +222,10 @@ def rotate_once(conn: psycopg.Connection[Any], config: RotationConfig = Rotation
                 moved = cur.execute(sql.slot_move, (oldest, current)).rowcount
                 cur.execute(pgsql.SQL(sql.slot_truncate).format(partition=partition))
         except psycopg.errors.LockNotAvailable:
-            return {"gave way": 1}
+            return {"gave way": 1, "settled": settled}
         # After the commit: setval is not transactional, and a slot must be empty before it is current.
         cur.execute(sql.slot_advance, (oldest,))
-    return {"rotated": 1, "moved": moved}
+    return {"rotated": 1, "moved": moved, "settled": settled}
 
 
 @dataclass(frozen=True, slots=True)
@@ -510,6 +528,10 @@ class Leader:
         self.leading = False
         self.periodic = [spec for spec in app.jobs.values() if spec.cron]
         self._due: dict[str, float] = {}
+        # The rotator's tries since it last rotated, when it last did (0: not yet), and last warned.
+        self._rotation_misses = 0
+        self._rotation_ok = 0.0
+        self._rotation_warned = 0.0
         self._warned_privilege = False
         self._renewed = 0.0  # time.monotonic() of the last statement on the lock's session while leading
         self._stop = False
@@ -627,14 +649,42 @@ class Leader:
             if name == "cleaner" and spent >= config.cleaner.budget:
                 self._due[name] = time.monotonic() + config.cleaner.rest(spent)  # a backlog: paced
             if name == "rotator":
-                if result.get("gave way"):
-                    self._due[name] = time.monotonic() + config.rotation.retry
-                logger.debug("leader rotator: %s", _describe(result))  # every few seconds: routine
+                self._rotated(result)
                 continue
             if result and (not isinstance(result, dict) or any(result.values())):
                 # Rescued jobs are trouble (their workers died or fell silent); the rest is routine.
                 level = logging.WARNING if name == "rescuer" else logging.INFO
                 logger.log(level, "leader %s: %s", name, _describe(result))
+
+    def _rotated(self, result: dict[str, int]) -> None:
+        """Pace the rotator after a try: again soon after giving way, backing off while it cannot rotate.
+
+        Each try that gives way held up claims and finishes for up to its
+        lock_timeout, so the retries back off (doubling from `retry` up to
+        `interval`); a slot not rotated for a minute is worth a warning:
+        the rotating slots, never vacuumed, grow until it does.
+        """
+        rotation = self.config.rotation
+        now = time.monotonic()
+        if result.get("rotated"):
+            self._rotation_misses = 0
+            self._rotation_ok = now
+            logger.debug("leader rotator: %s", _describe(result))  # every few seconds: routine
+            return
+        self._rotation_misses += 1
+        self._rotation_ok = self._rotation_ok or now
+        if result.get("gave way"):
+            backoff = min(rotation.interval, rotation.retry * 2 ** (self._rotation_misses - 1))
+            self._due["rotator"] = now + backoff
+        if now - self._rotation_ok >= ROTATION_LATE and now - self._rotation_warned >= ROTATION_LATE:
+            self._rotation_warned = now
+            logger.warning(
+                "leader rotator: no slot rotated for %.0f s (%d tries: %s); the rotating slots grow"
+                " until one does: a transaction holding the jobs table, or a backlog in the oldest slot",
+                now - self._rotation_ok,
+                self._rotation_misses,
+                _describe(result),
+            )
 
     def _try_lock(self, conn: psycopg.Connection[Any], wait: float = 0.0) -> bool:
         """Take the lock if it is free; keep trying for `wait` seconds (a terminated holder exits soon)."""

@@ -939,7 +939,13 @@ SELECT NULL
 # its last attempt; one whose cancellation was requested is cancelled. A
 # job another worker holds meanwhile is waited for (its batch's commit, or
 # its own death); one that moved on (completed, running on the state lane,
-# where the rescuer charges its worker) is left alone.
+# where the rescuer charges its worker) is left alone. A rolled-back fast
+# batch leaves its rows available and not attempted by this worker: a row
+# this worker wrote last (a state-lane job whose interrupted attempt it
+# recorded while stopping, a retry it wrote) or no longer available has its
+# outcome already and is not charged again. (Left: a job another worker
+# ran meanwhile and made available again at once, Retry(0) or Snooze(0),
+# before the releaser came, is charged a crash it did not cause.)
 job_crash_fast: Final = """
 UPDATE fastjobs_jobs_all j
    SET crashes = j.crashes + 1,
@@ -961,7 +967,7 @@ UPDATE fastjobs_jobs_all j
                          THEN format('quarantined: its worker died while running it %s times', j.crashes + 1)
                          ELSE format('worker %s died while running the job (crash %s)',
                                      $1::text, j.crashes + 1) END))
- WHERE j.id = ANY($2::bigint[]) AND j.state IN ('available', 'retryable')
+ WHERE j.id = ANY($2::bigint[]) AND j.state = 'available' AND j.attempted_by IS DISTINCT FROM $1
 RETURNING j.id, j.state::text"""
 
 # job_schedule_many: scheduled and retryable jobs whose time has come become
@@ -1029,8 +1035,15 @@ leader_unlock: Final = "SELECT pg_advisory_unlock($1)"
 # enable_seqscan off: every statement of this connection finds its rows by
 # index; statistics taken while the queue was empty would otherwise make a
 # Seq Scan of the whole table look cheap for a batch's outcomes.
+# Keepalives as the leader's (fastjobs.leader.KEEPALIVE_*: idle 5 s, every
+# 2 s, 3 probes): a fast-lane batch holds its rows' locks in an open
+# transaction, and a worker host cut off or paused mid-batch would otherwise
+# hold them, and every rotating slot against the rotation, until the
+# kernel's keepalive (two hours); the server now ends its session in ~11 s.
 worker_session: Final = """
-SELECT set_config('synchronous_commit', 'off', false), set_config('enable_seqscan', 'off', false)"""
+SELECT set_config('synchronous_commit', 'off', false), set_config('enable_seqscan', 'off', false),
+       set_config('tcp_keepalives_idle', '5', false), set_config('tcp_keepalives_interval', '2', false),
+       set_config('tcp_keepalives_count', '3', false)"""
 
 # worker_register: a worker process announces itself (or re-announces after a reconnect).
 worker_register: Final = """
@@ -1315,6 +1328,33 @@ SELECT id, queue, kind, args, priority, state, run_at, attempt, max_attempts,
   FROM fastjobs_jobs_all
  WHERE slot = $1::smallint"""
 
+# slot_settle: up to $2 settled rows (neither available nor running:
+# scheduled, retryable, finished) of slot $1 moved to slot 0 by row locks,
+# before the rotation takes its lock: kept completed jobs, a burst of
+# discarded ones or a long backoff would otherwise stop the rotation (its
+# slot would hold more than max_move rows) or be copied under its lock. A row
+# another session holds is skipped (slot_move copies it later); a writer that
+# waited for one of these rows finds it gone and must look again by id.
+slot_settle: Final = """
+WITH settled AS (
+    DELETE FROM fastjobs_jobs_all j
+     WHERE j.slot = $1::smallint AND j.id = ANY(ARRAY(
+               SELECT id FROM fastjobs_jobs_all
+                WHERE slot = $1::smallint AND state NOT IN ('available', 'running')
+                LIMIT $2
+                  FOR UPDATE SKIP LOCKED))
+    RETURNING j.id, j.queue, j.kind, j.args, j.priority, j.state, j.run_at, j.attempt, j.max_attempts,
+              j.created_at, j.attempted_at, j.finalized_at, j.attempted_by, j.errors, j.unique_key,
+              j.meta, j.crashes, j.cancel_requested
+)
+INSERT INTO fastjobs_jobs_all (id, queue, kind, args, priority, state, run_at, attempt, max_attempts,
+                               created_at, attempted_at, finalized_at, attempted_by, errors, unique_key,
+                               meta, crashes, cancel_requested, slot)
+SELECT id, queue, kind, args, priority, state, run_at, attempt, max_attempts,
+       created_at, attempted_at, finalized_at, attempted_by, errors, unique_key,
+       meta, crashes, cancel_requested, 0::smallint
+  FROM settled"""
+
 # slot_truncate: empty the slot: its storage is freed at commit, whatever snapshot is open.
 slot_truncate: Final = "TRUNCATE {partition}"
 
@@ -1533,6 +1573,7 @@ STATEMENTS: Final[Mapping[str, str]] = MappingProxyType(
         "slot_lock_timeout": slot_lock_timeout,
         "slot_lock": slot_lock,
         "slot_move": slot_move,
+        "slot_settle": slot_settle,
         "slot_truncate": slot_truncate,
         "slot_advance": slot_advance,
         "mvcc_horizon": mvcc_horizon,

@@ -138,13 +138,43 @@ CREATE INDEX IF NOT EXISTS fastjobs_jobs_4_finalized_idx ON fastjobs_jobs_4 (fin
 -- Inserts through the parent wake sleeping workers as 004's do through
 -- fastjobs_jobs (a statement trigger fires for the table named, never for
 -- both: one notification per queue per statement still).
-DROP TRIGGER IF EXISTS fastjobs_jobs_all_notify ON fastjobs_jobs_all;
-CREATE TRIGGER fastjobs_jobs_all_notify
-    AFTER INSERT ON fastjobs_jobs_all
-    REFERENCING NEW TABLE AS inserted
-    FOR EACH STATEMENT
-    WHEN (pg_sequence_last_value('fastjobs_sleep_until') > date_part('epoch', clock_timestamp()) * 1000)
-    EXECUTE FUNCTION fastjobs_notify_inserted();
+-- Created only where missing: a re-run (an interrupted migrate, the --sql
+-- script applied again) takes no ACCESS EXCLUSIVE lock on the live parent.
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger
+                    WHERE tgrelid = 'fastjobs_jobs_all'::regclass AND tgname = 'fastjobs_jobs_all_notify') THEN
+        CREATE TRIGGER fastjobs_jobs_all_notify
+            AFTER INSERT ON fastjobs_jobs_all
+            REFERENCING NEW TABLE AS inserted
+            FOR EACH STATEMENT
+            WHEN (pg_sequence_last_value('fastjobs_sleep_until') > date_part('epoch', clock_timestamp()) * 1000)
+            EXECUTE FUNCTION fastjobs_notify_inserted();
+    END IF;
+END
+$$;
+
+-- Roles granted fastjobs_jobs get the same on the parent, and those that
+-- insert get the id sequence (an identity needed no grant, a default
+-- nextval() does): producer roles that are not the owner keep enqueueing,
+-- through either table.
+DO $$
+DECLARE
+    g record;
+BEGIN
+    FOR g IN SELECT CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(r.rolname) END AS grantee,
+                    a.privilege_type
+               FROM pg_class c CROSS JOIN LATERAL aclexplode(c.relacl) a
+               LEFT JOIN pg_roles r ON r.oid = a.grantee
+              WHERE c.oid = 'fastjobs_jobs'::regclass AND a.grantee <> c.relowner
+    LOOP
+        EXECUTE format('GRANT %s ON fastjobs_jobs_all TO %s', g.privilege_type, g.grantee);
+        IF g.privilege_type = 'INSERT' THEN
+            EXECUTE format('GRANT USAGE ON SEQUENCE fastjobs_jobs_id TO %s', g.grantee);
+        END IF;
+    END LOOP;
+END
+$$;
 
 -- fastjobs: transaction
 -- Reads fastjobs_jobs whole, under SHARE UPDATE EXCLUSIVE: enqueues, claims

@@ -62,7 +62,7 @@ def test_the_rotation_moves_what_the_oldest_slot_holds_and_truncates_it(db) -> N
                   ('k', 'completed', 1, 'w1', NULL, now(), 2)"""
     )
     before = db.execute(f"SELECT {columns} FROM fastjobs_jobs_all ORDER BY id").fetchall()
-    assert rotate(db) == {"rotated": 1, "moved": 4}  # slot 2 was the oldest: the one after 1
+    assert rotate(db) == {"rotated": 1, "moved": 2, "settled": 2}  # slot 2: the one after 1
     assert db.execute(f"SELECT {columns} FROM fastjobs_jobs_all ORDER BY id").fetchall() == before
     assert dict(db.execute("SELECT state::text, slot FROM fastjobs_jobs_all").fetchall()) == {
         "available": 1,
@@ -116,19 +116,35 @@ def test_the_rotation_gives_way_to_a_transaction_still_writing_the_slot_then_mov
     with psycopg.connect(dsn) as writer:
         writer.execute("INSERT INTO fastjobs_jobs_all (kind, slot) VALUES ('k', 2)")  # not committed yet
         began = time.monotonic()
-        assert rotate(db, RotationConfig(lock_timeout=0.05)) == {"gave way": 1}
+        assert rotate(db, RotationConfig(lock_timeout=0.05)) == {"gave way": 1, "settled": 0}
         assert time.monotonic() - began < 1.0
         assert current_slot(db) == 1  # nothing changed
         writer.commit()
-    assert rotate(db) == {"rotated": 1, "moved": 1}
+    assert rotate(db) == {"rotated": 1, "moved": 1, "settled": 0}
     assert slots(db) == {1: 1}
 
 
 def test_a_slot_holding_a_backlog_is_left_to_drain(db) -> None:
     db.execute("INSERT INTO fastjobs_jobs_all (kind, slot) SELECT 'k', 2 FROM generate_series(1, 11)")
-    assert rotate(db, RotationConfig(max_move=10)) == {"deferred": 1}
+    assert rotate(db, RotationConfig(max_move=10)) == {"deferred": 1, "settled": 0}
     assert current_slot(db) == 1 and slots(db) == {2: 11}
-    assert rotate(db, RotationConfig(max_move=11)) == {"rotated": 1, "moved": 11}
+    assert rotate(db, RotationConfig(max_move=11)) == {"rotated": 1, "moved": 11, "settled": 0}
+
+
+def test_settled_rows_leave_the_oldest_slot_by_row_locks_so_kept_jobs_never_stop_the_rotation(db) -> None:
+    """Kept completed jobs (or discarded, retryable ones) beyond max_move go to slot 0 before the lock;
+    a backlog of available ones still defers."""
+    db.execute(
+        "INSERT INTO fastjobs_jobs_all (kind, state, attempt, finalized_at, slot)"
+        " SELECT 'k', 'completed', 1, now(), 2 FROM generate_series(1, 25)"
+    )
+    assert rotate(db, RotationConfig(max_move=10)) == {"rotated": 1, "moved": 0, "settled": 25}
+    assert slots(db) == {0: 25}
+    db.execute(
+        "INSERT INTO fastjobs_jobs_all (kind, state, slot)"
+        " SELECT 'k', 'available', 3 FROM generate_series(1, 11)"
+    )
+    assert rotate(db, RotationConfig(max_move=10)) == {"deferred": 1, "settled": 0}
 
 
 @pytest.mark.parametrize("many", [False, True], ids=["enqueue", "enqueue_many"])
