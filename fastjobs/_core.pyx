@@ -386,7 +386,7 @@ cdef class BatchLoop:
     cdef list _proven
     cdef bint _tx
     cdef double _deadline
-    cdef bytes _lock_statement, _lock_sql
+    cdef bytes _lock_statement, _lock_sql, _lock_after_statement, _lock_after_sql
     cdef public Py_ssize_t fast
 
     def __cinit__(self):
@@ -423,8 +423,10 @@ cdef class BatchLoop:
             fast_lane and not keep_completed and all(
                 not spec.is_async and spec.timeout is None for spec in specs.values() if spec.queue == q)
             for q in queues]
-        name, text = sql.LOCK[bool(full_context)]
+        name, text = sql.LOCK[bool(full_context), False]
         self._lock_statement, self._lock_sql = name.encode(), text.encode()
+        name, text = sql.LOCK[bool(full_context), True]
+        self._lock_after_statement, self._lock_after_sql = name.encode(), text.encode()
         self._state_until = [0.0] * len(queues)
         self._proven = [False] * len(queues)  # see the reference
         self._tx = False
@@ -491,6 +493,7 @@ cdef class BatchLoop:
         self._prepare(self._after_statement, self._after_sql)
         if any(self._fast_queues):
             self._prepare(self._lock_statement, self._lock_sql)
+            self._prepare(self._lock_after_statement, self._lock_after_sql)
             self._prepare(b"job_finish_locked_many", sql.job_finish_locked_many.encode())
 
     cdef bint _fast_for(self, Py_ssize_t index):
@@ -531,10 +534,15 @@ cdef class BatchLoop:
     cdef int _lock(self, Py_ssize_t limit) except -1:
         """The fast lane's claim (see the reference): rows to self._rows, the transaction left open."""
         cdef char limit_text[24]
-        cdef const char *values[2]
+        cdef char priority_text[8]
+        cdef char run_at_text[24]
+        cdef const char *values[4]
         cdef list error = []
         cdef Py_ssize_t turn, size, index
-        cdef int n
+        cdef int n, rc
+        cdef double now
+        cdef bint full
+        cdef object mark
         if self._ndone or self._failures:
             turn, size = self._turn, self.size
             self._send(0)
@@ -546,11 +554,23 @@ cdef class BatchLoop:
             PQclear(self._rows)
             self._rows = NULL
         self._nrows = 0
+        now = _monotonic()
+        mark = self._marks[index]
+        full = mark is None or now >= <double>self._next_full[index]
+        self._sent_index, self._sent_full, self._sent_at = index, full, now
         self._simple(b"BEGIN")
         snprintf(limit_text, sizeof(limit_text), "%zd", limit)
         values[0] = PyBytes_AS_STRING(self._queues[index])
         values[1] = limit_text
-        if not PQsendQueryPrepared(self._pgconn, self._lock_statement, 2, values, NULL, NULL, 1):
+        if full:
+            rc = PQsendQueryPrepared(self._pgconn, self._lock_statement, 2, values, NULL, NULL, 1)
+        else:
+            snprintf(priority_text, sizeof(priority_text), "%d", <int>mark[0])
+            snprintf(run_at_text, sizeof(run_at_text), "%lld", <long long>mark[1])
+            values[2] = priority_text
+            values[3] = run_at_text
+            rc = PQsendQueryPrepared(self._pgconn, self._lock_after_statement, 4, values, NULL, NULL, 1)
+        if not rc:
             raise LoopError(_conn_error(self._pgconn))
         self._flush()
         self._in_flight = True
@@ -562,6 +582,7 @@ cdef class BatchLoop:
                 pass
             raise LoopError(error[0])
         n = PQntuples(self._rows)
+        self._mark(n)
         if not n:
             PQclear(self._rows)
             self._rows = NULL
@@ -569,7 +590,6 @@ cdef class BatchLoop:
             return 0
         self._tx = True
         self._nrows = n
-        self._sent_index, self._sent_full, self._sent_at = index, True, _monotonic()
         self._limit = limit
         self._full = n >= limit
         self.claimed += n

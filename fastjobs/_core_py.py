@@ -176,10 +176,12 @@ class BatchLoop:
             )
             for queue in queues
         ]
-        lock_name, lock_text = sql.LOCK[full_context]
-        self._lock_name = lock_name.encode()
+        # The fast lane's claims, from the front and after the mark (as the state lane's).
+        locks = [sql.LOCK[full_context, after] for after in (False, True)]
+        self._lock_names = tuple(name.encode() for name, _ in locks)
         if any(self._fast_queues):
-            self._statements[lock_name] = (self._lock_name, lock_text)
+            for name, text in locks:
+                self._statements[name] = (name.encode(), text)
             self._statements["job_finish_locked_many"] = (
                 b"job_finish_locked_many",
                 sql.job_finish_locked_many,
@@ -291,8 +293,16 @@ class BatchLoop:
             self._turn, self.size = turn, size
         index = self._turn % len(self._queues)
         self._turn += 1
+        now = time.monotonic()
+        params = [self._queues[index], str(limit).encode()]
+        mark = self._marks[index]
+        full = mark is None or now >= self._next_full[index]
+        if not full:
+            assert mark is not None
+            params += [str(mark[0]).encode(), str(mark[1]).encode()]
+        self._sent = (index, full, now)
         self._simple(sql.fast_begin)
-        self._send_prepared(self._lock_name, [self._queues[index], str(limit).encode()])
+        self._send_prepared(self._lock_names[not full], params)
         self._in_flight = True
         res, error, _ = self._results()
         if error is not None:
@@ -300,11 +310,11 @@ class BatchLoop:
                 self._simple(sql.fast_rollback)
             raise LoopError(error)
         n = res.ntuples
+        self._mark(res, n)
         if not n:
             self._simple(sql.fast_commit)
             return []
         self._tx = True
-        self._sent = (index, True, time.monotonic())
         self._limit = limit
         self._full = n >= limit
         self.claimed += n
