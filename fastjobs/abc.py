@@ -29,14 +29,19 @@ SIZE_DECAY = 2
 # state lane before it tries the fast lane again (see sql.job_lock_many).
 FAST_LANE_DEMOTE = 60.0
 
-# A claim scans the claim index from its front only as often as costs 10% of
+# A claim scans the claim index from its front only as often as costs 2% of
 # the loop's time (it wades through the dead entries of every job claimed
-# since the last VACUUM); in between it starts where the last claim ended
-# (sql.job_finish_claim_after). Its cost is the time the loop spent sending it
-# and waiting for its result: a claim sent ahead (overlap) is in flight while
-# the handlers run, and counting that time made the next claim from the front
-# due ~9 batches later on a clean index. At most this long between two.
-FULL_CLAIM_DUTY = 0.1
+# since the last VACUUM, or since its rotating slot was emptied); in between
+# it starts where the last claim ended (sql.job_finish_claim_after,
+# job_lock_after). Its cost is the time the loop spent sending it and waiting
+# for its result: a claim sent ahead (overlap) is in flight while the
+# handlers run, and counting that time made the next claim from the front
+# due ~49 batches later on a clean index. At most this long between two.
+# 2%, not 10%: at 80% load a fast-lane claim from the front walked the dead
+# entries of its slots for 50-170 ms, a stall of its worker that set the
+# pickup p99 (from the commit, two alternating 1-minute runs each: p99 27-36
+# ms at 10%, 14-17 ms at 2%; p50 2.4-3.7 ms against 0.8-2.1 ms).
+FULL_CLAIM_DUTY = 0.02
 FULL_CLAIM_MAX_WAIT = 10.0
 # A mark is kept only for a run_at a second or more inside timestamptz's range
 # (microseconds since 2000): the claim after it subtracts its margin, and

@@ -71,10 +71,12 @@ def test_a_short_phase_samples_throughput_latency_and_the_held_snapshot(
 ) -> None:
     monkeypatch.setattr(soak, "SAMPLE_SECONDS", 2.0)
     lines: list[str] = []
-    samples = soak.run_phase(dsn, 0.1, 2000.0, 1, 1000, (1.0, 3.0), Histograms(), lines.append)
+    samples = soak.run_phase(dsn, 0.1, 2000.0, 1, 1000, (1.0, 3.0), soak.Pickup(), lines.append)
     assert [s.at for s in samples] == pytest.approx([2.0, 4.0, 6.0], abs=0.5)
     assert sum(s.jobs_per_s for s in samples) > 0
     assert all(s.p99_ms is not None for s in samples)
+    # From the commit: within the whole pickup latency, never above it.
+    assert all(s.p99_commit_ms is not None and s.p99_commit_ms <= (s.p99_ms or 0.0) * 1.06 for s in samples)
     assert samples[0].horizon_s >= 0.5  # the held snapshot, seen a second after it began
     assert any("a transaction holds its snapshot open" in line for line in lines)
     assert any("the held transaction ended" in line for line in lines)

@@ -180,7 +180,7 @@ def test_the_fast_lane_claims_differ_only_where_their_variant_does():
     assert words(sql.job_lock_after) == words(after) != words(sql.job_lock_many)
     assert sql.job_lock_many_context == sql.job_lock_many.replace("priority, run_at\n", context, 1)
     assert sql.job_lock_after_context == sql.job_lock_after.replace("priority, run_at\n", context, 1)
-    assert sql.LOCK == {
+    assert {
         (context, after): (name, sql.STATEMENTS[name])
         for (context, after), name in {
             (False, False): "job_lock_many",
@@ -188,7 +188,7 @@ def test_the_fast_lane_claims_differ_only_where_their_variant_does():
             (True, False): "job_lock_many_context",
             (True, True): "job_lock_after_context",
         }.items()
-    }
+    } == sql.LOCK
 
 
 def _with_context(text: str) -> str:
@@ -447,7 +447,8 @@ def backlog(template_db: str) -> Iterator[str]:
     with psycopg.connect(dsn) as conn:
         conn.execute(
             "INSERT INTO fastjobs_jobs_all (queue, kind, run_at)"
-            " SELECT 'q1', 'k', now() - interval '1 hour' + i * interval '1 ms' FROM generate_series(1, 200000) i"
+            " SELECT 'q1', 'k', now() - interval '1 hour' + i * interval '1 ms'"
+            "   FROM generate_series(1, 200000) i"
         )
     yield dsn
     _drop_database(name)

@@ -12,6 +12,7 @@ middle, and reports the last minute against the first and the recovery.
 
 from __future__ import annotations
 
+import itertools
 import math
 import mmap
 import multiprocessing
@@ -96,6 +97,43 @@ class Histograms:
         self._mine = None
 
 
+class Pickup:
+    """Pickup latency twice: from just before the producer's COPY (`enqueued`), and from
+    the moment its commit returned (`committed`), the latency a worker can act on.
+
+    The producer notes each COPY's commit time in a shared ring, under the
+    COPY's sequence number, which its jobs carry; a job seen before its
+    producer noted the commit (it ran while the commit's reply was in flight)
+    counts 0 from the commit.
+    """
+
+    RING = 1 << 16
+
+    def __init__(self) -> None:
+        self.enqueued = Histograms()
+        self.committed = Histograms()
+        self._map = mmap.mmap(-1, self.RING * 2 * 8)
+        self._ring: Any = memoryview(self._map).cast("d")
+
+    def note_commit(self, seq: int, at: float) -> None:
+        slot = 2 * (seq % self.RING)
+        self._ring[slot + 1] = at
+        self._ring[slot] = float(seq)  # written last: a reader that sees the seq sees its time
+
+    def record(self, enqueued_at: float, seq: int) -> None:
+        now = time.time()
+        self.enqueued.record(now - enqueued_at)
+        slot = 2 * (seq % self.RING)
+        committed = self._ring[slot + 1] if self._ring[slot] == float(seq) else now
+        self.committed.record(max(0.0, now - committed))
+
+    def reset(self) -> None:
+        self.enqueued.reset()
+        self.committed.reset()
+        for i in range(len(self._ring)):
+            self._ring[i] = -1.0
+
+
 def percentile(bins: list[float], q: float) -> float | None:
     """The upper edge (seconds) of the bin holding quantile `q` of a histogram; None when empty."""
     count = sum(bins)
@@ -112,17 +150,17 @@ def percentile(bins: list[float], q: float) -> float | None:
 # --- the processes under test -----------------------------------------------------------------
 
 
-def _soak_app(dsn: str, histograms: Histograms) -> App:
+def _soak_app(dsn: str, pickup: Pickup) -> App:
     app = App(dsn)
 
     @app.job(kind=SOAK_KIND)
-    def soak(t: float) -> None:
-        histograms.record(time.time() - t)
+    def soak(t: float, s: int) -> None:
+        pickup.record(t, s)
 
     return app
 
 
-def _produce(dsn: str, rate: float | None, stop: Any, sent: Any) -> None:
+def _produce(dsn: str, rate: float | None, stop: Any, sent: Any, pickup: Pickup) -> None:
     """Enqueue soak jobs, one COPY per tick, at `rate` jobs/s (None: as fast as COPY goes).
 
     Behind schedule (a slow commit), the next COPY carries what is due, so
@@ -132,7 +170,9 @@ def _produce(dsn: str, rate: float | None, stop: Any, sent: Any) -> None:
     began = time.perf_counter()
     done = 0
     with psycopg.connect(dsn, autocommit=True) as conn:
-        while not stop.is_set():
+        for seq in itertools.count():
+            if stop.is_set():
+                break
             if rate is None:
                 n = 1000
             else:
@@ -142,7 +182,8 @@ def _produce(dsn: str, rate: float | None, stop: Any, sent: Any) -> None:
                     continue
             t = time.time()
             with conn.transaction():
-                app.enqueue_many(SOAK_KIND, [{"t": t}] * n, conn=conn)
+                app.enqueue_many(SOAK_KIND, [{"t": t, "s": seq}] * n, conn=conn)
+            pickup.note_commit(seq, time.time())
             done += n
             sent.value = done
 
@@ -206,7 +247,7 @@ def _window(count: Callable[[], float], echo: Callable[[str], None], label: str)
 
 
 def measure_maximum(
-    dsn: str, processes: int, batch: int, histograms: Histograms, echo: Callable[[str], None]
+    dsn: str, processes: int, batch: int, pickup: Pickup, echo: Callable[[str], None]
 ) -> tuple[float, float]:
     """End-to-end maximum, enqueue and drain at once: (fastjobs jobs/s, raw-SQL jobs/s)."""
     ctx = multiprocessing.get_context("fork")
@@ -219,12 +260,12 @@ def measure_maximum(
     finally:
         _reap(pids, stop)
     bench._reset(dsn)
-    histograms.reset()
+    pickup.reset()
     stop, sent = ctx.Event(), ctx.Value("q", 0)
-    with bench.master_running(lambda: _soak_app(dsn, histograms), processes, batch):
-        pids = [_spawn(_produce, dsn, None, stop, sent)]
+    with bench.master_running(lambda: _soak_app(dsn, pickup), processes, batch):
+        pids = [_spawn(_produce, dsn, None, stop, sent, pickup)]
         try:
-            fast = _window(lambda: histograms.total()[0], echo, "fastjobs, enqueue_many and run at once")
+            fast = _window(lambda: pickup.enqueued.total()[0], echo, "fastjobs, enqueue_many and run at once")
         finally:
             _reap(pids, stop)
     return fast, raw
@@ -238,7 +279,7 @@ class Sample:
     at: float  # seconds since the phase began
     jobs_per_s: float
     enqueued_per_s: float
-    p50_ms: float | None
+    p50_ms: float | None  # pickup latency from just before the producer's COPY
     p99_ms: float | None
     backlog: int  # available jobs
     table_mb: float
@@ -247,6 +288,8 @@ class Sample:
     live_rows: int
     horizon_s: float  # age of the oldest snapshot holding back cleanup
     autovacuums: int
+    p50_commit_ms: float | None = None  # pickup latency from the producer's commit
+    p99_commit_ms: float | None = None
 
 
 def _hold(dsn: str, start: float, seconds: float, echo: Callable[[str], None]) -> threading.Thread:
@@ -274,33 +317,37 @@ def run_phase(
     processes: int,
     batch: int,
     hold: tuple[float, float] | None,
-    histograms: Histograms,
+    pickup: Pickup,
     echo: Callable[[str], None],
 ) -> list[Sample]:
     """Offer `rate` jobs/s for `minutes`, sampled every 10 s; `hold`: (start, length) of a held snapshot."""
     ctx = multiprocessing.get_context("fork")
     bench._reset(dsn)
-    histograms.reset()
+    pickup.reset()
     stop, sent = ctx.Event(), ctx.Value("q", 0)
     samples: list[Sample] = []
     with (
-        bench.master_running(lambda: _soak_app(dsn, histograms), processes, batch),
+        bench.master_running(lambda: _soak_app(dsn, pickup), processes, batch),
         psycopg.connect(dsn, autocommit=True) as watch,
     ):
-        pids = [_spawn(_produce, dsn, rate, stop, sent)]
+        pids = [_spawn(_produce, dsn, rate, stop, sent, pickup)]
         try:
             began = time.perf_counter()
             holder = _hold(dsn, began + hold[0], hold[1], echo) if hold else None
-            last, last_sent, last_at = histograms.total(), 0, began
+            last, last_commit = pickup.enqueued.total(), pickup.committed.total()
+            last_sent, last_at = 0, began
             for k in range(1, int(minutes * 60 / SAMPLE_SECONDS) + 1):
                 time.sleep(max(0.0, began + k * SAMPLE_SECONDS - time.perf_counter()))
-                now, total, enqueued = time.perf_counter(), histograms.total(), sent.value
+                now, total, enqueued = time.perf_counter(), pickup.enqueued.total(), sent.value
+                commit_total = pickup.committed.total()
                 bins = [a - b for a, b in zip(total[1:], last[1:], strict=True)]
+                commit_bins = [a - b for a, b in zip(commit_total[1:], last_commit[1:], strict=True)]
                 health = stats.health(watch)
                 # fastjobs_jobs (slot 0) and the rotating slots fastjobs_jobs_1..4: the jobs' partitions.
                 parts = [t for t in health.tables if t.table == "fastjobs_jobs" or _ROTATING.match(t.table)]
                 backlog = watch.execute(queries.bench_available_count).fetchone()[0]  # type: ignore[index]
                 p50, p99 = percentile(bins, 0.50), percentile(bins, 0.99)
+                c50, c99 = percentile(commit_bins, 0.50), percentile(commit_bins, 0.99)
                 h = health.horizon
                 sample = Sample(
                     at=round(now - began, 1),
@@ -315,10 +362,12 @@ def run_phase(
                     live_rows=sum(t.live for t in parts),
                     horizon_s=round(h.seconds or 0.0, 1) if h is not None else 0.0,
                     autovacuums=sum(t.autovacuums for t in parts),
+                    p50_commit_ms=None if c50 is None else round(c50 * 1000, 2),
+                    p99_commit_ms=None if c99 is None else round(c99 * 1000, 2),
                 )
                 samples.append(sample)
                 echo(_line(sample))
-                last, last_sent, last_at = total, enqueued, now
+                last, last_commit, last_sent, last_at = total, commit_total, enqueued, now
             if holder is not None:
                 holder.join()
         finally:
@@ -326,11 +375,14 @@ def run_phase(
     return samples
 
 
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}"
+
+
 def _line(s: Sample) -> str:
-    p50 = "-" if s.p50_ms is None else f"{s.p50_ms:,.1f}"
-    p99 = "-" if s.p99_ms is None else f"{s.p99_ms:,.1f}"
     return (
-        f"  {s.at:>6.0f}s {s.jobs_per_s:>9,.0f} jobs/s  p50 {p50:>7} p99 {p99:>8} ms  backlog {s.backlog:>9,}"
+        f"  {s.at:>6.0f}s {s.jobs_per_s:>9,.0f} jobs/s  p50 {_ms(s.p50_ms):>7} p99 {_ms(s.p99_ms):>8} ms"
+        f" (from the commit {_ms(s.p50_commit_ms)} / {_ms(s.p99_commit_ms)})  backlog {s.backlog:>9,}"
         f"  table {s.table_mb:>7,.1f} MB  indexes {s.index_mb:>7,.1f} MB  dead {s.dead_rows:>10,}"
         f"  horizon {s.horizon_s:>5.0f}s  autovacuums {s.autovacuums}\n"
     )
@@ -363,21 +415,21 @@ def run_soak(
     echo: Callable[[str], None],
 ) -> dict[str, Any]:
     target = bench.bench_dsn(dsn)
-    histograms = Histograms()
+    pickup = Pickup()
     echo(
         f"fastjobs soak: {minutes:g} min steady, then {minutes:g} min with a {hold_seconds:g} s"
         f" transaction in the middle; {processes} processes, {IMPLEMENTATION} implementation\n"
     )
-    fast_max, raw_max = measure_maximum(target, processes, batch, histograms, echo)
+    fast_max, raw_max = measure_maximum(target, processes, batch, pickup, echo)
     offered = rate if rate is not None else round(LOAD * fast_max)
     echo(
         f"  maximum {fast_max:,.0f} jobs/s = {fast_max / raw_max:.2f} x the raw limit {raw_max:,.0f};"
         f" offering {offered:,.0f} jobs/s\n\nsteady:\n"
     )
-    steady = run_phase(target, minutes, offered, processes, batch, None, histograms, echo)
+    steady = run_phase(target, minutes, offered, processes, batch, None, pickup, echo)
     hold_start = max(0.0, minutes * 60 / 2 - hold_seconds / 2)
     echo(f"\nwith a transaction held from {hold_start:.0f} s to {hold_start + hold_seconds:.0f} s:\n")
-    held = run_phase(target, minutes, offered, processes, batch, (hold_start, hold_seconds), histograms, echo)
+    held = run_phase(target, minutes, offered, processes, batch, (hold_start, hold_seconds), pickup, echo)
     hold_end = hold_start + hold_seconds
     figures = {
         "minutes": minutes,
@@ -392,6 +444,8 @@ def run_soak(
         "steady_last_minute": round(_minute(steady, False)),
         "steady_last_over_first": round(_minute(steady, False) / _minute(steady, True), 3),
         "steady_p99_ms_worst": max((s.p99_ms or 0.0) for s in steady),
+        "steady_p50_commit_ms_worst": max((s.p50_commit_ms or 0.0) for s in steady),
+        "steady_p99_commit_ms_worst": max((s.p99_commit_ms or 0.0) for s in steady),
         "hold_start_s": hold_start,
         "hold_seconds": hold_seconds,
         "held_first_minute": round(_minute(held, True)),
@@ -408,7 +462,9 @@ def run_soak(
         f"\nsoak at {offered:,.0f} jobs/s offered ({offered / raw_max:.2f} x the raw limit):\n"
         f"  steady: last minute {figures['steady_last_minute']:,} jobs/s ="
         f" {figures['steady_last_over_first']:.2f} x the first; worst p99"
-        f" {figures['steady_p99_ms_worst']:,.1f} ms\n"
+        f" {figures['steady_p99_ms_worst']:,.1f} ms; from the commit, worst p50"
+        f" {figures['steady_p50_commit_ms_worst']:,.1f} ms, worst p99"
+        f" {figures['steady_p99_commit_ms_worst']:,.1f} ms\n"
         f"  held:   last minute = {figures['held_last_over_first']:.2f} x the first; slowest 10 s"
         f" {figures['held_worst_jobs_per_s']:,} jobs/s; worst p99 {figures['held_p99_ms_worst']:,.1f} ms;"
         f" recovered {figures['recovery_s']} s after the transaction ended\n"
@@ -423,9 +479,9 @@ def run_soak(
 def minute_table(record: dict[str, Any]) -> str:
     """Both phases minute by minute, as a Markdown table (bench/RESULTS.md)."""
     lines = [
-        "| minute | steady jobs/s | p99 ms | dead rows | table + indexes MB"
-        " | held jobs/s | p99 ms | dead rows | table + indexes MB | backlog |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| minute | steady jobs/s | p99 ms | from the commit p50 / p99 ms | dead rows | table + indexes MB"
+        " | held jobs/s | p99 ms | from the commit p50 / p99 ms | dead rows | table + indexes MB | backlog |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     per_minute = max(1, int(60 / SAMPLE_SECONDS))
     phases = [record["steady"], record["held"]]
@@ -436,6 +492,8 @@ def minute_table(record: dict[str, Any]) -> str:
             cells += [
                 f"{sum(s['jobs_per_s'] for s in window) / len(window):,.0f}",
                 f"{max(s['p99_ms'] or 0.0 for s in window):,.0f}",
+                f"{max(s.get('p50_commit_ms') or 0.0 for s in window):,.1f}"
+                f" / {max(s.get('p99_commit_ms') or 0.0 for s in window):,.0f}",
                 f"{max(s['dead_rows'] for s in window):,}",
                 f"{window[-1]['table_mb'] + window[-1]['index_mb']:,.0f}",
             ]
@@ -499,4 +557,4 @@ def _plot(record: dict[str, Any], path: Path, echo: Callable[[str], None]) -> No
     echo(f"plot written to {path}\n")
 
 
-__all__ = ["Histograms", "Sample", "measure_maximum", "percentile", "recovery_seconds", "run_soak"]
+__all__ = ["Histograms", "Pickup", "Sample", "measure_maximum", "percentile", "recovery_seconds", "run_soak"]
