@@ -233,8 +233,8 @@ _KEY = 7  # the unique key's index in insert_params
 
 
 def _now(params: tuple[Any, ...]) -> bool:
-    """Whether sql.job_insert_now can take the job: due now, no unique key, no meta."""
-    return params[5] is None and not params[6] and params[7] is None and params[8] is None
+    """Whether sql.job_insert_now can take the job: due now, no unique key."""
+    return params[5] is None and not params[6] and params[7] is None
 
 
 # fastjobs' own pooled connections on which job_insert_now is prepared.
@@ -264,16 +264,15 @@ def insert_own(conn: psycopg.Connection[Any], params: tuple[Any, ...]) -> int:
             if res.status != pq.ExecStatus.COMMAND_OK:
                 raise psycopg.errors.error_from_result(res, encoding=conn.info.encoding)
             _prepared.add(conn)
-        res = pgconn.exec_prepared(
-            _INSERT_NOW,
-            [
-                params[0].encode(),
-                params[1].encode(),
-                params[2].encode(),
-                b"%d" % params[3],
-                b"%d" % params[4],
-            ],
-        )
+        values: list[bytes | None] = [
+            params[0].encode(),
+            params[1].encode(),
+            params[2].encode(),
+            b"%d" % params[3],
+            b"%d" % params[4],
+            None if params[8] is None else params[8].encode(),
+        ]
+        res = pgconn.exec_prepared(_INSERT_NOW, values)  # type: ignore[arg-type]  # None is NULL to libpq
         if res.status != pq.ExecStatus.TUPLES_OK:
             raise psycopg.errors.error_from_result(res, encoding=conn.info.encoding)
         value = res.get_value(0, 0)
@@ -287,7 +286,7 @@ def insert(conn: psycopg.Connection[Any], params: tuple[Any, ...]) -> int:
     # row[0] a KeyError after the INSERT ran: a caller retrying enqueued twice).
     with schema.required(), psycopg.RawCursor(conn, row_factory=tuple_row) as cur:
         if _now(params):
-            row = cur.execute(sql.job_insert_now, params[:5]).fetchone()
+            row = cur.execute(sql.job_insert_now, (*params[:5], params[8])).fetchone()
             assert row is not None
             return int(row[0])
         for _ in range(_UNIQUE_TRIES):
@@ -303,7 +302,7 @@ async def insert_async(conn: psycopg.AsyncConnection[Any], params: tuple[Any, ..
     with schema.required():
         async with psycopg.AsyncRawCursor(conn, row_factory=tuple_row) as cur:
             if _now(params):
-                await cur.execute(sql.job_insert_now, params[:5])
+                await cur.execute(sql.job_insert_now, (*params[:5], params[8]))
                 row = await cur.fetchone()
                 assert row is not None
                 return int(row[0])

@@ -132,10 +132,12 @@ RETURNING id"""
 # are. A plain INSERT ... VALUES: job_insert's INSERT ... SELECT with its ON
 # CONFLICT arbiter costs the server about twice as much per row (measured
 # 120-140 us against 55-65 us a statement, one session, PostgreSQL 15).
-# Through the parent: into the current rotating slot (the slot's default).
+# Through the parent: into the current rotating slot (the slot's default),
+# with its meta ($6, or NULL): an app with enqueue middleware (tracing) puts
+# meta on every job, and those went to slot 0, back onto VACUUM.
 job_insert_now: Final = """
-INSERT INTO fastjobs_jobs_all (queue, kind, args, priority, max_attempts)
-VALUES ($1, $2, $3::jsonb, $4, $5)
+INSERT INTO fastjobs_jobs_all (queue, kind, args, priority, max_attempts, meta)
+VALUES ($1, $2, $3::jsonb, $4, $5, $6::jsonb)
 RETURNING id"""
 
 # job_get_unique: the pending or running job holding unique key $1 (only slot 0 holds keys).

@@ -43,6 +43,18 @@ def test_jobs_due_now_go_to_the_current_slot_and_the_others_to_the_durable_one(a
     app.enqueue("k", {}, unique_key="u")
     app.enqueue("k", {}, delay=3600)
     assert slots(db) == {1: 3, 0: 2}  # unique keys and scheduled jobs stay durable
+
+    @app.enqueue_middleware
+    def trace(enqueue: Any, call_next: Any) -> Any:
+        enqueue.meta["trace"] = "t"
+        return call_next()
+
+    app.enqueue("k", {})  # with meta (enqueue middleware: tracing) too
+    app.enqueue("k", {}, unique_key="v")
+    assert slots(db) == {1: 4, 0: 3}
+    assert db.execute(
+        'SELECT count(*) FROM fastjobs_jobs_all WHERE meta = \'{"trace": "t"}\''
+    ).fetchone() == (2,)
     assert rotate(db)["rotated"] == 1
     assert current_slot(db) == 2
     assert db.execute(
