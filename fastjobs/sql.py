@@ -1318,9 +1318,12 @@ SELECT id, queue, kind, args, priority,
 # job (in_flight) is a key of the first grouping, so each row is tested
 # once, in the scan (an expression of the outer query would be evaluated
 # again, with snapshot arrays of its own); the second merges a queue's
-# jobs in flight with its running ones. Measured on 1M
-# rows (70% available, 10% of those last locked by a committed batch):
-# about 20% above the statement without the test.
+# jobs in flight with its running ones. EXPLAIN ANALYZE on 1M rows (8
+# queues, 70% available, 2,000 of them locked by a live transaction, 20
+# xids in progress), medians of 9 on 2 busy cores: 185 -> 207 ms (parallel),
+# 269 -> 280 ms (serial); with 100k more available rows last locked by a
+# committed transaction (each takes the second comparison): 181 -> 214 ms,
+# 251 -> 312 ms.
 job_stats_by_queue: Final = """
 WITH job AS (
     SELECT queue, state, run_at, attempted_at, created_at,
