@@ -1237,7 +1237,7 @@ SELECT CASE WHEN state = 'available' AND xmax <> '0'::xid
                       OR (xmax::text::bigint + 4294967296
                           - (SELECT xid(pg_snapshot_xmax(pg_current_snapshot()))::text::bigint)) % 4294967296
                          < 1048576)
-            THEN 'running' ELSE state::text END
+            THEN 'running' ELSE state::text END AS state
   FROM fastjobs_jobs_all WHERE id = $1"""
 
 # job_cancel_requested: running jobs of worker $1 whose cancellation was requested.
