@@ -1,13 +1,16 @@
 """The fast lane: short sync jobs claimed by row lock in a transaction held over their batch.
 
 One write per job: a completed job is deleted, another outcome updates its
-row once, and a job in flight never reads 'running'. Jobs that may not hold a
+row once, and a job in flight keeps its row 'available' (what jobs list, stats and
+the testing kit report is 'running': its row is locked). Jobs that may not hold a
 transaction open (async, timeout=, threads, slower than the pace) take the
 state lane; a worker that dies rolls back and its master counts the crash.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -17,7 +20,7 @@ import psycopg
 import pytest
 
 import fastjobs
-from fastjobs import App, Retry, Snooze
+from fastjobs import App, Retry, Snooze, control, stats
 from fastjobs.abc import BATCH_SECONDS
 from fastjobs.worker import Worker, WorkerConfig
 
@@ -108,6 +111,97 @@ def test_a_job_in_flight_is_locked_and_never_running(app: App, dsn: str) -> None
         assert loop.step() == 1
         assert loop.fast == 1
     assert seen == [("available", 0), []]
+    assert by_state(dsn) == {}
+
+
+def _states(conn: psycopg.Connection[Any], **filters: Any) -> dict[int, str]:
+    """What `fastjobs jobs list` reports, by job id."""
+    return {row["id"]: row["state"] for row in control.list_jobs(conn, **filters)}
+
+
+def _depths(conn: psycopg.Connection[Any]) -> dict[str, tuple[int, float | None]]:
+    """What `fastjobs stats` and the metrics report for the default queue, by state."""
+    return {d.state: (d.count, d.oldest_seconds) for d in stats.queue_depths(conn) if d.queue == "default"}
+
+
+def test_a_job_in_flight_reads_running_in_jobs_list_and_stats(app: App, dsn: str) -> None:
+    """Its row stays 'available' (locked by the batch's transaction), but every read for people
+    and metrics says 'running', since about now; once its batch commits it is gone."""
+    started, release = threading.Event(), threading.Event()
+
+    @app.job(kind="hold")
+    def hold(n: int) -> None:
+        started.set()
+        release.wait(60)
+
+    with batch_loop(app, 1, fast_lane=True) as loop:
+        _warm(app, loop)
+        held = hold.enqueue(n=1)
+        waiting = hold.enqueue(n=2)  # a batch of one: it waits, available
+        query(dsn, "UPDATE fastjobs_jobs_all SET run_at = now() - interval '1 hour'")
+        ran: list[int] = []
+        runner = threading.Thread(target=lambda: ran.append(loop.step()))
+        runner.start()
+        try:
+            assert started.wait(30)
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                # The row as written: the fast lane's, available and uncounted.
+                assert query(
+                    dsn, "SELECT state::text AS state, attempt FROM fastjobs_jobs_all WHERE id = %s", (held,)
+                ) == [{"state": "available", "attempt": 0}]
+                assert _states(conn) == {held: "running", waiting: "available"}
+                assert _states(conn, state="running") == {held: "running"}
+                assert _states(conn, state="available") == {waiting: "available"}
+                assert control.show(conn, held)["state"] == "running"
+                depths = _depths(conn)
+                assert {s: count for s, (count, _) in depths.items()} == {"available": 1, "running": 1}
+                available_age, running_age = depths["available"][1], depths["running"][1]
+                assert available_age is not None and available_age > 3000  # due an hour ago
+                assert running_age is not None and running_age < 60  # its batch began moments ago
+            listed = procs.cli(dsn, "jobs", "list", "--state", "running", "--json")
+            assert listed.returncode == 0, listed.stderr
+            assert [(row["id"], row["state"]) for row in json.loads(listed.stdout)] == [(held, "running")]
+            human = procs.cli(dsn, "stats")
+            assert human.returncode == 0, human.stderr
+            assert re.search(r"default\s+running\s+1\s", human.stdout), human.stdout
+        finally:
+            release.set()
+            runner.join(30)
+        assert ran == [1] and loop.fast == 1
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            assert _states(conn) == {waiting: "available"}
+            assert _states(conn, state="running") == {}
+            assert _depths(conn).keys() == {"available"}
+            with pytest.raises(fastjobs.errors.JobNotFound):
+                control.show(conn, held)
+        loop.finish()
+
+
+def test_a_job_row_another_transaction_locks_reads_running_while_it_holds_it(app: App, dsn: str) -> None:
+    """Nothing tells a lock of the user's (SELECT ... FOR UPDATE in a transaction of theirs) from a
+    fast batch's, so its job reads 'running' too. Rightly so: no worker can claim it meanwhile
+    (both lanes skip locked rows), so it is not waiting for one; once the lock goes it is available
+    and runs."""
+    ran: list[int] = []
+
+    @app.job(kind="plain")
+    def plain(n: int) -> None:
+        ran.append(n)
+
+    with batch_loop(app, 10, fast_lane=True) as loop:
+        _warm(app, loop)
+        job_id = plain.enqueue(n=1)
+        with psycopg.connect(dsn) as holder, psycopg.connect(dsn, autocommit=True) as conn:
+            holder.execute("SELECT id FROM fastjobs_jobs_all WHERE id = %s FOR UPDATE", (job_id,))
+            assert _states(conn, kind="plain") == {job_id: "running"}
+            assert _states(conn, state="available") == {}
+            assert loop.step() == 0 and ran == []  # (it wrote the warm-up job's outcome)
+            assert {state: count for state, (count, _) in _depths(conn).items()} == {"running": 1}
+            holder.rollback()
+            assert _states(conn) == {job_id: "available"}
+            assert {state: count for state, (count, _) in _depths(conn).items()} == {"available": 1}
+        assert loop.step() == 1 and ran == [1]
+        loop.finish()
     assert by_state(dsn) == {}
 
 

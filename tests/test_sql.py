@@ -641,3 +641,126 @@ def test_the_search_for_stale_outcomes_runs_only_when_an_outcome_did_not_apply(d
         (207, None, "completed", 2),
     ]
     assert sorted(n["Actual Loops"] for n in scans) == [1, 1, 1, 1], scans
+
+
+# The test every statement that reports a job's state makes (see sql.fast_begin), whitespace aside.
+IN_FLIGHT = """state = 'available' AND xmax <> '0'::xid
+    AND (xmax = ANY(ARRAY(SELECT xid(x) FROM pg_snapshot_xip(pg_current_snapshot()) AS x))
+         OR (xmax::text::bigint + 4294967296
+             - (SELECT xid(pg_snapshot_xmax(pg_current_snapshot()))::text::bigint)) % 4294967296
+            < 1048576)"""
+REPORTS_STATE = ["job_state", "job_get", "job_list", "job_stats_by_queue", "testing_jobs_in_states"]
+
+
+def test_every_report_of_a_state_tests_for_a_job_in_flight_alike():
+    """Written out in each statement, the test is the same text in each: a fix to one is made to all."""
+    expected = " ".join(IN_FLIGHT.split())
+    assert {
+        name: " ".join(sql.STATEMENTS[name].split()).count(expected) for name in REPORTS_STATE
+    } == dict.fromkeys(REPORTS_STATE, 1)
+    others = set(sql.STATEMENTS) - set(REPORTS_STATE)
+    assert [name for name in sorted(others) if "pg_snapshot_xip" in sql.STATEMENTS[name]] == []
+
+
+def test_a_row_a_live_transaction_locks_reads_running_in_every_report(dsn):
+    """Whichever way its locker's xid stands to the reader's snapshot: listed in progress (a later
+    transaction completed before the snapshot), or at or after its xmax (taken after the snapshot).
+    A row locked by a transaction that ended, and a locked row in another state, keep their state."""
+    with psycopg.connect(dsn, autocommit=True) as setup:
+        ids = {
+            row[1]: row[0]
+            for row in setup.execute(
+                """INSERT INTO fastjobs_jobs_all (queue, kind, state, run_at, attempt, attempted_at)
+                   VALUES ('a', 'listed', 'available', now() - interval '1 hour', 0, NULL),
+                          ('b', 'after', 'available', now() - interval '1 hour', 0, NULL),
+                          ('a', 'claimed', 'running', now() - interval '3 hours', 1,
+                           now() - interval '2 hours'),
+                          ('d', 'ended', 'available', now() - interval '1 hour', 0, NULL),
+                          ('e', 'later', 'scheduled', now() + interval '1 hour', 0, NULL)
+                   RETURNING id, kind"""
+            ).fetchall()
+        }
+        with setup.transaction():
+            setup.execute("SELECT id FROM fastjobs_jobs_all WHERE id = %s FOR UPDATE", (ids["ended"],))
+    listed, after, claimed, ended, later = (ids[k] for k in ("listed", "after", "claimed", "ended", "later"))
+    with (
+        psycopg.connect(dsn) as first,
+        psycopg.connect(dsn) as second,
+        psycopg.connect(dsn, autocommit=True) as other,
+        psycopg.connect(dsn) as reader,
+    ):
+        first.execute("SELECT id FROM fastjobs_jobs_all WHERE id = ANY(%s) FOR UPDATE", ([listed, later],))
+        other.execute("SELECT pg_current_xact_id()")  # a later xid completes: the first's is listed
+        reader.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        reader.execute("SELECT 1")  # its snapshot, before the second takes its xid
+        second.execute("SELECT id FROM fastjobs_jobs_all WHERE id = %s FOR UPDATE", (after,))
+        cur = psycopg.RawCursor(reader)
+        xids = cur.execute(
+            """SELECT id, xmax::text::bigint,
+                      xmax = ANY(ARRAY(SELECT xid(x) FROM pg_snapshot_xip(pg_current_snapshot()) AS x)),
+                      xmax::text::bigint >= xid(pg_snapshot_xmax(pg_current_snapshot()))::text::bigint
+                 FROM fastjobs_jobs_all WHERE id = ANY($1)""",
+            ([listed, after],),
+        ).fetchall()
+        assert sorted((row[0], row[2], row[3]) for row in xids) == [
+            (listed, True, False),
+            (after, False, True),
+        ]
+        running = {listed: "running", after: "running", claimed: "running"}
+        assert {i: cur.execute(sql.job_state, (i,)).fetchone()[0] for i in ids.values()} == {  # type: ignore[index]
+            **running,
+            ended: "available",
+            later: "scheduled",
+        }
+        assert {i: cur.execute(sql.job_get, (i,)).fetchone()[5] for i in ids.values()} == {  # type: ignore[index]
+            **running,
+            ended: "available",
+            later: "scheduled",
+        }
+        assert {row[0]: row[3] for row in cur.execute(sql.job_list, (None, "running", None, 10))} == running
+        assert [row[0] for row in cur.execute(sql.job_list, (None, "available", None, 10))] == [ended]
+        assert [row[0] for row in cur.execute(sql.job_list, ("b", None, None, 10))] == [after]
+        assert {row[0] for row in cur.execute(sql.testing_jobs_in_states, (["running"],))} == set(running)
+        pending = cur.execute(sql.testing_jobs_in_states, (["available", "scheduled", "retryable"],))
+        assert [row[0] for row in pending] == [ended, later]
+        depths = {(row[0], row[1]): (row[2], row[3]) for row in cur.execute(sql.job_stats_by_queue)}
+        assert sorted(depths) == [("a", "running"), ("b", "running"), ("d", "available"), ("e", "scheduled")]
+        # Queue a: the state-lane job claimed 2 hours ago is the oldest; b's only job began now.
+        assert depths["a", "running"][0] == 2 and 7000 < depths["a", "running"][1] < 7400
+        assert depths["b", "running"][0] == 1 and 0 <= depths["b", "running"][1] < 60
+        assert depths["d", "available"][0] == 1 and depths["d", "available"][1] > 3000
+        reader.rollback()
+        first.rollback()
+        second.commit()
+        assert {i: cur.execute(sql.job_state, (i,)).fetchone()[0] for i in (listed, after)} == {  # type: ignore[index]
+            listed: "available",
+            after: "available",
+        }
+        counts = {(row[0], row[1]): row[2] for row in cur.execute(sql.job_stats_by_queue)}
+        assert counts == {
+            ("a", "available"): 1,
+            ("a", "running"): 1,
+            ("b", "available"): 1,
+            ("d", "available"): 1,
+            ("e", "scheduled"): 1,
+        }
+
+
+@pytest.mark.parametrize("plan_cache_mode", ["force_custom_plan", "force_generic_plan"])
+def test_the_stats_test_each_row_once_and_keep_their_parallel_scan(seeded, plan_cache_mode):
+    """The test for a job in flight is a key of job_stats_by_queue's first grouping: one array of
+    the snapshot's xids, one snapshot xmax, each evaluated at most once (when a row needs it), and
+    the scan stays parallel."""
+    with psycopg.connect(seeded) as conn, psycopg.RawCursor(conn) as cur:
+        cur.execute(f"PREPARE job_stats_by_queue AS {sql.job_stats_by_queue}")
+        cur.execute(f"SET plan_cache_mode = {plan_cache_mode}")
+        # Parallel plans made cheap: one comes unless a function of the statement forbids it.
+        cur.execute("SET parallel_setup_cost = 0")
+        cur.execute("SET parallel_tuple_cost = 0")
+        cur.execute("SET min_parallel_table_scan_size = 0")
+        row = cur.execute("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE job_stats_by_queue").fetchone()
+    assert row is not None
+    nodes = list(_plan_nodes(row[0][0]["Plan"]))
+    init_plans = [n for n in nodes if n.get("Parent Relationship") == "InitPlan"]
+    assert len(init_plans) == 2 and all(n["Actual Loops"] <= 1 for n in init_plans), init_plans
+    assert [n for n in nodes if n["Node Type"] == "Gather" or n["Node Type"] == "Gather Merge"], nodes
