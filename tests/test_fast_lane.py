@@ -134,7 +134,8 @@ def test_a_job_in_flight_reads_running_in_jobs_list_and_stats(app: App, dsn: str
         started.set()
         release.wait(60)
 
-    with batch_loop(app, 1, fast_lane=True) as loop:
+    # Every claim from the front: the jobs below are moved behind the warm-up's mark.
+    with batch_loop(app, 1, fast_lane=True, full_claim_duty=1.0) as loop:
         _warm(app, loop)
         held = hold.enqueue(n=1)
         waiting = hold.enqueue(n=2)  # a batch of one: it waits, available
