@@ -166,6 +166,39 @@ def test_the_finish_statements_differ_only_where_their_variant_does(name, siblin
             assert sibling_ctes[cte] == _kept(ctes[cte]) != ctes[cte], cte
 
 
+def test_the_fast_lane_outcomes_are_the_state_lanes_with_the_attempt_of_this_run():
+    """job_finish_locked_many repeats job_finish_claim_many's outcome logic (cancelled,
+    discarded after the last attempt, the delay, the errors). Its rows were never claimed,
+    so the attempt this run made comes from the outcome (f.attempt, where the state lane
+    reads the row's j.attempt), and the worker is written with it; its guards differ. Any
+    other edit made to one and not the other fails here."""
+    state_ctes, _ = _parts(sql.job_finish_claim_many)
+    fast_ctes, _ = _parts(sql.job_finish_locked_many)
+    assert list(fast_ctes) == ["completed", "completed_later", "failed"]
+
+    def assignments(cte: str) -> str:
+        return cte[cte.index(" SET ") : cte.index(" WHERE ")]
+
+    expected = (
+        assignments(state_ctes["failed"])
+        .replace("j.attempt >= j.max_attempts", "f.attempt >= j.max_attempts")
+        .replace(
+            "attempt = j.attempt - f.uncount,",
+            "attempt = f.attempt - f.uncount, attempted_at = now(), attempted_by = $3,",
+        )
+        .replace("'attempt', j.attempt,", "'attempt', f.attempt,")
+    )
+    assert expected != assignments(state_ctes["failed"])
+    assert assignments(fast_ctes["failed"]) == expected
+    for cte in ("failed", "completed_later"):
+        state_tail, fast_tail = (c[cte].split(" WHERE ")[-1] for c in (state_ctes, fast_ctes))
+        guard = "least(j.attempt, 32766) + 1 = f.attempt AND j.state::text = 'available'"
+        assert fast_tail == state_tail.replace(
+            "j.attempt = f.attempt AND j.attempted_by = $5 AND j.state::text = 'running'", guard
+        )
+        assert fast_tail != state_tail
+
+
 def test_the_fast_lane_claims_differ_only_where_their_variant_does():
     """The fast lane's four claims are written out whole: the _after ones add the
     state lane's mark predicate (its parameters $3 and $4), the _context ones meta

@@ -513,7 +513,7 @@ def _plot(record: dict[str, Any], path: Path, echo: Callable[[str], None]) -> No
         return
     panels = (
         ("jobs_per_s", "jobs/s completed"),
-        ("p99_ms", "pickup p99 (ms)"),
+        ("p99_ms", "pickup p99 (ms), and from the commit"),
         ("backlog", "available jobs"),
         ("mb", "jobs' partitions (MB)"),
         ("dead_rows", "dead rows"),
@@ -526,6 +526,10 @@ def _plot(record: dict[str, Any], path: Path, echo: Callable[[str], None]) -> No
             if key == "mb":
                 ax.plot(xs, [s["table_mb"] for s in record[phase]], style, label=f"{phase}: table")
                 ax.plot(xs, [s["index_mb"] for s in record[phase]], style, label=f"{phase}: indexes")
+            elif key == "p99_ms":
+                for field, name in (("p99_ms", "from the COPY"), ("p99_commit_ms", "from the commit")):
+                    ys = [s.get(field) for s in record[phase]]
+                    ax.plot(xs, [math.nan if y is None else y for y in ys], style, label=f"{phase}: {name}")
             else:
                 ax.plot(
                     xs,
