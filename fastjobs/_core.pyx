@@ -504,8 +504,10 @@ cdef class BatchLoop:
         return not (self._executor.threads and self._executor.pooled(self._queues[index]))
 
     cdef void _demote(self, Py_ssize_t index):
+        """Queue `index` takes the state lane for a while, from the front (see the reference)."""
         self._state_until[index] = _monotonic() + _FAST_LANE_DEMOTE
         self._proven[index] = False
+        self._marks[index] = None
 
     cdef int _simple(self, bytes text) except -1:
         """Run a statement without parameters or rows (the fast lane's BEGIN, COMMIT, ROLLBACK)."""

@@ -257,8 +257,15 @@ class BatchLoop:
         return not (self._executor.threads and self._executor.pooled(self._queues[index]))
 
     def _demote(self, index: int) -> None:
+        """Send queue `index` to the state lane for a while; its next claim is from the front.
+
+        The jobs its fast batch gave back (or rolled back) are behind the mark
+        that batch set: a claim after it would leave them for the next claim
+        from the front, seconds away when the index is full of dead entries.
+        """
         self._state_until[index] = time.monotonic() + FAST_LANE_DEMOTE
         self._proven[index] = False
+        self._marks[index] = None
 
     def _simple(self, text: str) -> None:
         """Run a statement without parameters or rows (the fast lane's BEGIN, COMMIT, ROLLBACK)."""

@@ -1302,7 +1302,9 @@ RETURNING state::text"""
 # job_list: jobs filtered by queue ($1), state ($2), kind ($3), newest first,
 # up to $4. A job in flight on the fast lane is 'running' (see fast_begin),
 # in its row and for the filter: `--state running` lists it, `--state
-# available` does not.
+# available` does not. The CTE's state condition is a superset of the
+# filter's, on the column: a custom plan can still answer `--state running`
+# from the running and claim indexes instead of reading every job.
 job_list: Final = """
 WITH job AS (
     SELECT id, queue, kind, priority, attempt, max_attempts, run_at, created_at,
@@ -1314,6 +1316,7 @@ WITH job AS (
                 THEN 'running' ELSE state::text END AS state
       FROM fastjobs_jobs_all
      WHERE ($1::text IS NULL OR queue = $1) AND ($3::text IS NULL OR kind = $3)
+       AND ($2::fastjobs_state IS NULL OR state = $2 OR ($2 = 'running' AND state = 'available'))
 )
 SELECT id, queue, kind, state, priority, attempt, max_attempts, run_at, created_at
   FROM job

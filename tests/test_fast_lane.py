@@ -235,6 +235,36 @@ def test_a_slow_job_ends_its_batch_and_sends_its_queue_to_the_state_lane(app: Ap
     assert by_state(dsn) == {}
 
 
+def test_jobs_a_slow_batch_gave_back_are_claimed_next_though_behind_its_mark(app: App, dsn: str) -> None:
+    """The batch's claim set the queue's mark at its latest job; those it gave back lie behind
+    it. The demoted queue's next claim is from the front, not after that mark (where they would
+    wait for a claim from the front, seconds away when the index is full of dead entries)."""
+    ran: list[int] = []
+
+    @app.job(kind="sleepy")
+    def sleepy(n: int) -> None:
+        ran.append(n)
+        if n == 0:
+            time.sleep(3 * BATCH_SECONDS)
+
+    # Claims from the front only when there is no mark: every other claim is after it.
+    with batch_loop(app, 6, fast_lane=True, full_claim_duty=1e-9) as loop:
+        warm = app.enqueue("warm")
+        query(dsn, "UPDATE fastjobs_jobs_all SET run_at = now() - interval '1 hour' WHERE id = %s", (warm,))
+        assert loop.step() == 1 and loop.fast == 0  # the mark: an hour ago
+        ids = [sleepy.enqueue(n=n) for n in range(3)]
+        for job_id, seconds in zip(ids, (10, 5, 1), strict=True):
+            query(
+                dsn,
+                "UPDATE fastjobs_jobs_all SET run_at = now() - make_interval(secs => %s) WHERE id = %s",
+                (seconds, job_id),
+            )
+        assert loop.step() == 3 and ran == [0] and loop.fast == 1  # the mark: a second ago
+        assert loop.step() == 2 and ran == [0, 1, 2]  # the one 5 s back too
+        loop.finish()
+    assert by_state(dsn) == {}
+
+
 @pytest.mark.parametrize("kind", ["async", "timeout", "threads"])
 def test_jobs_that_may_not_hold_a_transaction_take_the_state_lane(app: App, dsn: str, kind: str) -> None:
     seen: list[str] = []

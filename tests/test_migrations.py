@@ -466,8 +466,12 @@ def test_the_jobs_tables_column_defaults_are_the_python_ones(dsn):
 
 # --- 005: the jobs table becomes slot 0 of fastjobs_jobs_all, live ---------------------------------
 
-# What code of 004 sends: the same statements on fastjobs_jobs (005 moved them to the parent).
-OLD_INSERT_NOW = sql.job_insert_now.replace("fastjobs_jobs_all", "fastjobs_jobs")
+# What code of 004 sends: the same statements on fastjobs_jobs (005 moved them to the parent;
+# its job_insert_now carries no meta).
+OLD_INSERT_NOW = """
+INSERT INTO fastjobs_jobs (queue, kind, args, priority, max_attempts)
+VALUES ($1, $2, $3::jsonb, $4, $5)
+RETURNING id"""
 OLD_CLAIM = sql.job_claim_many.replace("fastjobs_jobs_all", "fastjobs_jobs")
 OLD_COMPLETE = "DELETE FROM fastjobs_jobs WHERE id = ANY($1::bigint[]) AND state = 'running'"
 

@@ -7,6 +7,7 @@ that what it reports is computed right, never how fast anything is.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,23 @@ def test_histograms_add_up_across_forked_processes() -> None:
     assert h.total()[0] == 301
     h.reset()
     assert h.total()[0] == 0
+
+
+def test_pickup_counts_from_the_commit_the_producer_noted() -> None:
+    pickup = soak.Pickup()
+    pickup.reset()
+    now = time.time()
+    pickup.note_commit(7, now - 0.020)
+    pickup.record(now - 0.030, 7)  # enqueued 30 ms ago, committed 20 ms ago
+    pickup.record(now - 0.030, 8)  # its commit not noted yet: 0 from the commit
+    pickup.note_commit(7 + soak.Pickup.RING, now)  # the ring came round: 7's slot is another COPY's
+    pickup.record(now - 0.030, 7)
+    enqueued, committed = pickup.enqueued.total(), pickup.committed.total()
+    assert enqueued[0] == committed[0] == 3
+    assert 0.030 <= (percentile(enqueued[1:], 1.0) or 0) <= 0.040
+    assert 0.020 <= (percentile(committed[1:], 1.0) or 0) <= 0.030
+    assert committed[1] == 2  # the two without a noted commit, in the lowest bin
+    assert percentile(committed[1:], 0.5) == pytest.approx(1e-5)
 
 
 def sample(at: float, jobs: float, backlog: int) -> Sample:

@@ -510,13 +510,13 @@ def test_a_claim_reads_a_backlog_in_index_order_and_stops_at_its_limit(backlog, 
 
 
 @pytest.mark.parametrize("plan_cache_mode", ["force_custom_plan", "force_generic_plan"])
-def test_the_claim_after_the_mark_starts_its_index_scan_there(seeded, plan_cache_mode):
+@pytest.mark.parametrize("name", ["job_finish_claim_after", "job_lock_after"])
+def test_the_claim_after_the_mark_starts_its_index_scan_there(seeded, plan_cache_mode, name):
+    arguments = "'q1', 100, 0, 0" if name == "job_lock_after" else _claim_arguments(name, 100)
     with psycopg.connect(seeded) as conn, psycopg.RawCursor(conn) as cur:
-        cur.execute(f"PREPARE claim AS {sql.job_finish_claim_after}")
+        cur.execute(f"PREPARE claim AS {sql.STATEMENTS[name]}")
         cur.execute(f"SET plan_cache_mode = {plan_cache_mode}")
-        row = cur.execute(
-            f"EXPLAIN (FORMAT JSON) EXECUTE claim({_claim_arguments('job_finish_claim_after', 100)})"
-        ).fetchone()
+        row = cur.execute(f"EXPLAIN (FORMAT JSON) EXECUTE claim({arguments})").fetchone()
     assert row is not None
     [scan] = [n for n in _plan_nodes(row[0][0]["Plan"]) if n.get("Index Name") == "fastjobs_jobs_claim_idx"]
     assert "priority = " in scan["Index Cond"] and "run_at >= " in scan["Index Cond"], scan["Index Cond"]
@@ -541,7 +541,10 @@ def test_the_claim_after_the_mark_skips_the_dead_entries_a_held_snapshot_keeps(d
 
             def buffers(name: str, *extra: object) -> int:
                 cur.execute(f"PREPARE {name} AS {sql.STATEMENTS[name]}")
-                args = ("'{}'", "'[]'", "'default'", "100", "'w'", *map(str, extra))
+                if name.startswith("job_lock_"):  # the fast lane's claim: queue, limit (, mark)
+                    args: tuple[str, ...] = ("'default'", "100", *map(str, extra))
+                else:
+                    args = ("'{}'", "'[]'", "'default'", "100", "'w'", *map(str, extra))
                 explain = "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE"
                 row = cur.execute(f"{explain} {name}({', '.join(args)})").fetchone()
                 assert row is not None
@@ -557,9 +560,12 @@ def test_the_claim_after_the_mark_skips_the_dead_entries_a_held_snapshot_keeps(d
 
             from_front = buffers("job_finish_claim_many")
             from_mark = buffers("job_finish_claim_after", priority, micros)
+            fast_from_front = buffers("job_lock_many")
+            fast_from_mark = buffers("job_lock_after", priority, micros)
             holder.rollback()
     # The scan of the claim index: past 90,000 dead entries, or from about the 10th before the mark.
     assert from_mark * 5 < from_front, (from_mark, from_front)
+    assert fast_from_mark * 5 < fast_from_front, (fast_from_mark, fast_from_front)
 
 
 @pytest.mark.parametrize("name", ["job_finish_claim_many", "job_finish_claim_many_keep"])

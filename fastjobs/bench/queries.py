@@ -33,14 +33,15 @@ CREATE TABLE IF NOT EXISTS fastjobs_bench_plain (LIKE fastjobs_jobs INCLUDING AL
 bench_plain_reset: Final = "TRUNCATE fastjobs_bench_plain RESTART IDENTITY"
 
 # bench_plain_insert: the limit, one job into the table without trigger: the
-# statement app.enqueue sends (sql.job_insert_now), without fastjobs around it.
+# statement app.enqueue sends (sql.job_insert_now, less its meta, NULL for a
+# job without), without fastjobs around it.
 bench_plain_insert: Final = """
 INSERT INTO fastjobs_bench_plain (queue, kind, args, priority, max_attempts)
 VALUES ($1, $2, $3::jsonb, $4, $5)
 RETURNING id"""
 
-# bench_trigger_insert: the same INSERT into fastjobs_jobs_all, as sql.job_insert_now: its trigger
-# and the routing to the current rotating slot included.
+# bench_trigger_insert: the same INSERT into fastjobs_jobs_all, as sql.job_insert_now (less
+# its meta): its trigger and the routing to the current rotating slot included.
 bench_trigger_insert: Final = """
 INSERT INTO fastjobs_jobs_all (queue, kind, args, priority, max_attempts)
 VALUES ($1, $2, $3::jsonb, $4, $5)

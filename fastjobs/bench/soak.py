@@ -12,7 +12,6 @@ middle, and reports the last minute against the first and the recovery.
 
 from __future__ import annotations
 
-import itertools
 import math
 import mmap
 import multiprocessing
@@ -104,7 +103,8 @@ class Pickup:
     The producer notes each COPY's commit time in a shared ring, under the
     COPY's sequence number, which its jobs carry; a job seen before its
     producer noted the commit (it ran while the commit's reply was in flight)
-    counts 0 from the commit.
+    counts 0 from the commit. The ring holds the last 65,536 COPYs (11 min
+    at one per 10 ms): a job older than that counts 0 too.
     """
 
     RING = 1 << 16
@@ -168,11 +168,9 @@ def _produce(dsn: str, rate: float | None, stop: Any, sent: Any, pickup: Pickup)
     """
     app = App(dsn)
     began = time.perf_counter()
-    done = 0
+    done = seq = 0
     with psycopg.connect(dsn, autocommit=True) as conn:
-        for seq in itertools.count():
-            if stop.is_set():
-                break
+        while not stop.is_set():
             if rate is None:
                 n = 1000
             else:
@@ -184,6 +182,7 @@ def _produce(dsn: str, rate: float | None, stop: Any, sent: Any, pickup: Pickup)
             with conn.transaction():
                 app.enqueue_many(SOAK_KIND, [{"t": t, "s": seq}] * n, conn=conn)
             pickup.note_commit(seq, time.time())
+            seq += 1
             done += n
             sent.value = done
 
