@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -554,3 +555,40 @@ def test_005_applies_live_under_workers_and_producers_of_004_which_keep_working(
 
     drain(app)
     assert ran["old"] == left + 10
+
+
+def test_005_gives_a_producer_role_granted_the_jobs_table_what_it_needs_to_keep_enqueueing(
+    dsn: str, app: App
+) -> None:
+    """A role that is not the owner, granted INSERT and SELECT on fastjobs_jobs at 004, enqueues
+    through the parent after 005 (its grants copied there, USAGE on the new id sequence); a role
+    granted nothing is refused, as before."""
+    producer, stranger = f"fj_producer_{os.getpid()}", f"fj_stranger_{os.getpid()}"
+    roll_back_005(dsn)
+    with psycopg.connect(dsn, autocommit=True) as db:
+        for role in (producer, stranger):
+            db.execute(f"DROP ROLE IF EXISTS {role}")
+            db.execute(f"CREATE ROLE {role}")
+        db.execute(f"GRANT INSERT, SELECT ON fastjobs_jobs TO {producer}")
+        with psycopg.connect(dsn) as conn:
+            schema.migrate(conn)
+        try:
+            insert = sql.job_insert_now
+            with db.transaction():
+                db.execute(f"SET LOCAL ROLE {producer}")
+                row = (
+                    psycopg.RawCursor(db)
+                    .execute(insert, ("default", "granted", "{}", 0, 25, None))
+                    .fetchone()
+                )
+                assert row is not None
+            with pytest.raises(psycopg.errors.InsufficientPrivilege), db.transaction():
+                db.execute(f"SET LOCAL ROLE {stranger}")
+                psycopg.RawCursor(db).execute(insert, ("default", "refused", "{}", 0, 25, None))
+            assert db.execute(
+                "SELECT kind, slot > 0 FROM fastjobs_jobs_all WHERE id = %s", row
+            ).fetchall() == [("granted", True)]
+        finally:
+            for role in (producer, stranger):
+                db.execute(f"DROP OWNED BY {role}")
+                db.execute(f"DROP ROLE {role}")

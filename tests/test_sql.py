@@ -367,6 +367,27 @@ def test_the_leaders_session_keeps_alive_as_its_client_does(app: App) -> None:
     assert {name: int(client[f"keepalives_{name}"]) for name in figures} == figures
 
 
+def test_the_workers_session_keeps_alive_as_the_leaders_does(app: App) -> None:
+    """A fast-lane batch holds its rows' locks in an open transaction: the server probes a
+    worker's connection as the leader's (leader.KEEPALIVE_*), so a vanished worker host frees
+    them in seconds. Over a Unix socket (the embedded server) there is no TCP: the server reads 0."""
+    with psycopg.connect(app.dsn, autocommit=True) as conn:
+        psycopg.RawCursor(conn).execute(sql.worker_session)
+        server = conn.execute(
+            "SELECT name, setting::int FROM pg_settings WHERE name IN"
+            " ('tcp_keepalives_idle', 'tcp_keepalives_interval', 'tcp_keepalives_count')"
+        ).fetchall()
+        on_socket = conn.info.host.startswith("/")
+    figures = {
+        "idle": leader.KEEPALIVE_IDLE,
+        "interval": leader.KEEPALIVE_INTERVAL,
+        "count": leader.KEEPALIVE_COUNT,
+    }
+    assert dict(server) == {
+        f"tcp_keepalives_{name}": 0 if on_socket else value for name, value in figures.items()
+    }
+
+
 def _plan_nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
     yield node
     for child in node.get("Plans", []):
