@@ -17,12 +17,13 @@ from libc.stdlib cimport free, realloc
 from libc.string cimport memcmp, memcpy, strerror
 
 import inspect
+import threading
 
 import orjson
 
-from fastjobs import handlers, sql, stats
+from fastjobs import guard, handlers, sql, stats
 from fastjobs.abc import (BATCH_SECONDS, BUCKETS_NS, COMPLETED, FAST_LANE_DEMOTE, FULL_CLAIM_DUTY,
-                          FULL_CLAIM_MAX_WAIT,
+                          FULL_CLAIM_MAX_WAIT, HAND_BACK_AFTER,
                           INT64_MAX, MARK_RUN_AT_MAX, MARK_RUN_AT_MIN, OBSERVED_MAX_NS, PG_EPOCH_US,
                           PICKUP_SUM, ROW, RUN_SUM, SIZE_DECAY)
 from fastjobs.args import dump_args as _dump_args_checked
@@ -80,6 +81,7 @@ cdef double _BATCH_SECONDS = BATCH_SECONDS
 cdef double _FULL_CLAIM_MAX_WAIT = FULL_CLAIM_MAX_WAIT
 cdef Py_ssize_t _SIZE_DECAY = SIZE_DECAY
 cdef double _FAST_LANE_DEMOTE = FAST_LANE_DEMOTE
+cdef double _HAND_BACK_AFTER = HAND_BACK_AFTER
 cdef int64_t _MARK_RUN_AT_MIN = MARK_RUN_AT_MIN
 cdef int64_t _MARK_RUN_AT_MAX = MARK_RUN_AT_MAX
 cdef double _INF = float("inf")
@@ -388,6 +390,22 @@ cdef class BatchLoop:
     cdef double _deadline
     cdef bytes _lock_statement, _lock_sql, _lock_after_statement, _lock_after_sql
     cdef public Py_ssize_t fast
+    # What the guard reads while a handler runs (see the reference): since
+    # when, the batch and the index of the job running (-1: the executor's
+    # phase), the slow jobs set aside; what it did. Its thread holds
+    # _guard_lock while it acts; _handing is set with the GIL held right
+    # after it saw _job_began set, and this thread clears _job_began and
+    # reads _handing with the GIL held too: with no call between, the two
+    # pairs cannot interleave, so a handler's return costs two plain stores
+    # and a load, and the lock is taken only when a hand-back is under way.
+    cdef object _guard_lock
+    cdef double _job_began
+    cdef PGresult *_batch
+    cdef int _batch_n, _at
+    cdef list _slow
+    cdef bint _handed, _handing
+    cdef object _guard_error
+    cdef object __weakref__  # fastjobs.guard holds loops weakly
 
     def __cinit__(self):
         self._pgconn = NULL
@@ -395,6 +413,7 @@ cdef class BatchLoop:
         self._running = NULL
         self._counts = NULL
         self._rows = NULL
+        self._batch = NULL
         self._done = NULL
         self._sent_done = NULL
         self._text = NULL
@@ -432,6 +451,13 @@ cdef class BatchLoop:
         self._tx = False
         self._deadline = 0.0
         self.fast = 0
+        self._guard_lock = threading.Lock()
+        self._job_began = 0.0
+        self._batch_n = 0
+        self._at = -1
+        self._slow = []
+        self._handed = self._handing = False
+        self._guard_error = None
         self._marks = [None] * len(queues)
         self._next_full = [0.0] * len(queues)
         self._sent_index = 0
@@ -494,7 +520,9 @@ cdef class BatchLoop:
         if any(self._fast_queues):
             self._prepare(self._lock_statement, self._lock_sql)
             self._prepare(self._lock_after_statement, self._lock_after_sql)
-            self._prepare(b"job_finish_locked_many", sql.job_finish_locked_many.encode())
+            for name in ("job_finish_locked_many", "job_hand_over", "queue_wake"):
+                self._prepare(name.encode(), sql.STATEMENTS[name].encode())
+        guard.watch(self)
 
     cdef bint _fast_for(self, Py_ssize_t index):
         """Whether the next claim of queue `index` takes the fast lane."""
@@ -598,7 +626,7 @@ cdef class BatchLoop:
         self.size = min(self.batch_max, self._cap, max(self.batch_min, 2 * n, self.size // _SIZE_DECAY))
         return 0
 
-    cdef int _commit(self) except -1:
+    cdef int _commit(self, bint wake=False) except -1:
         """Write the fast batch's outcomes in its transaction and commit it (see the reference)."""
         cdef const char *values[3]
         cdef list error = []
@@ -606,7 +634,8 @@ cdef class BatchLoop:
         cdef Py_ssize_t ndone = self._ndone
         cdef PGresult *res
         cdef bytes encoded
-        self._failures = []
+        wake = wake or len(failures) < len(self._failures)
+        del self._failures[:]
         self._ndone = 0
         self._tx = False
         if self._running != NULL and not self._write_failed:
@@ -624,6 +653,15 @@ cdef class BatchLoop:
         res = self._results(error)
         if res != NULL:
             PQclear(res)
+        if not error and wake:
+            values[0] = PyBytes_AS_STRING(self._queues[self._batch_base // self._stride])
+            if not PQsendQueryPrepared(self._pgconn, b"queue_wake", 1, values, NULL, NULL, 1):
+                raise LoopError(_conn_error(self._pgconn))
+            self._flush()
+            self._in_flight = True
+            res = self._results(error)
+            if res != NULL:
+                PQclear(res)
         if error:
             self._simple(b"ROLLBACK")
             self._demote(self._sent_index)
@@ -953,6 +991,7 @@ cdef class BatchLoop:
         n = self._nrows
         self._rows = NULL
         self._nrows = 0
+        self._batch, self._batch_n, self._handed = batch, n, False
         if self._tx:
             # A fast-lane batch: no claim ahead, a deadline, its outcomes committed (see the reference).
             try:
@@ -966,6 +1005,7 @@ cdef class BatchLoop:
                 ran = _monotonic() - began
                 self._cap = max(self.batch_min, <Py_ssize_t>(_BATCH_SECONDS / 2 * n / max(ran, 1e-9)))
             finally:
+                self._batch = NULL
                 PQclear(batch)
             return n
         try:
@@ -990,6 +1030,7 @@ cdef class BatchLoop:
                 self._executor.wave = 0
             self._cap = max(self.batch_min, cap)
         finally:
+            self._batch = NULL
             PQclear(batch)
         if self._in_flight:
             self._receive()
@@ -1026,6 +1067,7 @@ cdef class BatchLoop:
         cdef list failures = self._failures
         cdef list slow = []
         cdef object context = self._context
+        self._slow = slow
         # The batch's row of the cached kind, NULL when no counts are kept;
         # the claim's time on run_at's clock (microseconds since 2000).
         cdef long long *row = NULL
@@ -1117,28 +1159,43 @@ cdef class BatchLoop:
                 context._started = _wallclock()
             if row != NULL:
                 began = _monotonic_ns()
+            self._at = i
+            self._job_began = _monotonic()
             try:
                 # The dict is ours (fresh from orjson): pass it as the kwargs
                 # as is, where func(**args) would copy it.
                 result = PyObject_Call(self._last_func, _NO_ARGS, args)
             except Exception as exc:
+                self._job_began = 0.0
+                if self._handing:
+                    self._join()
                 if row != NULL:
                     _observe(row + _RUN_SUM, _monotonic_ns() - began)
                 failures.append(self._tally(
                     row, self._executor.raised(spec, job_id, attempt, max_attempts, exc)))
+                if self._handed:
+                    break
                 continue
             except BaseException as exc:
+                self._job_began = 0.0
+                if self._handing:
+                    self._join()
                 if row != NULL:
                     _observe(row + _RUN_SUM, _monotonic_ns() - began)
                 failures.append(self._tally(
                     row, self._executor.raised(spec, job_id, attempt, max_attempts, exc)))
-                for j in range(i + 1, n):
-                    failures.append(_release(_int8(PQgetvalue(rows, j, 0)), _int2(PQgetvalue(rows, j, 3))))
-                for job in slow:
-                    failures.append(_release(job[1], job[3]))
+                if not self._handed:
+                    for j in range(i + 1, n):
+                        failures.append(_release(_int8(PQgetvalue(rows, j, 0)),
+                                                 _int2(PQgetvalue(rows, j, 3))))
+                    for job in slow:
+                        failures.append(_release(job[1], job[3]))
                 self.stopping = True
                 self.finish()
                 raise
+            self._job_began = 0.0
+            if self._handing:
+                self._join()
             if row != NULL:
                 _observe(row + _RUN_SUM, _monotonic_ns() - began)
             if not context.cancelled and (result is None or not _iscoroutine(result)):
@@ -1149,29 +1206,166 @@ cdef class BatchLoop:
                 if row != NULL:
                     row[_COMPLETED] += 1
                 self._add_done(job_id, attempt)
-                continue
-            outcome = self._executor.returned(spec, job_id, attempt, max_attempts, result)
-            if outcome is None:
-                if row != NULL:
-                    row[_COMPLETED] += 1
-                self._add_done(job_id, attempt)
             else:
-                failures.append(self._tally(row, outcome))
+                outcome = self._executor.returned(spec, job_id, attempt, max_attempts, result)
+                if outcome is None:
+                    if row != NULL:
+                        row[_COMPLETED] += 1
+                    self._add_done(job_id, attempt)
+                else:
+                    failures.append(self._tally(row, outcome))
+            if self._handed:
+                # The guard handed back the jobs behind this one: see the reference.
+                break
         # No fast job runs from here on: see the reference.
         if self._running != NULL:
             self._running[0] = 0
         if slow:
             done = []
             first = len(failures)
+            self._at = -1
+            self._job_began = _monotonic()
             try:
                 self._executor.run(slow, done, failures)
             except BaseException:
                 # Every slow job is recorded by now: write it all, then stop.
+                self._job_began = 0.0
+                if self._handing:
+                    self._join()
                 self._attempts_of(slow, done, failures, first)
                 self.stopping = True
                 self.finish()
                 raise
+            self._job_began = 0.0
+            if self._handing:
+                self._join()
             self._attempts_of(slow, done, failures, first)
+        if self._guard_error is not None:
+            error, self._guard_error = self._guard_error, None
+            raise error
+        return 0
+
+    cdef int _join(self) except -1:
+        """Wait for the guard's hand-back under way (it holds the lock while it acts)."""
+        self._guard_lock.acquire()
+        self._guard_lock.release()
+        return 0
+
+    def hand_back(self):
+        """From the guard's thread: hand back what a slow handler's batch holds (see the reference)."""
+        cdef double now
+        if self._job_began == 0.0 or self._handed:
+            return False
+        self._guard_lock.acquire()
+        try:
+            if self._job_began == 0.0 or self._handed:
+                return False
+            self._handing = True  # with the check above, before any call: see _guard_lock
+            now = _monotonic()
+            if self._tx:
+                if now <= self._deadline:
+                    return False
+            elif now - self._job_began < _HAND_BACK_AFTER or not self._holding():
+                return False
+            self._handed = True
+            try:
+                if self._tx:
+                    self._hand_over()
+                else:
+                    self._hand_back_state()
+            except LoopError as exc:
+                self._guard_error = exc
+            return True
+        finally:
+            self._handing = False
+            self._guard_lock.release()
+
+    cdef bint _holding(self):
+        """Whether the state-lane batch running holds anything a hand-back would give or write."""
+        if self._in_flight:
+            return True
+        if self._at < 0:
+            return False
+        return (self._at + 1 < self._batch_n or len(self._slow) > 0 or self._ndone > 0
+                or len(self._failures) > 0)
+
+    cdef int _hand_over(self) except -1:
+        """The fast lane's hand-back (see the reference)."""
+        cdef char id_text[24]
+        cdef char attempt_text[8]
+        cdef const char *values[3]
+        cdef list error = []
+        cdef PGresult *res
+        cdef Py_ssize_t outcomes
+        snprintf(id_text, sizeof(id_text), "%lld", <long long>_int8(PQgetvalue(self._batch, self._at, 0)))
+        snprintf(attempt_text, sizeof(attempt_text), "%d", <int>_int2(PQgetvalue(self._batch, self._at, 3)))
+        values[0] = id_text
+        values[1] = PyBytes_AS_STRING(self._worker_id)
+        values[2] = attempt_text
+        if not PQsendQueryPrepared(self._pgconn, b"job_hand_over", 3, values, NULL, NULL, 1):
+            raise LoopError(_conn_error(self._pgconn))
+        self._flush()
+        self._in_flight = True
+        res = self._results(error)
+        if res != NULL:
+            PQclear(res)
+        self._demote(self._batch_base // self._stride)
+        if error:
+            outcomes = self._ndone + len(self._failures)
+            self._ndone = 0
+            del self._failures[:]
+            self._tx = False
+            self._simple(b"ROLLBACK")
+            _say_rolled_back(outcomes, error[0])
+            return 0
+        self._commit(True)
+        return 0
+
+    cdef int _hand_back_state(self) except -1:
+        """The state lane's hand-back (see the reference)."""
+        cdef list releases = []
+        cdef list done = []
+        cdef list failures = []
+        cdef int i
+        if self._in_flight:
+            self._receive()
+            for i in range(self._nrows):
+                releases.append(_release(_int8(PQgetvalue(self._rows, i, 0)),
+                                         _int2(PQgetvalue(self._rows, i, 3))))
+            if self._rows != NULL:
+                PQclear(self._rows)
+                self._rows = NULL
+            self._nrows = 0
+            self._marks[self._sent_index] = None
+        if self._at >= 0:
+            for i in range(self._at + 1, self._batch_n):
+                releases.append(_release(_int8(PQgetvalue(self._batch, i, 0)),
+                                         _int2(PQgetvalue(self._batch, i, 3))))
+            for job in self._slow:
+                releases.append(_release(job[1], job[3]))
+            del self._slow[:]
+            done = [self._done[i] for i in range(self._ndone)]
+            self._ndone = 0
+            failures = self._failures[:]
+            del self._failures[:]
+            self.completed += len(done)
+            completed, failed, retried, discarded = _tally(failures)
+            self.completed += completed
+            self.failed += failed
+            self.retried += retried
+            self.discarded += discarded
+            self._marks[self._batch_base // self._stride] = None
+        failures.extend(releases)
+        if not done and not failures:
+            return 0
+        if self._running != NULL and not self._write_failed:
+            self._running[1] = len(failures)
+            self._running[2] = failures[0]["id"] if failures else 0
+        error = self._write(done, failures)
+        if error is not None:
+            _isolate(self._write, done, failures, error)
+        if self._running != NULL and not self._write_failed:
+            self._running[1] = 0
         return 0
 
     cdef object _tally(self, long long *row, object outcome):

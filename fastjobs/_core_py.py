@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import select
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -12,13 +13,14 @@ import orjson
 import psycopg
 from psycopg import pq
 
-from . import handlers, sql, stats
+from . import guard, handlers, sql, stats
 from .abc import (
     BATCH_SECONDS,
     COMPLETED,
     FAST_LANE_DEMOTE,
     FULL_CLAIM_DUTY,
     FULL_CLAIM_MAX_WAIT,
+    HAND_BACK_AFTER,
     MARK_RUN_AT_MAX,
     MARK_RUN_AT_MIN,
     PG_EPOCH_US,
@@ -182,10 +184,8 @@ class BatchLoop:
         if any(self._fast_queues):
             for name, text in locks:
                 self._statements[name] = (name.encode(), text)
-            self._statements["job_finish_locked_many"] = (
-                b"job_finish_locked_many",
-                sql.job_finish_locked_many,
-            )
+            for name in ("job_finish_locked_many", "job_hand_over", "queue_wake"):
+                self._statements[name] = (name.encode(), sql.STATEMENTS[name])
         self._state_until = [0.0] * len(queues)
         # A queue takes the fast lane only once a batch of it on the state lane
         # ran in under half BATCH_SECONDS: a long sync job that polls
@@ -194,6 +194,20 @@ class BatchLoop:
         self._tx = False  # a fast-lane batch's transaction is open
         self._deadline = 0.0  # when the fast batch running stops starting jobs
         self.fast = 0  # outcomes written on the fast lane
+        # What the guard (fastjobs.guard) reads while a handler runs on this
+        # loop's thread: since when (time.monotonic(); 0 while no handler
+        # runs), the batch's rows and the index of the job running (-1: the
+        # executor runs the batch's slow jobs), the slow jobs set aside; and
+        # what it did: handed the batch back, or failed to (raised here).
+        # _guard_lock orders the two threads: the guard holds it while it
+        # acts, this thread takes it to leave a handler.
+        self._guard_lock = threading.Lock()
+        self._job_began = 0.0
+        self._batch: list[Row] = []
+        self._at = -1
+        self._slow: list[handlers.SlowJob] = []
+        self._handed = False
+        self._guard_error: LoopError | None = None
         # Per queue: where its last claim ended (priority, run_at as binary
         # timestamptz), and when a claim from the front is due again.
         self._marks: list[tuple[int, int] | None] = [None] * len(queues)
@@ -232,6 +246,7 @@ class BatchLoop:
                 raise self._lost() from None
             if res.status != pq.ExecStatus.COMMAND_OK:
                 raise LoopError(res.error_message.decode(errors="replace"))
+        guard.watch(self)
 
     def _lost(self) -> LoopError:
         """The error of a failed libpq call: libpq's message, without psycopg's prefix (as in C)."""
@@ -328,15 +343,18 @@ class BatchLoop:
         self.size = min(self.batch_max, self._cap, max(self.batch_min, 2 * n, self.size // SIZE_DECAY))
         return self._rows_of(res, n)
 
-    def _commit(self) -> None:
+    def _commit(self, wake: bool = False) -> None:
         """Write the fast batch's outcomes in its transaction and commit it (releases are left as they were).
 
         A statement PostgreSQL rejects rolls the batch back (its jobs run
         again: at least once) and moves the queue to the state lane, whose
-        statement isolates a bad outcome.
+        statement isolates a bad outcome. Jobs it leaves unstarted (released,
+        or behind a handed-over job: `wake`) wake the queue's sleeping workers.
+        The lists are emptied in place: the batch running holds them.
         """
-        done, failures = self._done, handlers.started(self._failures)
-        self._done, self._failures = [], []
+        done, failures = self._done[:], handlers.started(self._failures)
+        wake = wake or len(failures) < len(self._failures)
+        del self._done[:], self._failures[:]
         self._tx = False
         if self._running is not None and not self._write_failed:
             self._running[1] = len(failures)
@@ -345,6 +363,10 @@ class BatchLoop:
         self._send_prepared(b"job_finish_locked_many", [ids, handlers.encode(failures), self._worker_id])
         self._in_flight = True
         _, error, _ = self._results()
+        if error is None and wake:
+            self._send_prepared(b"queue_wake", [self._queues[self._batch_base // self._stride]])
+            self._in_flight = True
+            _, error, _ = self._results()
         if error is not None:
             self._simple(sql.fast_rollback)
             self._demote(self._sent[0])
@@ -549,6 +571,7 @@ class BatchLoop:
         # Its sync jobs run on the executor's threads when it was given concurrency (checked per batch).
         self._pooled = bool(self._executor.threads) and self._executor.pooled(queue)
         self._batch_base = self._sent[0] * self._stride
+        self._batch, self._handed = rows, False
         if self._tx:
             return self._fast(rows)
         # Claim ahead only from a deep queue (the last claim came back full):
@@ -631,7 +654,7 @@ class BatchLoop:
         specs = self._specs
         executor = self._executor
         context = executor.context
-        slow: list[handlers.SlowJob] = []
+        slow = self._slow = []
         counts = self._counts
         at = -1
         if counts is not None:
@@ -695,36 +718,48 @@ class BatchLoop:
             began = time.perf_counter_ns() if at >= 0 else 0
             if claimed is not None:
                 context.fill(queue, args, max_attempts, claimed)
+            self._at = index
+            self._job_began = time.monotonic()
             try:
                 result = spec.target(**args)
             except Exception as exc:
+                self._returned()
                 if at >= 0:
                     stats.observe(counts, at + RUN_SUM, time.perf_counter_ns() - began)
                 failures.append(self._tally(at, executor.raised(spec, job_id, attempt, max_attempts, exc)))
+                if self._handed:
+                    break
                 continue
             except BaseException as exc:
                 # SystemExit, KeyboardInterrupt: record this job, give the rest
                 # back, write it all, then let the exception stop the worker.
+                self._returned()
                 if at >= 0:
                     stats.observe(counts, at + RUN_SUM, time.perf_counter_ns() - began)
                 failures.append(self._tally(at, executor.raised(spec, job_id, attempt, max_attempts, exc)))
-                failures.extend(handlers.release(row[0], row[3]) for row in rows[index + 1 :])
-                failures.extend(handlers.release(job[1], job[3]) for job in slow)
+                if not self._handed:
+                    failures.extend(handlers.release(row[0], row[3]) for row in rows[index + 1 :])
+                    failures.extend(handlers.release(job[1], job[3]) for job in slow)
                 self.stopping = True
                 self.finish()
                 raise
+            self._returned()
             if at >= 0:
                 stats.observe(counts, at + RUN_SUM, time.perf_counter_ns() - began)
             outcome = executor.returned(spec, job_id, attempt, max_attempts, result)
             if outcome is not None:
                 failures.append(self._tally(at, outcome))
-                continue
-            if at >= 0:
-                counts[at + COMPLETED] += 1
-            if attempt == 1:
-                done.append(job_id)
             else:
-                failures.append(handlers.completed(job_id, attempt))
+                if at >= 0:
+                    counts[at + COMPLETED] += 1
+                if attempt == 1:
+                    done.append(job_id)
+                else:
+                    failures.append(handlers.completed(job_id, attempt))
+            if self._handed:
+                # The guard handed back the jobs behind this one (and wrote
+                # those run before it): this batch is over.
+                break
         # No fast job runs from here on: the executor records the slow ones
         # it starts (stats.SlowJobs), and a crash is blamed on those alone.
         if self._running is not None:
@@ -732,15 +767,120 @@ class BatchLoop:
         if slow:
             slow_done: list[int] = []
             first = len(failures)
+            self._at = -1
+            self._job_began = time.monotonic()
             try:
                 executor.run(slow, slow_done, failures)
             except BaseException:
                 # Every slow job is recorded by now: write it all, then stop.
+                self._returned()
                 self._attempts_of(slow, slow_done, failures, first)
                 self.stopping = True
                 self.finish()
                 raise
+            self._returned()
             self._attempts_of(slow, slow_done, failures, first)
+        if self._guard_error is not None:
+            error, self._guard_error = self._guard_error, None
+            raise error
+
+    def _returned(self) -> None:
+        """This thread is back from a handler: the guard, if it is handing the batch back, finishes first."""
+        with self._guard_lock:
+            self._job_began = 0.0
+
+    def hand_back(self) -> bool:
+        """From the guard's thread: when a handler outran its bound, hand back what its batch holds.
+
+        On the fast lane, past the batch's deadline: the job running becomes
+        a running state-lane job, the outcomes so far are written and the
+        transaction commits (the jobs behind it are free again, untouched).
+        On the state lane, once the job has run HAND_BACK_AFTER: the jobs
+        behind it and the batch claimed ahead are released (uncounted), with
+        the outcomes so far. Either way the batch is over when the handler
+        returns; its outcome is written by the state lane's next statement.
+        """
+        if not self._job_began or self._handed:
+            return False
+        with self._guard_lock:
+            began, now = self._job_began, time.monotonic()
+            if not began or self._handed:
+                return False
+            if self._tx:
+                if now <= self._deadline:
+                    return False
+            elif now - began < HAND_BACK_AFTER or not self._holding():
+                return False
+            self._handed = True
+            try:
+                if self._tx:
+                    self._hand_over()
+                else:
+                    self._hand_back_state()
+            except LoopError as exc:
+                self._guard_error = exc
+            return True
+
+    def _holding(self) -> bool:
+        """Whether the state-lane batch running holds anything a hand-back would give or write."""
+        if self._in_flight:
+            return True
+        if self._at < 0:  # the executor holds the batch's outcomes and slow jobs
+            return False
+        return bool(self._at + 1 < len(self._batch) or self._slow or self._done or self._failures)
+
+    def _hand_over(self) -> None:
+        """The fast lane's hand-back: the job running leaves the transaction, which commits."""
+        job_id, attempt = self._batch[self._at][0], self._batch[self._at][3]
+        params = [str(job_id).encode(), self._worker_id, str(attempt).encode()]
+        self._send_prepared(b"job_hand_over", params)
+        self._in_flight = True
+        _, error, _ = self._results()
+        self._demote(self._batch_base // self._stride)
+        if error is not None:
+            # The transaction is aborted: the whole batch runs again (at least once).
+            outcomes = len(self._done) + len(self._failures)
+            del self._done[:], self._failures[:]
+            self._tx = False
+            self._simple(sql.fast_rollback)
+            handlers.say_rolled_back(outcomes, error)
+            return
+        self._commit(wake=True)
+
+    def _hand_back_state(self) -> None:
+        """The state lane's hand-back: release what waits behind the job running, write what ran."""
+        releases: list[Outcome] = []
+        done: list[int] = []
+        failures: list[Outcome] = []
+        if self._in_flight:
+            ahead = self._receive()
+            releases += [handlers.release(row[0], row[3]) for row in ahead]
+            self._marks[self._sent[0]] = None
+        if self._at >= 0:
+            releases += [handlers.release(row[0], row[3]) for row in self._batch[self._at + 1 :]]
+            releases += [handlers.release(job[1], job[3]) for job in self._slow]
+            del self._slow[:]
+            done, failures = self._done[:], self._failures[:]
+            del self._done[:], self._failures[:]
+            self.completed += len(done)
+            completed, failed, retried, discarded = handlers.tally(failures)
+            self.completed += completed
+            self.failed += failed
+            self.retried += retried
+            self.discarded += discarded
+            # The jobs released lie behind the mark this batch's claim set.
+            self._marks[self._batch_base // self._stride] = None
+        failures += releases
+        if not (done or failures):
+            return
+        if self._running is not None and not self._write_failed:
+            self._running[1] = len(failures)
+            self._running[2] = failures[0]["id"] if failures else 0
+        error = self._write(done, failures)
+        if error is not None:
+            handlers.isolate(self._write, done, failures, error)
+        if self._running is not None and not self._write_failed:
+            self._running[1] = 0
 
     def _attempts_of(
         self, slow: list[handlers.SlowJob], slow_done: list[int], failures: list[Outcome], first: int

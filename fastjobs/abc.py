@@ -18,6 +18,19 @@ if TYPE_CHECKING:
 
 # What one batch should take at most, judged by the last batch's pace.
 BATCH_SECONDS = 0.1
+# No job waits on another's run time, and no transaction outlives its batch
+# (fastjobs.guard watches every loop this often). A state-lane job that has
+# run HAND_BACK_AFTER seconds hands back the jobs claimed behind it (the rest
+# of its batch, the batch claimed ahead) untouched and uncounted, so a free
+# worker runs them; a second, ten times a batch's planned time: a batch is
+# sized to run in BATCH_SECONDS, so a job this slow is not the kind's usual.
+# A fast-lane handler still running at its batch's deadline (BATCH_SECONDS
+# after the batch began) leaves the batch's transaction: its job becomes a
+# running state-lane job (sql.job_hand_over), the jobs run so far commit and
+# the rest are free, so its transaction lives about a batch whatever the
+# handler does.
+HAND_BACK_AFTER = 1.0
+GUARD_TICK = 0.02
 # The next claim's size is twice what the last one found, but at most this
 # factor below the last claim's size: a burst arriving between empty claims
 # (a producer's COPY of hundreds of jobs every 10 ms) is claimed in one or
@@ -110,6 +123,12 @@ class BatchLoop(Protocol):
 
     def finish(self) -> None:
         """Give back the batch claimed ahead and write every outcome still held."""
+
+    def hand_back(self) -> bool:
+        """From the guard's thread: when a handler outran its bound, hand back what its batch holds.
+
+        Acts only while the loop's thread is inside a handler; True when it did.
+        """
 
 
 class NewBatchLoop(Protocol):

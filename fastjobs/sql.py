@@ -985,6 +985,23 @@ SELECT NULL
   FROM (SELECT DISTINCT queue FROM failed WHERE state = 'available') AS woken
  WHERE pg_notify('fastjobs', woken.queue)::text IS NULL"""
 
+# job_hand_over: a fast-lane job whose handler outran its batch's deadline
+# becomes an ordinary running job of worker $2 at attempt $3 (the one it is
+# running), in the batch's transaction, whose lock on its row guards it; the
+# batch then commits, so the handler holds no transaction for the rest of its
+# run, and its outcome is written by the state lane's statements. Returns the
+# row's id (none when the row is no longer the one claimed).
+job_hand_over: Final = """
+UPDATE fastjobs_jobs_all j
+   SET state = 'running', attempt = $3, attempted_at = now(), attempted_by = $2
+ WHERE j.id = $1 AND j.state::text = 'available' AND least(j.attempt, 32766) + 1 = $3
+RETURNING j.id"""
+
+# queue_wake: wake the workers sleeping on queue $1 (sent at commit): jobs a
+# fast batch left unstarted (its deadline, a stop, a hand-over) are available
+# again without a write of their own that would wake them.
+queue_wake: Final = "SELECT pg_notify('fastjobs', $1)"
+
 # job_crash_fast: worker $1 died running the jobs $2 on the fast lane: its
 # transaction rolled back, so each is available again with no attempt
 # counted. Each counts the attempt and a crash now, as job_rescue_many does
@@ -1662,6 +1679,8 @@ STATEMENTS: Final[Mapping[str, str]] = MappingProxyType(
         "job_lock_after": job_lock_after,
         "job_lock_after_context": job_lock_after_context,
         "job_finish_locked_many": job_finish_locked_many,
+        "job_hand_over": job_hand_over,
+        "queue_wake": queue_wake,
         "job_crash_fast": job_crash_fast,
         "job_schedule_many": job_schedule_many,
         "leader_try_lock": leader_try_lock,

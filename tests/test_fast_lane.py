@@ -20,7 +20,7 @@ import psycopg
 import pytest
 
 import fastjobs
-from fastjobs import App, Retry, Snooze, control, stats
+from fastjobs import App, Retry, Snooze, control, guard, stats
 from fastjobs.abc import BATCH_SECONDS
 from fastjobs.worker import Worker, WorkerConfig
 
@@ -142,6 +142,8 @@ def test_a_job_in_flight_reads_running_in_jobs_list_and_stats(app: App, dsn: str
         query(dsn, "UPDATE fastjobs_jobs_all SET run_at = now() - interval '1 hour'")
         ran: list[int] = []
         runner = threading.Thread(target=lambda: ran.append(loop.step()))
+        suspended = guard.suspended()  # the batch stays open past its deadline (no hand-over)
+        suspended.__enter__()
         runner.start()
         try:
             assert started.wait(30)
@@ -168,6 +170,7 @@ def test_a_job_in_flight_reads_running_in_jobs_list_and_stats(app: App, dsn: str
         finally:
             release.set()
             runner.join(30)
+            suspended.__exit__(None, None, None)
         assert ran == [1] and loop.fast == 1
         with psycopg.connect(dsn, autocommit=True) as conn:
             assert _states(conn) == {waiting: "available"}
@@ -207,8 +210,10 @@ def test_a_job_row_another_transaction_locks_reads_running_while_it_holds_it(app
 
 
 def test_a_slow_job_ends_its_batch_and_sends_its_queue_to_the_state_lane(app: App, dsn: str) -> None:
-    """A job believed fast that takes longer than BATCH_SECONDS: the batch commits what ran, leaves the
-    rest untouched (available, uncounted), and the queue's next batches take the state lane."""
+    """A job believed fast that runs past its batch's deadline (BATCH_SECONDS): while it runs, its
+    job becomes a running state-lane job, the batch commits what ran and leaves the rest untouched
+    (available, uncounted); its outcome is written by the state lane, which the queue's next
+    batches take."""
     states: list[str] = []
 
     @app.job(kind="sleepy")
@@ -225,13 +230,19 @@ def test_a_slow_job_ends_its_batch_and_sends_its_queue_to_the_state_lane(app: Ap
         began = time.monotonic()
         assert loop.step() == 6
         assert time.monotonic() - began < 6 * BATCH_SECONDS
-        assert loop.fast == 2 and states == ["available", "available"]
-        assert query(dsn, "SELECT state::text, attempt, count(*) FROM fastjobs_jobs_all GROUP BY 1, 2") == [
-            {"state": "available", "attempt": 0, "count": 4}
+        # Job 0 committed by the hand-over; job 1 read its own row: handed over while it slept.
+        assert loop.fast == 1 and states == ["available", "running"]
+        assert query(
+            dsn,
+            "SELECT state::text, attempt, attempted_by, count(*) FROM fastjobs_jobs_all GROUP BY 1, 2, 3"
+            " ORDER BY 1",
+        ) == [
+            {"state": "available", "attempt": 0, "attempted_by": None, "count": 4},
+            {"state": "running", "attempt": 1, "attempted_by": "test-worker", "count": 1},  # its outcome is held
         ]
         assert loop.step() == 4
         loop.finish()
-    assert loop.fast == 2 and states == ["available"] * 2 + ["running"] * 4
+    assert loop.fast == 1 and states == ["available", "running"] + ["running"] * 4
     assert by_state(dsn) == {}
 
 
@@ -259,7 +270,8 @@ def test_jobs_a_slow_batch_gave_back_are_claimed_next_though_behind_its_mark(app
                 "UPDATE fastjobs_jobs_all SET run_at = now() - make_interval(secs => %s) WHERE id = %s",
                 (seconds, job_id),
             )
-        assert loop.step() == 3 and ran == [0] and loop.fast == 1  # the mark: a second ago
+        # The mark: a second ago. Job 0 ran past the batch's deadline: handed over to the state lane.
+        assert loop.step() == 3 and ran == [0] and loop.fast == 0
         assert loop.step() == 2 and ran == [0, 1, 2]  # the one 5 s back too
         loop.finish()
     assert by_state(dsn) == {}
