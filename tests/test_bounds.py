@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -21,7 +22,10 @@ import pytest
 from fastjobs import App, control, leader
 from fastjobs.abc import HAND_BACK_AFTER
 
-from .helpers import batch_loop, by_state, notifications, query, wait_for
+from . import procs
+from .helpers import batch_loop, by_state, notifications, query
+from .helpers import wait_for as wait_until
+from .procs import count, runs, wait_for
 
 
 @pytest.fixture(autouse=True)
@@ -113,7 +117,7 @@ def test_the_jobs_behind_a_slow_one_are_handed_back_untouched_while_it_runs(
         with _stepping(loop) as out:
             assert started.wait(30)
             began = time.monotonic()
-            assert wait_for(lambda: set(quick) <= _free(dsn).keys(), timeout=HAND_BACK_AFTER + 5)
+            assert wait_until(lambda: set(quick) <= _free(dsn).keys(), timeout=HAND_BACK_AFTER + 5)
             handed = time.monotonic() - began
             assert set(_free(dsn).values()) == {0}  # uncounted
             assert not out, "the slow job is still running"
@@ -235,3 +239,27 @@ def test_jobs_a_stopping_fast_batch_gives_back_wake_sleeping_workers(
         assert notifications(listener, dsn) == {"default": 1}
         loop.finish()
     assert by_state(dsn) == {"available": 3}
+
+
+@pytest.mark.parametrize("lane", ["fast", "state"])
+def test_one_slow_job_holds_no_quick_job_of_its_kind_hostage(
+    masters: procs.Masters, dsn: str, db: psycopg.Connection[Any], lane: str
+) -> None:
+    """3,000 quick jobs and one of the same kind that sleeps 8 s, `fastjobs run --processes 2`: every
+    quick job is done within 5 s of the slow one's start (the other worker runs what its batch held),
+    and each job runs once."""
+    total, slow = 3_000, 1_500
+    producer = App(dsn)  # knows no kinds: enqueues the jobs module's by name
+    producer.enqueue_many("record", ({"n": n, "sleep": 8.0 if n == slow else 0.0} for n in range(total + 1)))
+    producer.close()
+    master = masters.start("--processes", "2", *(["--no-fast-lane"] if lane == "state" else []))
+    quick = f"SELECT count(*) FROM runs WHERE n <> {slow}"
+    wait_for(lambda: count(db, quick) == total, "every quick job", timeout=60)
+    row = db.execute(
+        "SELECT max(at) FILTER (WHERE n <> %s) - min(at) FILTER (WHERE n = %s) FROM runs", (slow, slow)
+    ).fetchone()
+    assert row is not None and row[0] is not None
+    assert row[0].total_seconds() < 5.0, f"the last quick job ran {row[0]} after the slow one started"
+    wait_for(lambda: not count(db, "SELECT count(*) FROM fastjobs_jobs_all"), "the slow job", timeout=30)
+    assert master.stop() == 0, master.stderr()
+    assert runs(db) == Counter(range(total + 1))

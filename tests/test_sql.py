@@ -287,6 +287,7 @@ def test_every_channel_a_statement_names_is_a_channel_constant():
         "job_finish_claim_many_keep_context": wake,
         "job_finish_claim_after_keep_context": wake,
         "job_finish_locked_many": wake,
+        "queue_wake": wake,
         "job_schedule_many": wake,
         "job_release_unstarted": wake,
         "job_cancel": {sql.CANCEL_CHANNEL},
