@@ -318,6 +318,7 @@ def test_every_limit_a_statement_carries_is_its_constant():
         "job_lock_after_context",
         "job_finish_locked_many",
         "job_crash_fast",
+        "job_hand_over",
     }
     assert {cap for found in counting.values() for cap in found} == {sql.ATTEMPT_CAP}
     # No other spelling of the cap (or of the margin) hides elsewhere.
