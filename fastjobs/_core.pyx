@@ -1282,10 +1282,8 @@ cdef class BatchLoop:
 
     cdef bint _holding(self):
         """Whether the state-lane batch running holds anything a hand-back would give or write."""
-        if self._in_flight:
+        if self._in_flight or self._at < 0:
             return True
-        if self._at < 0:
-            return False
         return (self._at + 1 < self._batch_n or len(self._slow) > 0 or self._ndone > 0
                 or len(self._failures) > 0)
 
@@ -1355,6 +1353,9 @@ cdef class BatchLoop:
             self.retried += retried
             self.discarded += discarded
             self._marks[self._batch_base // self._stride] = None
+        else:
+            for job in self._executor.hand_back():
+                releases.append(_release(job[1], job[3]))
         failures.extend(releases)
         if not done and not failures:
             return 0

@@ -823,10 +823,8 @@ class BatchLoop:
 
     def _holding(self) -> bool:
         """Whether the state-lane batch running holds anything a hand-back would give or write."""
-        if self._in_flight:
+        if self._in_flight or self._at < 0:  # the executor's phase: it knows which jobs have not started
             return True
-        if self._at < 0:  # the executor holds the batch's outcomes and slow jobs
-            return False
         return bool(self._at + 1 < len(self._batch) or self._slow or self._done or self._failures)
 
     def _hand_over(self) -> None:
@@ -870,6 +868,9 @@ class BatchLoop:
             self.discarded += discarded
             # The jobs released lie behind the mark this batch's claim set.
             self._marks[self._batch_base // self._stride] = None
+        else:
+            # The executor's phase: it keeps the outcomes; the jobs it has not started come back.
+            releases += [handlers.release(job[1], job[3]) for job in self._executor.hand_back()]
         failures += releases
         if not (done or failures):
             return

@@ -630,6 +630,30 @@ class Executor:
         self.hung = False
         self._tasks: dict[int, asyncio.Task[Any]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        # The batch running (its jobs, those started), the ids of its jobs the
+        # guard handed back before they started, and the lock that orders a
+        # start against a hand-back (fastjobs.guard, BatchLoop.hand_back).
+        self._batch: tuple[list[SlowJob], set[int]] | None = None
+        self.handed_back: set[int] = set()  # read without the lock only to skip early
+        self._start_lock = threading.Lock()
+
+    def hand_back(self) -> list[SlowJob]:
+        """From the guard's thread: the jobs of the batch running not started yet; none of them will start."""
+        with self._start_lock:
+            if self._batch is None:
+                return []
+            jobs, started = self._batch
+            handed = [job for job in jobs if job[1] not in started and job[1] not in self.handed_back]
+            self.handed_back.update(job[1] for job in handed)
+        return handed
+
+    def begin(self, job_id: int, started: set[int]) -> bool:
+        """Register job `job_id` started, unless the guard handed it back (its release is written)."""
+        with self._start_lock:
+            if job_id in self.handed_back:
+                return False
+            started.add(job_id)
+            return True
 
     def bind(self) -> None:
         """Make this executor's context the calling thread's `current_job()`."""
@@ -717,11 +741,14 @@ class Executor:
         back; then it propagates so the loop writes everything and stops.
         """
         started: set[int] = set()
+        with self._start_lock:
+            self._batch = (jobs, started)
+            self.handed_back = set()
         try:
             self._run(jobs, completed, failures, started)
         except BaseException as exc:
             self._abandon()
-            recorded = set(completed) | {outcome["id"] for outcome in failures}
+            recorded = set(completed) | {outcome["id"] for outcome in failures} | self.handed_back
             for spec, job_id, _, attempt, max_attempts, _ in jobs:
                 if job_id in recorded:
                     continue
@@ -730,6 +757,9 @@ class Executor:
                 else:
                     failures.append(release(job_id))
             raise
+        finally:
+            with self._start_lock:
+                self._batch = None
 
     def _run(
         self, jobs: list[SlowJob], completed: list[int], failures: list[Outcome], started: set[int]
@@ -752,6 +782,8 @@ class Executor:
             if spec.is_async:
                 pending_async.append(job)
                 continue
+            if job_id in self.handed_back:
+                continue
             if job_id in self.cancelled:
                 self.cancelled.discard(job_id)
                 failures.append(cancelled(job_id, attempt))
@@ -762,7 +794,9 @@ class Executor:
             context.id, context.kind, context.attempt, context.cancelled = job_id, spec.kind, attempt, False
             if claimed is not None:
                 context.fill(self._queue(), args, max_attempts, claimed)
-            started.add(job_id)
+            if not self.begin(job_id, started):
+                context.id = 0
+                continue
             if self.running is not None:
                 self.running.add(job_id)
             outcome: Outcome | None
@@ -797,6 +831,8 @@ class Executor:
         async def one(job: SlowJob) -> None:
             spec, job_id, args, attempt, max_attempts, claimed = job
             async with limit:
+                if job_id in self.handed_back:
+                    return
                 if job_id in self.cancelled:
                     self.cancelled.discard(job_id)
                     failures.append(cancelled(job_id, attempt))
@@ -811,7 +847,8 @@ class Executor:
                 if claimed is not None:
                     context.fill(queue, args, max_attempts, claimed)
                 _async_job.set(context)
-                started.add(job_id)
+                if not self.begin(job_id, started):
+                    return
                 if self.running is not None:
                     self.running.add(job_id)
                 task = asyncio.current_task()

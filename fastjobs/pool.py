@@ -208,6 +208,8 @@ class Pool:
                 job = wave.jobs[wave.next]
                 wave.next += 1
                 spec, job_id, _, attempt, _, _ = job
+                if job_id in executor.handed_back:
+                    continue  # the guard handed it back: its release is written
                 # Registered before the check, so a cancellation arriving in between reaches the context.
                 context.id, context.kind, context.attempt = job_id, spec.kind, attempt
                 context.cancelled = False
@@ -224,7 +226,10 @@ class Pool:
                     context.id = 0
                     wave.failures.append(release(job_id))
                     continue
-                wave.started.add(job_id)
+                if not executor.begin(job_id, wave.started):
+                    del executor.contexts[job_id]
+                    context.id = 0
+                    continue
                 if executor.running is not None:
                     executor.running.add(job_id)
                 timeout = spec.timeout if spec.timeout is not None else float("inf")

@@ -9,6 +9,7 @@ becomes a running state-lane job, what ran commits, the rest is free).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import Counter
@@ -21,6 +22,7 @@ import pytest
 
 from fastjobs import App, control, leader
 from fastjobs.abc import HAND_BACK_AFTER
+from fastjobs.handlers import Executor
 
 from . import procs
 from .helpers import batch_loop, by_state, notifications, query
@@ -263,3 +265,41 @@ def test_one_slow_job_holds_no_quick_job_of_its_kind_hostage(
     wait_for(lambda: not count(db, "SELECT count(*) FROM fastjobs_jobs_all"), "the slow job", timeout=30)
     assert master.stop() == 0, master.stderr()
     assert runs(db) == Counter(range(total + 1))
+
+
+@pytest.mark.parametrize("kind", ["async", "timeout", "threads"])
+def test_jobs_the_executor_has_not_started_are_handed_back(app: App, dsn: str, kind: str) -> None:
+    """Async jobs and pooled sync ones waiting for a slot behind slow ones, and sync jobs with a
+    timeout waiting their turn, go back once the batch's slow phase has run HAND_BACK_AFTER."""
+    ran: list[int] = []
+    slow = 2 if kind != "timeout" else 1
+
+    if kind == "async":
+
+        @app.job(kind="work")
+        async def work(n: int) -> None:
+            ran.append(n)
+            if n < slow:
+                await asyncio.sleep(HAND_BACK_AFTER + 2)
+
+    else:
+
+        @app.job(kind="work", timeout=60 if kind == "timeout" else None)
+        def work(n: int) -> None:
+            ran.append(n)
+            if n < slow:
+                time.sleep(HAND_BACK_AFTER + 2)
+
+    executor = Executor(2, {"default": 2} if kind == "threads" else None)
+    with batch_loop(app, 10, executor=executor) as loop:
+        ids = [work.enqueue(n=n) for n in range(10)]
+        with _stepping(loop) as out:
+            assert wait_until(lambda: set(ids[slow:]) <= _free(dsn).keys(), timeout=HAND_BACK_AFTER + 1.5)
+            assert set(_free(dsn).values()) == {0} and not out
+        assert out == [10]
+        assert sorted(ran) == list(range(slow))  # the others were never started here
+        while loop.step():
+            pass
+        loop.finish()
+    assert sorted(ran) == list(range(10))
+    assert by_state(dsn) == {}

@@ -238,7 +238,8 @@ def test_a_slow_job_ends_its_batch_and_sends_its_queue_to_the_state_lane(app: Ap
             " ORDER BY 1",
         ) == [
             {"state": "available", "attempt": 0, "attempted_by": None, "count": 4},
-            {"state": "running", "attempt": 1, "attempted_by": "test-worker", "count": 1},  # its outcome is held
+            # Job 1: its outcome is held for the state lane's next statement.
+            {"state": "running", "attempt": 1, "attempted_by": "test-worker", "count": 1},
         ]
         assert loop.step() == 4
         loop.finish()
