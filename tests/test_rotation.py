@@ -290,3 +290,47 @@ def test_cancels_racing_the_rotation_are_never_lost(app: App, db, dsn: str) -> N
         ("cancelled", count)
     ]
 
+
+def test_rows_another_transaction_holds_through_the_settle_step_are_moved_whole(db, dsn: str) -> None:
+    """The settle step skips rows another transaction holds (a concurrent cancel or retry): the
+    move step, under the slot's lock once they are released, must carry them out intact."""
+    db.execute(
+        """INSERT INTO fastjobs_jobs_all (kind, queue, args, priority, state, run_at, attempt, max_attempts,
+                                          attempted_at, attempted_by, errors, meta, crashes, slot)
+           VALUES ('k', 'q', '{"a": 1}', 3, 'retryable', now() + interval '1 hour', 2, 7, now(), 'w1',
+                   '[{"error": "boom"}]', '{"m": 1}', 1, 2),
+                  ('k', 'q', '{"b": 2}', -1, 'scheduled', now() + interval '2 hours', 0, 5, NULL, NULL,
+                   NULL, NULL, 0, 2)"""
+    )
+    columns = (
+        "id, queue, kind, args, priority, state::text, run_at, attempt, max_attempts, created_at,"
+        " attempted_at, finalized_at, attempted_by, errors, unique_key, meta, crashes, cancel_requested"
+    )
+    before = db.execute(f"SELECT {columns} FROM fastjobs_jobs_all ORDER BY id").fetchall()
+    result: dict[str, Any] = {}
+    with psycopg.connect(dsn) as holder:
+        holder.execute("SELECT id FROM fastjobs_jobs_all WHERE slot = 2 FOR UPDATE")
+
+        def rotation() -> None:
+            with psycopg.connect(dsn, autocommit=True) as leader:
+                result["rotated"] = rotate_once(leader, RotationConfig(lock_timeout=5.0))
+
+        thread = threading.Thread(target=rotation)
+        thread.start()
+        try:
+            # Settled nothing (both rows held), now waiting for the slot's lock.
+            assert wait_for(
+                lambda: bool(
+                    db.execute(
+                        "SELECT 1 FROM pg_stat_activity"
+                        " WHERE wait_event_type = 'Lock' AND query LIKE 'LOCK TABLE%'"
+                    ).fetchone()
+                ),
+                timeout=5,
+            )
+        finally:
+            holder.commit()
+            thread.join(10)
+    assert result["rotated"] == {"rotated": 1, "moved": 2, "settled": 0}
+    assert db.execute(f"SELECT {columns} FROM fastjobs_jobs_all ORDER BY id").fetchall() == before
+    assert slots(db) == {0: 2}  # settled rows go to the durable slot
