@@ -27,7 +27,9 @@ from fastjobs.leader import (
     SchedulerConfig,
     rotate_once,
 )
+from fastjobs.sql import LEADER_LOCK_KEY
 from fastjobs.stats import ROTATION_OK, ROTATION_PRIVILEGES, Slots, prometheus, upkeep_warnings
+from fastjobs.worker import Worker, WorkerConfig
 
 from .procs import wait_for
 
@@ -266,3 +268,29 @@ def test_evacuation_moves_available_rows_to_slot_0_and_skips_rows_held(dsn: str)
             (1, 5),
         ]
 
+
+def test_an_in_process_worker_rotates_when_no_leader_does(app: App, dsn: str) -> None:
+    """fastjobs.Worker without `fastjobs run` (no master, no leader) used to never rotate: the
+    rotating slots' dead rows grew without bound. It rotates from its control thread, off the hot
+    loop, whenever the leader's lock is free, and not while a leader holds it."""
+    config = WorkerConfig(rotation=RotationConfig(interval=0.1, retry=0.05))
+    worker = Worker(app, ["q"], config=config)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    rotations = Rotations(dsn)
+    thread.start()
+    try:
+        wait_for(lambda: rotations.count() >= SLOTS, "a whole turn of rotations by the worker")
+        with psycopg.connect(dsn, autocommit=True) as leader:
+            wait_for(
+                lambda: bool(
+                    leader.execute("SELECT pg_try_advisory_lock(%s)", (LEADER_LOCK_KEY,)).fetchone()[0]
+                ),
+                "the leader's lock",
+            )
+            held = rotations.count()
+            threading.Event().wait(0.5)  # five of the worker's intervals: it must not rotate
+            assert rotations.count() == held
+    finally:
+        worker.stop()
+        thread.join(10)
+    assert not thread.is_alive()
