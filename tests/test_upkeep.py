@@ -282,8 +282,9 @@ def test_an_in_process_worker_rotates_when_no_leader_does(app: App, dsn: str) ->
         wait_for(lambda: rotations.count() >= SLOTS, "a whole turn of rotations by the worker")
         with psycopg.connect(dsn, autocommit=True) as leader:
             wait_for(
-                lambda: bool(
-                    leader.execute("SELECT pg_try_advisory_lock(%s)", (LEADER_LOCK_KEY,)).fetchone()[0]
+                lambda: (
+                    leader.execute("SELECT pg_try_advisory_lock(%s)", (LEADER_LOCK_KEY,)).fetchone()
+                    == (True,)
                 ),
                 "the leader's lock",
             )
