@@ -189,10 +189,10 @@ class RotationConfig:
     `evacuate_budget` seconds, until the slot holds no more than `max_move`
     and rotates as usual. So the rotating slots' storage stays bounded by the
     backlog plus `patience` seconds of traffic; the backlog moves once and
-    costs VACUUM afterwards, as before 005. Measured (PostgreSQL 15, 2 busy
-    cores): 50,000 unserved jobs moved in 0.9 s of statements (about 55k
-    rows/s, 18 ms a statement of 1,000), then a rotation whose lock was held
-    4 ms.
+    costs VACUUM afterwards, as before 005. Measured (PostgreSQL 15, 2
+    shared cores): 50,000 unserved rows behind 30,000 dead ones moved in
+    0.9-1.2 s (10-20 ms a statement), then the rotation held its lock 12-28
+    ms (bench/RESULTS.md, Upkeep).
     """
 
     # Off, nothing cleans the rotating slots (autovacuum is off on them): for tests and tools only.
