@@ -306,6 +306,7 @@ class Rotator:
         self._deferred_since: float | None = None
         self._privileges_at: float | None = None  # when the privileges were last found lacking
         self._checked = False
+        self._told = False  # the missing privileges were logged as an error
 
     def turn(self, conn: psycopg.Connection[Any]) -> tuple[dict[str, int], float]:
         """One try: its counts (rotate_once's, or `unable` 1 without the privileges) and the seconds
@@ -357,7 +358,9 @@ class Rotator:
         if not lacking:
             return True
         grants = "; ".join(f"GRANT {clause} TO {role}" for clause in lacking)
-        logger.error(
+        # An error once; while it lasts, the late-rotation warning repeats it every ROTATION_LATE.
+        logger.log(
+            logging.WARNING if self._told else logging.ERROR,
             "%s rotator: role %s may not empty the rotating slots, which nothing else cleans (their"
             " dead rows grow without bound); the other maintenance goes on. As the tables' owner,"
             " run: %s",
@@ -365,6 +368,7 @@ class Rotator:
             role,
             grants,
         )
+        self._told = True
         return False
 
     def _missed(self, problem: int, result: dict[str, int]) -> None:

@@ -28,9 +28,19 @@ from fastjobs.leader import (
     rotate_once,
 )
 from fastjobs.sql import LEADER_LOCK_KEY
-from fastjobs.stats import ROTATION_OK, ROTATION_PRIVILEGES, Slots, prometheus, upkeep_warnings
+from fastjobs.stats import (
+    LEADER,
+    ROTATION_DEFERRED,
+    ROTATION_OK,
+    ROTATION_PRIVILEGES,
+    Slots,
+    database_identity,
+    prometheus,
+    upkeep_warnings,
+)
 from fastjobs.worker import Worker, WorkerConfig
 
+from . import procs
 from .procs import wait_for
 
 # The rotation's grants, as README (Roles and grants) gives them.
@@ -91,7 +101,7 @@ class LeaderThread:
     def __init__(self, app: App, config: LeaderConfig) -> None:
         self.slots = Slots.create(1)
         self.slot = self.slots[0]
-        self.slot.claim(2, 0)
+        self.slot.claim(LEADER, 0)
         self.leader = Leader(app, config, slot=self.slot)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -295,3 +305,24 @@ def test_an_in_process_worker_rotates_when_no_leader_does(app: App, dsn: str) ->
         worker.stop()
         thread.join(10)
     assert not thread.is_alive()
+
+
+def test_fastjobs_stats_warns_when_the_leading_leader_cannot_rotate(dsn: str) -> None:
+    """`fastjobs stats` reads the leader's slot of the masters on its host: a rotation that cannot
+    work, and why, is a warning in its output (and in --json)."""
+    with psycopg.connect(dsn) as conn:
+        identity = database_identity(conn, dsn)
+    slots = Slots.create(1, identity)
+    try:
+        slot = slots[0]
+        slot.claim(LEADER, 0)
+        slot["leading"] = 1.0
+        slot["rotation_problem"] = ROTATION_DEFERRED
+        warnings = procs.stats_json(dsn)["warnings"]
+        assert any("the rotation cannot do its work (deferred; not rotated yet)" in w for w in warnings), (
+            warnings
+        )
+        slot["rotation_problem"] = ROTATION_OK
+        assert procs.stats_json(dsn)["warnings"] == []
+    finally:
+        slots.close(unlink=True)
