@@ -642,6 +642,7 @@ def _stats(args: argparse.Namespace) -> int:
         }
         for m in found
     ]
+    warnings += stats.upkeep_warnings(p for m in found if m.database == identity for p in m.processes)
     if args.json:
         doc = {
             "database": identity,

@@ -54,13 +54,36 @@ def _state(cur: psycopg.RawCursor[Any], job_id: int) -> str:
     return str(row[0])
 
 
+# The rotation moves a job's row to another slot (delete and insert, in one
+# transaction: fastjobs.leader.rotate_once). A statement that waited for the
+# row's lock then finds it deleted and acts on nothing, though the job is
+# still there, in a state it acts on: it looks again by id, this many times
+# (a row moves at most once per rotation, every couple of seconds).
+MOVED_RETRIES = 5
+
+CANCELLABLE = frozenset({"available", "scheduled", "retryable", "running"})
+RETRIABLE = frozenset({"discarded", "cancelled", "completed", "retryable", "scheduled"})
+DISCARDABLE = frozenset({"available", "scheduled", "retryable", "cancelled"})
+
+
+def _moved(cur: psycopg.RawCursor[Any], job_id: int, acts_on: frozenset[str], tries: int) -> str | None:
+    """After a statement acted on no row of job `job_id`: None when the job is in a state the
+    statement acts on (its row was moved meanwhile: try again), else its state."""
+    state = _state(cur, job_id)
+    return None if state in acts_on and tries < MOVED_RETRIES else state
+
+
 def cancel(conn: psycopg.Connection[Any], job_id: int) -> str:
     """'cancelled' for a queued job, 'cancelling' for a running one, else its (final) state."""
     with _cursor(conn) as cur:
-        row = cur.execute(sql.job_cancel, (job_id,)).fetchone()
-        if row is None:
-            return _state(cur, job_id)
-        return "cancelling" if row[0] == "running" else str(row[0])
+        for tries in range(1, MOVED_RETRIES + 1):
+            row = cur.execute(sql.job_cancel, (job_id,)).fetchone()
+            if row is not None:
+                return "cancelling" if row[0] == "running" else str(row[0])
+            state = _moved(cur, job_id, CANCELLABLE, tries)
+            if state is not None:
+                return state
+    raise AssertionError("the last try returns a state")
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +119,8 @@ def retry(conn: psycopg.Connection[Any], job_id: int) -> Retried:
     raises ValueError naming why (the holder).
     """
     with _cursor(conn) as cur:
-        for _ in range(3):
+        tries = 0
+        for _ in range(3 + MOVED_RETRIES):
             try:
                 with _savepoint(conn):
                     row = cur.execute(sql.job_retry, (job_id,)).fetchone()
@@ -109,7 +133,10 @@ def retry(conn: psycopg.Connection[Any], job_id: int) -> Retried:
                     f" unique key {key!r}; retry it once that job has finished"
                 ) from None
             if row is None:
-                state = _state(cur, job_id)
+                tries += 1
+                state = _moved(cur, job_id, RETRIABLE, tries)
+                if state is None:
+                    continue
                 if state == "available":
                     return Retried(job_id, state, state)
                 raise ValueError(f"job {job_id} is {state}: a running job cannot be retried until it ends")
@@ -139,11 +166,14 @@ def _savepoint(conn: psycopg.Connection[Any]) -> Any:
 def discard(conn: psycopg.Connection[Any], job_id: int) -> str:
     """A job that is not running becomes discarded; returns the new state."""
     with _cursor(conn) as cur:
-        row = cur.execute(sql.job_discard, (job_id,)).fetchone()
-        if row is None:
-            state = _state(cur, job_id)
-            raise ValueError(f"job {job_id} is {state}: running or finished jobs cannot be discarded")
-        return str(row[0])
+        for tries in range(1, MOVED_RETRIES + 1):
+            row = cur.execute(sql.job_discard, (job_id,)).fetchone()
+            if row is not None:
+                return str(row[0])
+            state = _moved(cur, job_id, DISCARDABLE, tries)
+            if state is not None:
+                raise ValueError(f"job {job_id} is {state}: running or finished jobs cannot be discarded")
+    raise AssertionError("the last try raises")
 
 
 def show(conn: psycopg.Connection[Any], job_id: int) -> dict[str, Any]:

@@ -27,7 +27,18 @@ from psycopg import sql as pgsql
 from . import database, enqueue, schema, sql
 from .cron import Cron
 from .errors import ConfigurationError, DatabaseUnavailable
-from .stats import HORIZON_WARNING, Horizon, Slot, health
+from .stats import (
+    HORIZON_WARNING,
+    ROTATION_DEFERRED,
+    ROTATION_FAILED,
+    ROTATION_GAVE_WAY,
+    ROTATION_OK,
+    ROTATION_PRIVILEGES,
+    ROTATION_PROBLEMS,
+    Horizon,
+    Slot,
+    health,
+)
 from .types import JobSpec
 
 if TYPE_CHECKING:
@@ -166,8 +177,22 @@ class RotationConfig:
     to `interval`), and warns after a minute without a rotation: enqueues never wait for it (an insert
     locks only the current slot), claims and finishes at most that long plus
     the time the lock is held (tens of ms: the copy, the truncation and its
-    commit). A slot still holding more than `max_move` rows (a backlog: it
-    drains oldest first) is left to drain instead of being copied under the lock.
+    commit).
+
+    A slot still holding more than `max_move` available rows (a backlog) is
+    not copied under the lock: while it drains, oldest first, the rotation
+    waits. It waits at most `patience` seconds: a backlog that outlasts it (a
+    queue nobody serves) would stop every slot's cleanup for good. Then each
+    try moves the slot's available rows to slot 0, the vacuumed one, by row
+    locks in statements of SETTLE_BATCH (never under the slot's lock: claims
+    and enqueues go on, skipping the rows being moved), for at most
+    `evacuate_budget` seconds, until the slot holds no more than `max_move`
+    and rotates as usual. So the rotating slots' storage stays bounded by the
+    backlog plus `patience` seconds of traffic; the backlog moves once and
+    costs VACUUM afterwards, as before 005. Measured (PostgreSQL 15, 2
+    shared cores): 50,000 unserved rows behind 30,000 dead ones moved in
+    0.9-1.2 s (10-20 ms a statement), then the rotation held its lock 12-28
+    ms (bench/RESULTS.md, Upkeep).
     """
 
     # Off, nothing cleans the rotating slots (autovacuum is off on them): for tests and tools only.
@@ -178,6 +203,8 @@ class RotationConfig:
     lock_timeout: float = 0.15
     retry: float = 0.2
     max_move: int = 10_000
+    patience: float = 20.0
+    evacuate_budget: float = 1.0
 
 
 # Settled rows (finished, retryable, scheduled) leave the oldest slot for
@@ -193,27 +220,32 @@ ROTATION_LATE = 60.0
 SLOTS = 4
 
 
-def rotate_once(conn: psycopg.Connection[Any], config: RotationConfig = RotationConfig()) -> dict[str, int]:
+def rotate_once(
+    conn: psycopg.Connection[Any], config: RotationConfig = RotationConfig(), evacuate: bool = False
+) -> dict[str, int]:
     """Empty the oldest rotating slot and make it the current one (see RotationConfig).
 
     Counts: `rotated` 1 and the rows `moved` out of it; or `gave way` 1 (its
     lock was not granted within lock_timeout) or `deferred` 1 (it still
     holds more than max_move rows): then nothing changed, try again later.
+    `settled`: finished, retryable and scheduled rows moved to slot 0 first.
+    With `evacuate` (the backlog outlasted config.patience), a slot holding
+    more than max_move rows first has its available ones moved to slot 0 by
+    row locks, for at most config.evacuate_budget seconds: `evacuated`.
     """
     with psycopg.RawCursor(conn) as cur:
         row = cur.execute(sql.slot_current).fetchone()
         assert row is not None
         current = row[0]
         oldest = current % SLOTS + 1
-        settled = 0
-        for _ in range(SETTLE_BATCHES):
-            moved = cur.execute(sql.slot_settle, (oldest, SETTLE_BATCH)).rowcount
-            settled += moved
-            if moved < SETTLE_BATCH:
-                break
-        count = cur.execute(sql.slot_rows, (oldest, config.max_move + 1)).fetchone()
-        if count is not None and count[0] > config.max_move:
-            return {"deferred": 1, "settled": settled}
+        settled = _move_out(cur, sql.slot_settle, oldest, SETTLE_BATCHES * SETTLE_BATCH, float("inf"))
+        counts = {"settled": settled}
+        if _holds_more(cur, oldest, config.max_move):
+            if not evacuate:
+                return {"deferred": 1, **counts}
+            counts["evacuated"] = _move_out(cur, sql.slot_evacuate, oldest, None, config.evacuate_budget)
+            if _holds_more(cur, oldest, config.max_move):
+                return {"deferred": 1, **counts}
         partition = pgsql.Identifier(f"fastjobs_jobs_{oldest}")
         try:
             with conn.transaction():
@@ -222,10 +254,141 @@ def rotate_once(conn: psycopg.Connection[Any], config: RotationConfig = Rotation
                 moved = cur.execute(sql.slot_move, (oldest, current)).rowcount
                 cur.execute(pgsql.SQL(sql.slot_truncate).format(partition=partition))
         except psycopg.errors.LockNotAvailable:
-            return {"gave way": 1, "settled": settled}
+            return {"gave way": 1, **counts}
         # After the commit: setval is not transactional, and a slot must be empty before it is current.
         cur.execute(sql.slot_advance, (oldest,))
-    return {"rotated": 1, "moved": moved, "settled": settled}
+    return {"rotated": 1, "moved": moved, **counts}
+
+
+def _move_out(cur: psycopg.RawCursor[Any], statement: str, slot: int, most: int | None, budget: float) -> int:
+    """Run a moving statement in batches of SETTLE_BATCH until one comes back short, `most` rows
+    are moved or `budget` seconds are spent; the rows moved."""
+    began = time.monotonic()
+    moved = 0
+    while most is None or moved < most:
+        done = cur.execute(statement, (slot, SETTLE_BATCH)).rowcount
+        moved += done
+        if done < SETTLE_BATCH or time.monotonic() - began >= budget:
+            break
+    return moved
+
+
+def _holds_more(cur: psycopg.RawCursor[Any], slot: int, most: int) -> bool:
+    row = cur.execute(sql.slot_rows, (slot, most + 1)).fetchone()
+    return row is not None and row[0] > most
+
+
+# How often a rotator that lacks privileges checks them again (seconds).
+PRIVILEGE_RECHECK = 30.0
+
+
+class Rotator:
+    """The rotation's pace and health, for whichever process rotates: the leader, or an in-process
+    Worker that found the leader's lock free (no `fastjobs run` serves the database).
+
+    `turn` tries once and says when to try next: after `interval`, sooner
+    after giving way (doubling from `retry`), and not before PRIVILEGE_RECHECK
+    when the role lacks the privileges (checked before the first try: a clear
+    error naming the GRANTs instead of a failure every turn). A slot that
+    deferred longer than `patience` is evacuated (rotate_once). `problem` is
+    why the last try did not rotate (ROTATION_OK when it did), `rotated_at`
+    the time.time() of the last rotation (0: none yet).
+    """
+
+    def __init__(self, config: RotationConfig, who: str = "leader") -> None:
+        self.config = config
+        self.who = who
+        self.problem = ROTATION_OK
+        self.rotated_at = 0.0
+        self.misses = 0  # tries since the last rotation
+        self._since = time.monotonic()  # of the last rotation, or since it started trying
+        self._warned = 0.0
+        self._deferred_since: float | None = None
+        self._privileges_at: float | None = None  # when the privileges were last found lacking
+        self._checked = False
+        self._told = False  # the missing privileges were logged as an error
+
+    def turn(self, conn: psycopg.Connection[Any]) -> tuple[dict[str, int], float]:
+        """One try: its counts (rotate_once's, or `unable` 1 without the privileges) and the seconds
+        until the next. Errors other than a broken connection are counted as a failed try, then raised."""
+        now = time.monotonic()
+        config = self.config
+        if self._privileges_at is not None and now - self._privileges_at < PRIVILEGE_RECHECK:
+            return {"unable": 1}, PRIVILEGE_RECHECK - (now - self._privileges_at)
+        if not self._checked:
+            if not self._check(conn):
+                self._privileges_at = now
+                self._missed(ROTATION_PRIVILEGES, {"unable": 1})
+                return {"unable": 1}, PRIVILEGE_RECHECK
+            self._checked = True
+            self._privileges_at = None
+        evacuate = self._deferred_since is not None and now - self._deferred_since >= config.patience
+        try:
+            result = rotate_once(conn, config, evacuate=evacuate)
+        except psycopg.errors.InsufficientPrivilege:
+            self._checked = False  # revoked meanwhile: say which, at the next turn
+            self._missed(ROTATION_FAILED, {"failed": 1})
+            raise
+        except psycopg.Error:
+            self._missed(ROTATION_FAILED, {"failed": 1})
+            raise
+        if result.get("rotated"):
+            self.problem = ROTATION_OK
+            self.misses = 0
+            self._since = time.monotonic()
+            self.rotated_at = time.time()
+            self._deferred_since = None
+            level = logging.INFO if result.get("evacuated") else logging.DEBUG  # else routine, every 2 s
+            logger.log(level, "%s rotator: %s", self.who, _describe(result))
+            return result, config.interval
+        if result.get("deferred"):
+            if self._deferred_since is None:
+                self._deferred_since = now
+            self._missed(ROTATION_DEFERRED, result)
+            return result, config.interval
+        self._missed(ROTATION_GAVE_WAY, result)
+        return result, min(config.interval, config.retry * 2 ** (self.misses - 1))
+
+    def _check(self, conn: psycopg.Connection[Any]) -> bool:
+        """Whether this role may rotate; logs the GRANTs it lacks, as an error, when not."""
+        with psycopg.RawCursor(conn) as cur:
+            row = cur.execute(sql.slot_privileges).fetchone()
+        assert row is not None
+        lacking, role = row
+        if not lacking:
+            return True
+        grants = "; ".join(f"GRANT {clause} TO {role}" for clause in lacking)
+        # An error once; while it lasts, the late-rotation warning repeats it every ROTATION_LATE.
+        logger.log(
+            logging.WARNING if self._told else logging.ERROR,
+            "%s rotator: role %s may not empty the rotating slots, which nothing else cleans (their"
+            " dead rows grow without bound); the other maintenance goes on. As the tables' owner,"
+            " run: %s",
+            self.who,
+            role,
+            grants,
+        )
+        self._told = True
+        return False
+
+    def _missed(self, problem: int, result: dict[str, int]) -> None:
+        """A try that did not rotate: a warning once the rotation has been late for ROTATION_LATE."""
+        self.problem = problem
+        self.misses += 1
+        now = time.monotonic()
+        if now - self._since >= ROTATION_LATE and now - self._warned >= ROTATION_LATE:
+            self._warned = now
+            name, hint = ROTATION_PROBLEMS[problem]
+            logger.warning(
+                "%s rotator: no slot rotated for %.0f s (%d tries, the last %s: %s); the rotating slots"
+                " grow until one does: %s",
+                self.who,
+                now - self._since,
+                self.misses,
+                name,
+                _describe(result),
+                hint,
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -528,10 +691,10 @@ class Leader:
         self.leading = False
         self.periodic = [spec for spec in app.jobs.values() if spec.cron]
         self._due: dict[str, float] = {}
-        # The rotator's tries since it last rotated, when it last did (0: not yet), and last warned.
-        self._rotation_misses = 0
-        self._rotation_ok = 0.0
-        self._rotation_warned = 0.0
+        self.rotator = Rotator(config.rotation)
+        # Each service's failed turns (an error it raised; the other services still ran that turn).
+        self.failures: dict[str, int] = {}
+        self._failing: set[str] = set()  # services whose last turn raised
         self._warned_privilege = False
         self._renewed = 0.0  # time.monotonic() of the last statement on the lock's session while leading
         self._stop = False
@@ -628,7 +791,7 @@ class Leader:
             ("cleaner", config.cleaner.interval, lambda: clean_once(conn, config=config.cleaner)),
         ]
         if config.rotation.enabled:
-            services.append(("rotator", config.rotation.interval, lambda: rotate_once(conn, config.rotation)))
+            services.append(("rotator", config.rotation.interval, lambda: self.rotator.turn(conn)))
         if self.periodic:
             services.append(
                 (
@@ -643,48 +806,55 @@ class Leader:
                 continue
             # Jitter keeps the leaders of many clusters on one server from beating in step.
             self._due[name] = now + interval * random.uniform(0.9, 1.1)
-            result = run_once()
+            try:
+                result = run_once()
+                self._failing.discard(name)
+            except Exception as exc:
+                if conn.broken or conn.closed:
+                    raise  # the session is gone: step down (Leader.run)
+                self._failed(name, exc)
+                continue
+            finally:
+                self._record()
             self._renewed = time.monotonic()
             spent = time.monotonic() - now
             if name == "cleaner" and spent >= config.cleaner.budget:
                 self._due[name] = time.monotonic() + config.cleaner.rest(spent)  # a backlog: paced
             if name == "rotator":
-                self._rotated(result)
+                result, wait = result
+                self._due[name] = time.monotonic() + wait
                 continue
             if result and (not isinstance(result, dict) or any(result.values())):
                 # Rescued jobs are trouble (their workers died or fell silent); the rest is routine.
                 level = logging.WARNING if name == "rescuer" else logging.INFO
                 logger.log(level, "leader %s: %s", name, _describe(result))
 
-    def _rotated(self, result: dict[str, int]) -> None:
-        """Pace the rotator after a try: again soon after giving way, backing off while it cannot rotate.
+    def _failed(self, name: str, exc: Exception) -> None:
+        """A service's turn raised: logged with why and counted; the other services run on.
 
-        Each try that gives way held up claims and finishes for up to its
-        lock_timeout, so the retries back off (doubling from `retry` up to
-        `interval`); a slot not rotated for a minute is worth a warning:
-        the rotating slots, never vacuumed, grow until it does.
+        One failing service (a privilege revoked, a bad row, a bug) must not
+        take the others with it: the rotator once died on TRUNCATE at every
+        turn, restarting the leader for ever, and the periodic service after
+        it never ran.
         """
-        rotation = self.config.rotation
-        now = time.monotonic()
-        if result.get("rotated"):
-            self._rotation_misses = 0
-            self._rotation_ok = now
-            logger.debug("leader rotator: %s", _describe(result))  # every few seconds: routine
-            return
-        self._rotation_misses += 1
-        self._rotation_ok = self._rotation_ok or now
-        if result.get("gave way"):
-            backoff = min(rotation.interval, rotation.retry * 2 ** (self._rotation_misses - 1))
-            self._due["rotator"] = now + backoff
-        if now - self._rotation_ok >= ROTATION_LATE and now - self._rotation_warned >= ROTATION_LATE:
-            self._rotation_warned = now
-            logger.warning(
-                "leader rotator: no slot rotated for %.0f s (%d tries: %s); the rotating slots grow"
-                " until one does: a transaction holding the jobs table, or a backlog in the oldest slot",
-                now - self._rotation_ok,
-                self._rotation_misses,
-                _describe(result),
-            )
+        self.failures[name] = self.failures.get(name, 0) + 1
+        self._failing.add(name)
+        logger.error(
+            "leader %s failed (%d times so far), the other services go on: %s: %s",
+            name,
+            self.failures[name],
+            type(exc).__name__,
+            exc,
+            exc_info=not isinstance(exc, psycopg.Error),  # a bug: its traceback
+        )
+
+    def _record(self) -> None:
+        """The services' health into the leader's slot, for `fastjobs stats` and the metrics."""
+        if self.slot is not None:
+            self.slot["rotation_problem"] = self.rotator.problem
+            self.slot["rotated_at"] = self.rotator.rotated_at
+            self.slot["services_failing"] = len(self._failing)
+            self.slot["service_failures"] = sum(self.failures.values())
 
     def _try_lock(self, conn: psycopg.Connection[Any], wait: float = 0.0) -> bool:
         """Take the lock if it is free; keep trying for `wait` seconds (a terminated holder exits soon)."""

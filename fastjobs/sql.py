@@ -1483,6 +1483,51 @@ SELECT id, queue, kind, args, priority, state, run_at, attempt, max_attempts,
        meta, crashes, cancel_requested, 0::smallint
   FROM settled"""
 
+# slot_evacuate: up to $2 available rows of slot $1 moved to slot 0 by row
+# locks, oldest first, when the slot has held a backlog past the rotation's
+# patience (a queue nobody serves): a slot that never empties would stop the
+# rotation of every slot. Rows a claim or a fast-lane batch holds are skipped
+# (the claim wins them); a writer that waited for a moved row looks again by id
+# (fastjobs.control). Slot 0 is vacuumed: the backlog leaves the rotation for good.
+slot_evacuate: Final = """
+WITH evacuated AS (
+    DELETE FROM fastjobs_jobs_all j
+     WHERE j.slot = $1::smallint AND j.id = ANY(ARRAY(
+               SELECT id FROM fastjobs_jobs_all
+                WHERE slot = $1::smallint AND state = 'available'
+                ORDER BY id
+                LIMIT $2
+                  FOR UPDATE SKIP LOCKED))
+    RETURNING j.id, j.queue, j.kind, j.args, j.priority, j.state, j.run_at, j.attempt, j.max_attempts,
+              j.created_at, j.attempted_at, j.finalized_at, j.attempted_by, j.errors, j.unique_key,
+              j.meta, j.crashes, j.cancel_requested
+)
+INSERT INTO fastjobs_jobs_all (id, queue, kind, args, priority, state, run_at, attempt, max_attempts,
+                               created_at, attempted_at, finalized_at, attempted_by, errors, unique_key,
+                               meta, crashes, cancel_requested, slot)
+SELECT id, queue, kind, args, priority, state, run_at, attempt, max_attempts,
+       created_at, attempted_at, finalized_at, attempted_by, errors, unique_key,
+       meta, crashes, cancel_requested, 0::smallint
+  FROM evacuated"""
+
+# slot_privileges: what the current role lacks to rotate, as GRANT clauses
+# (none: it may), and the role. LOCK and TRUNCATE name each rotating slot
+# (TRUNCATE on it allows both); setval needs UPDATE on fastjobs_slot; the
+# settle and move steps read, delete and insert through fastjobs_jobs_all.
+# A role that was granted the tables but does not own them lacks the first
+# two (005 copies only fastjobs_jobs's grants, to the parent).
+slot_privileges: Final = """
+SELECT array_agg(p.clause ORDER BY p.n) FILTER (WHERE NOT p.held), current_user::text
+  FROM (VALUES (1, 'TRUNCATE ON fastjobs_jobs_1', has_table_privilege('fastjobs_jobs_1', 'TRUNCATE')),
+               (2, 'TRUNCATE ON fastjobs_jobs_2', has_table_privilege('fastjobs_jobs_2', 'TRUNCATE')),
+               (3, 'TRUNCATE ON fastjobs_jobs_3', has_table_privilege('fastjobs_jobs_3', 'TRUNCATE')),
+               (4, 'TRUNCATE ON fastjobs_jobs_4', has_table_privilege('fastjobs_jobs_4', 'TRUNCATE')),
+               (5, 'UPDATE ON SEQUENCE fastjobs_slot', has_sequence_privilege('fastjobs_slot', 'UPDATE')),
+               (6, 'SELECT ON fastjobs_jobs_all', has_table_privilege('fastjobs_jobs_all', 'SELECT')),
+               (7, 'INSERT ON fastjobs_jobs_all', has_table_privilege('fastjobs_jobs_all', 'INSERT')),
+               (8, 'DELETE ON fastjobs_jobs_all', has_table_privilege('fastjobs_jobs_all', 'DELETE')))
+       AS p(n, clause, held)"""
+
 # slot_truncate: empty the slot: its storage is freed at commit, whatever snapshot is open.
 slot_truncate: Final = "TRUNCATE {partition}"
 
@@ -1719,6 +1764,8 @@ STATEMENTS: Final[Mapping[str, str]] = MappingProxyType(
         "slot_lock": slot_lock,
         "slot_move": slot_move,
         "slot_settle": slot_settle,
+        "slot_evacuate": slot_evacuate,
+        "slot_privileges": slot_privileges,
         "slot_truncate": slot_truncate,
         "slot_advance": slot_advance,
         "mvcc_horizon": mvcc_horizon,

@@ -62,7 +62,7 @@ from .abc import (
 )
 
 MAGIC = 0x66_6A_73_74  # "fjst"
-VERSION = 6
+VERSION = 7
 # magic, version, slots, master pid, started, slow-job capacity per slot, rows of
 # (queue, kind) counts per slot, token, database identity (sql.database_identity)
 HEADER = struct.Struct("<IIIIdII16s128s")
@@ -88,11 +88,15 @@ FIELDS = (
     "listener_ok",  # time.time() of its last connect or ping round trip that worked
     "listener_reconnects",
     "leading",  # the leader: 1 while it holds the cluster's lock (its metrics then show the cluster)
+    "rotated_at",  # the leader: time.time() of its last rotation (0: none yet)
+    "rotation_problem",  # the leader: why its last rotation try did not rotate (ROTATION_PROBLEMS; 0: it did)
+    "services_failing",  # the leader: maintenance services whose last turn raised
+    "service_failures",  # the leader: turns of its services that raised, in all
 )
 # The fields that hold whole numbers (stored as float64 like the rest): integers in `stats --json`.
 INTEGER_FIELDS = frozenset(
     {"pid", "role", "index", "claimed", "completed", "failed", "retried", "discarded", "progress"}
-    | {"listening", "listener_reconnects"}
+    | {"listening", "listener_reconnects", "rotation_problem", "services_failing", "service_failures"}
 )
 SLOT = len(FIELDS)
 F = {name: i for i, name in enumerate(FIELDS)}
@@ -115,6 +119,56 @@ _JOB, _WRITING, _SUSPECT, _OVERFLOW = range(len(INT_FIELDS))
 SLOW_CAPACITY_MAX = 10_000
 ROLES = {1: "worker", 2: "leader"}
 WORKER, LEADER = 1, 2
+
+# Why a rotation try did not rotate (fastjobs.leader.Rotator.problem, the
+# leader slot's rotation_problem): its name, and what the operator should do.
+ROTATION_OK, ROTATION_PRIVILEGES, ROTATION_DEFERRED, ROTATION_GAVE_WAY, ROTATION_FAILED = range(5)
+ROTATION_PROBLEMS = {
+    ROTATION_PRIVILEGES: (
+        "privileges",
+        "the role it connects as may not empty the rotating slots: as the tables' owner, run the GRANTs"
+        " the leader's log names (README, Roles and grants)",
+    ),
+    ROTATION_DEFERRED: (
+        "deferred",
+        "the oldest slot holds a backlog, which it moves to slot 0 after RotationConfig.patience;"
+        " serve or discard that queue's jobs",
+    ),
+    ROTATION_GAVE_WAY: (
+        "gave way",
+        "its lock is not granted in time: a long transaction holds the jobs table (MVCC health names the"
+        " oldest); end it",
+    ),
+    ROTATION_FAILED: ("failed", "its statements fail: the leader's log says why"),
+}
+
+
+def upkeep_warnings(processes: Iterable[dict[str, float]]) -> list[str]:
+    """Lines for the operator from the slots of leaders that lead: the rotation, when its last try did
+    not rotate, and maintenance services that fail."""
+    lines = []
+    for p in processes:
+        if p["role"] != LEADER or not p["leading"]:
+            continue
+        problem = int(p["rotation_problem"])
+        if problem in ROTATION_PROBLEMS:
+            name, hint = ROTATION_PROBLEMS[problem]
+            last = (
+                f"last rotated {time.time() - p['rotated_at']:,.0f}s ago"
+                if p["rotated_at"]
+                else "not rotated yet"
+            )
+            lines.append(
+                f"WARNING: the rotation cannot do its work ({name}; {last}): the rotating slots, which"
+                f" nothing else cleans, grow until it does. Why and what to do: {hint}."
+            )
+        if p["services_failing"]:
+            lines.append(
+                f"WARNING: {int(p['services_failing'])} maintenance service(s) of the leader (pid"
+                f" {int(p['pid'])}) failed at their last turn ({int(p['service_failures'])} failures in all);"
+                " the others go on. Its log says which and why."
+            )
+    return lines
 
 
 class Slot:
@@ -907,6 +961,8 @@ def prometheus(
         "seconds since the process last reported",
         lambda d: f"{now - d['heartbeat']:.3f}",
     )
+    leaders = [(labels, d) for labels, d in live if d["role"] == LEADER and d["leading"]]
+    lines.extend(_upkeep_metrics(leaders, now))
     live = [(labels, d) for labels, d in live if d["role"] == WORKER]
     family(
         "fastjobs_listener_up",
@@ -943,6 +999,46 @@ def prometheus(
     if hosts is not None:
         lines.extend(cluster_metrics(hosts))
     return "\n".join(lines) + "\n"
+
+
+def _upkeep_metrics(leaders: list[tuple[str, dict[str, float]]], now: float) -> list[str]:
+    """The leading leader's maintenance health: the rotation's problem and age, failing services."""
+    lines = [
+        "# HELP fastjobs_rotation_problem 1 for why the leader's last rotation try did not rotate"
+        " (privileges, deferred, gave way, failed); all 0 when it rotated",
+        "# TYPE fastjobs_rotation_problem gauge",
+    ]
+    for labels, d in leaders:
+        problem = int(d["rotation_problem"])
+        lines.extend(
+            f'fastjobs_rotation_problem{{{labels},reason="{name}"}} {int(code == problem)}'
+            for code, (name, _) in ROTATION_PROBLEMS.items()
+        )
+    lines += [
+        "# HELP fastjobs_rotation_age_seconds seconds since the leader last rotated (-1: not yet)",
+        "# TYPE fastjobs_rotation_age_seconds gauge",
+    ]
+    lines.extend(
+        f"fastjobs_rotation_age_seconds{{{labels}}} {now - d['rotated_at'] if d['rotated_at'] else -1.0:.3f}"
+        for labels, d in leaders
+    )
+    lines += [
+        "# HELP fastjobs_maintenance_services_failing leader services whose last turn raised",
+        "# TYPE fastjobs_maintenance_services_failing gauge",
+    ]
+    lines.extend(
+        f"fastjobs_maintenance_services_failing{{{labels}}} {int(d['services_failing'])}"
+        for labels, d in leaders
+    )
+    lines += [
+        "# HELP fastjobs_maintenance_failures_total leader service turns that raised",
+        "# TYPE fastjobs_maintenance_failures_total counter",
+    ]
+    lines.extend(
+        f"fastjobs_maintenance_failures_total{{{labels}}} {int(d['service_failures'])}"
+        for labels, d in leaders
+    )
+    return lines
 
 
 _LE = [*(repr(b) for b in BUCKETS), "+Inf"]

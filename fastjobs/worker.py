@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import select
 import signal
 import socket
@@ -85,8 +86,12 @@ class Control(threading.Thread):
         watch: Callable[[], None] | None = None,
         slot: Slot | None = None,
         names: list[tuple[int, str, str]] | None = None,
+        rotator: leader.Rotator | None = None,
     ) -> None:
         super().__init__(name="fastjobs-control", daemon=True)
+        # A worker without a leader rotates the slots here, off the hot loop, whenever it finds
+        # the leader's lock free (see Worker).
+        self.rotator = rotator
         self.slot = slot  # beaten each turn: the master's watchdog reads it as "this process is alive"
         # The slot's rows of counts per (queue, kind), named: the heartbeat carries them.
         self.names = names or []
@@ -115,6 +120,8 @@ class Control(threading.Thread):
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGQUIT})
         conn: psycopg.Connection[Any] | None = None
         next_beat = 0.0
+        # The first try one interval in: a worker that drains and stops at once has nothing to rotate.
+        next_rotation = time.monotonic() + (self.rotator.config.interval if self.rotator else float("inf"))
         while not self._stop_event.is_set():
             if self.slot is not None and not self.executor.hung:
                 self.slot.beat()
@@ -130,9 +137,12 @@ class Control(threading.Thread):
                 if now >= next_beat:
                     next_beat = now + HEARTBEAT_INTERVAL
                     self._beat(conn)
+                if now >= next_rotation:
+                    next_rotation = time.monotonic() + self._rotate(conn)
                 # At most a second between the slot's beats, whatever the heartbeat's
                 # interval, and PARENT_CHECK_INTERVAL between checks of the master.
-                wait = min(next_beat - now, 1.0 if self.watch is None else PARENT_CHECK_INTERVAL)
+                wait = min(next_beat, next_rotation) - time.monotonic()
+                wait = max(0.0, min(wait, 1.0 if self.watch is None else PARENT_CHECK_INTERVAL))
                 readable, _, _ = select.select([conn.pgconn.socket, self._wake_r], [], [], wait)
                 if conn.pgconn.socket in readable:
                     self._notified(conn)
@@ -175,6 +185,29 @@ class Control(threading.Thread):
         self.executor.cancelled &= requested
         for job_id in requested:
             self.executor.cancel(job_id)
+
+    def _rotate(self, conn: psycopg.Connection[Any]) -> float:
+        """One rotation try if the leader's lock is free, held only for the try (a `fastjobs run`
+        leader started later takes it at its next attempt); the seconds until the next try."""
+        rotator = self.rotator
+        assert rotator is not None
+        with psycopg.RawCursor(conn) as cur:
+            row = cur.execute(sql.leader_try_lock, (sql.LEADER_LOCK_KEY,)).fetchone()
+            if not (row and row[0]):
+                return rotator.config.interval  # a leader, or another worker, rotates
+            try:
+                _, wait = rotator.turn(conn)
+            except psycopg.Error as exc:
+                if conn.broken:
+                    raise
+                # Counted and logged; heartbeats and cancellations go on.
+                logger.error("worker rotator failed, the worker goes on: %s: %s", type(exc).__name__, exc)
+                wait = rotator.config.interval
+            finally:
+                if not conn.broken:
+                    cur.execute(sql.leader_unlock, (sql.LEADER_LOCK_KEY,))
+        # Jitter: the in-process workers of one database try in turn, not in step.
+        return wait * random.uniform(0.9, 1.1)
 
     def _notified(self, conn: psycopg.Connection[Any]) -> None:
         pgconn = conn.pgconn
@@ -395,6 +428,10 @@ class WorkerConfig:
     # transaction while their batch runs, one write per job (sql.job_lock_many).
     fast_lane: bool = True
     schedule: bool = True  # promote due scheduled and retryable jobs when idle
+    # Without a master (the in-process Worker): rotate the slots whenever the leader's lock is free,
+    # from the control thread (leader.Rotator). Under a master, its leader does.
+    rotate: bool = True
+    rotation: leader.RotationConfig = field(default_factory=leader.RotationConfig)
     # Seconds a stop waits for in-flight jobs: the master's deadline, and how
     # long a worker whose master died finishes before it stops now.
     grace: float = 30.0
@@ -596,7 +633,13 @@ class Worker:
             self.executor.bind()
             watch = (lambda: self._check_parent(escalate=True)) if self.parent is not None else None
             names = list(Labels(list(specs), [self.queues]).names(0))
-            control = Control(dsn, self.worker_id, self.executor, register, watch, self.slot, names)
+            # Without a master there is no leader: this worker rotates when no other process does.
+            rotator = (
+                leader.Rotator(self.config.rotation, who="worker")
+                if self.parent is None and self.config.rotate and self.config.rotation.enabled
+                else None
+            )
+            control = Control(dsn, self.worker_id, self.executor, register, watch, self.slot, names, rotator)
             control.start()
             try:
                 if self.on_ready is not None:

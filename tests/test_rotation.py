@@ -15,10 +15,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from fastjobs import App
+from fastjobs import App, control, sql
 from fastjobs.leader import SLOTS, RotationConfig, rotate_once
 
-from .helpers import run_one_batch
+from .helpers import run_one_batch, wait_for
 
 
 def current_slot(db: psycopg.Connection[Any]) -> int:
@@ -193,3 +193,144 @@ def test_the_slot_default_costs_an_insert_no_lookup(db) -> None:
         " WHERE d.adrelid = 'fastjobs_jobs_all'::regclass AND a.attname = 'slot'"
     ).fetchone()
     assert default == ("pg_sequence_last_value('fastjobs_slot'::regclass)",)
+
+
+def _waits_on_a_lock(db: psycopg.Connection[Any], pid: int) -> bool:
+    return bool(
+        db.execute(
+            "SELECT 1 FROM pg_stat_activity WHERE pid = %s AND wait_event_type = 'Lock'", (pid,)
+        ).fetchone()
+    )
+
+
+@pytest.mark.parametrize("action", ["cancel", "retry", "discard"])
+def test_a_cancel_retry_or_discard_waiting_on_the_settle_step_acts_on_the_moved_row(
+    app: App, db, dsn: str, action: str
+) -> None:
+    """The settle step moves a retryable row (delete, insert into slot 0) while a cancel, retry or
+    discard waits for its lock: the waiter finds the row deleted and must look again by id, not
+    answer 'retryable' (a lost cancel) or 'is running' (a wrong message)."""
+    row = db.execute(
+        "INSERT INTO fastjobs_jobs_all (kind, state, attempt, run_at, slot)"
+        " VALUES ('k', 'retryable', 1, now() + interval '1 hour', 2) RETURNING id"
+    ).fetchone()
+    assert row is not None
+    job_id = row[0]
+    result: dict[str, Any] = {}
+    with psycopg.connect(dsn) as settle, psycopg.connect(dsn, autocommit=True) as acting:
+        with psycopg.RawCursor(settle) as cur:
+            assert cur.execute(sql.slot_settle, (2, 1000)).rowcount == 1  # holds the row until commit
+        pid = acting.info.backend_pid
+
+        def act() -> None:
+            try:
+                if action == "cancel":
+                    result["got"] = control.cancel(acting, job_id)
+                elif action == "retry":
+                    result["got"] = control.retry(acting, job_id).state
+                else:
+                    result["got"] = control.discard(acting, job_id)
+            except Exception as exc:  # the test reports what the call raised
+                result["got"] = exc
+
+        thread = threading.Thread(target=act)
+        thread.start()
+        try:
+            assert wait_for(lambda: _waits_on_a_lock(db, pid), timeout=5)
+        finally:
+            settle.commit()
+            thread.join(10)
+    expected = {"cancel": "cancelled", "retry": "available", "discard": "discarded"}[action]
+    assert result["got"] == expected
+    assert db.execute(
+        "SELECT state::text, slot FROM fastjobs_jobs_all WHERE id = %s", (job_id,)
+    ).fetchone() == (
+        expected,
+        0,
+    )
+
+
+def test_cancels_racing_the_rotation_are_never_lost(app: App, db, dsn: str) -> None:
+    """Bounded race: retryable jobs in the oldest slot, a rotator settling them while another
+    session cancels each. Every cancel answers 'cancelled' and every job ends cancelled."""
+    count = 600
+    ids = [
+        r[0]
+        for r in db.execute(
+            "INSERT INTO fastjobs_jobs_all (kind, state, attempt, run_at, slot)"
+            " SELECT 'k', 'retryable', 1, now() + interval '1 hour', 2 FROM generate_series(1, %s)"
+            " RETURNING id",
+            (count,),
+        ).fetchall()
+    ]
+    answers: list[str] = []
+    with psycopg.connect(dsn, autocommit=True) as rotator, psycopg.connect(dsn, autocommit=True) as admin:
+        stop = threading.Event()
+
+        def settle() -> None:
+            # Each batch held a moment: the canceller, faster, catches up and waits on it.
+            with psycopg.RawCursor(rotator) as cur:
+                while not stop.is_set():
+                    with rotator.transaction():
+                        moved = cur.execute(sql.slot_settle, (2, 10)).rowcount
+                        time.sleep(0.005)
+                    if not moved:
+                        return
+
+        thread = threading.Thread(target=settle)
+        thread.start()
+        try:
+            for job_id in sorted(ids):  # in the settle's order, right behind it
+                answers.append(control.cancel(admin, job_id))
+        finally:
+            stop.set()
+            thread.join(10)
+    assert answers == ["cancelled"] * count
+    assert db.execute("SELECT state::text, count(*) FROM fastjobs_jobs_all GROUP BY 1").fetchall() == [
+        ("cancelled", count)
+    ]
+
+
+def test_rows_another_transaction_holds_through_the_settle_step_are_moved_whole(db, dsn: str) -> None:
+    """The settle step skips rows another transaction holds (a concurrent cancel or retry): the
+    move step, under the slot's lock once they are released, must carry them out intact."""
+    db.execute(
+        """INSERT INTO fastjobs_jobs_all (kind, queue, args, priority, state, run_at, attempt, max_attempts,
+                                          attempted_at, attempted_by, errors, meta, crashes, slot)
+           VALUES ('k', 'q', '{"a": 1}', 3, 'retryable', now() + interval '1 hour', 2, 7, now(), 'w1',
+                   '[{"error": "boom"}]', '{"m": 1}', 1, 2),
+                  ('k', 'q', '{"b": 2}', -1, 'scheduled', now() + interval '2 hours', 0, 5, NULL, NULL,
+                   NULL, NULL, 0, 2)"""
+    )
+    columns = (
+        "id, queue, kind, args, priority, state::text, run_at, attempt, max_attempts, created_at,"
+        " attempted_at, finalized_at, attempted_by, errors, unique_key, meta, crashes, cancel_requested"
+    )
+    before = db.execute(f"SELECT {columns} FROM fastjobs_jobs_all ORDER BY id").fetchall()
+    result: dict[str, Any] = {}
+    with psycopg.connect(dsn) as holder:
+        holder.execute("SELECT id FROM fastjobs_jobs_all WHERE slot = 2 FOR UPDATE")
+
+        def rotation() -> None:
+            with psycopg.connect(dsn, autocommit=True) as leader:
+                result["rotated"] = rotate_once(leader, RotationConfig(lock_timeout=5.0))
+
+        thread = threading.Thread(target=rotation)
+        thread.start()
+        try:
+            # Settled nothing (both rows held), now waiting for the slot's lock.
+            assert wait_for(
+                lambda: bool(
+                    db.execute(
+                        "SELECT 1 FROM pg_stat_activity"
+                        " WHERE wait_event_type = 'Lock' AND query LIKE 'LOCK TABLE%'"
+                    ).fetchone()
+                ),
+                timeout=5,
+            )
+        finally:
+            holder.commit()
+            thread.join(10)
+    assert result["rotated"] == {"rotated": 1, "moved": 2, "settled": 0}
+    assert db.execute(f"SELECT {columns} FROM fastjobs_jobs_all ORDER BY id").fetchall() == before
+    assert slots(db) == {0: 2}  # settled rows go to the durable slot
