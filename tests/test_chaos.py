@@ -61,6 +61,7 @@ PRODUCED = 1_000_000  # `n` of the producer's jobs start here
 PROCESSES = 4
 RESCUE_AFTER = 5  # the smallest `fastjobs run --rescue-after`
 COST = 0.001  # seconds each execution sleeps: the drain lasts long enough for faults to land in it
+SLOW = 1.5  # seconds a slow job of the same kind sleeps (test_slow_jobs_...)
 PROGRESS_TIMEOUT = 90.0  # a drain stalled this long is a failure, not slowness
 TEST_APP = "fjchaos"  # application_name prefix of the test's own connections, spared by terminations
 
@@ -112,9 +113,9 @@ def _record(job, n, rolled_back):
 
 
 @app.job("chaos")
-def chaos(n, rolled_back=False):
+def chaos(n, rolled_back=False, slow=0.0):
     _record(fastjobs.current_job().id, n, rolled_back)
-    time.sleep({COST})
+    time.sleep(slow or {COST})
 
 
 @app.job("poison")
@@ -231,10 +232,13 @@ class Producer(threading.Thread):
 class Chaos:
     """One drain under faults: the jobs, the masters, the producer, the faults, the final checks."""
 
-    def __init__(self, name: str, tmp_path: Path, dsn: str, keep_completed: bool = False) -> None:
+    def __init__(
+        self, name: str, tmp_path: Path, dsn: str, keep_completed: bool = False, slow_every: int = 0
+    ) -> None:
         self.name = name
         self.dsn = dsn
         self.keep_completed = keep_completed
+        self.slow_every = slow_every  # one job in this many of the first TOTAL sleeps SLOW seconds
         self.seed = random.randrange(1 << 32)
         self.rng = random.Random(self.seed)
         self.app = App(make_conninfo(dsn, application_name=f"{TEST_APP}-test"))
@@ -271,7 +275,11 @@ class Chaos:
 
     def setup(self) -> None:
         self.query(RUNS_TABLE)
-        assert self.app.enqueue_many("chaos", ({"n": n} for n in range(TOTAL))) == TOTAL
+        every = self.slow_every
+        jobs = (
+            {"n": n, "slow": SLOW} if every and n % every == every // 2 else {"n": n} for n in range(TOTAL)
+        )
+        assert self.app.enqueue_many("chaos", jobs) == TOTAL
 
     def start_master(self, processes: int = PROCESSES) -> procs.Master:
         args = ["--processes", str(processes), "--rescue-after", str(RESCUE_AFTER)]
@@ -677,6 +685,23 @@ def test_terminate_the_side_connections(chaos: Chaos) -> None:
     print(f"terminated: {dict(kinds)}")
     assert kinds["listen"] >= PROCESSES and kinds["control"] >= PROCESSES, kinds
     assert chaos.dead() == {}, master.stderr()
+
+
+@pytest.mark.parametrize("chaos", [{"slow_every": 1_000}], indirect=True, ids=["slow-every-1000"])
+def test_slow_jobs_of_a_quick_kind_under_idle_in_transaction_session_timeout(chaos: Chaos) -> None:
+    """One job in 1,000 of the quick kind sleeps 1.5 s, and the database ends every session idle in
+    a transaction for 0.5 s (as managed PostgreSQL often does), with workers killed twice: no
+    worker's session is ended by it (no fast-lane transaction waits on a handler), so no worker dies
+    but those killed, and no job runs twice but theirs."""
+    [(database,)] = chaos.query("SELECT current_database()")
+    chaos.query(f"ALTER DATABASE \"{database}\" SET idle_in_transaction_session_timeout = '500ms'")
+    master = chaos.start()
+    for fraction in (0.3, 0.6):
+        chaos.wait_progress(fraction, master)
+        chaos.kill_workers(master)
+    chaos.finish(master)
+    assert set(chaos.dead()) == chaos.killed, master.stderr()
+    assert "terminating connection due to idle-in-transaction timeout" not in master.stderr()
 
 
 class InnocentQuarantined(AssertionError):
