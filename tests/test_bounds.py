@@ -62,7 +62,10 @@ def _stepping(loop: Any) -> Iterator[list[Any]]:
 
 
 def _free(dsn: str) -> dict[int, int]:
-    """The available jobs no transaction holds, and their attempts: what another worker could claim now."""
+    """The available jobs no transaction holds, and their attempts: what another worker could claim now.
+
+    It locks them for a moment: a claim at that moment skips them.
+    """
     with psycopg.connect(dsn) as conn:
         rows = conn.execute(
             "SELECT id, attempt FROM fastjobs_jobs_all WHERE state = 'available' FOR UPDATE SKIP LOCKED"
@@ -294,6 +297,8 @@ def test_jobs_the_executor_has_not_started_are_handed_back(app: App, dsn: str, k
     with batch_loop(app, 10, executor=executor) as loop:
         ids = [work.enqueue(n=n) for n in range(10)]
         with _stepping(loop) as out:
+            # The batch claimed first: the probe's row locks would make its claim skip them.
+            assert wait_until(lambda: len(ran) == slow, timeout=30)
             assert wait_until(lambda: set(ids[slow:]) <= _free(dsn).keys(), timeout=HAND_BACK_AFTER + 1.5)
             assert set(_free(dsn).values()) == {0} and not out
         assert out == [10]
