@@ -1245,8 +1245,13 @@ cdef class BatchLoop:
         return 0
 
     cdef int _join(self) except -1:
-        """Wait for the guard's hand-back under way (it holds the lock while it acts)."""
-        self._guard_lock.acquire()
+        """Wait for the guard's hand-back under way (see the reference's _returned)."""
+        try:
+            self._guard_lock.acquire()
+        except BaseException:
+            self._guard_lock.acquire()
+            self._guard_lock.release()
+            raise
         self._guard_lock.release()
         return 0
 

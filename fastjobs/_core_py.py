@@ -785,9 +785,20 @@ class BatchLoop:
             raise error
 
     def _returned(self) -> None:
-        """This thread is back from a handler: the guard, if it is handing the batch back, finishes first."""
-        with self._guard_lock:
+        """This thread is back from a handler: the guard, if it is handing the batch back, finishes first.
+
+        A stop-now signal (KeyboardInterrupt) raised while it waits still waits:
+        the guard is using the connection the loop's final writes need.
+        """
+        try:
+            self._guard_lock.acquire()
+        except BaseException:
+            self._guard_lock.acquire()
             self._job_began = 0.0
+            self._guard_lock.release()
+            raise
+        self._job_began = 0.0
+        self._guard_lock.release()
 
     def hand_back(self) -> bool:
         """From the guard's thread: when a handler outran its bound, hand back what its batch holds.
