@@ -9,6 +9,7 @@ state lane; a worker that dies rolls back and its master counts the crash.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import re
 import threading
@@ -486,3 +487,32 @@ def test_a_job_that_kills_its_worker_on_the_fast_lane_is_quarantined(
         lambda: not procs.count(db, "SELECT count(*) FROM fastjobs_jobs_all WHERE kind = 'record'"), "rest"
     )
     assert master.stop() == 0, master.stderr()
+
+
+@pytest.mark.parametrize("outcome", ["snooze", "retry", "backoff"])
+def test_a_delay_counts_from_when_the_job_raised_not_from_its_batch_start(
+    app: App, dsn: str, outcome: str
+) -> None:
+    """Snooze(d), Retry(d) and the retry policy's delay of a job that ran a while in its fast batch
+    make it due d after it raised: the batch's transaction began before the job ran."""
+    raised: list[Any] = []
+
+    @app.job(kind="late", max_attempts=5, retry=lambda attempt, jitter: 2.0)
+    def late() -> None:
+        time.sleep(1.0)
+        with psycopg.connect(dsn, autocommit=True) as other:
+            raised.append(other.execute("SELECT clock_timestamp()").fetchone()[0])  # type: ignore[index]
+        if outcome == "snooze":
+            raise Snooze(2)
+        if outcome == "retry":
+            raise Retry(2)
+        raise RuntimeError("failed")
+
+    with batch_loop(app, 10, fast_lane=True) as loop:
+        _warm(app, loop)
+        app.enqueue("late")
+        assert loop.step() == 1
+        assert loop.fast == 1
+    (row,) = query(dsn, "SELECT run_at FROM fastjobs_jobs_all WHERE kind = 'late'")
+    # Due 2 s after it raised (the statement runs a moment later), not 1 s, counted from the BEGIN.
+    assert row["run_at"] - raised[0] >= dt.timedelta(seconds=2)
