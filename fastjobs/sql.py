@@ -997,13 +997,13 @@ SELECT NULL
 # its last attempt; one whose cancellation was requested is cancelled. A
 # job another worker holds meanwhile is waited for (its batch's commit, or
 # its own death); one that moved on (completed, running on the state lane,
-# where the rescuer charges its worker) is left alone. A rolled-back fast
-# batch leaves its rows available and not attempted by this worker: a row
-# this worker wrote last (a state-lane job whose interrupted attempt it
-# recorded while stopping, a retry it wrote) or no longer available has its
-# outcome already and is not charged again. (Left: a job another worker
-# ran meanwhile and made available again at once, Retry(0) or Snooze(0),
-# before the releaser came, is charged a crash it did not cause.)
+# where the rescuer charges its worker) is left alone. $2 names only jobs
+# whose outcome the worker had not written (a worker that writes its last
+# outcomes before dying, a handler's SystemExit, clears its slot's job), so a
+# row this worker wrote last is charged too: a job that failed or snoozed on
+# it, came back, and then killed it. (Left: a job another worker ran
+# meanwhile and made available again at once, Retry(0) or Snooze(0), before
+# the releaser came, is charged a crash it did not cause.)
 job_crash_fast: Final = """
 UPDATE fastjobs_jobs_all j
    SET crashes = j.crashes + 1,
@@ -1025,7 +1025,7 @@ UPDATE fastjobs_jobs_all j
                          THEN format('quarantined: its worker died while running it %s times', j.crashes + 1)
                          ELSE format('worker %s died while running the job (crash %s)',
                                      $1::text, j.crashes + 1) END))
- WHERE j.id = ANY($2::bigint[]) AND j.state = 'available' AND j.attempted_by IS DISTINCT FROM $1
+ WHERE j.id = ANY($2::bigint[]) AND j.state = 'available'
 RETURNING j.id, j.state::text"""
 
 # job_schedule_many: scheduled and retryable jobs whose time has come become

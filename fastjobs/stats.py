@@ -182,6 +182,10 @@ class Slot:
             running.append(int(ints[_JOB]))
         return running, int(ints[_WRITING])
 
+    def clear_jobs(self) -> None:
+        """Name no job: every outcome the worker held is written (its death then charges none)."""
+        self.ints.cast("B")[:] = bytes(len(self.ints) * 8)
+
     def suspect(self) -> int:
         """The one failed job whose outcome was being written (0: none, or more than one)."""
         return int(self.ints[_SUSPECT]) if self.ints[_WRITING] == 1 else 0

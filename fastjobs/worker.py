@@ -684,4 +684,8 @@ class Worker:
             with _signals_held():
                 loop.finish()
             if slot is not None:
+                # Every outcome is written, those of the jobs whose handlers stopped
+                # the worker too: the master charges a crash to no job (it would to
+                # every job the slot names, sql.job_crash_fast).
+                slot.clear_jobs()
                 slot.record(loop, 0.0)

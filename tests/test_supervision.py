@@ -248,6 +248,53 @@ def test_a_job_whose_outcome_kills_its_worker_is_quarantined_alone(
     assert master.stop() == 0, master.stderr()
 
 
+FLAKY = '''
+"""A job that fails its first attempt on a worker, then kills that worker on its second."""
+
+import os
+
+import fastjobs
+from fjjobs import _record, app
+
+
+@app.job("flaky", queue="fastq", max_attempts=2, retry=lambda attempt, jitter: 0)
+def flaky(n):
+    _record(n)
+    if fastjobs.current_job().attempt == 1:
+        raise RuntimeError("the first attempt fails")
+    os._exit(1)
+
+
+@app.job("mate", queue="fastq")
+def mate(n):
+    _record(n)
+'''
+
+
+def test_a_job_that_failed_on_a_worker_then_kills_it_is_charged_that_crash(
+    masters: procs.Masters, tmp_path: Path, app: App, db: psycopg.Connection[Any]
+) -> None:
+    """Its first attempt fails (written by this worker), its second kills the worker on the fast
+    lane: the master charges that attempt a crash at once (its last: discarded), not a worker later."""
+    (tmp_path / "flakyjobs.py").write_text(FLAKY)
+    app.declare("mate", queue="fastq")
+    app.declare("flaky", queue="fastq")
+    # The quick jobs first: a queue takes the fast lane once a batch of it ran quickly.
+    app.enqueue_many("mate", ({"n": n} for n in range(100, 110)), queue="fastq")
+    flaky = app.enqueue("flaky", {"n": 0}, max_attempts=2, queue="fastq")
+    master = masters.start("--processes", "1", "--queues", "fastq", module="flakyjobs")
+    try:
+        wait_for(lambda: job(db, flaky)[0] == "discarded", "the flaky job to be discarded", timeout=30)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; {job(db, flaky)}; stderr:\n{master.stderr()[:3000]}") from None
+    state, attempt, crashes, _, _ = job(db, flaky)
+    assert (state, attempt, crashes) == ("discarded", 2, 1)
+    # Run twice: its failure, then the run that killed its worker (charged, so not run again).
+    assert runs(db)[0] == 2, runs(db)
+    assert "on the fast lane: it counts a crash" in master.stderr()
+    assert master.stop() == 0, master.stderr()
+
+
 # --- 5. the master's death and the grace kill -----------------------------------------------
 
 
