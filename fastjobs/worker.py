@@ -602,6 +602,13 @@ class Worker:
                 if self.on_ready is not None:
                     self.on_ready()
                 self._loop(conn, listener)
+            except (LoopError, psycopg.Error):
+                if self.slot is not None and conn.pgconn.status == psycopg.pq.ConnStatus.BAD:
+                    # The session was lost (terminated, a failover) with outcomes in
+                    # flight: a statement PostgreSQL rejects implicates its one failed
+                    # job (Master._blame), a lost connection no job.
+                    self.slot.clear_writing()
+                raise
             finally:
                 control.stop()
             with _signals_held(), psycopg.RawCursor(conn) as cur:
