@@ -594,6 +594,7 @@ def test_a_stop_now_signal_during_the_fast_commit_keeps_the_batch(app: App, dsn:
     def raise_stop(signum: int, frame: object) -> None:
         raise _StopNow
 
+    stopper = threading.Thread(target=stop_now, daemon=True)
     previous = signal.signal(signal.SIGUSR1, raise_stop)
     conn = psycopg.connect(psycopg.conninfo.make_conninfo("", **params), autocommit=True)
     executor = Executor(100)
@@ -602,7 +603,7 @@ def test_a_stop_now_signal_during_the_fast_commit_keeps_the_batch(app: App, dsn:
         loop.prepare()
         _warm(app, loop)
         app.enqueue("last")
-        threading.Thread(target=stop_now, daemon=True).start()
+        stopper.start()
         with pytest.raises(_StopNow):
             loop.step()
         assert loop.fast == 0  # the signal came before the batch's end was read
@@ -615,4 +616,8 @@ def test_a_stop_now_signal_during_the_fast_commit_keeps_the_batch(app: App, dsn:
         conn.close()
         proxy.kill()
         proxy.wait()
+        if stopper.is_alive():
+            stopper.join(5)
+        proxy.stdin.close()
+        proxy.stdout.close()
     assert by_state(dsn) == {}  # completed, not rolled back to run again
