@@ -524,8 +524,8 @@ def test_a_delay_counts_from_when_the_job_raised_not_from_its_batch_start(
 
 
 # A TCP proxy to PostgreSQL in a process of its own (the C loop waits for some replies holding the
-# GIL): it holds the server's replies from a "hold" line on its stdin until "release", and says
-# "asked" once the client sent something while they were held.
+# GIL): it holds the server's replies from a "hold" line on its stdin ("held", it answers) until
+# "release", and says "asked" once the client sent something while they were held.
 PROXY = """
 import socket, sys, threading
 family, address = (socket.AF_UNIX, sys.argv[1]) if sys.argv[1].startswith("/") else (
@@ -555,6 +555,7 @@ threading.Thread(target=accept, args=(listener,), daemon=True).start()
 for line in sys.stdin:
     if line.strip() == "hold":
         held.set()
+        print("held", flush=True)
     else:
         released.set()
         held.clear()
@@ -575,6 +576,7 @@ def test_a_stop_now_signal_during_the_fast_commit_keeps_the_batch(app: App, dsn:
         assert proxy.stdin is not None
         proxy.stdin.write("hold\n")  # the batch's statement and COMMIT wait for their replies from now on
         proxy.stdin.flush()
+        assert held.wait(10)
 
     params = psycopg.conninfo.conninfo_to_dict(dsn)
     host, port = str(params.get("host") or "/tmp"), str(params.get("port") or 5432)
@@ -586,10 +588,16 @@ def test_a_stop_now_signal_during_the_fast_commit_keeps_the_batch(app: App, dsn:
     params.update(host="127.0.0.1", port=proxy.stdout.readline().strip())
     main = threading.get_ident()
 
+    held = threading.Event()
+
     def stop_now() -> None:
         assert proxy.stdout is not None
-        if proxy.stdout.readline().strip() == "asked":
-            signal.pthread_kill(main, signal.SIGUSR1)
+        for line in proxy.stdout:
+            if line.strip() == "held":
+                held.set()
+            elif line.strip() == "asked":
+                signal.pthread_kill(main, signal.SIGUSR1)
+                return
 
     def raise_stop(signum: int, frame: object) -> None:
         raise _StopNow
