@@ -378,7 +378,9 @@ class Master:
         worker. With several, it is not: nobody is charged, and the
         replacement runs one job per batch for a while (Worker's `careful`),
         so the next death implicates the poison job alone. Innocent jobs are
-        never charged for another's outcome.
+        never charged for another's outcome, nor for a lost connection: a
+        worker whose session died (terminated, a failover) clears that record
+        before it exits (Worker.run).
         """
         assert self.slots is not None
         running, writing = self.slots[child.index].crash_report()

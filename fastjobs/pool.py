@@ -24,6 +24,7 @@ import queue
 import signal
 import threading
 import time
+from typing import Any
 
 from .errors import JobTimeout
 from .handlers import Executor, JobContext, Outcome, SlowJob, bind, cancelled, release
@@ -257,31 +258,40 @@ class Pool:
             spec, job_id, args, attempt, max_attempts, claimed = job
             if claimed is not None:  # the app has middleware: its context whole
                 context.fill(executor._queue(), args, max_attempts, claimed)
-            outcome: Outcome | None
+            result: Any = None
+            error: BaseException | None = None
             try:
+                result = spec.target(**args)
+            except BaseException as exc:
+                error = exc
+            # The handler ended: a JobTimeout the watchdog sends from here on
+            # came too late and is dropped, so a job that returned as its
+            # deadline passed completes. It can land in _ended, until that takes
+            # the thread off the running list under the lock; this loop (no
+            # call before it, where it could land first) takes it back.
+            while True:
                 try:
-                    result = spec.target(**args)
-                finally:
                     self._ended(wave, ident, job_id)
-            except _ThreadTimeout:
-                self._ended(wave, ident, job_id)
+                    break
+                except _ThreadTimeout:
+                    continue
+            outcome: Outcome | None
+            if error is None:
+                outcome = executor.returned_in(context, spec, job_id, attempt, max_attempts, result)
+            elif isinstance(error, _ThreadTimeout):
                 timeout = JobTimeout(f"job ran longer than its timeout of {spec.timeout:g}s")
                 outcome = executor.raised_in(context, spec, job_id, attempt, max_attempts, timeout)
-            except Exception as exc:
-                outcome = executor.raised_in(context, spec, job_id, attempt, max_attempts, exc)
-            except BaseException as exc:
-                self._ended(wave, ident, job_id)
-                outcome = executor.raised_in(context, spec, job_id, attempt, max_attempts, exc)
-                with self._lock:
-                    if not wave.abandoned:
-                        # Stop the worker, as in the main thread: Executor.run fails the other running
-                        # jobs with it and gives back the rest.
-                        wave.failures.append(outcome)
-                        wave.error = exc
-                        self._changed.notify()
-                continue
             else:
-                outcome = executor.returned_in(context, spec, job_id, attempt, max_attempts, result)
+                outcome = executor.raised_in(context, spec, job_id, attempt, max_attempts, error)
+                if not isinstance(error, Exception):
+                    with self._lock:
+                        if not wave.abandoned:
+                            # Stop the worker, as in the main thread: Executor.run fails the other
+                            # running jobs with it and gives back the rest.
+                            wave.failures.append(outcome)
+                            wave.error = error
+                            self._changed.notify()
+                    continue
             with self._lock:
                 if wave.abandoned:
                     continue

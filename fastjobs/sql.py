@@ -220,7 +220,10 @@ RETURNING j.id, j.kind, j.args, j.attempt, j.max_attempts, j.priority, j.run_at"
 #   requested ends cancelled instead of running again (released, snoozed,
 #   retried), and a failed attempt (an error, the attempt counted) that was
 #   the last is discarded whatever the outcome says (the fallback record of a
-#   poison outcome does not know max_attempts);
+#   poison outcome does not know max_attempts). Its times (run_at, so a
+#   delay counts from then; finalized_at; the 'at' of a cancel's note) are
+#   clock_timestamp(), when the statement writes it: as in
+#   job_finish_locked_many, where now() is the batch transaction's start;
 # claimed: job_claim_many's claim, its parameters renumbered: up to $4 jobs of
 #   queue $3 for worker $5 (LIMIT 0: none);
 # then the claimed rows, and after them one row per outcome that did not
@@ -273,7 +276,7 @@ WITH completed AS (
                              AND j.attempt >= j.max_attempts THEN 'discarded'
                         ELSE f.state END::fastjobs_state,
            run_at = CASE WHEN f.delay IS NULL THEN j.run_at
-                         ELSE now() + make_interval(secs => f.delay) END,
+                         ELSE clock_timestamp() + make_interval(secs => f.delay) END,
            attempt = j.attempt - f.uncount,
            finalized_at = CASE
                WHEN CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
@@ -281,12 +284,12 @@ WITH completed AS (
                          WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
                               AND j.attempt >= j.max_attempts THEN 'discarded'
                          ELSE f.state END::fastjobs_state IN ('discarded', 'cancelled')
-               THEN now() END,
+               THEN clock_timestamp() END,
            errors = CASE WHEN f.error IS NOT NULL
                          THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(f.error)
                          WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
                          THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
-                              'at', now(), 'attempt', j.attempt, 'traceback', NULL,
+                              'at', clock_timestamp(), 'attempt', j.attempt, 'traceback', NULL,
                               'error', 'Cancel: cancellation requested before it could run again'))
                          ELSE j.errors END
       FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
@@ -344,7 +347,7 @@ WITH completed AS (
                              AND j.attempt >= j.max_attempts THEN 'discarded'
                         ELSE f.state END::fastjobs_state,
            run_at = CASE WHEN f.delay IS NULL THEN j.run_at
-                         ELSE now() + make_interval(secs => f.delay) END,
+                         ELSE clock_timestamp() + make_interval(secs => f.delay) END,
            attempt = j.attempt - f.uncount,
            finalized_at = CASE
                WHEN CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
@@ -352,12 +355,12 @@ WITH completed AS (
                          WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
                               AND j.attempt >= j.max_attempts THEN 'discarded'
                          ELSE f.state END::fastjobs_state IN ('discarded', 'cancelled')
-               THEN now() END,
+               THEN clock_timestamp() END,
            errors = CASE WHEN f.error IS NOT NULL
                          THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(f.error)
                          WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
                          THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
-                              'at', now(), 'attempt', j.attempt, 'traceback', NULL,
+                              'at', clock_timestamp(), 'attempt', j.attempt, 'traceback', NULL,
                               'error', 'Cancel: cancellation requested before it could run again'))
                          ELSE j.errors END
       FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
@@ -417,7 +420,7 @@ WITH completed AS (
                              AND j.attempt >= j.max_attempts THEN 'discarded'
                         ELSE f.state END::fastjobs_state,
            run_at = CASE WHEN f.delay IS NULL THEN j.run_at
-                         ELSE now() + make_interval(secs => f.delay) END,
+                         ELSE clock_timestamp() + make_interval(secs => f.delay) END,
            attempt = j.attempt - f.uncount,
            finalized_at = CASE
                WHEN CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
@@ -425,12 +428,12 @@ WITH completed AS (
                          WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
                               AND j.attempt >= j.max_attempts THEN 'discarded'
                          ELSE f.state END::fastjobs_state IN ('discarded', 'cancelled')
-               THEN now() END,
+               THEN clock_timestamp() END,
            errors = CASE WHEN f.error IS NOT NULL
                          THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(f.error)
                          WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
                          THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
-                              'at', now(), 'attempt', j.attempt, 'traceback', NULL,
+                              'at', clock_timestamp(), 'attempt', j.attempt, 'traceback', NULL,
                               'error', 'Cancel: cancellation requested before it could run again'))
                          ELSE j.errors END
       FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
@@ -488,7 +491,7 @@ WITH completed AS (
                              AND j.attempt >= j.max_attempts THEN 'discarded'
                         ELSE f.state END::fastjobs_state,
            run_at = CASE WHEN f.delay IS NULL THEN j.run_at
-                         ELSE now() + make_interval(secs => f.delay) END,
+                         ELSE clock_timestamp() + make_interval(secs => f.delay) END,
            attempt = j.attempt - f.uncount,
            finalized_at = CASE
                WHEN CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
@@ -496,12 +499,12 @@ WITH completed AS (
                          WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
                               AND j.attempt >= j.max_attempts THEN 'discarded'
                          ELSE f.state END::fastjobs_state IN ('discarded', 'cancelled')
-               THEN now() END,
+               THEN clock_timestamp() END,
            errors = CASE WHEN f.error IS NOT NULL
                          THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(f.error)
                          WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
                          THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
-                              'at', now(), 'attempt', j.attempt, 'traceback', NULL,
+                              'at', clock_timestamp(), 'attempt', j.attempt, 'traceback', NULL,
                               'error', 'Cancel: cancellation requested before it could run again'))
                          ELSE j.errors END
       FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
@@ -567,7 +570,7 @@ WITH completed AS (
                              AND j.attempt >= j.max_attempts THEN 'discarded'
                         ELSE f.state END::fastjobs_state,
            run_at = CASE WHEN f.delay IS NULL THEN j.run_at
-                         ELSE now() + make_interval(secs => f.delay) END,
+                         ELSE clock_timestamp() + make_interval(secs => f.delay) END,
            attempt = j.attempt - f.uncount,
            finalized_at = CASE
                WHEN CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
@@ -575,12 +578,12 @@ WITH completed AS (
                          WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
                               AND j.attempt >= j.max_attempts THEN 'discarded'
                          ELSE f.state END::fastjobs_state IN ('discarded', 'cancelled')
-               THEN now() END,
+               THEN clock_timestamp() END,
            errors = CASE WHEN f.error IS NOT NULL
                          THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(f.error)
                          WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
                          THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
-                              'at', now(), 'attempt', j.attempt, 'traceback', NULL,
+                              'at', clock_timestamp(), 'attempt', j.attempt, 'traceback', NULL,
                               'error', 'Cancel: cancellation requested before it could run again'))
                          ELSE j.errors END
       FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
@@ -639,7 +642,7 @@ WITH completed AS (
                              AND j.attempt >= j.max_attempts THEN 'discarded'
                         ELSE f.state END::fastjobs_state,
            run_at = CASE WHEN f.delay IS NULL THEN j.run_at
-                         ELSE now() + make_interval(secs => f.delay) END,
+                         ELSE clock_timestamp() + make_interval(secs => f.delay) END,
            attempt = j.attempt - f.uncount,
            finalized_at = CASE
                WHEN CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
@@ -647,12 +650,12 @@ WITH completed AS (
                          WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
                               AND j.attempt >= j.max_attempts THEN 'discarded'
                          ELSE f.state END::fastjobs_state IN ('discarded', 'cancelled')
-               THEN now() END,
+               THEN clock_timestamp() END,
            errors = CASE WHEN f.error IS NOT NULL
                          THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(f.error)
                          WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
                          THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
-                              'at', now(), 'attempt', j.attempt, 'traceback', NULL,
+                              'at', clock_timestamp(), 'attempt', j.attempt, 'traceback', NULL,
                               'error', 'Cancel: cancellation requested before it could run again'))
                          ELSE j.errors END
       FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
@@ -713,7 +716,7 @@ WITH completed AS (
                              AND j.attempt >= j.max_attempts THEN 'discarded'
                         ELSE f.state END::fastjobs_state,
            run_at = CASE WHEN f.delay IS NULL THEN j.run_at
-                         ELSE now() + make_interval(secs => f.delay) END,
+                         ELSE clock_timestamp() + make_interval(secs => f.delay) END,
            attempt = j.attempt - f.uncount,
            finalized_at = CASE
                WHEN CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
@@ -721,12 +724,12 @@ WITH completed AS (
                          WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
                               AND j.attempt >= j.max_attempts THEN 'discarded'
                          ELSE f.state END::fastjobs_state IN ('discarded', 'cancelled')
-               THEN now() END,
+               THEN clock_timestamp() END,
            errors = CASE WHEN f.error IS NOT NULL
                          THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(f.error)
                          WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
                          THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
-                              'at', now(), 'attempt', j.attempt, 'traceback', NULL,
+                              'at', clock_timestamp(), 'attempt', j.attempt, 'traceback', NULL,
                               'error', 'Cancel: cancellation requested before it could run again'))
                          ELSE j.errors END
       FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
@@ -785,7 +788,7 @@ WITH completed AS (
                              AND j.attempt >= j.max_attempts THEN 'discarded'
                         ELSE f.state END::fastjobs_state,
            run_at = CASE WHEN f.delay IS NULL THEN j.run_at
-                         ELSE now() + make_interval(secs => f.delay) END,
+                         ELSE clock_timestamp() + make_interval(secs => f.delay) END,
            attempt = j.attempt - f.uncount,
            finalized_at = CASE
                WHEN CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
@@ -793,12 +796,12 @@ WITH completed AS (
                          WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
                               AND j.attempt >= j.max_attempts THEN 'discarded'
                          ELSE f.state END::fastjobs_state IN ('discarded', 'cancelled')
-               THEN now() END,
+               THEN clock_timestamp() END,
            errors = CASE WHEN f.error IS NOT NULL
                          THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(f.error)
                          WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
                          THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
-                              'at', now(), 'attempt', j.attempt, 'traceback', NULL,
+                              'at', clock_timestamp(), 'attempt', j.attempt, 'traceback', NULL,
                               'error', 'Cancel: cancellation requested before it could run again'))
                          ELSE j.errors END
       FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
@@ -934,8 +937,10 @@ SELECT id, kind, args, (least(attempt, 32766) + 1)::smallint, max_attempts, prio
 # was) update their row once, counting the attempt made (attempt - uncount),
 # with worker $3 as attempted_by. The guards (available, the attempt before
 # this run) hold while the rows stay locked; they make a record meant for
-# another run a no-op. Returns how many outcomes applied, and wakes each
-# queue an outcome made available at once (Retry(0), Snooze(0)).
+# another run a no-op. Its times are clock_timestamp(): now() is the
+# transaction's start, before the handlers ran, and a Snooze(5) raised after a
+# 3 s run would come back 2 s later. Returns how many outcomes applied, and
+# wakes each queue an outcome made available at once (Retry(0), Snooze(0)).
 job_finish_locked_many: Final = """
 WITH completed AS (
     DELETE FROM fastjobs_jobs_all j
@@ -955,7 +960,7 @@ WITH completed AS (
                              AND f.attempt >= j.max_attempts THEN 'discarded'
                         ELSE f.state END::fastjobs_state,
            run_at = CASE WHEN f.delay IS NULL THEN j.run_at
-                         ELSE now() + make_interval(secs => f.delay) END,
+                         ELSE clock_timestamp() + make_interval(secs => f.delay) END,
            attempt = f.attempt - f.uncount,
            attempted_at = now(), attempted_by = $3,
            finalized_at = CASE
@@ -964,12 +969,12 @@ WITH completed AS (
                          WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
                               AND f.attempt >= j.max_attempts THEN 'discarded'
                          ELSE f.state END::fastjobs_state IN ('discarded', 'cancelled')
-               THEN now() END,
+               THEN clock_timestamp() END,
            errors = CASE WHEN f.error IS NOT NULL
                          THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(f.error)
                          WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
                          THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
-                              'at', now(), 'attempt', f.attempt, 'traceback', NULL,
+                              'at', clock_timestamp(), 'attempt', f.attempt, 'traceback', NULL,
                               'error', 'Cancel: cancellation requested before it could run again'))
                          ELSE j.errors END
       FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
@@ -1009,13 +1014,13 @@ queue_wake: Final = "SELECT pg_notify('fastjobs', $1)"
 # its last attempt; one whose cancellation was requested is cancelled. A
 # job another worker holds meanwhile is waited for (its batch's commit, or
 # its own death); one that moved on (completed, running on the state lane,
-# where the rescuer charges its worker) is left alone. A rolled-back fast
-# batch leaves its rows available and not attempted by this worker: a row
-# this worker wrote last (a state-lane job whose interrupted attempt it
-# recorded while stopping, a retry it wrote) or no longer available has its
-# outcome already and is not charged again. (Left: a job another worker
-# ran meanwhile and made available again at once, Retry(0) or Snooze(0),
-# before the releaser came, is charged a crash it did not cause.)
+# where the rescuer charges its worker) is left alone. $2 names only jobs
+# whose outcome the worker had not written (a worker that writes its last
+# outcomes before dying, a handler's SystemExit, clears its slot's job), so a
+# row this worker wrote last is charged too: a job that failed or snoozed on
+# it, came back, and then killed it. (Left: a job another worker ran
+# meanwhile and made available again at once, Retry(0) or Snooze(0), before
+# the releaser came, is charged a crash it did not cause.)
 job_crash_fast: Final = """
 UPDATE fastjobs_jobs_all j
    SET crashes = j.crashes + 1,
@@ -1037,7 +1042,7 @@ UPDATE fastjobs_jobs_all j
                          THEN format('quarantined: its worker died while running it %s times', j.crashes + 1)
                          ELSE format('worker %s died while running the job (crash %s)',
                                      $1::text, j.crashes + 1) END))
- WHERE j.id = ANY($2::bigint[]) AND j.state = 'available' AND j.attempted_by IS DISTINCT FROM $1
+ WHERE j.id = ANY($2::bigint[]) AND j.state = 'available'
 RETURNING j.id, j.state::text"""
 
 # job_schedule_many: scheduled and retryable jobs whose time has come become

@@ -236,6 +236,15 @@ class Slot:
             running.append(int(ints[_JOB]))
         return running, int(ints[_WRITING])
 
+    def clear_jobs(self) -> None:
+        """Name no job: every outcome the worker held is written (its death then charges none)."""
+        self.ints.cast("B")[:] = bytes(len(self.ints) * 8)
+
+    def clear_writing(self) -> None:
+        """Name no outcome as being written: its statement was lost with the connection, not its fault."""
+        self.ints[_WRITING] = 0
+        self.ints[_SUSPECT] = 0
+
     def suspect(self) -> int:
         """The one failed job whose outcome was being written (0: none, or more than one)."""
         return int(self.ints[_SUSPECT]) if self.ints[_WRITING] == 1 else 0

@@ -23,7 +23,7 @@ from setproctitle import setproctitle
 from . import database, leader, schema, sql
 from .abc import BatchLoop
 from .app import App
-from .errors import ConfigurationError, DatabaseUnavailable
+from .errors import ConfigurationError, DatabaseUnavailable, LoopError
 from .handlers import Executor
 from .impl import core
 from .stats import Labels, Slot, worker_counters
@@ -645,6 +645,13 @@ class Worker:
                 if self.on_ready is not None:
                     self.on_ready()
                 self._loop(conn, listener)
+            except (LoopError, psycopg.Error):
+                if self.slot is not None and conn.pgconn.status == psycopg.pq.ConnStatus.BAD:
+                    # The session was lost (terminated, a failover) with outcomes in
+                    # flight: a statement PostgreSQL rejects implicates its one failed
+                    # job (Master._blame), a lost connection no job.
+                    self.slot.clear_writing()
+                raise
             finally:
                 control.stop()
             with _signals_held(), psycopg.RawCursor(conn) as cur:
@@ -668,6 +675,7 @@ class Worker:
         careful_until = 0.0
         # Until when (time.monotonic()) inserts notify, as this worker last moved it.
         notify_until = 0.0
+        written = True  # every outcome handed to the loop was written (or is, by finish)
         if self.careful:
             # One job per batch and no claim ahead: each statement then
             # carries at most one failed job's outcome (see Master._blame).
@@ -721,10 +729,20 @@ class Worker:
                 listener.wait(sleep)
                 if slot is not None:
                     slot.beat()
+        except (LoopError, psycopg.Error):
+            # A statement failed: its outcomes are not written, and the slot
+            # keeps naming the one failed job they held (Master._blame).
+            written = False
+            raise
         finally:
             loop.stopping = True
             # A second stop signal must not cut the final writes short.
             with _signals_held():
                 loop.finish()
             if slot is not None:
+                if written:
+                    # Every outcome is written, those of the jobs whose handlers stopped
+                    # the worker too: the master charges a crash to no job (it would to
+                    # every job the slot names, sql.job_crash_fast).
+                    slot.clear_jobs()
                 slot.record(loop, 0.0)

@@ -9,8 +9,12 @@ state lane; a worker that dies rolls back and its master counts the crash.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -22,6 +26,8 @@ import pytest
 import fastjobs
 from fastjobs import App, Retry, Snooze, control, guard, stats
 from fastjobs.abc import BATCH_SECONDS
+from fastjobs.handlers import Executor
+from fastjobs.impl import core
 from fastjobs.worker import Worker, WorkerConfig
 
 from . import procs
@@ -499,3 +505,140 @@ def test_a_job_that_kills_its_worker_on_the_fast_lane_is_quarantined(
         lambda: not procs.count(db, "SELECT count(*) FROM fastjobs_jobs_all WHERE kind = 'record'"), "rest"
     )
     assert master.stop() == 0, master.stderr()
+
+
+@pytest.mark.parametrize("outcome", ["snooze", "retry", "backoff"])
+def test_a_delay_counts_from_when_the_job_raised_not_from_its_batch_start(
+    app: App, dsn: str, outcome: str
+) -> None:
+    """Snooze(d), Retry(d) and the retry policy's delay of a job that ran a while in its fast batch
+    make it due d after it raised: the batch's transaction began before the job ran."""
+    raised: list[Any] = []
+
+    @app.job(kind="late", max_attempts=5, retry=lambda attempt, jitter: 2.0)
+    def late() -> None:
+        time.sleep(1.0)
+        with psycopg.connect(dsn, autocommit=True) as other:
+            raised.append(other.execute("SELECT clock_timestamp()").fetchone()[0])  # type: ignore[index]
+        if outcome == "snooze":
+            raise Snooze(2)
+        if outcome == "retry":
+            raise Retry(2)
+        raise RuntimeError("failed")
+
+    with batch_loop(app, 10, fast_lane=True) as loop:
+        _warm(app, loop)
+        app.enqueue("late")
+        assert loop.step() == 1
+        assert loop.fast == 1
+    (row,) = query(dsn, "SELECT run_at FROM fastjobs_jobs_all WHERE kind = 'late'")
+    # Due 2 s after it raised (the statement runs a moment later), not 1 s, counted from the BEGIN.
+    assert row["run_at"] - raised[0] >= dt.timedelta(seconds=2)
+
+
+# A TCP proxy to PostgreSQL in a process of its own (the C loop waits for some replies holding the
+# GIL): it holds the server's replies from a "hold" line on its stdin ("held", it answers) until
+# "release", and says "asked" once the client sent something while they were held.
+PROXY = """
+import socket, sys, threading
+family, address = (socket.AF_UNIX, sys.argv[1]) if sys.argv[1].startswith("/") else (
+    socket.AF_INET, (sys.argv[1], int(sys.argv[2])))
+held, released, asked = threading.Event(), threading.Event(), threading.Event()
+def pump(source, sink, replies):
+    try:
+        while data := source.recv(65536):
+            if held.is_set() and replies:
+                released.wait(10)
+            elif held.is_set() and not asked.is_set():
+                asked.set()
+                print("asked", flush=True)
+            sink.sendall(data)
+    except OSError:
+        pass
+def accept(listener):
+    while True:
+        client, _ = listener.accept()
+        server = socket.socket(family, socket.SOCK_STREAM)
+        server.connect(address)
+        threading.Thread(target=pump, args=(client, server, False), daemon=True).start()
+        threading.Thread(target=pump, args=(server, client, True), daemon=True).start()
+listener = socket.create_server(("127.0.0.1", 0))
+print(listener.getsockname()[1], flush=True)
+threading.Thread(target=accept, args=(listener,), daemon=True).start()
+for line in sys.stdin:
+    if line.strip() == "hold":
+        held.set()
+        print("held", flush=True)
+    else:
+        released.set()
+        held.clear()
+"""
+
+
+class _StopNow(BaseException):
+    """What a worker's stop-now signal raises (a KeyboardInterrupt), from its signal handler."""
+
+
+@pytest.mark.xfail(strict=True, reason="issue 22 §6: finish() reads the fast batch's statement as a claim")
+def test_a_stop_now_signal_during_the_fast_commit_keeps_the_batch(app: App, dsn: str) -> None:
+    """A stop-now signal lands while the fast batch's outcomes are in flight: finish() (as the
+    worker's, signals held) completes that transaction, and its jobs do not run again."""
+
+    @app.job(kind="last")
+    def last() -> None:
+        assert proxy.stdin is not None
+        proxy.stdin.write("hold\n")  # the batch's statement and COMMIT wait for their replies from now on
+        proxy.stdin.flush()
+        assert held.wait(10)
+
+    params = psycopg.conninfo.conninfo_to_dict(dsn)
+    host, port = str(params.get("host") or "/tmp"), str(params.get("port") or 5432)
+    upstream = [f"{host}/.s.PGSQL.{port}"] if host.startswith("/") else [host, port]
+    proxy = subprocess.Popen(
+        [sys.executable, "-c", PROXY, *upstream], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proxy.stdin is not None and proxy.stdout is not None
+    params.update(host="127.0.0.1", port=proxy.stdout.readline().strip())
+    main = threading.get_ident()
+
+    held = threading.Event()
+
+    def stop_now() -> None:
+        assert proxy.stdout is not None
+        for line in proxy.stdout:
+            if line.strip() == "held":
+                held.set()
+            elif line.strip() == "asked":
+                signal.pthread_kill(main, signal.SIGUSR1)
+                return
+
+    def raise_stop(signum: int, frame: object) -> None:
+        raise _StopNow
+
+    stopper = threading.Thread(target=stop_now, daemon=True)
+    previous = signal.signal(signal.SIGUSR1, raise_stop)
+    conn = psycopg.connect(psycopg.conninfo.make_conninfo("", **params), autocommit=True)
+    executor = Executor(100)
+    try:
+        loop = core.BatchLoop(conn, dict(app.jobs), executor, "test-worker", ["default"], fast_lane=True)
+        loop.prepare()
+        _warm(app, loop)
+        app.enqueue("last")
+        stopper.start()
+        with pytest.raises(_StopNow):
+            loop.step()
+        assert loop.fast == 0  # the signal came before the batch's end was read
+        proxy.stdin.write("release\n")
+        proxy.stdin.flush()
+        loop.finish()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        executor.close()
+        conn.close()
+        proxy.kill()
+        proxy.wait()
+        if stopper.is_alive():
+            stopper.join(5)
+        proxy.stdin.close()
+        proxy.stdout.close()
+    assert by_state(dsn) == {}  # completed, not rolled back to run again

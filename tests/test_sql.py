@@ -250,7 +250,9 @@ def test_an_outcome_is_finalized_by_the_state_it_is_given():
     match = re.search(r"SET state = (CASE .*? END::fastjobs_state),", failed)
     assert match is not None
     assert failed.count(match[1]) == 2
-    assert f"finalized_at = CASE WHEN {match[1]} IN ('discarded', 'cancelled') THEN now() END," in failed
+    finalized = f"finalized_at = CASE WHEN {match[1]} IN ('discarded', 'cancelled')"
+    finalized += " THEN clock_timestamp() END,"
+    assert finalized in failed
 
 
 @pytest.mark.parametrize("name", ["job_finish_claim_many", "job_finish_claim_many_keep"])

@@ -248,6 +248,114 @@ def test_a_job_whose_outcome_kills_its_worker_is_quarantined_alone(
     assert master.stop() == 0, master.stderr()
 
 
+FLAKY = '''
+"""A job that fails its first attempt on a worker, then kills that worker on its second."""
+
+import os
+
+import fastjobs
+from fjjobs import _record, app
+
+
+@app.job("flaky", queue="fastq", max_attempts=2, retry=lambda attempt, jitter: 0)
+def flaky(n):
+    _record(n)
+    if fastjobs.current_job().attempt == 1:
+        raise RuntimeError("the first attempt fails")
+    os._exit(1)
+
+
+@app.job("mate", queue="fastq")
+def mate(n):
+    _record(n)
+'''
+
+
+def test_a_job_that_failed_on_a_worker_then_kills_it_is_charged_that_crash(
+    masters: procs.Masters, tmp_path: Path, app: App, db: psycopg.Connection[Any]
+) -> None:
+    """Its first attempt fails (written by this worker), its second kills the worker on the fast
+    lane: the master charges that attempt a crash at once (its last: discarded), not a worker later."""
+    (tmp_path / "flakyjobs.py").write_text(FLAKY)
+    app.declare("mate", queue="fastq")
+    app.declare("flaky", queue="fastq")
+    # The quick jobs first: a queue takes the fast lane once a batch of it ran quickly.
+    app.enqueue_many("mate", ({"n": n} for n in range(100, 110)), queue="fastq")
+    flaky = app.enqueue("flaky", {"n": 0}, max_attempts=2, queue="fastq")
+    master = masters.start("--processes", "1", "--queues", "fastq", module="flakyjobs")
+    try:
+        wait_for(lambda: job(db, flaky)[0] == "discarded", "the flaky job to be discarded", timeout=30)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; {job(db, flaky)}; stderr:\n{master.stderr()[:3000]}") from None
+    state, attempt, crashes, _, _ = job(db, flaky)
+    assert (state, attempt, crashes) == ("discarded", 2, 1)
+    # Run twice: its failure, then the run that killed its worker (charged, so not run again).
+    assert runs(db)[0] == 2, runs(db)
+    assert "on the fast lane: it counts a crash" in master.stderr()
+    assert master.stop() == 0, master.stderr()
+
+
+LONELY = '''
+"""A job whose failure is the one outcome of the statement its worker's connection loses."""
+
+import os
+
+import psycopg
+
+import fastjobs
+from fjjobs import _record, app
+
+_held = []
+
+
+@app.job("lonely", max_attempts=1)
+def lonely(n):
+    dsn = os.environ["FJ_TEST_RUNS_DSN"]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        first = not conn.execute("SELECT count(*) FROM runs WHERE n = %s", (n,)).fetchone()[0]
+    _record(n)
+    if first:
+        # Its row held (until this process exits): the statement writing this failure waits.
+        lock = psycopg.connect(dsn)
+        lock.execute("SELECT 1 FROM fastjobs_jobs_all WHERE id = %s FOR UPDATE", (fastjobs.current_job().id,))
+        _held.append(lock)
+    raise RuntimeError("an ordinary failure")
+'''
+
+
+def test_a_connection_lost_writing_one_failure_charges_that_job_no_crash(
+    masters: procs.Masters, tmp_path: Path, app: App, db: psycopg.Connection[Any]
+) -> None:
+    """The worker's session is terminated while its statement carries one failed job's outcome:
+    the worker dies of it, but the outcome did not kill it. The job is given back uncounted,
+    runs again and fails as any job does, charged no crash."""
+    (tmp_path / "lonelyjobs.py").write_text(LONELY)
+    lonely = app.enqueue("lonely", {"n": 0}, max_attempts=1)
+    master = masters.start("--processes", "1", "--rescue-after", "5", module="lonelyjobs")
+
+    def writing() -> int | None:
+        """The worker's session, while it waits for the handler's lock on the row to write its failure
+        (not any lock: the leader's rotation can make a claim wait for a moment)."""
+        row = db.execute(
+            "SELECT a.pid FROM pg_stat_activity a"
+            " JOIN pg_stat_activity h ON h.pid = ANY(pg_blocking_pids(a.pid))"
+            " WHERE a.datname = current_database() AND a.query LIKE '%%completed_later%%'"
+            " AND h.state = 'idle in transaction' AND h.query LIKE 'SELECT 1 FROM fastjobs_jobs_all%%'"
+        ).fetchone()
+        return None if row is None else int(row[0])
+
+    session = wait_for(writing, "the worker to write the failure")
+    db.execute("SELECT pg_terminate_backend(%s)", (session,))
+    try:
+        wait_for(lambda: job(db, lonely)[0] == "discarded", "the job to fail again", timeout=30)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; {job(db, lonely)}; stderr:\n{master.stderr()[:3000]}") from None
+    state, attempt, crashes, _, _ = job(db, lonely)
+    assert (state, attempt, crashes) == ("discarded", 1, 0), master.stderr()
+    assert runs(db)[0] == 2
+    assert master.stop() == 0, master.stderr()
+
+
 # --- 5. the master's death and the grace kill -----------------------------------------------
 
 

@@ -12,15 +12,17 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from typing import Any
 
 import psycopg
 import pytest
 
-from fastjobs import App
+from fastjobs import App, pool
 
 from . import procs
+from .helpers import by_state, drain
 from .procs import count, wait_for
 
 MODULE = "fjthreads"
@@ -372,3 +374,33 @@ def test_a_threaded_job_blocked_in_c_past_its_timeout_gets_its_worker_replaced(
     assert {row[1] for row in spans(db)} != {first}
     assert "ran past its timeout of 0.5s blocked in a C call" in master.stderr()
     assert master.stop() == 0, master.stderr()
+
+
+def test_a_timeout_sent_as_a_threaded_handler_returns_leaves_its_job_completed(
+    app: App, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watchdog can send JobTimeout to a pool thread whose handler has just returned, before the
+    thread takes the job off the running list: the handler returned, so its job completed. (The
+    thread is held in that window until the timeout is sent: a race otherwise won rarely.)"""
+
+    @app.job(kind="quick", timeout=0.3, max_attempts=1)
+    def quick() -> None:
+        pass
+
+    ended = pool.Pool._ended
+    held: set[int] = set()
+
+    def ended_late(self: pool.Pool, wave: pool.Wave, ident: int, job_id: int) -> None:
+        if job_id not in held:
+            held.add(job_id)
+            deadline = time.monotonic() + 5.0
+            while ident not in wave.fired and time.monotonic() < deadline:
+                time.sleep(0.01)
+        ended(self, wave, ident, job_id)
+
+    monkeypatch.setattr(pool.Pool, "_ended", ended_late)
+    app.enqueue("quick")
+    worker = drain(app, threads={"default": 2})
+    assert held  # the handler ran on the pool
+    assert by_state(dsn) == {}
+    assert worker.loop is not None and worker.loop.completed == 1
