@@ -282,7 +282,7 @@ cdef inline int16_t _int2(const char *p) noexcept nogil:
     return <int16_t>be16toh(raw)
 
 
-cdef int _wait(PGconn *conn, short events) except -1:
+cdef int _wait(PGconn *conn, short events, bint quiet) except -1:
     cdef pollfd pfd
     cdef int rc
     pfd.fd = PQsocket(conn)
@@ -295,8 +295,10 @@ cdef int _wait(PGconn *conn, short events) except -1:
             return 0
         if errno != EINTR:
             raise OSError(errno, strerror(errno).decode())
-        # A signal arrived: run its Python handler (which may raise), then wait on.
-        PyErr_CheckSignals()
+        # A signal arrived: run its Python handler (which may raise), then wait on; or,
+        # `quiet` (the fast lane's transaction begins or ends), leave it for later.
+        if not quiet:
+            PyErr_CheckSignals()
 
 
 cdef str _conn_error(PGconn *conn):
@@ -404,6 +406,7 @@ cdef class BatchLoop:
     cdef int _batch_n, _at
     cdef list _slow
     cdef bint _handed, _handing
+    cdef bint _quiet  # the fast lane's transaction begins or ends: waits run no signal handler
     cdef object _guard_error
     cdef object __weakref__  # fastjobs.guard holds loops weakly
 
@@ -457,6 +460,7 @@ cdef class BatchLoop:
         self._at = -1
         self._slow = []
         self._handed = self._handing = False
+        self._quiet = False
         self._guard_error = None
         self._marks = [None] * len(queues)
         self._next_full = [0.0] * len(queues)
@@ -548,7 +552,7 @@ cdef class BatchLoop:
             raise LoopError(_conn_error(self._pgconn))
         while True:
             while PQisBusy(self._pgconn):
-                _wait(self._pgconn, POLLIN)
+                _wait(self._pgconn, POLLIN, self._quiet)
                 if not PQconsumeInput(self._pgconn):
                     raise LoopError(_conn_error(self._pgconn))
             res = PQgetResult(self._pgconn)
@@ -563,13 +567,8 @@ cdef class BatchLoop:
 
     cdef int _lock(self, Py_ssize_t limit) except -1:
         """The fast lane's claim (see the reference): rows to self._rows, the transaction left open."""
-        cdef char limit_text[24]
-        cdef char priority_text[8]
-        cdef char run_at_text[24]
-        cdef const char *values[4]
-        cdef list error = []
         cdef Py_ssize_t turn, size, index
-        cdef int n, rc
+        cdef int n
         cdef double now
         cdef bint full
         cdef object mark
@@ -588,6 +587,29 @@ cdef class BatchLoop:
         mark = self._marks[index]
         full = mark is None or now >= <double>self._next_full[index]
         self._sent_index, self._sent_full, self._sent_at = index, full, now
+        self._quiet = True  # see _commit
+        try:
+            n = self._begin_lock(limit, index, full, mark)
+        finally:
+            self._quiet = False
+        self._mark(n)
+        if not n:
+            return 0
+        self._nrows = n
+        self._limit = limit
+        self._full = n >= limit
+        self.claimed += n
+        self.size = min(self.batch_max, self._cap, max(self.batch_min, 2 * n, self.size // _SIZE_DECAY))
+        return 0
+
+    cdef int _begin_lock(self, Py_ssize_t limit, Py_ssize_t index, bint full, object mark) except -1:
+        """BEGIN and the lock's claim (rows to self._rows); COMMIT at once when it found none."""
+        cdef char limit_text[24]
+        cdef char priority_text[8]
+        cdef char run_at_text[24]
+        cdef const char *values[4]
+        cdef list error = []
+        cdef int n, rc
         self._simple(b"BEGIN")
         snprintf(limit_text, sizeof(limit_text), "%zd", limit)
         values[0] = PyBytes_AS_STRING(self._queues[index])
@@ -603,7 +625,6 @@ cdef class BatchLoop:
         if not rc:
             raise LoopError(_conn_error(self._pgconn))
         self._flush()
-        self._in_flight = True
         self._rows = self._results(error)
         if error:
             try:
@@ -612,62 +633,61 @@ cdef class BatchLoop:
                 pass
             raise LoopError(error[0])
         n = PQntuples(self._rows)
-        self._mark(n)
-        if not n:
-            PQclear(self._rows)
-            self._rows = NULL
+        if n:
+            self._tx = True
+        else:
             self._simple(b"COMMIT")
-            return 0
-        self._tx = True
-        self._nrows = n
-        self._limit = limit
-        self._full = n >= limit
-        self.claimed += n
-        self.size = min(self.batch_max, self._cap, max(self.batch_min, 2 * n, self.size // _SIZE_DECAY))
-        return 0
+        return n
 
     cdef int _commit(self, bint wake=False) except -1:
-        """Write the fast batch's outcomes in its transaction and commit it (see the reference)."""
+        """Write the fast batch's outcomes in its transaction and commit it (see the reference).
+
+        From the moment its outcomes leave the lists until the reply to its
+        COMMIT is read, no Python code runs, and its waits run no signal
+        handler (_quiet): a stop-now raised there would leave the batch's
+        transaction half-ended (see the reference's _quiet).
+        """
         cdef const char *values[3]
         cdef list error = []
         cdef list failures = _started(self._failures)
         cdef Py_ssize_t ndone = self._ndone
         cdef PGresult *res
-        cdef bytes encoded
+        cdef bytes encoded = _encode(failures)
+        cdef bytes queue = self._queues[self._batch_base // self._stride]
         wake = wake or len(failures) < len(self._failures)
+        self._literal(ndone, self._done)
         del self._failures[:]
         self._ndone = 0
         self._tx = False
         if self._running != NULL and not self._write_failed:
             self._running[1] = len(failures)
             self._running[2] = failures[0]["id"] if failures else 0
-        self._literal(ndone, self._done)
-        encoded = _encode(failures)
         values[0] = self._text
         values[1] = PyBytes_AS_STRING(encoded)
         values[2] = PyBytes_AS_STRING(self._worker_id)
-        if not PQsendQueryPrepared(self._pgconn, b"job_finish_locked_many", 3, values, NULL, NULL, 1):
-            raise LoopError(_conn_error(self._pgconn))
-        self._flush()
-        self._in_flight = True
-        res = self._results(error)
-        if res != NULL:
-            PQclear(res)
-        if not error and wake:
-            values[0] = PyBytes_AS_STRING(self._queues[self._batch_base // self._stride])
-            if not PQsendQueryPrepared(self._pgconn, b"queue_wake", 1, values, NULL, NULL, 1):
+        self._quiet = True
+        try:
+            if not PQsendQueryPrepared(self._pgconn, b"job_finish_locked_many", 3, values, NULL, NULL, 1):
                 raise LoopError(_conn_error(self._pgconn))
             self._flush()
-            self._in_flight = True
             res = self._results(error)
             if res != NULL:
                 PQclear(res)
+            if not error and wake:
+                values[0] = PyBytes_AS_STRING(queue)
+                if not PQsendQueryPrepared(self._pgconn, b"queue_wake", 1, values, NULL, NULL, 1):
+                    raise LoopError(_conn_error(self._pgconn))
+                self._flush()
+                res = self._results(error)
+                if res != NULL:
+                    PQclear(res)
+            self._simple(b"ROLLBACK" if error else b"COMMIT")
+        finally:
+            self._quiet = False
         if error:
-            self._simple(b"ROLLBACK")
             self._demote(self._sent_index)
             _say_rolled_back(ndone + len(failures), error[0])
         else:
-            self._simple(b"COMMIT")
             self.completed += ndone
             if failures:
                 completed, failed, retried, discarded = _tally(failures)
@@ -800,7 +820,7 @@ cdef class BatchLoop:
                 break
             if rc < 0:
                 raise LoopError(_conn_error(self._pgconn))
-            _wait(self._pgconn, POLLIN | POLLOUT)
+            _wait(self._pgconn, POLLIN | POLLOUT, self._quiet)
             if not PQconsumeInput(self._pgconn):
                 raise LoopError(_conn_error(self._pgconn))
         return 0
@@ -815,7 +835,7 @@ cdef class BatchLoop:
             raise LoopError(_conn_error(self._pgconn))
         while True:
             while PQisBusy(self._pgconn):
-                _wait(self._pgconn, POLLIN)
+                _wait(self._pgconn, POLLIN, self._quiet)
                 if not PQconsumeInput(self._pgconn):
                     self._in_flight = False
                     if rows != NULL:
@@ -1307,7 +1327,6 @@ cdef class BatchLoop:
         if not PQsendQueryPrepared(self._pgconn, b"job_hand_over", 3, values, NULL, NULL, 1):
             raise LoopError(_conn_error(self._pgconn))
         self._flush()
-        self._in_flight = True
         res = self._results(error)
         if res != NULL:
             PQclear(res)

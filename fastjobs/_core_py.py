@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import select
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -76,6 +77,26 @@ def encode_copy_rows(
 
 def _int(value: bytes) -> int:
     return int.from_bytes(value, "big", signed=True)
+
+
+# The signals whose Python handlers wait while the fast lane's transaction
+# begins or ends (all but the faults a process must not outlive): a stop-now
+# raised while its statement was in flight left the reply unread, finish()
+# took it for a claim, and the batch rolled back to run again. `_core` skips
+# running the handlers in its waits instead; either way they run once the
+# transaction's end is read.
+_DEFERRED = signal.valid_signals() - {
+    signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT,
+}  # fmt: skip
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _wait(pgconn: Any, write: bool = False) -> None:
@@ -323,20 +344,22 @@ class BatchLoop:
             assert mark is not None
             params += [str(mark[0]).encode(), str(mark[1]).encode()]
         self._sent = (index, full, now)
-        self._simple(sql.fast_begin)
-        self._send_prepared(self._lock_names[not full], params)
-        self._in_flight = True
-        res, error, _ = self._results()
-        if error is not None:
-            with contextlib.suppress(LoopError):
-                self._simple(sql.fast_rollback)
-            raise LoopError(error)
-        n = res.ntuples
+        with _quiet():
+            self._simple(sql.fast_begin)
+            self._send_prepared(self._lock_names[not full], params)
+            res, error, _ = self._results()
+            if error is not None:
+                with contextlib.suppress(LoopError):
+                    self._simple(sql.fast_rollback)
+                raise LoopError(error)
+            n = res.ntuples
+            if not n:
+                self._simple(sql.fast_commit)
+            else:
+                self._tx = True
         self._mark(res, n)
         if not n:
-            self._simple(sql.fast_commit)
             return []
-        self._tx = True
         self._limit = limit
         self._full = n >= limit
         self.claimed += n
@@ -352,6 +375,10 @@ class BatchLoop:
         or behind a handed-over job: `wake`) wake the queue's sleeping workers.
         The lists are emptied in place: the batch running holds them.
         """
+        with _quiet():
+            self._end(wake)
+
+    def _end(self, wake: bool) -> None:
         done, failures = self._done[:], handlers.started(self._failures)
         wake = wake or len(failures) < len(self._failures)
         del self._done[:], self._failures[:]
@@ -361,11 +388,9 @@ class BatchLoop:
             self._running[2] = failures[0]["id"] if failures else 0
         ids = ("{" + ",".join(map(str, done)) + "}").encode()
         self._send_prepared(b"job_finish_locked_many", [ids, handlers.encode(failures), self._worker_id])
-        self._in_flight = True
         _, error, _ = self._results()
         if error is None and wake:
             self._send_prepared(b"queue_wake", [self._queues[self._batch_base // self._stride]])
-            self._in_flight = True
             _, error, _ = self._results()
         if error is not None:
             self._simple(sql.fast_rollback)
@@ -843,7 +868,6 @@ class BatchLoop:
         job_id, attempt = self._batch[self._at][0], self._batch[self._at][3]
         params = [str(job_id).encode(), self._worker_id, str(attempt).encode()]
         self._send_prepared(b"job_hand_over", params)
-        self._in_flight = True
         _, error, _ = self._results()
         self._demote(self._batch_base // self._stride)
         if error is not None:

@@ -516,23 +516,25 @@ def test_a_delay_counts_from_when_the_job_raised_not_from_its_batch_start(
     raised: list[Any] = []
 
     @app.job(kind="late", max_attempts=5, retry=lambda attempt, jitter: 2.0)
-    def late() -> None:
-        time.sleep(1.0)
-        with psycopg.connect(dsn, autocommit=True) as other:
-            raised.append(other.execute("SELECT clock_timestamp()").fetchone()[0])  # type: ignore[index]
-        if outcome == "snooze":
-            raise Snooze(2)
-        if outcome == "retry":
-            raise Retry(2)
-        raise RuntimeError("failed")
+    def late(sleep: float) -> None:
+        time.sleep(sleep)  # inside the batch's deadline: the outcome is the fast lane's to write
+        if not sleep:
+            with psycopg.connect(dsn, autocommit=True) as other:
+                raised.append(other.execute("SELECT clock_timestamp()").fetchone()[0])  # type: ignore[index]
+            if outcome == "snooze":
+                raise Snooze(2)
+            if outcome == "retry":
+                raise Retry(2)
+            raise RuntimeError("failed")
 
     with batch_loop(app, 10, fast_lane=True) as loop:
         _warm(app, loop)
-        app.enqueue("late")
-        assert loop.step() == 1
-        assert loop.fast == 1
+        app.enqueue("late", {"sleep": BATCH_SECONDS / 2})
+        app.enqueue("late", {"sleep": 0})
+        assert loop.step() == 2
+        assert loop.fast == 2
     (row,) = query(dsn, "SELECT run_at FROM fastjobs_jobs_all WHERE kind = 'late'")
-    # Due 2 s after it raised (the statement runs a moment later), not 1 s, counted from the BEGIN.
+    # Due 2 s after it raised (the statement runs a moment later), not 2 s after the BEGIN.
     assert row["run_at"] - raised[0] >= dt.timedelta(seconds=2)
 
 
@@ -579,10 +581,11 @@ class _StopNow(BaseException):
     """What a worker's stop-now signal raises (a KeyboardInterrupt), from its signal handler."""
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22 §6: finish() reads the fast batch's statement as a claim")
 def test_a_stop_now_signal_during_the_fast_commit_keeps_the_batch(app: App, dsn: str) -> None:
-    """A stop-now signal lands while the fast batch's outcomes are in flight: finish() (as the
-    worker's, signals held) completes that transaction, and its jobs do not run again."""
+    """A stop-now signal lands while the fast batch's outcomes are in flight: its handler runs once
+    that transaction has ended (committed), so finish() finds nothing half-done and the batch's
+    jobs do not run again (finish() read the statement's reply as a claim, and the batch rolled
+    back)."""
 
     @app.job(kind="last")
     def last() -> None:
@@ -610,6 +613,10 @@ def test_a_stop_now_signal_during_the_fast_commit_keeps_the_batch(app: App, dsn:
                 held.set()
             elif line.strip() == "asked":
                 signal.pthread_kill(main, signal.SIGUSR1)
+                time.sleep(0.3)  # the signal is in: now the replies come
+                assert proxy.stdin is not None
+                proxy.stdin.write("release\n")
+                proxy.stdin.flush()
                 return
 
     def raise_stop(signum: int, frame: object) -> None:
@@ -627,9 +634,7 @@ def test_a_stop_now_signal_during_the_fast_commit_keeps_the_batch(app: App, dsn:
         stopper.start()
         with pytest.raises(_StopNow):
             loop.step()
-        assert loop.fast == 0  # the signal came before the batch's end was read
-        proxy.stdin.write("release\n")
-        proxy.stdin.flush()
+        assert loop.fast == 1  # the batch's end was read before the signal's handler ran
         loop.finish()
     finally:
         signal.signal(signal.SIGUSR1, previous)
