@@ -49,7 +49,9 @@ RETURNING id"""
 
 
 # Statements PREPARE cannot take: tests/test_sql.py runs them instead.
-NOT_PREPARABLE: Final = frozenset({"bench_plain_create", "bench_plain_reset"})
+NOT_PREPARABLE: Final = frozenset(
+    {"bench_plain_create", "bench_plain_reset", "bench_rows_create", "bench_rows_reset"}
+)
 
 
 # bench_rows_create: the table the latency run's handlers write to with --latency-write.
