@@ -135,7 +135,8 @@ def worker_main(
     worker = fastjobs.Worker(app, config=fastjobs.WorkerConfig(**config), on_ready=on_ready)
     worker.install_signals()
     worker.run()
-    out.put(started)
+    cpu = os.times()
+    out.put((started, cpu.user + cpu.system))
 
 
 class Sampler(threading.Thread):
@@ -258,8 +259,11 @@ def main() -> int:
     for p in procs:
         os.kill(p.pid, signal.SIGTERM)  # the graceful stop
     started: dict[int, float] = {}
+    cpu = 0.0  # the worker processes' CPU seconds (loop, handlers, control threads)
     for _ in procs:
-        started.update(out.get(timeout=60))
+        got, seconds = out.get(timeout=60)
+        started.update(got)
+        cpu += seconds
     for p in procs:
         p.join()
     keys = [i for i in started if i in sent]
@@ -277,6 +281,7 @@ def main() -> int:
         "write": args.write,
         "stages": args.stages,
         "loadavg": round(os.getloadavg()[0], 2),
+        "worker_cpu_ms_per_job": round(cpu * 1000 / max(1, len(keys)), 3),
     }
     for name, samples in (("call", from_call), ("commit", from_commit), ("enqueue", call)):
         for q, tag in ((0.5, "p50"), (0.9, "p90"), (0.99, "p99"), (1.0, "max")):
