@@ -245,6 +245,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     run_bench.add_argument("--rate", type=float, default=1000.0, help="jobs/s offered in the latency run")
     run_bench.add_argument("--latency-seconds", type=float, default=5.0, help="length of the latency run")
+    run_bench.add_argument(
+        "--latency-write",
+        action="store_true",
+        help="latency: each handler also writes one row through its own connection (autocommit, default"
+        " durability), as an application's job does (issue 22's measurement)",
+    )
     only = run_bench.add_mutually_exclusive_group()
     only.add_argument("--enqueue-only", action="store_true", help="only enqueue_many against COPY")
     only.add_argument("--drain-only", action="store_true", help="only the drain against the raw-SQL loop")
@@ -816,7 +822,14 @@ def _bench(args: argparse.Namespace) -> int:
         )
     if every or args.latency_only:
         bench.run_latency(
-            dsn, args.rate, args.latency_seconds, args.processes, args.batch, args.results, echo
+            dsn,
+            args.rate,
+            args.latency_seconds,
+            args.processes,
+            args.batch,
+            args.results,
+            echo,
+            write=args.latency_write,
         )
     return 0
 

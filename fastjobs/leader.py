@@ -193,6 +193,20 @@ class RotationConfig:
     shared cores): 50,000 unserved rows behind 30,000 dead ones moved in
     0.9-1.2 s (10-20 ms a statement), then the rotation held its lock 12-28
     ms (bench/RESULTS.md, Upkeep).
+
+    A rotation stalls every claim for the time its lock is queued and held
+    (~10 ms: TRUNCATE rebuilds and syncs each index of the slot), and
+    under light load that stall is most of a job's p99 pickup latency
+    (bench/RESULTS.md, issue 22 §5). So a turn rotates only while the four
+    rotating slots take at least `worth` bytes (tables and indexes), or
+    while it works off a backlog: the slots' storage stays bounded by
+    `worth` plus what one `interval` brings (the mass of a burst is emptied
+    in a few turns after it), and a queue running 1,000 jobs/s rotates
+    about every 30 s instead of every 2 s; a busy one (tens of thousands of
+    jobs/s) still every `interval`. 0 rotates every `interval`. A Rotator
+    that finds the slot moved since its last turn (another in-process
+    Worker rotated) waits a whole `interval`: N in-process Workers rotate
+    as often as one leader, not N times as often.
     """
 
     # Off, nothing cleans the rotating slots (autovacuum is off on them): for tests and tools only.
@@ -205,6 +219,7 @@ class RotationConfig:
     max_move: int = 10_000
     patience: float = 20.0
     evacuate_budget: float = 1.0
+    worth: int = 32 * 1024 * 1024
 
 
 # Settled rows (finished, retryable, scheduled) leave the oldest slot for
@@ -307,6 +322,7 @@ class Rotator:
         self._privileges_at: float | None = None  # when the privileges were last found lacking
         self._checked = False
         self._told = False  # the missing privileges were logged as an error
+        self._slot: int | None = None  # the current slot after this rotator's last turn
 
     def turn(self, conn: psycopg.Connection[Any]) -> tuple[dict[str, int], float]:
         """One try: its counts (rotate_once's, or `unable` 1 without the privileges) and the seconds
@@ -324,6 +340,10 @@ class Rotator:
             self._privileges_at = None
         evacuate = self._deferred_since is not None and now - self._deferred_since >= config.patience
         try:
+            if config.worth > 0 and self._deferred_since is None:
+                idle = self._idle(conn)
+                if idle is not None:
+                    return idle, config.interval
             result = rotate_once(conn, config, evacuate=evacuate)
         except psycopg.errors.InsufficientPrivilege:
             self._checked = False  # revoked meanwhile: say which, at the next turn
@@ -338,6 +358,8 @@ class Rotator:
             self._since = time.monotonic()
             self.rotated_at = time.time()
             self._deferred_since = None
+            if self._slot is not None:  # rotate_once made the oldest slot, the one after, current
+                self._slot = self._slot % SLOTS + 1
             level = logging.INFO if result.get("evacuated") else logging.DEBUG  # else routine, every 2 s
             logger.log(level, "%s rotator: %s", self.who, _describe(result))
             return result, config.interval
@@ -348,6 +370,23 @@ class Rotator:
             return result, config.interval
         self._missed(ROTATION_GAVE_WAY, result)
         return result, min(config.interval, config.retry * 2 ** (self.misses - 1))
+
+    def _idle(self, conn: psycopg.Connection[Any]) -> dict[str, int] | None:
+        """This turn's counts when it need not rotate (the slots take less than config.worth bytes, or
+        another rotator moved the slot since this one's last turn), None when it should. Not rotating
+        then is no problem: the rotation is up to date."""
+        with psycopg.RawCursor(conn) as cur:
+            row = cur.execute(sql.slot_usage).fetchone()
+        assert row is not None
+        current, used = row
+        moved = self._slot is not None and current != self._slot
+        self._slot = current
+        if not moved and used >= self.config.worth:
+            return None
+        self.problem = ROTATION_OK
+        self.misses = 0
+        self._since = time.monotonic()
+        return {"idle": 1}
 
     def _check(self, conn: psycopg.Connection[Any]) -> bool:
         """Whether this role may rotate; logs the GRANTs it lacks, as an error, when not."""

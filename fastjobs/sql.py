@@ -1429,6 +1429,15 @@ vacuum_jobs: Final = "VACUUM (SKIP_LOCKED, TRUNCATE false) fastjobs_jobs"
 # slot_current: the rotating slot inserts go to now.
 slot_current: Final = "SELECT pg_sequence_last_value('fastjobs_slot')::int"
 
+# slot_usage: the rotating slot inserts go to now, and the bytes the four
+# rotating slots take (tables, indexes, TOAST): the rotation runs only once
+# they are worth emptying (RotationConfig.worth). Each size takes and at once
+# releases an ACCESS SHARE lock, which nothing but a rotation conflicts with.
+slot_usage: Final = """
+SELECT pg_sequence_last_value('fastjobs_slot')::int,
+       (pg_total_relation_size('fastjobs_jobs_1') + pg_total_relation_size('fastjobs_jobs_2')
+        + pg_total_relation_size('fastjobs_jobs_3') + pg_total_relation_size('fastjobs_jobs_4'))::int8"""
+
 # slot_rows: the rows slot $1 still holds, counted up to $2 (a slot holding
 # more waits: a backlog drains oldest first, from the oldest slot).
 slot_rows: Final = "SELECT count(*) FROM (SELECT FROM fastjobs_jobs_all WHERE slot = $1 LIMIT $2) AS r"
@@ -1764,6 +1773,7 @@ STATEMENTS: Final[Mapping[str, str]] = MappingProxyType(
         "jobs_dead_rows": jobs_dead_rows,
         "vacuum_jobs": vacuum_jobs,
         "slot_current": slot_current,
+        "slot_usage": slot_usage,
         "slot_rows": slot_rows,
         "slot_lock_timeout": slot_lock_timeout,
         "slot_lock": slot_lock,

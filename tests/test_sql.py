@@ -81,6 +81,7 @@ def test_statement_prepares(conn, name):
 def test_bench_statement_prepares(conn, name):
     with psycopg.RawCursor(conn) as cur:
         cur.execute(bench_queries.bench_plain_create)  # what the producers benchmark inserts into
+        cur.execute(bench_queries.bench_rows_create)  # what the latency run's handlers write to
         if name in bench_queries.NOT_PREPARABLE:
             cur.execute(bench_queries.STATEMENTS[name])
             return

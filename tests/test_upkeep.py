@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import psycopg
 import pytest
@@ -24,6 +25,7 @@ from fastjobs.leader import (
     Leader,
     LeaderConfig,
     RotationConfig,
+    Rotator,
     SchedulerConfig,
     rotate_once,
 )
@@ -126,7 +128,7 @@ class LeaderThread:
 FAST = LeaderConfig(
     retry_interval=0.1,
     scheduler=SchedulerConfig(interval=0.1),
-    rotation=RotationConfig(interval=0.1, retry=0.05),
+    rotation=RotationConfig(interval=0.1, retry=0.05, worth=0),
 )
 
 
@@ -237,7 +239,7 @@ def test_a_backlog_nobody_serves_defers_the_rotation_only_for_its_patience(dsn: 
         before = conn.execute(f"SELECT {columns} FROM fastjobs_jobs_all ORDER BY id").fetchall()
     config = LeaderConfig(
         retry_interval=0.1,
-        rotation=RotationConfig(interval=0.1, retry=0.05, max_move=10, patience=0.5),
+        rotation=RotationConfig(interval=0.1, retry=0.05, max_move=10, patience=0.5, worth=0),
     )
     app = App(dsn)
     try:
@@ -279,11 +281,69 @@ def test_evacuation_moves_available_rows_to_slot_0_and_skips_rows_held(dsn: str)
         ]
 
 
+def slots_bytes(conn: psycopg.Connection[Any]) -> int:
+    row = conn.execute(
+        "SELECT sum(pg_total_relation_size(format('fastjobs_jobs_%s', s)::regclass))::int8"
+        " FROM generate_series(1, 4) AS s"
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_a_rotator_rotates_once_the_slots_are_worth_it_and_until_a_bursts_slot_is_emptied(dsn: str) -> None:
+    """Each rotation stalls every claim for its lock (issue 22 §5): under light load a turn does not
+    rotate while the rotating slots take less than `worth` bytes, and is up to date doing so. Once
+    they take more (a burst), it rotates at every turn until the burst's slot is emptied, then rests."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        empty = slots_bytes(conn)
+        rotator = Rotator(RotationConfig(worth=empty + 512 * 1024))
+        first = current_slot(dsn)
+        assert rotator.turn(conn) == ({"idle": 1}, rotator.config.interval)
+        assert current_slot(dsn) == first and rotator.problem == ROTATION_OK and rotator.rotated_at == 0
+        # A burst: done jobs' rows (left as dead rows by a completion) in the current slot.
+        conn.execute(
+            "INSERT INTO fastjobs_jobs_all (kind, args)"
+            " SELECT 'k', jsonb_build_object('pad', repeat('x', 200)) FROM generate_series(1, 5000)"
+        )
+        conn.execute("DELETE FROM fastjobs_jobs_all")
+        assert slots_bytes(conn) >= rotator.config.worth
+        turns = []
+        for _ in range(SLOTS + 1):
+            result, _wait = rotator.turn(conn)
+            turns.append(
+                "rotated" if result.get("rotated") else "idle" if result.get("idle") else str(result)
+            )
+        # The burst's slot closes at the first rotation and is emptied at the SLOTS-th.
+        assert turns == ["rotated"] * SLOTS + ["idle"], turns
+        assert slots_bytes(conn) < rotator.config.worth
+        assert rotator.problem == ROTATION_OK and rotator.rotated_at > 0
+
+
+def test_in_process_rotators_take_turns_instead_of_each_rotating(dsn: str) -> None:
+    """Each in-process Worker has its rotator: one that finds the slot moved since its last turn
+    (another rotated) waits an interval, so N workers rotate as often as one leader."""
+    with psycopg.connect(dsn, autocommit=True) as a, psycopg.connect(dsn, autocommit=True) as b:
+        config = RotationConfig(worth=1)  # always worth it
+        one, two = Rotator(config), Rotator(config)
+        first = current_slot(dsn)
+        turns = []
+        for _ in range(4):  # turns in alternation, as the workers' jittered intervals make them
+            for rotator, conn in ((one, a), (two, b)):
+                result = rotator.turn(conn)[0]
+                turns.append(
+                    "rotated" if result.get("rotated") else "idle" if result.get("idle") else str(result)
+                )
+        # Their first turns know of no earlier rotation; then one rotation per round, not two.
+        assert turns == ["rotated", "rotated"] + ["idle", "rotated"] * 3, turns
+        assert (current_slot(dsn) - first) % SLOTS == 5 % SLOTS
+        assert one.problem == two.problem == ROTATION_OK
+
+
 def test_an_in_process_worker_rotates_when_no_leader_does(app: App, dsn: str) -> None:
     """fastjobs.Worker without `fastjobs run` (no master, no leader) used to never rotate: the
     rotating slots' dead rows grew without bound. It rotates from its control thread, off the hot
     loop, whenever the leader's lock is free, and not while a leader holds it."""
-    config = WorkerConfig(rotation=RotationConfig(interval=0.1, retry=0.05))
+    config = WorkerConfig(rotation=RotationConfig(interval=0.1, retry=0.05, worth=0))
     worker = Worker(app, ["q"], config=config)
     thread = threading.Thread(target=worker.run, daemon=True)
     rotations = Rotations(dsn)

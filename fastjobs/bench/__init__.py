@@ -606,15 +606,20 @@ def run_cleaner(
 # --- latency: pickup time at a steady offered rate -------------------------------------------
 
 
-def _latency_worker(dsn: str, batch: int, out: Any, ready: Any, start: Any) -> None:
+def _latency_worker(dsn: str, batch: int, write: bool, out: Any, ready: Any, start: Any) -> None:
     app = App(dsn)
     started: dict[int, float] = {}
+    rows: list[psycopg.Connection[Any]] = []  # the handlers' own connection (with `write`)
 
     @app.job(kind=BENCH_KIND)
     def stamp(**_: Any) -> None:
         job = current_job()
         assert job is not None
         started[job.id] = time.time()
+        if write:
+            if not rows:
+                rows.append(psycopg.connect(dsn, autocommit=True))
+            psycopg.RawCursor(rows[0]).execute(queries.bench_row, (job.id,))
 
     def on_ready() -> None:
         ready.wait()
@@ -634,15 +639,24 @@ def run_latency(
     batch: int,
     results: Path | None,
     echo: Callable[[str], None],
+    write: bool = False,
 ) -> dict[str, Any]:
-    """Offer `rate` single enqueues per second for `seconds`; pickup latency percentiles."""
+    """Offer `rate` single enqueues per second for `seconds`, each in its own transaction; pickup
+    latency percentiles from the enqueue call and from its commit. With `write`, each handler also
+    writes one row through its own connection (autocommit, default durability), as an application's
+    job does: issue 22's measurement, where the handlers' commits share the WAL with the producers'."""
     target = bench_dsn(dsn)
     _reset(target)
+    if write:
+        with psycopg.connect(target, autocommit=True) as conn:
+            conn.execute(queries.bench_rows_create)
+            conn.execute(queries.bench_rows_reset)
     ctx = multiprocessing.get_context("fork")
     out = ctx.Queue()
     ready, start = ctx.Barrier(processes + 1), ctx.Barrier(processes + 1)
     procs = [
-        ctx.Process(target=_latency_worker, args=(target, batch, out, ready, start)) for _ in range(processes)
+        ctx.Process(target=_latency_worker, args=(target, batch, write, out, ready, start))
+        for _ in range(processes)
     ]
     for p in procs:
         p.start()
@@ -701,6 +715,7 @@ def run_latency(
         jobs=len(from_call),
         processes=processes,
         batch=batch,
+        write=write,
         p50_ms=pct(from_call, 0.50),
         p90_ms=pct(from_call, 0.90),
         p99_ms=pct(from_call, 0.99),
@@ -711,7 +726,7 @@ def run_latency(
     )
     echo(
         f"\npickup latency at {achieved:,.0f} jobs/s offered ({processes} processes, {IMPLEMENTATION}),"
-        f" {len(from_call):,} jobs\n"
+        f" {len(from_call):,} jobs{', handlers writing a row' if write else ''}\n"
         f"  from the enqueue call: p50 {record['p50_ms']} ms   p90 {record['p90_ms']} ms"
         f"   p99 {record['p99_ms']} ms\n"
         f"  from its commit:       p50 {record['from_commit_p50_ms']} ms"

@@ -49,8 +49,22 @@ RETURNING id"""
 
 
 # Statements PREPARE cannot take: tests/test_sql.py runs them instead.
-NOT_PREPARABLE: Final = frozenset({"bench_plain_create", "bench_plain_reset"})
+NOT_PREPARABLE: Final = frozenset(
+    {"bench_plain_create", "bench_plain_reset", "bench_rows_create", "bench_rows_reset"}
+)
 
+
+# bench_rows_create: the table the latency run's handlers write to with --latency-write.
+bench_rows_create: Final = """
+CREATE TABLE IF NOT EXISTS fastjobs_bench_rows (
+    job_id bigint NOT NULL, at timestamptz NOT NULL DEFAULT now()
+)"""
+
+# bench_rows_reset: empty that table before a latency run.
+bench_rows_reset: Final = "TRUNCATE fastjobs_bench_rows"
+
+# bench_row: a latency handler's write, one row for its job $1 (an application job's own write).
+bench_row: Final = "INSERT INTO fastjobs_bench_rows (job_id) VALUES ($1)"
 
 # Every statement of this module, by name (as fastjobs.sql.STATEMENTS).
 STATEMENTS: Final[Mapping[str, str]] = MappingProxyType(
@@ -63,5 +77,8 @@ STATEMENTS: Final[Mapping[str, str]] = MappingProxyType(
         "bench_plain_reset": bench_plain_reset,
         "bench_plain_insert": bench_plain_insert,
         "bench_trigger_insert": bench_trigger_insert,
+        "bench_rows_create": bench_rows_create,
+        "bench_rows_reset": bench_rows_reset,
+        "bench_row": bench_row,
     }
 )
