@@ -6,7 +6,7 @@ Measures the end-to-end maximum like `fastjobs bench --soak` (this script's
 handler on both sides), offers LOAD (0.8) of it as one COPY every 10 ms for
 10 s of warm-up plus SECONDS, and prints one JSON line: p50/p90/p99 in ms of
 total (just before the COPY to handler start), commit (the producer's COPY and
-commit), from_commit, and, with the C loop built with bench/latency_probe.patch
+commit), from_commit, and, with the C loop built with bench/latency_probe.patch (in history at 3699380)
 (`git apply`, then `pip install -e .`; never commit it), table (commit to the
 claim's send), statement (send to result) and batch (result to handler start).
 LAT_DB names the bench database (fastjobs_bench_latency); LAT_NOTRUNC=1 sets

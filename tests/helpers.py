@@ -106,6 +106,13 @@ def batch_loop(
         conn.close()
 
 
+def warm(app: App, loop: BatchLoop) -> None:
+    """One quick job of kind "warm" on the state lane: a queue takes the fast lane once a batch of
+    it ran quickly (the test registers the kind)."""
+    app.enqueue("warm")
+    assert loop.step() == 1 and loop.fast == 0
+
+
 def run_one_batch(app: App, size: int, **options: Any) -> int:
     """Claim and run one batch of `size`, then write its outcomes; returns the jobs run."""
     with batch_loop(app, size, **options) as loop:

@@ -25,7 +25,7 @@ from fastjobs.abc import HAND_BACK_AFTER
 from fastjobs.handlers import Executor
 
 from . import procs
-from .helpers import batch_loop, by_state, notifications, query
+from .helpers import batch_loop, by_state, notifications, query, warm
 from .helpers import wait_for as wait_until
 from .procs import count, runs, wait_for
 
@@ -33,12 +33,6 @@ from .procs import count, runs, wait_for
 @pytest.fixture(autouse=True)
 def _warm_kind(app: App) -> None:
     app.job(kind="warm")(lambda: None)
-
-
-def _warm(app: App, loop: Any) -> None:
-    """One quick job on the state lane: a queue takes the fast lane once a batch of it ran quickly."""
-    app.enqueue("warm")
-    assert loop.step() == 1 and loop.fast == 0
 
 
 @contextmanager
@@ -109,7 +103,7 @@ def test_the_jobs_behind_a_slow_one_are_handed_back_untouched_while_it_runs(
     work, ran = _register(app, release, started)
     with batch_loop(app, 10, fast_lane=lane == "fast") as loop:
         if lane == "fast":
-            _warm(app, loop)
+            warm(app, loop)
         else:
             # A full batch first: the batch with the slow job is claimed ahead of it, and the next
             # one ahead of that while the slow job runs (overlap).
@@ -161,7 +155,7 @@ def test_a_handler_acting_on_a_job_of_its_own_fast_batch_does_not_wait_on_itself
                     answers.append(control.discard(conn, target[0]))
 
     with batch_loop(app, 10, fast_lane=True) as loop:
-        _warm(app, loop)
+        warm(app, loop)
         act.enqueue(n=0)
         target.append(act.enqueue(n=1))
         with _stepping(loop) as out:
@@ -191,7 +185,7 @@ def test_a_slow_fast_lane_job_is_not_killed_by_idle_in_transaction_session_timeo
     database = query(dsn, "SELECT current_database() AS d")[0]["d"]
     query(dsn, f"ALTER DATABASE \"{database}\" SET idle_in_transaction_session_timeout = '400ms'")
     with batch_loop(app, 10, fast_lane=True) as loop:
-        _warm(app, loop)
+        warm(app, loop)
         nap.enqueue_many({"n": n} for n in range(5))
         assert loop.step() == 5
         while loop.step():
@@ -206,7 +200,7 @@ def test_the_rotation_does_not_wait_for_a_slow_handler(app: App, dsn: str) -> No
     release, started = threading.Event(), threading.Event()
     work, ran = _register(app, release, started)
     with batch_loop(app, 10, fast_lane=True) as loop:
-        _warm(app, loop)
+        warm(app, loop)
         work.enqueue_many({"n": n} for n in range(3))
         with _stepping(loop):
             assert started.wait(30)
@@ -235,7 +229,7 @@ def test_jobs_a_stopping_fast_batch_gives_back_wake_sleeping_workers(
 
     with batch_loop(app, 10, fast_lane=True) as loop:
         loops.append(loop)
-        _warm(app, loop)
+        warm(app, loop)
         notifications(listener, dsn)  # what the warm-up sent
         stop.enqueue_many({"n": n} for n in range(4))
         notifications(listener, dsn)

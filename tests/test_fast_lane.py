@@ -31,18 +31,12 @@ from fastjobs.impl import core
 from fastjobs.worker import Worker, WorkerConfig
 
 from . import procs
-from .helpers import batch_loop, by_state, query
+from .helpers import batch_loop, by_state, query, warm
 
 
 @pytest.fixture(autouse=True)
 def _warm_kind(app: App) -> None:
     app.job(kind="warm")(lambda: None)
-
-
-def _warm(app: App, loop: Any) -> None:
-    """One quick job on the state lane: a queue takes the fast lane once a batch of it ran quickly."""
-    app.enqueue("warm")
-    assert loop.step() == 1 and loop.fast == 0
 
 
 def _outcome_rows(dsn: str) -> list[tuple[Any, ...]]:
@@ -76,7 +70,7 @@ def test_outcomes_are_recorded_as_on_the_state_lane(app: App, dsn: str, lane: st
     leave the same rows on both lanes; the fast lane writes every outcome itself."""
     _register_outcomes(app)
     with batch_loop(app, 100, fast_lane=lane == "fast") as loop:
-        _warm(app, loop)
+        warm(app, loop)
         app.enqueue_many("mixed", ({"n": n} for n in range(20)))
         query(dsn, "UPDATE fastjobs_jobs_all SET attempt = 1 WHERE (args->>'n')::int = 6")  # its last attempt
         while loop.step():
@@ -112,7 +106,7 @@ def test_a_job_in_flight_is_locked_and_never_running(app: App, dsn: str) -> None
             seen.append(locked)
 
     with batch_loop(app, 10, fast_lane=True) as loop:
-        _warm(app, loop)
+        warm(app, loop)
         look.enqueue(n=1)
         assert loop.step() == 1
         assert loop.fast == 1
@@ -142,7 +136,7 @@ def test_a_job_in_flight_reads_running_in_jobs_list_and_stats(app: App, dsn: str
 
     # Every claim from the front: the jobs below are moved behind the warm-up's mark.
     with batch_loop(app, 1, fast_lane=True, full_claim_duty=1.0) as loop:
-        _warm(app, loop)
+        warm(app, loop)
         held = hold.enqueue(n=1)
         waiting = hold.enqueue(n=2)  # a batch of one: it waits, available
         query(dsn, "UPDATE fastjobs_jobs_all SET run_at = now() - interval '1 hour'")
@@ -199,7 +193,7 @@ def test_a_job_row_another_transaction_locks_reads_running_while_it_holds_it(app
         ran.append(n)
 
     with batch_loop(app, 10, fast_lane=True) as loop:
-        _warm(app, loop)
+        warm(app, loop)
         job_id = plain.enqueue(n=1)
         with psycopg.connect(dsn) as holder, psycopg.connect(dsn, autocommit=True) as conn:
             holder.execute("SELECT id FROM fastjobs_jobs_all WHERE id = %s FOR UPDATE", (job_id,))
@@ -231,7 +225,7 @@ def test_a_slow_job_ends_its_batch_and_sends_its_queue_to_the_state_lane(app: Ap
             states.append(row.fetchone()[0])  # type: ignore[index]
 
     with batch_loop(app, 6, fast_lane=True) as loop:
-        _warm(app, loop)
+        warm(app, loop)
         sleepy.enqueue_many({"n": n, "sleep": 3 * BATCH_SECONDS if n == 1 else 0} for n in range(6))
         began = time.monotonic()
         assert loop.step() == 6
@@ -334,7 +328,7 @@ def test_a_kind_of_another_queue_found_in_a_fast_batch_goes_back_to_the_state_la
         ran.append("later")
 
     with batch_loop(app, 10, fast_lane=True, queues=["default"]) as loop:
-        _warm(app, loop)
+        warm(app, loop)
         quick.enqueue(n=1)
         app.enqueue("later", {"n": 2}, queue="default")
         quick.enqueue(n=3)
@@ -355,7 +349,7 @@ def test_a_stop_mid_batch_commits_what_ran_and_leaves_the_rest(app: App, dsn: st
             loop_box[0].stopping = True
 
     with batch_loop(app, 6, fast_lane=True) as loop:
-        _warm(app, loop)
+        warm(app, loop)
         stopper.enqueue_many({"n": n} for n in range(6))
         loop_box.append(loop)
         assert loop.step() == 6
@@ -395,7 +389,7 @@ def test_a_cancel_waits_for_the_batch_and_is_not_lost(app: App, dsn: str) -> Non
             loop_box[0].stopping = True
 
     with batch_loop(app, 3, fast_lane=True) as loop:
-        _warm(app, loop)
+        warm(app, loop)
         ids.extend(c.enqueue(n=n) for n in range(3))
         loop_box.append(loop)
         began = time.monotonic()
@@ -443,7 +437,7 @@ def test_an_outcome_postgresql_rejects_rolls_the_batch_back_to_the_state_lane(
             raise ValueError("nul \x00 here")
 
     with batch_loop(app, 10, fast_lane=True) as loop:
-        _warm(app, loop)
+        warm(app, loop)
         nul.enqueue_many({"n": n} for n in range(5))
         assert loop.step() == 5
         assert loop.fast == 0 and by_state(dsn) == {"available": 5}  # rolled back
@@ -528,7 +522,7 @@ def test_a_delay_counts_from_when_the_job_raised_not_from_its_batch_start(
             raise RuntimeError("failed")
 
     with batch_loop(app, 10, fast_lane=True) as loop:
-        _warm(app, loop)
+        warm(app, loop)
         app.enqueue("late", {"sleep": BATCH_SECONDS / 2})
         app.enqueue("late", {"sleep": 0})
         assert loop.step() == 2
@@ -629,7 +623,7 @@ def test_a_stop_now_signal_during_the_fast_commit_keeps_the_batch(app: App, dsn:
     try:
         loop = core.BatchLoop(conn, dict(app.jobs), executor, "test-worker", ["default"], fast_lane=True)
         loop.prepare()
-        _warm(app, loop)
+        warm(app, loop)
         app.enqueue("last")
         stopper.start()
         with pytest.raises(_StopNow):
