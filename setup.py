@@ -13,9 +13,9 @@ from setuptools import Extension, setup
 # What to install for each missing piece, by the package managers users name most.
 HINTS = {
     "compiler": "Debian/Ubuntu: apt-get install build-essential; Fedora/RHEL: dnf install gcc;"
-    " Alpine: apk add build-base; macOS: xcode-select --install",
+    " Alpine: apk add build-base",
     "libpq": "Debian/Ubuntu: apt-get install libpq-dev; Fedora/RHEL: dnf install libpq-devel;"
-    " Alpine: apk add postgresql-dev; macOS: brew install libpq and put its bin/ on PATH",
+    " Alpine: apk add postgresql-dev",
 }
 
 

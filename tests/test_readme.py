@@ -1,4 +1,5 @@
-"""The README as used: its Python examples run, and every option its command lines name exists."""
+"""The README and the documentation as used: their Python examples run, their walk-throughs run as
+written, and every option their command lines name exists."""
 
 from __future__ import annotations
 
@@ -17,32 +18,73 @@ import pytest
 
 from fastjobs.testing import databases
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-BLOCKS = re.findall(r"```(\w*)\n(.*?)```", README.read_text(), flags=re.S)
-# A block whose first line names a file (`# jobs.py`) is a file of the tutorial, run by
-# test_the_tutorial_runs_as_written; a block that defines tests is a test module of a user's
-# suite, which pytest runs; every other Python block is a script of its own.
+ROOT = Path(__file__).resolve().parent.parent
+# The README (the front page) and every page of the documentation site, in a fixed order.
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def _blocks() -> list[tuple[str, str, str]]:
+    """(page, language, code) of every fenced block, each code once (the front page repeats an
+    example of the site's home page: it runs once)."""
+    seen: set[tuple[str, str]] = set()
+    blocks = []
+    for page in PAGES:
+        for lang, code in re.findall(r"```(\w*)\n(.*?)```", page.read_text(), flags=re.S):
+            if (lang, code) not in seen:
+                seen.add((lang, code))
+                blocks.append((str(page.relative_to(ROOT)), lang, code))
+    return blocks
+
+
+def _section(page: str, heading: str) -> str:
+    return (ROOT / page).read_text().split(f"{heading}\n")[1].split("\n## ")[0]
+
+
+BLOCKS = _blocks()
+# A block whose first line names a file (`# jobs.py`) is a file of a walk-through (the README's
+# quick start, the tutorial), run by its test with the walk-through's shell lines; a block that
+# defines tests is a test module of a user's suite, which pytest runs; every other Python block
+# is a script of its own.
 FILE_NAME = re.compile(r"# (\w+\.py)\n")
-PYTEST = [code for lang, code in BLOCKS if lang == "python" and "\ndef test_" in code]
+PYTEST = [(page, code) for page, lang, code in BLOCKS if lang == "python" and "\ndef test_" in code]
 PYTHON = [
-    code for lang, code in BLOCKS if lang == "python" and code not in PYTEST and not FILE_NAME.match(code)
+    (page, code)
+    for page, lang, code in BLOCKS
+    if lang == "python" and "\ndef test_" not in code and not FILE_NAME.match(code)
 ]
-TUTORIAL = README.read_text().split("## Your first job in five minutes\n")[1].split("\n## ")[0]
+QUICK_START = _section("README.md", "## Quick start")
+TUTORIAL = _section("docs/getting-started.md", "## Your first job in five minutes")
 COMMANDS = [
     line.split("#")[0].strip()
-    for lang, code in BLOCKS
+    for _, lang, code in BLOCKS
     if lang == "sh"
     for line in code.splitlines()
     if line.strip().startswith("fastjobs ")
 ]
 
 
+def _ids(examples: list[tuple[str, str]]) -> list[str]:
+    """`page-N`, N counting that page's examples of the kind, so a failure names its page."""
+    counts: dict[str, int] = {}
+    ids = []
+    for page, _ in examples:
+        counts[page] = counts.get(page, -1) + 1
+        ids.append(f"{page}-{counts[page]}")
+    return ids
+
+
 def test_the_readme_has_examples():
     assert PYTHON and PYTEST and COMMANDS
 
 
-@pytest.mark.parametrize("code", PYTHON, ids=[f"python-{i}" for i in range(len(PYTHON))])
-def test_a_python_example_runs(dsn, tmp_path, code):
+def test_every_file_block_belongs_to_a_walk_through():
+    """A file block anywhere else would be run by nothing."""
+    files = [code for _, lang, code in BLOCKS if lang == "python" and FILE_NAME.match(code)]
+    assert files and all(code in QUICK_START or code in TUTORIAL for code in files)
+
+
+@pytest.mark.parametrize(("page", "code"), PYTHON, ids=_ids(PYTHON))
+def test_a_python_example_runs(dsn, tmp_path, page, code):
     """Each example runs as its own script against a fresh database (with the `users` table the
     first one writes to), with no DSN but FASTJOBS_DSN, and every job it enqueues is there."""
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -54,7 +96,7 @@ def test_a_python_example_runs(dsn, tmp_path, code):
     done = subprocess.run(
         [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
     )
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 0, f"{page}: {done.stderr}"
     with psycopg.connect(dsn) as conn:
         enqueued = conn.execute("SELECT count(*) FROM fastjobs_jobs_all").fetchone()
     calls = len(re.findall(r"\.enqueue\(", code))
@@ -62,8 +104,8 @@ def test_a_python_example_runs(dsn, tmp_path, code):
     assert enqueued == (calls + bulk,)
 
 
-@pytest.mark.parametrize("code", PYTEST, ids=[f"pytest-{i}" for i in range(len(PYTEST))])
-def test_a_pytest_example_passes(tmp_path, code):
+@pytest.mark.parametrize(("page", "code"), PYTEST, ids=_ids(PYTEST))
+def test_a_pytest_example_passes(tmp_path, page, code):
     """Each test module example passes in a pytest session of its own, as in a user's project
     (the plugin found through its entry point), on this suite's database server."""
     (tmp_path / "test_example.py").write_text(code)
@@ -79,7 +121,7 @@ def test_a_pytest_example_passes(tmp_path, code):
         timeout=120,
     )
     tests = len(re.findall(r"^(?:async )?def test_", code, flags=re.M))
-    assert done.returncode == 0 and f"{tests} passed" in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 0 and f"{tests} passed" in done.stdout, page + done.stdout + done.stderr
 
 
 def _options(command: str) -> tuple[list[str], list[str]]:
@@ -122,82 +164,120 @@ def _wait(predicate: Callable[[], object], what: str, timeout: float = 60.0) -> 
         time.sleep(0.1)
 
 
-def test_the_tutorial_runs_as_written(dsn, tmp_path):
-    """The five-minute tutorial, command by command, as a new user would run it: its files are
-    written out, its shell lines run in order (`pip install` aside: CI installed the packages;
-    the DSN and the web port are this test's), the two `# terminal` lines in the background,
-    and what it says happens does: Ada is welcomed, Bob's job fails, is retried, and the
-    commands that watch it show it."""
-    blocks = re.findall(r"```(\w*)\n(.*?)```", TUTORIAL, flags=re.S)
-    for lang, code in blocks:
-        if lang == "python":
-            match = FILE_NAME.match(code)
-            assert match, f"a tutorial Python block must start with its file name: {code[:40]!r}"
-            (tmp_path / match.group(1)).write_text(code)
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "FASTJOBS_TEST_DSN")}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
-    background: list[subprocess.Popen[str]] = []
-    logs: list[IO[str]] = []
-    outputs: dict[str, str] = {}
+class Walk:
+    """A walk-through run as a new user would run it: its files written out, its shell lines run in
+    order (`pip install` aside: CI installed the packages; the DSN and the web port are this
+    test's), each line marked `# terminal` in the background, as a terminal of its own (whose
+    output is line-buffered, as a terminal's is)."""
 
-    def run(line: str) -> None:
-        command = line.split("  #")[0].strip().replace("5000", str(port))
+    def __init__(self, section: str, dsn: str, tmp_path: Path) -> None:
+        self.blocks = re.findall(r"```(\w*)\n(.*?)```", section, flags=re.S)
+        for lang, code in self.blocks:
+            if lang == "python":
+                match = FILE_NAME.match(code)
+                assert match, f"a walk-through's Python block must start with its file name: {code[:40]!r}"
+                (tmp_path / match.group(1)).write_text(code)
+        self.shell = [code for lang, code in self.blocks if lang == "sh"]
+        self.dsn, self.tmp_path, self.port = dsn, tmp_path, _free_port()
+        self.env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "FASTJOBS_TEST_DSN")}
+        self.env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{self.env['PATH']}"
+        self.env["PYTHONUNBUFFERED"] = "1"
+        self.background: list[subprocess.Popen[str]] = []
+        self.logs: list[IO[str]] = []
+        self.outputs: dict[str, str] = {}
+
+    def run(self, block: str) -> None:
+        for line in block.splitlines():
+            self.line(line)
+
+    def line(self, line: str) -> None:
+        command = line.split("  #")[0].strip().replace("5000", str(self.port))
         if command.startswith("pip install"):
             return
         if command.startswith("export FASTJOBS_DSN="):
-            env["FASTJOBS_DSN"] = dsn
+            self.env["FASTJOBS_DSN"] = self.dsn
             return
         if "# terminal" in line:
-            log = (tmp_path / f"terminal-{len(background)}.log").open("w")
-            logs.append(log)
-            background.append(
+            log = (self.tmp_path / f"terminal-{len(self.background)}.log").open("w")
+            self.logs.append(log)
+            self.background.append(
                 subprocess.Popen(  # exec: the command itself is the process told to stop below
-                    f"exec {command}", shell=True, cwd=tmp_path, env=env, stdout=log, stderr=log, text=True
+                    f"exec {command}",
+                    shell=True,
+                    cwd=self.tmp_path,
+                    env=self.env,
+                    stdout=log,
+                    stderr=log,
+                    text=True,
                 )
             )
             return
         if command.startswith("curl"):
             _wait(
                 lambda: (
-                    subprocess.run(["curl", "-s", f"localhost:{port}/"], capture_output=True).returncode == 0
+                    subprocess.run(["curl", "-s", f"localhost:{self.port}/"], capture_output=True).returncode
+                    == 0
                 ),
                 "the web application to listen",
             )
         done = subprocess.run(
-            command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+            command, shell=True, cwd=self.tmp_path, env=self.env, capture_output=True, text=True, timeout=60
         )
         assert done.returncode == 0, f"{command}: {done.stderr}"
-        outputs[command.split(" localhost")[0]] = done.stdout
+        self.outputs[command.split(" localhost")[0]] = done.stdout
+
+    def terminal(self, n: int) -> str:
+        return (self.tmp_path / f"terminal-{n}.log").read_text()
+
+    def stop(self) -> None:
+        for process in self.background:  # the command itself (exec), told to stop as systemd would
+            process.terminate()
+        for process in self.background:
+            process.wait(timeout=30)
+        for log in self.logs:
+            log.close()
+
+
+def test_the_quick_start_runs_as_written(dsn, tmp_path):
+    """The README's quick start: the schema, the workers in one terminal, an enqueue from another,
+    and the worker says hello."""
+    walk = Walk(QUICK_START, dsn, tmp_path)
+    assert len(walk.shell) == 2, "the quick start's steps: install, run and enqueue"
+    try:
+        for block in walk.shell:
+            walk.run(block)
+        _wait(lambda: "hello, world" in walk.terminal(0), "the worker to say hello")
+    finally:
+        walk.stop()
+
+
+def test_the_tutorial_runs_as_written(dsn, tmp_path):
+    """The five-minute tutorial, command by command, as a new user would run it, and what it says
+    happens does: Ada is welcomed, Bob's job fails, is retried, and the commands that watch it show
+    it."""
+    walk = Walk(TUTORIAL, dsn, tmp_path)
 
     def db(query: str) -> object:
         with psycopg.connect(dsn, autocommit=True) as conn:
             row = conn.execute(query).fetchone()
         return None if row is None else row[0]
 
-    shell = [code for lang, code in blocks if lang == "sh"]
-    assert len(shell) == 3, "the tutorial's steps: install, run and sign up, watch"
+    assert len(walk.shell) == 3, "the tutorial's steps: install, run and sign up, watch"
     try:
-        for block in shell[:2]:
-            for line in block.splitlines():
-                run(line)
-        assert '"job":1' in outputs["curl -d email=ada@example.com"]
-        assert '"job":2' in outputs["curl -d email=bob@example.invalid"]
+        for block in walk.shell[:2]:
+            walk.run(block)
+        assert '"job":1' in walk.outputs["curl -d email=ada@example.com"]
+        assert '"job":2' in walk.outputs["curl -d email=bob@example.invalid"]
         _wait(lambda: db("SELECT welcomed_at FROM users WHERE email = 'ada@example.com'"), "Ada's welcome")
         _wait(
             lambda: db("SELECT attempt >= 2 AND state = 'retryable' FROM fastjobs_jobs_all WHERE id = 2"),
             "Bob's job to fail twice",
         )
         assert db("SELECT welcomed_at FROM users WHERE email = 'bob@example.invalid'") is None
-        for line in shell[2].splitlines():
-            run(line)
+        walk.run(walk.shell[2])
     finally:
-        for process in background:  # the command itself (exec), told to stop as systemd would
-            process.terminate()
-        for process in background:
-            process.wait(timeout=30)
-        for log in logs:
-            log.close()
+        walk.stop()
+    outputs = walk.outputs
     assert "emails" in outputs["fastjobs stats"]
     listed = outputs["fastjobs jobs list --state retryable"]
     assert "jobs.send_welcome" in listed and re.search(r"\b2\b", listed)
@@ -207,11 +287,11 @@ def test_the_tutorial_runs_as_written(dsn, tmp_path):
 def test_the_cluster_views_sample_output_is_what_fastjobs_stats_prints(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """The README's `fastjobs stats` cluster sample, printed from the hosts it shows."""
+    """The `fastjobs stats` cluster sample, printed from the hosts it shows."""
     from fastjobs import cli
     from fastjobs.stats import ClusterHost, ClusterWorker
 
-    [sample] = [code for lang, code in BLOCKS if lang == "text" and code.startswith("cluster: ")]
+    [sample] = [code for _, lang, code in BLOCKS if lang == "text" and code.startswith("cluster: ")]
 
     def worker(wid: str, rate: float, beat: float, stale: bool = False) -> ClusterWorker:
         return ClusterWorker(
