@@ -8,10 +8,6 @@ import decimal
 import enum
 import functools
 import importlib
-import os
-import subprocess
-import sys
-import textwrap
 import uuid
 import zoneinfo
 from collections.abc import Callable
@@ -499,68 +495,8 @@ def test_the_schema_compiles_once_per_handler():
         call(user={"name": "a", "address": {"street": "s", "zip": "z"}}, when=5)
 
 
-# Static typing -------------------------------------------------------------
-
-SAMPLE = """
-import datetime as dt
-
-import psycopg
-
-import fastjobs
-
-app = fastjobs.App("postgresql://")
-
-
-@app.job()
-def send(user_id: int, when: dt.datetime, note: str = "") -> None: ...
-
-
-def calls(conn: psycopg.Connection[tuple[object, ...]]) -> None:
-    send.enqueue(user_id=1, when=dt.datetime.now(dt.UTC))
-    send.enqueue(1, dt.datetime.now(dt.UTC), "positional")
-    send.using(conn).enqueue(user_id=1, when=dt.datetime.now(dt.UTC))
-    send.options(priority=5).enqueue_many([send.args(user_id=2, when=dt.datetime.now(dt.UTC))])
-    send.enqueue(user_id="1", when=dt.datetime.now(dt.UTC))  # error: a wrong type
-    send.enqueue(user_id=1)  # error: a missing argument
-    send.args(user_id=1, when=dt.datetime.now(dt.UTC), nope=3)  # error: an unknown argument
-"""
-
-
-def test_mypy_checks_enqueue_calls_against_the_handler(tmp_path: Path):
-    sample = tmp_path / "sample.py"
-    code = textwrap.dedent(SAMPLE).lstrip()
-    sample.write_text(code)
-    expected = [str(n) for n, line in enumerate(code.splitlines(), 1) if "# error" in line]
-    cache = Path(__file__).resolve().parent.parent / ".mypy_cache"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mypy",
-            "--strict",
-            "--no-error-summary",
-            "--cache-dir",
-            str(cache),
-            str(sample),
-        ],
-        cwd=tmp_path,
-        env={**os.environ, "MYPYPATH": str(cache.parent)},  # the editable install hides fastjobs from mypy
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    errors = sorted(
-        line.split(": error: ")[0].rsplit(":", 1)[1]
-        for line in done.stdout.splitlines()
-        if ": error: " in line
-    )
-    assert len(expected) == 3
-    assert errors == expected, done.stdout + done.stderr
-    assert (
-        'Argument "user_id" to "enqueue" of "Job" has incompatible type "str"; expected "int"' in done.stdout
-    )
-    assert 'Missing positional argument "when" in call to "enqueue" of "Job"' in done.stdout
-    assert 'Unexpected keyword argument "nope" for "args" of "Job"' in done.stdout
+# Static typing: tests/test_install.py runs mypy --strict on a user's module against an installed
+# fastjobs, as the install page says to install it.
 
 
 def test_the_bench_reports_the_per_job_cost_of_each_record_type():
