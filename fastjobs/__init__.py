@@ -25,7 +25,7 @@ from .types import JobSpec, JobState
 from .worker import Worker, WorkerConfig
 
 # A library configures no output: its records reach nothing (not even logging's
-# last-resort stderr) until the application configures logging (README, Logging).
+# last-resort stderr) until the application configures logging (docs/operations/monitoring.md, Logging).
 # No module logs at import, so this comes in time.
 logging.getLogger("fastjobs").addHandler(logging.NullHandler())
 

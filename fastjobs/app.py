@@ -468,7 +468,7 @@ class App:
         return self.job(kind, queue=queue, cron=cron, **options)
 
     def testing(self, mode: Mode = "manual", *, dsn: str | None = None) -> Testing:
-        """The testing kit for this app (README, Testing your jobs); use it as a context manager.
+        """The testing kit for this app (docs/guides/testing.md); use it as a context manager.
 
         `manual` (the default): enqueued jobs wait until `drain()` runs them.
         `inline`: each enqueue runs its job at once through the worker's code

@@ -512,7 +512,7 @@ def periodic_once(
 
     The tick is recorded in fastjobs_periodic in the same transaction as the
     enqueue, so a tick is enqueued exactly once across the cluster and across
-    leader changes. The missed-tick rule (README, Periodic jobs): ticks missed
+    leader changes. The missed-tick rule (docs/guides/periodic.md): ticks missed
     while no leader ran are caught up with one job, for the most recent of
     them, never a burst. A kind no leader has seen before starts at its next
     tick, as cron, River and Oban do: a tick under a minute old runs; an older

@@ -127,7 +127,7 @@ ROTATION_PROBLEMS = {
     ROTATION_PRIVILEGES: (
         "privileges",
         "the role it connects as may not empty the rotating slots: as the tables' owner, run the GRANTs"
-        " the leader's log names (README, Roles and grants)",
+        " the leader's log names (docs/operations/upgrades.md, Roles and grants)",
     ),
     ROTATION_DEFERRED: (
         "deferred",

@@ -504,7 +504,7 @@ class Testing:
         # it to the handler while processing the COMMIT. A LISTEN made in a
         # transaction that rolls back is undone with it. The jobs run while
         # psycopg holds `conn`'s lock: a handler using this very connection
-        # object would wait forever (README says so).
+        # object would wait forever (docs/guides/testing.md says so).
         conn.execute(sql.listen_jobs)
         conn.execute(sql.testing_notify_commit)
         if conn not in self._listening:

@@ -45,7 +45,7 @@ from fastjobs.worker import Worker, WorkerConfig
 from . import procs
 from .procs import wait_for
 
-# The rotation's grants, as README (Roles and grants) gives them.
+# The rotation's grants, as docs/operations/upgrades.md (Roles and grants) gives them.
 ROTATION_GRANTS = (
     "GRANT TRUNCATE ON fastjobs_jobs_1, fastjobs_jobs_2, fastjobs_jobs_3, fastjobs_jobs_4 TO {role}",
     "GRANT UPDATE ON SEQUENCE fastjobs_slot TO {role}",
