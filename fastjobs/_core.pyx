@@ -388,6 +388,7 @@ cdef class BatchLoop:
     cdef list _fast_queues
     cdef list _state_until
     cdef list _proven
+    cdef list _deep
     cdef bint _tx
     cdef double _deadline
     cdef bytes _lock_statement, _lock_sql, _lock_after_statement, _lock_after_sql
@@ -451,6 +452,7 @@ cdef class BatchLoop:
         self._lock_after_statement, self._lock_after_sql = name.encode(), text.encode()
         self._state_until = [0.0] * len(queues)
         self._proven = [False] * len(queues)  # see the reference
+        self._deep = [True] * len(queues)  # and no empty fast claim since a full one
         self._tx = False
         self._deadline = 0.0
         self.fast = 0
@@ -530,7 +532,7 @@ cdef class BatchLoop:
 
     cdef bint _fast_for(self, Py_ssize_t index):
         """Whether the next claim of queue `index` takes the fast lane."""
-        if (not (self._fast_queues[index] and self._proven[index])
+        if (not (self._fast_queues[index] and self._proven[index] and self._deep[index])
                 or <double>self._state_until[index] > _monotonic()):
             return False
         return not (self._executor.threads and self._executor.pooled(self._queues[index]))
@@ -593,6 +595,7 @@ cdef class BatchLoop:
         finally:
             self._quiet = False
         self._mark(n)
+        self._deep[index] = n > 0
         if not n:
             return 0
         self._nrows = n
@@ -948,6 +951,8 @@ cdef class BatchLoop:
         self.claimed += n
         if self._limit > 0:
             self._mark(n)
+            if n >= self._limit:
+                self._deep[self._sent_index] = True
         self._full = self._limit > 0 and n >= self._limit
         # A short or empty claim halves the size at most: see the reference.
         self.size = min(self.batch_max, self._cap, max(self.batch_min, 2 * n, self.size // _SIZE_DECAY))

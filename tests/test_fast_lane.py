@@ -422,6 +422,29 @@ def test_a_queue_takes_the_fast_lane_only_after_a_quick_batch(app: App, dsn: str
     assert loop.fast == 2
 
 
+def test_a_queue_the_workers_keep_up_with_leaves_the_fast_lane_until_a_claim_comes_back_full(
+    app: App, dsn: str
+) -> None:
+    """A fast claim that finds nothing (BEGIN, claim, COMMIT: three round trips) sends the queue to
+    the state lane (one round trip a claim, the lower pickup latency) until a claim of it comes back
+    full, which is a backlog again: the fast lane's one write a job is a gain there."""
+    app.job(kind="quick")(lambda: None)
+    with batch_loop(app, 4, fast_lane=True, overlap=False) as loop:
+        warm(app, loop)
+        app.enqueue_many("quick", ({} for _ in range(3)))
+        assert loop.step() == 3 and loop.fast == 3  # short but not empty: the lane stays
+        assert loop.step() == 0  # an empty fast claim
+        app.enqueue_many("quick", ({} for _ in range(3)))
+        assert loop.step() == 3 and loop.fast == 3  # the state lane: short claims keep it there
+        app.enqueue_many("quick", ({} for _ in range(3)))
+        assert loop.step() == 3 and loop.fast == 3
+        app.enqueue_many("quick", ({} for _ in range(9)))
+        assert loop.step() == 4 and loop.fast == 3  # a full claim, on the state lane...
+        assert loop.step() == 4 and loop.fast == 7  # ...sends the next to the fast lane
+        assert loop.step() == 1 and loop.fast == 8
+    assert by_state(dsn) == {}
+
+
 def test_an_outcome_postgresql_rejects_rolls_the_batch_back_to_the_state_lane(
     app: App, dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
