@@ -162,7 +162,7 @@ def test_fastjobs_run_without_any_database_configured_exits_saying_how(no_env, t
 
 
 def test_the_commands_that_run_no_jobs_fall_back_on_the_embedded_server_saying_so(no_env, empty_dsn, capsys):
-    """The README's Quick start (`fastjobs migrate && fastjobs bench`) needs no configuration.
+    """The first benchmark (docs/performance.md: `fastjobs migrate && fastjobs bench`) needs no settings.
 
     The embedded server stands in as the one this process already started
     (database.embedded_dsn caches it): `empty_dsn`, on the test server.

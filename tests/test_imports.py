@@ -9,7 +9,8 @@ import pytest
 
 # The core's only dependencies are psycopg, orjson and setproctitle; the testing
 # kit and its pytest plugin load only in a test session, and typed arguments
-# handle msgspec and pydantic classes without importing either.
+# handle msgspec and pydantic classes without importing either; the docs extra's
+# toolchain serves only `mkdocs`.
 OPTIONAL = (
     "opentelemetry",
     "sentry_sdk",
@@ -21,6 +22,10 @@ OPTIONAL = (
     "fastjobs.testing",
     "msgspec",
     "pydantic",
+    "mkdocs",
+    "material",
+    "mkdocstrings",
+    "griffe",
 )
 
 
