@@ -19,10 +19,11 @@ from typing import Any, Generic, TypeVar
 from . import control, database, logs, schema, sql, stats
 from .abc import OUTCOMES
 from .app import App
+from .children import EXIT_BOOT_ERROR
 from .errors import ConfigurationError, FastjobsError
 from .impl import FALLBACK, IMPLEMENTATION
 from .leader import DEFAULT_LEASE, LeaderConfig, RescuerConfig, periodic_status
-from .master import DEFAULT_WORKER_TIMEOUT, EXIT_BOOT_ERROR, Master, parse_queues, threaded_queues
+from .master import DEFAULT_WORKER_TIMEOUT, Master, parse_queues, threaded_queues
 from .stats import HORIZON_WARNING
 from .types import JobState
 from .worker import WorkerConfig, host_id

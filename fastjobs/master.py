@@ -18,15 +18,15 @@ import os
 import secrets
 import select
 import signal
-import sys
 import time
 from collections.abc import Collection
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import psycopg
 
 from . import database, schema, sql
 from .app import App
+from .children import EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK, Backoff, die_with, fork, how_it_ended
 from .errors import ConfigurationError, DatabaseUnavailable, FastjobsError, SchemaMissing
 from .impl import IMPLEMENTATION
 from .leader import Leader, LeaderConfig
@@ -36,18 +36,10 @@ from .stats import LEADER, WORKER, Labels, Slot, Slots, database_identity
 from .types import DEFAULT_QUEUE
 from .worker import Supervision, Worker, WorkerConfig, host_id, make_worker_id
 
-# Exit codes of a child. BOOT_ERROR means "could not start, do not restart":
-# the whole master stops with it rather than restart-looping.
-EXIT_OK = 0
-EXIT_CRASH = 1
-EXIT_BOOT_ERROR = 3
-
-RESTART_BACKOFF_MAX = 30.0
 # A queue named without `:n` gets this much concurrency per worker process
 # (its async jobs in flight at once; its sync jobs run one at a time per
 # worker: threads are asked for, with `:n`, since they need thread-safe handlers).
 DEFAULT_CONCURRENCY = 10
-STABLE_AFTER = 30.0  # a child that lived this long resets its backoff
 # A child whose slot has not been beaten this long is hung or stopped (it
 # beats every second, whatever length of job it runs): killed and replaced.
 DEFAULT_WORKER_TIMEOUT = 60.0
@@ -64,17 +56,6 @@ RELEASE_TIMEOUT = 10
 logger = logging.getLogger(__name__)
 
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGCHLD}
-
-
-def _stop_with_parent(master_pid: int) -> None:
-    """A child must not outlive its master unsupervised: SIGTERM it when the master dies."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() != master_pid:  # the master died before prctl took effect
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def parse_queues(spec: str | None, registered: list[str], processes: int) -> dict[str, int]:
@@ -150,8 +131,7 @@ class Child:
     index: int  # 0..N-1 workers, N the leader
     role: int
     pid: int = 0
-    started: float = 0.0
-    failures: int = 0
+    backoff: Backoff = field(default_factory=Backoff)
     restart_at: float | None = None
     last_progress: float = 0.0
     seen_progress: float = -1.0
@@ -359,11 +339,8 @@ class Master:
             self.exit_code = EXIT_BOOT_ERROR
             self.handle_stop(signal.SIGTERM)
             return
-        lived = time.monotonic() - child.started
-        child.failures = 0 if lived >= STABLE_AFTER else child.failures + 1
-        delay = min(RESTART_BACKOFF_MAX, 0.5 * 2 ** max(child.failures - 1, 0)) if child.failures else 0.0
-        how = "was killed by signal " + str(-code) if code < 0 else f"exited with {code}"
-        logger.warning("%s %s; restarting in %gs", name, how, delay)
+        delay = child.backoff.delay()
+        logger.warning("%s %s; restarting in %gs", name, how_it_ended(code), delay)
         child.restart_at = time.monotonic() + delay
 
     def _blame(self, child: Child, name: str) -> None:
@@ -424,13 +401,9 @@ class Master:
         """
         dsn = self.app.dsn
         assert dsn
-        signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-        pid = os.fork()
-        if pid:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
-            self.releasers[pid] = name
-            return
-        code = EXIT_CRASH
+        self.releasers[fork(_STOP_SIGNALS, lambda: self._releaser_main(dsn, worker_id, running, name))] = name
+
+    def _releaser_main(self, dsn: str, worker_id: str, running: list[int], name: str) -> int:
         try:
             # A stop signal sent to the whole group must not cut the release short.
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
@@ -462,7 +435,7 @@ class Master:
                     released,
                     extra=job_fields(None, worker=worker_id),
                 )
-            code = EXIT_OK
+            return EXIT_OK
         except (FastjobsError, psycopg.Error) as exc:
             logger.warning(
                 "%s's unstarted jobs are left to the rescuer: %s",
@@ -470,12 +443,7 @@ class Master:
                 exc,
                 extra=job_fields(None, worker=worker_id),
             )
-        except BaseException:
-            logger.exception("releasing %s's jobs crashed", name)
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+            return EXIT_CRASH
 
     def _wait_releasers(self) -> None:
         """Wait for the releasers still running (at most RELEASE_WAIT seconds), so nothing is left held."""
@@ -541,40 +509,32 @@ class Master:
         # The worker's identity: a token chosen here, before the fork, so the
         # master knows the exact id whose jobs to release if it dies.
         token = secrets.token_hex(8)
-        # Signals stay blocked across the fork until the child has its own
-        # handlers: one arriving in between would reach the master's handler
-        # in the child and be lost.
-        signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-        pid = os.fork()
-        if pid:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
-            child.pid = pid
-            child.worker_id = make_worker_id(token, pid, self.host)
-            child.started = child.last_progress = time.monotonic()
-            child.seen_progress = -1.0
-            child.killed = False
-            child.careful = False
-            return
-        code = EXIT_CRASH
+        child.pid = fork(_STOP_SIGNALS, lambda: self._forked(child, token))
+        child.worker_id = make_worker_id(token, child.pid, self.host)
+        child.backoff.start()
+        child.last_progress = time.monotonic()
+        child.seen_progress = -1.0
+        child.killed = False
+        child.careful = False
+
+    def _forked(self, child: Child, token: str) -> int:
+        """The child's side of _spawn."""
+        assert self.slots is not None
         try:
             for sig in _STOP_SIGNALS:
                 signal.signal(sig, signal.SIG_DFL)
-            _stop_with_parent(self.pid)
+            die_with(self.pid, signal.SIGTERM)  # not unsupervised: the pending SIGTERM waits for the unblock
             os.close(self._wake_r)
             os.close(self._wake_w)
             slot = self.slots[child.index]
             slot.claim(child.role, child.index)
-            code = self._child_main(child, slot, make_worker_id(token, os.getpid(), self.host))
+            return self._child_main(child, slot, make_worker_id(token, os.getpid(), self.host))
         except (ConfigurationError, SchemaMissing) as exc:
             logger.error("%s: %s", self._name(child), exc)
-            code = EXIT_BOOT_ERROR
+            return EXIT_BOOT_ERROR
         except BaseException:
             logger.exception("%s (pid %d) crashed", self._name(child), os.getpid())
-            code = EXIT_CRASH
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+            return EXIT_CRASH
 
     def _child_main(self, child: Child, slot: Slot, worker_id: str) -> int:
         from setproctitle import setproctitle

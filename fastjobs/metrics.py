@@ -33,7 +33,6 @@ import select
 import selectors
 import signal
 import socket
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,6 +40,7 @@ from typing import Any
 import psycopg
 
 from . import database, sql
+from .children import EXIT_BOOT_ERROR, EXIT_CRASH, Backoff, die_with, fork, how_it_ended
 from .errors import FastjobsError
 from .stats import LEADER, ClusterHost, Health, QueueDepth, Slots, cluster, health, prometheus, queue_depths
 
@@ -55,11 +55,7 @@ CONNECT_TIMEOUT = 2  # libpq's least
 FRESH = 1.0  # a burst of scrapes within this many seconds costs one read of the database
 RETRY_AFTER = 2.0  # after a failed read, scrapes answer without the database this long
 READY_TIMEOUT = 30.0  # the master's wait for the first metrics process to listen
-RESTART_BACKOFF_MAX = 30.0
-STABLE_AFTER = 30.0
 
-_EXIT_CRASH = 1
-_EXIT_BOOT_ERROR = 3
 _SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGCHLD}
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -76,8 +72,7 @@ class MetricsProcess:
         self.dsn = dsn
         self.close_in_child = tuple(close_in_child)
         self.pid = 0
-        self.started = 0.0
-        self.failures = 0
+        self.backoff = Backoff()
         self.restart_at: float | None = None
 
     @property
@@ -113,11 +108,8 @@ class MetricsProcess:
         self.pid = 0
         if stopping:
             return True
-        lived = time.monotonic() - self.started
-        self.failures = 0 if lived >= STABLE_AFTER else self.failures + 1
-        delay = min(RESTART_BACKOFF_MAX, 0.5 * 2 ** max(self.failures - 1, 0)) if self.failures else 0.0
-        code = os.waitstatus_to_exitcode(status)
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with {code}"
+        delay = self.backoff.delay()
+        how = how_it_ended(os.waitstatus_to_exitcode(status))
         logger.warning("metrics process %s; restarting in %gs", how, delay)
         self.restart_at = time.monotonic() + delay
         return True
@@ -139,42 +131,19 @@ class MetricsProcess:
 
     def _fork(self, ready: int | None, *close: int) -> None:
         master = os.getpid()
-        # Blocked across the fork: a signal arriving before the child has set
-        # its dispositions would run the master's handler in the child.
-        signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
-        pid = os.fork()
-        if pid:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
-            self.pid = pid
-            self.started = time.monotonic()
-            return
-        code = _EXIT_CRASH
-        try:
+
+        def main() -> int:
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT):
                 signal.signal(sig, signal.SIG_IGN)  # the master stops it, after its workers
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            _die_with(master)
+            die_with(master, signal.SIGKILL)  # the port must be free for the next master
             for fd in self.close_in_child + close:
                 os.close(fd)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
-            code = _main(self.host, self.port, self.slots, self.dsn, ready)
-        except BaseException:
-            logger.exception("metrics process crashed")
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+            return _main(self.host, self.port, self.slots, self.dsn, ready)
 
-
-def _die_with(master: int) -> None:
-    """SIGKILL this process when the master dies: the port must be free for the next master."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != master:  # the master died before prctl took effect
-        os._exit(_EXIT_CRASH)
+        self.pid = fork(_SIGNALS, main)
+        self.backoff.start()
 
 
 def _main(host: str, port: int, slots: Slots, dsn: str, ready: int | None) -> int:
@@ -187,9 +156,9 @@ def _main(host: str, port: int, slots: Slots, dsn: str, ready: int | None) -> in
         message = exc.strerror or str(exc)
         if ready is None:
             logger.error("metrics process: cannot listen on %s:%d: %s", host, port, message)
-            return _EXIT_CRASH
+            return EXIT_CRASH
         os.write(ready, f"error {message}\n".encode())
-        return _EXIT_BOOT_ERROR
+        return EXIT_BOOT_ERROR
     if ready is not None:
         os.write(ready, f"listening {listener.getsockname()[1]}\n".encode())
         os.close(ready)

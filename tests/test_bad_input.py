@@ -120,8 +120,8 @@ import pytest
 from psycopg.conninfo import make_conninfo
 
 from fastjobs import App, FastjobsError, SchemaMissing, Worker, WorkerConfig, database, leader, schema, sql
+from fastjobs.children import EXIT_BOOT_ERROR
 from fastjobs.cli import _parser, main
-from fastjobs.master import EXIT_BOOT_ERROR
 from fastjobs.testing import Drained
 
 from . import procs

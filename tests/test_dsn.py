@@ -10,8 +10,8 @@ import psycopg
 import pytest
 
 from fastjobs import App, ConfigurationError, DatabaseUnavailable, FastjobsError, database, schema
+from fastjobs.children import EXIT_BOOT_ERROR
 from fastjobs.cli import load_app, main
-from fastjobs.master import EXIT_BOOT_ERROR
 
 PASSWORD = "s3cretpw"
 UNREACHABLE = f"postgresql://u:{PASSWORD}@127.0.0.1:1/db"

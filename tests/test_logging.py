@@ -80,7 +80,8 @@ thread = threading.Thread(target=worker.run)
 thread.start()
 thread.join(20)
 assert not thread.is_alive(), "the worker did not drain"
-assert (worker.loop.failed, worker.loop.discarded) == (2, 1), (worker.loop.failed, worker.loop.discarded)
+# "elsewhere" fails again if its ~1 s backoff ends before the drain does (a busy machine)
+assert worker.loop.failed >= 2 and worker.loop.discarded == 1, (worker.loop.failed, worker.loop.discarded)
 app.close()
 """
 

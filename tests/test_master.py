@@ -21,10 +21,10 @@ import psycopg
 import pytest
 
 from fastjobs import App
+from fastjobs.children import EXIT_BOOT_ERROR
 from fastjobs.errors import ConfigurationError
 from fastjobs.master import (
     DEFAULT_CONCURRENCY,
-    EXIT_BOOT_ERROR,
     SAME_STOP_WINDOW,
     Master,
     parse_queues,

@@ -17,8 +17,8 @@ import psycopg
 import pytest
 
 from fastjobs import App, FastjobsError, SchemaMissing, SchemaTooNew, enqueue, schema, sql
+from fastjobs.children import EXIT_BOOT_ERROR
 from fastjobs.cli import main
-from fastjobs.master import EXIT_BOOT_ERROR
 from fastjobs.types import DEFAULT_MAX_ATTEMPTS, DEFAULT_PRIORITY, DEFAULT_QUEUE, JobSpec
 
 from . import procs
