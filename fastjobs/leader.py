@@ -212,8 +212,8 @@ class RotationConfig:
     # Off, nothing cleans the rotating slots (autovacuum is off on them): for tests and tools only.
     enabled: bool = True
     interval: float = 2.0
-    # A fast-lane batch starts no job after BATCH_SECONDS (0.1 s), so the
-    # transactions holding the slots end within about that: 0.05 s mostly gave way.
+    # Longer than a fast-lane batch's transaction lives (test_upkeep pins it):
+    # 0.05 s mostly gave way.
     lock_timeout: float = 0.15
     retry: float = 0.2
     max_move: int = 10_000
