@@ -44,6 +44,16 @@ from .types import JobSpec
 if TYPE_CHECKING:
     from .app import App
 
+__all__ = [
+    "CleanerConfig",
+    "LeaderConfig",
+    "PeriodicConfig",
+    "RescuerConfig",
+    "RotationConfig",
+    "SchedulerConfig",
+    "VacuumConfig",
+]
+
 logger = logging.getLogger(__name__)
 
 
