@@ -1,6 +1,7 @@
 """fastjobs: a PostgreSQL-backed background job queue built for throughput."""
 
-import logging
+import logging as _logging
+from types import ModuleType as _ModuleType
 
 from .app import App, Job
 from .errors import (
@@ -27,7 +28,7 @@ from .worker import Worker, WorkerConfig
 # A library configures no output: its records reach nothing (not even logging's
 # last-resort stderr) until the application configures logging (docs/operations/monitoring.md, Logging).
 # No module logs at import, so this comes in time.
-logging.getLogger("fastjobs").addHandler(logging.NullHandler())
+_logging.getLogger("fastjobs").addHandler(_logging.NullHandler())
 
 __all__ = [
     "App",
@@ -54,3 +55,9 @@ __all__ = [
     "current_job",
     "default_backoff",
 ]
+
+
+def __dir__() -> list[str]:
+    """The public names, and the submodules imported so far (fastjobs.testing, fastjobs.leader...)."""
+    modules = (name for name, value in globals().items() if isinstance(value, _ModuleType) and name[0] != "_")
+    return sorted({*__all__, *modules})

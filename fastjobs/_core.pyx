@@ -78,6 +78,13 @@ cdef extern from "<endian.h>" nogil:
 IMPLEMENTATION = "c"
 
 cdef double _BATCH_SECONDS = BATCH_SECONDS
+# The slot's int64 fields the loop writes (fastjobs.stats.RUNNING_*), as C constants.
+cdef enum:
+    _RUNNING_JOB = 0
+    _RUNNING_WRITING = 1
+    _RUNNING_SUSPECT = 2
+if (stats.RUNNING_JOB, stats.RUNNING_WRITING, stats.RUNNING_SUSPECT) != (0, 1, 2):
+    raise ImportError("fastjobs.stats.RUNNING_* changed: rebuild _core with them")
 cdef double _FULL_CLAIM_MAX_WAIT = FULL_CLAIM_MAX_WAIT
 cdef Py_ssize_t _SIZE_DECAY = SIZE_DECAY
 cdef double _FAST_LANE_DEMOTE = FAST_LANE_DEMOTE
@@ -662,9 +669,7 @@ cdef class BatchLoop:
         del self._failures[:]
         self._ndone = 0
         self._tx = False
-        if self._running != NULL and not self._write_failed:
-            self._running[1] = len(failures)
-            self._running[2] = failures[0]["id"] if failures else 0
+        self._writing(failures)
         values[0] = self._text
         values[1] = PyBytes_AS_STRING(encoded)
         values[2] = PyBytes_AS_STRING(self._worker_id)
@@ -699,8 +704,20 @@ cdef class BatchLoop:
                 self.retried += retried
                 self.discarded += discarded
             self.fast += ndone + len(failures)
+        self._written()
+        return 0
+
+    cdef int _writing(self, list failures) except -1:
+        """Note in the slot the failed jobs' outcomes the statement about to be sent carries."""
         if self._running != NULL and not self._write_failed:
-            self._running[1] = 0
+            self._running[_RUNNING_WRITING] = len(failures)
+            if failures:
+                self._running[_RUNNING_SUSPECT] = failures[0]["id"]
+        return 0
+
+    cdef int _written(self) except -1:
+        if self._running != NULL and not self._write_failed:
+            self._running[_RUNNING_WRITING] = 0
         return 0
 
     cdef int _prepare(self, bytes name, bytes text) except -1:
@@ -768,9 +785,7 @@ cdef class BatchLoop:
         cdef int64_t *ids
         cdef Py_ssize_t cap
         self._literal(self._ndone, self._done)
-        if self._running != NULL and not self._write_failed:
-            self._running[1] = len(self._failures)
-            self._running[2] = self._failures[0]["id"] if self._failures else 0
+        self._writing(self._failures)
         failures = _encode(self._failures)
         index = self._turn % len(self._queues)
         queue = self._queues[index]
@@ -944,8 +959,7 @@ cdef class BatchLoop:
             _isolate(self._write, done, failures, error[0])
         self._nsent = 0
         self._sent_failures = []
-        if self._running != NULL and not self._write_failed:
-            self._running[1] = 0
+        self._written()
         self._nrows = self._claimed(self._rows) if self._rows != NULL else 0
         n = self._nrows
         self.claimed += n
@@ -1111,7 +1125,7 @@ cdef class BatchLoop:
                 break
             if self._running != NULL:
                 self._progress[0] += 1
-                self._running[0] = job_id
+                self._running[_RUNNING_JOB] = job_id
             kind = PQgetvalue(rows, i, 1)
             kind_len = PQgetlength(rows, i, 1)
             attempt = _int2(PQgetvalue(rows, i, 3))
@@ -1243,7 +1257,7 @@ cdef class BatchLoop:
                 break
         # No fast job runs from here on: see the reference.
         if self._running != NULL:
-            self._running[0] = 0
+            self._running[_RUNNING_JOB] = 0
         if slow:
             done = []
             first = len(failures)
@@ -1387,14 +1401,11 @@ cdef class BatchLoop:
         failures.extend(releases)
         if not done and not failures:
             return 0
-        if self._running != NULL and not self._write_failed:
-            self._running[1] = len(failures)
-            self._running[2] = failures[0]["id"] if failures else 0
+        self._writing(failures)
         error = self._write(done, failures)
         if error is not None:
             _isolate(self._write, done, failures, error)
-        if self._running != NULL and not self._write_failed:
-            self._running[1] = 0
+        self._written()
         return 0
 
     cdef object _tally(self, long long *row, object outcome):

@@ -7,7 +7,7 @@ import select
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import orjson
@@ -33,6 +33,7 @@ from .abc import (
 from .args import dump_args as dump_args
 from .errors import LoopError
 from .handlers import Executor, Outcome
+from .stats import RUNNING_JOB, RUNNING_SUSPECT, RUNNING_WRITING
 from .types import JobSpec
 
 IMPLEMENTATION = "python"
@@ -148,10 +149,10 @@ class BatchLoop:
         self._pgconn = conn.pgconn
         # Shared memory written per job started (plain stores): a float
         # count, so the master can tell a long batch from a hung one, and
-        # the job's id (int64 `running[0]`), so it knows which job a dead
-        # worker was running. Per statement, `running[1:3]`: how many failed
-        # jobs' outcomes it carries, and the job when there is one, so a
-        # worker that dies writing an outcome implicates that job alone.
+        # the job's id (int64 `running[RUNNING_JOB]`), so it knows which job
+        # a dead worker was running. Per statement (_writing, _written): how
+        # many failed jobs' outcomes it carries, and the job when there is
+        # one, so a worker that dies writing an outcome implicates that job alone.
         if (progress is None) != (running is None):
             raise ValueError("progress and running are the one slot's: pass both or neither")
         self._progress: Any = progress
@@ -390,9 +391,7 @@ class BatchLoop:
         wake = wake or len(failures) < len(self._failures)
         del self._done[:], self._failures[:]
         self._tx = False
-        if self._running is not None and not self._write_failed:
-            self._running[1] = len(failures)
-            self._running[2] = failures[0]["id"] if failures else 0
+        self._writing(failures)
         ids = ("{" + ",".join(map(str, done)) + "}").encode()
         self._send_prepared(b"job_finish_locked_many", [ids, handlers.encode(failures), self._worker_id])
         _, error, _ = self._results()
@@ -413,15 +412,23 @@ class BatchLoop:
                 self.retried += retried
                 self.discarded += discarded
             self.fast += len(done) + len(failures)
+        self._written()
+
+    def _writing(self, failures: Sequence[Outcome]) -> None:
+        """Note in the slot the failed jobs' outcomes the statement about to be sent carries."""
         if self._running is not None and not self._write_failed:
-            self._running[1] = 0
+            self._running[RUNNING_WRITING] = len(failures)
+            if failures:
+                self._running[RUNNING_SUSPECT] = failures[0]["id"]
+
+    def _written(self) -> None:
+        if self._running is not None and not self._write_failed:
+            self._running[RUNNING_WRITING] = 0
 
     def _send(self, limit: int) -> None:
         """Send the outcomes gathered so far and a claim of `limit` jobs."""
         done = ("{" + ",".join(map(str, self._done)) + "}").encode()
-        if self._running is not None and not self._write_failed:
-            self._running[1] = len(self._failures)
-            self._running[2] = self._failures[0]["id"] if self._failures else 0
+        self._writing(self._failures)
         failures = handlers.encode(self._failures)
         index = self._turn % len(self._queues)
         queue = self._queues[index]
@@ -518,8 +525,7 @@ class BatchLoop:
             handlers.isolate(self._write, done, failures, error)
             res = None
         self._sent_outcomes = ([], [])
-        if self._running is not None and not self._write_failed:
-            self._running[1] = 0
+        self._written()
         n = self._claimed(res) if res is not None else 0
         rows = self._rows_of(res, n)
         self.claimed += n
@@ -708,7 +714,7 @@ class BatchLoop:
                 break
             if self._running is not None:
                 self._progress[0] += 1
-                self._running[0] = job_id
+                self._running[RUNNING_JOB] = job_id
             if counts is not None:
                 at = base + kind_rows.get(kind, other)
                 stats.observe(counts, at + PICKUP_SUM, (claimed_us - run_at) * 1000)
@@ -797,7 +803,7 @@ class BatchLoop:
         # No fast job runs from here on: the executor records the slow ones
         # it starts (stats.SlowJobs), and a crash is blamed on those alone.
         if self._running is not None:
-            self._running[0] = 0
+            self._running[RUNNING_JOB] = 0
         if slow:
             slow_done: list[int] = []
             first = len(failures)
@@ -918,14 +924,11 @@ class BatchLoop:
         failures += releases
         if not (done or failures):
             return
-        if self._running is not None and not self._write_failed:
-            self._running[1] = len(failures)
-            self._running[2] = failures[0]["id"] if failures else 0
+        self._writing(failures)
         error = self._write(done, failures)
         if error is not None:
             handlers.isolate(self._write, done, failures, error)
-        if self._running is not None and not self._write_failed:
-            self._running[1] = 0
+        self._written()
 
     def _attempts_of(
         self, slow: list[handlers.SlowJob], slow_done: list[int], failures: list[Outcome], first: int

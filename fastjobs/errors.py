@@ -2,6 +2,22 @@
 
 from __future__ import annotations
 
+__all__ = [
+    "Cancel",
+    "ConfigurationError",
+    "DatabaseUnavailable",
+    "FastjobsError",
+    "InvalidArguments",
+    "JobNotFound",
+    "JobTimeout",
+    "LoopError",
+    "Retry",
+    "SchemaMissing",
+    "SchemaTooNew",
+    "Snooze",
+    "UnknownKind",
+]
+
 
 class FastjobsError(Exception):
     """fastjobs failed."""

@@ -44,6 +44,16 @@ from .types import JobSpec
 if TYPE_CHECKING:
     from .app import App
 
+__all__ = [
+    "CleanerConfig",
+    "LeaderConfig",
+    "PeriodicConfig",
+    "RescuerConfig",
+    "RotationConfig",
+    "SchedulerConfig",
+    "VacuumConfig",
+]
+
 logger = logging.getLogger(__name__)
 
 
@@ -212,8 +222,8 @@ class RotationConfig:
     # Off, nothing cleans the rotating slots (autovacuum is off on them): for tests and tools only.
     enabled: bool = True
     interval: float = 2.0
-    # A fast-lane batch starts no job after BATCH_SECONDS (0.1 s), so the
-    # transactions holding the slots end within about that: 0.05 s mostly gave way.
+    # Longer than a fast-lane batch's transaction lives (test_upkeep pins it):
+    # 0.05 s mostly gave way.
     lock_timeout: float = 0.15
     retry: float = 0.2
     max_move: int = 10_000

@@ -30,6 +30,12 @@ from .errors import FastjobsError
 from .handlers import JobContext, _async_job, _thread
 from .types import JobSpec
 
+__all__ = [
+    "Enqueue",
+    "EnqueueMiddleware",
+    "JobMiddleware",
+]
+
 JobMiddleware = Callable[[JobContext, Callable[[], Any]], Any]
 EnqueueMiddleware = Callable[["Enqueue", Callable[[], Any]], Any]
 

@@ -11,6 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+__all__ = [
+    "JITTER",
+    "RetryPolicy",
+    "default_backoff",
+]
+
 RetryPolicy = Callable[[int, float], float]
 
 JITTER = 0.1

@@ -115,6 +115,8 @@ INT_FIELDS = (
     "overflow",  # slow jobs running that found no free entry below
 )
 _JOB, _WRITING, _SUSPECT, _OVERFLOW = range(len(INT_FIELDS))
+# The hot loop's view of them (Slot.running_view): the same offsets, by name.
+RUNNING_JOB, RUNNING_WRITING, RUNNING_SUSPECT = _JOB, _WRITING, _SUSPECT
 # The most slow jobs a slot records (a worker's concurrency, capped).
 SLOW_CAPACITY_MAX = 10_000
 ROLES = {1: "worker", 2: "leader"}
@@ -215,7 +217,7 @@ class Slot:
 
     def running_view(self) -> Any:
         """The int64 fields the hot loop writes: the job it runs, and the outcomes it is writing."""
-        return self.ints[_JOB : _SUSPECT + 1]
+        return self.ints[RUNNING_JOB : RUNNING_SUSPECT + 1]
 
     def slow_jobs(self) -> SlowJobs:
         """Where the worker's executor records the slow jobs whose handlers run."""

@@ -42,6 +42,21 @@ from .types import ArgsSchema, JobState
 if TYPE_CHECKING:
     from .app import App, Job
 
+__all__ = [
+    "Databases",
+    "Drained",
+    "EnqueuedJob",
+    "Mode",
+    "Testing",
+    "databases",
+    "load_app",
+]
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)  # what help() and completion show: the public names only
+
+
 logger = logging.getLogger(__name__)
 
 Mode = Literal["manual", "inline"]

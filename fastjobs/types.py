@@ -7,6 +7,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+__all__ = [
+    "DEFAULT_MAX_ATTEMPTS",
+    "DEFAULT_PRIORITY",
+    "DEFAULT_QUEUE",
+    "PRIORITY_MAX",
+    "PRIORITY_MIN",
+    "ArgsSchema",
+    "JobSpec",
+    "JobState",
+]
+
 PRIORITY_MIN = -32768  # the column is a smallint
 PRIORITY_MAX = 32767
 MAX_ATTEMPTS_LIMIT = 32767

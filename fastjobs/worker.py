@@ -29,6 +29,11 @@ from .impl import core
 from .stats import Labels, Slot, worker_counters
 from .types import DEFAULT_QUEUE
 
+__all__ = [
+    "Worker",
+    "WorkerConfig",
+]
+
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL = leader.HEARTBEAT_INTERVAL

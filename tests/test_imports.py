@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -46,3 +48,27 @@ def test_the_bench_command_still_finds_its_subpackage():
         text=True,
     )
     assert out.returncode == 0, out.stderr
+
+
+PUBLIC = [
+    "fastjobs",
+    "fastjobs.errors",
+    "fastjobs.leader",
+    "fastjobs.middleware",
+    "fastjobs.retry",
+    "fastjobs.testing",
+    "fastjobs.types",
+    "fastjobs.worker",
+]
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_a_public_module_declares_what_it_exports(name: str) -> None:
+    """Every name in __all__ exists; the package and the testing kit show nothing else in dir()
+    (the package: its submodules too), so completion and help() list what users may use."""
+    module = importlib.import_module(name)
+    exported = module.__all__
+    assert exported and all(hasattr(module, n) for n in exported), name
+    if name in ("fastjobs", "fastjobs.testing"):
+        shown = {n for n in dir(module) if not isinstance(getattr(module, n), types.ModuleType)}
+        assert shown == set(exported), shown ^ set(exported)

@@ -20,6 +20,7 @@ import pytest
 from psycopg.conninfo import make_conninfo
 
 from fastjobs import App
+from fastjobs.abc import BATCH_SECONDS, GUARD_TICK
 from fastjobs.leader import (
     SLOTS,
     Leader,
@@ -386,3 +387,10 @@ def test_fastjobs_stats_warns_when_the_leading_leader_cannot_rotate(dsn: str) ->
         assert procs.stats_json(dsn)["warnings"] == []
     finally:
         slots.close(unlink=True)
+
+
+def test_the_rotation_waits_out_a_fast_batch() -> None:
+    """A fast batch's transaction, which locks the slots, ends within BATCH_SECONDS and a guard
+    tick (its deadline, then the hand-over of a job still running): the rotation's lock waits
+    longer than that, or it would give way to every batch in flight."""
+    assert RotationConfig().lock_timeout > BATCH_SECONDS + GUARD_TICK
