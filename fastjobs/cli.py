@@ -630,7 +630,8 @@ def _stats(args: argparse.Namespace) -> int:
         health = stats.health(conn)
         identity = stats.database_identity(conn, dsn)
         hosts = stats.cluster(conn)
-    warnings = health.warnings(args.horizon_warning)
+        unhandled = stats.unhandled_kinds(control.kinds(conn), hosts)
+    warnings = health.warnings(args.horizon_warning) + [u.warning() for u in unhandled]
     found, skipped = stats.live_masters(None if args.all_masters else identity)
     for skip in skipped:
         removed = " (removed)" if skip.stale and skip.ours else ""
@@ -657,6 +658,7 @@ def _stats(args: argparse.Namespace) -> int:
             "health": dataclasses.asdict(health),
             "warnings": warnings,
             "cluster": [dataclasses.asdict(h) for h in hosts],
+            "unhandled_kinds": [dataclasses.asdict(u) for u in unhandled],
         }
         _echo(json.dumps(doc, indent=2))
         return 0

@@ -185,7 +185,12 @@ def test_unknown_kind_is_named_exactly_and_discarded_after_its_last_attempt(app:
     rows = rows_by_id(dsn)
     assert seen == [1, 2]
     assert rows[first]["state"] == rows[last]["state"] == "completed"
-    message = f"no handler registered for job kind {kind!r}"
+    # The error says where this worker's handlers come from, and how to add one.
+    message = (
+        f"no handler registered for job kind {kind!r}: this worker's handlers come from the modules"
+        f" {__name__}; register one with @app.job in a module the worker imports (the one `fastjobs"
+        " run` names, or one that module imports). Retried meanwhile: a rolling deploy may bring the handler"
+    )
     assert (rows[retried]["state"], only_error(rows[retried])) == ("retryable", message)
     assert (rows[last_attempt]["state"], only_error(rows[last_attempt])) == ("discarded", message)
     assert rows[last_attempt]["finalized_at"] is not None
