@@ -925,7 +925,7 @@ def test_a_wrong_dsn_is_named_without_its_password(dsn: str, capsys: pytest.Capt
 
     for command in (["migrate"], ["stats"], ["stats", "--json"], ["jobs", "list"]):
         # In-process: an exception main() did not turn into a message would fail the test here.
-        assert main(["--dsn", bad, *command]) == 1, command
+        assert main(["--dsn", bad, *command]) == 3, command
         out, err = capsys.readouterr()
         assert out == ""
         assert err.startswith("fastjobs: ")
@@ -1011,7 +1011,7 @@ def test_an_out_of_date_schema_stops_the_worker_and_the_cli(old_dsn: str, capsys
     finally:
         app.close()
     for command in (["stats"], ["jobs", "list"]):
-        assert main(["--dsn", old_dsn, *command]) == 1
+        assert main(["--dsn", old_dsn, *command]) == 3
         out, err = capsys.readouterr()
         assert out == "" and "run `fastjobs migrate`" in err
 
