@@ -31,8 +31,6 @@ from .worker import WorkerConfig, host_id
 # By name: run as `python -m fastjobs.cli`, __name__ is "__main__", outside the "fastjobs" logger.
 logger = logging.getLogger("fastjobs.cli")
 
-DEFAULT_RESULTS = Path("bench") / "results.jsonl"
-
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
@@ -332,10 +330,13 @@ def _parser() -> argparse.ArgumentParser:
         help="with --soak: the held transaction's length",
     )
     run_bench.add_argument(
-        "--plot", type=Path, default=Path("bench") / "soak.png", help="with --soak: where the PNG plot goes"
+        "--plot", type=Path, help="with --soak: draw both runs as a PNG at PLOT (needs the plot extra)"
     )
     run_bench.add_argument(
-        "--results", type=Path, default=DEFAULT_RESULTS, help="JSON lines file to append to"
+        "--results",
+        type=Path,
+        metavar="PATH",
+        help="append one JSON line per measurement to PATH (default: no file is written)",
     )
     return parser
 
@@ -964,8 +965,9 @@ def _bench(args: argparse.Namespace) -> int:
     every = not (args.enqueue_only or args.drain_only or args.latency_only)
     echo = bench.echo
     echo(
-        f"fastjobs bench: {args.jobs:,} jobs, {args.processes} processes, batch {args.batch}, "
-        f"{IMPLEMENTATION} implementation, medians of {args.repeat}\n"
+        f"fastjobs bench: {logs.plural(args.jobs, 'job')},"
+        f" {logs.plural(args.processes, 'process', 'processes')}, batch {args.batch},"
+        f" {IMPLEMENTATION} implementation, medians of {logs.plural(args.repeat, 'run')}\n"
     )
     if every or args.enqueue_only:
         bench.run_enqueue(dsn, args.jobs, args.repeat, args.results, echo)

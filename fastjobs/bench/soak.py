@@ -237,9 +237,12 @@ def _window(count: Callable[[], float], echo: Callable[[str], None], label: str)
     """Completions per second over MAX_SECONDS, after a 3 s warm-up."""
     time.sleep(3.0)
     first, began = count(), time.perf_counter()
-    while (elapsed := time.perf_counter() - began) < MAX_SECONDS:
+    while time.perf_counter() - began < MAX_SECONDS:
         time.sleep(0.5)
-        echo(f"\r  {label}: {(count() - first) / max(elapsed, 1e-9):>10,.0f} jobs/s")
+        # Elapsed after the sleep: the first reading is over half a second, not a division by
+        # the microseconds before it.
+        elapsed = time.perf_counter() - began
+        echo(f"\r  {label}: {(count() - first) / elapsed:>10,.0f} jobs/s")
     rate = (count() - first) / (time.perf_counter() - began)
     echo(f"\r  {label}: {rate:>10,.0f} jobs/s\n")
     return rate
@@ -255,7 +258,7 @@ def measure_maximum(
     pids = [_spawn(_raw_consume, dsn, batch, stop, completed) for _ in range(processes)]
     pids.append(_spawn(_raw_produce, dsn, stop, sent))
     try:
-        raw = _window(lambda: float(completed.value), echo, "raw SQL, COPY and claim/DELETE at once")
+        raw = _window(lambda: float(completed.value), echo, "raw SQL, COPY and UPDATE claim + DELETE at once")
     finally:
         _reap(pids, stop)
     bench._reset(dsn)
