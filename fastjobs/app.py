@@ -141,8 +141,9 @@ class App:
         fastjobs.retry.default_backoff). `unique=True` (or a list of argument
         names) derives a unique key from the args: a duplicate enqueued while
         the first is pending or running returns the first's id. `cron`
-        (5 fields, UTC) makes the leader enqueue the job, without args, once
-        per tick across the cluster.
+        (5 fields or a shorthand such as "@daily"; the `cron` extra) makes the
+        leader enqueue the job, without args, once per tick across the
+        cluster, the expression read in the IANA time zone `tz` (default UTC).
         """
         func: Callable[P, R] | None = None
         if callable(kind):  # bare `@app.job`: the function came as `kind`

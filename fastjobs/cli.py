@@ -25,7 +25,7 @@ from .impl import FALLBACK, IMPLEMENTATION
 from .leader import DEFAULT_LEASE, LeaderConfig, RescuerConfig, periodic_status
 from .master import DEFAULT_WORKER_TIMEOUT, EXIT_BOOT_ERROR, Master, parse_queues, threaded_queues
 from .stats import HORIZON_WARNING
-from .types import JobState
+from .types import JobSpec, JobState
 from .worker import WorkerConfig, host_id
 
 # By name: run as `python -m fastjobs.cli`, __name__ is "__main__", outside the "fastjobs" logger.
@@ -514,7 +514,7 @@ def _jobs(args: argparse.Namespace) -> int:
 
 
 def _close(name: str, known: Iterable[str]) -> str:
-    """ "; did you mean 'x' or 'y'?" for the names of `known` close to `name` (difflib), else ""."""
+    """A hint naming the names of `known` close to `name` (difflib): "; did you mean 'x'?", or ""."""
     close = difflib.get_close_matches(name, sorted(set(known)), n=3, cutoff=0.6)
     return f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
 
@@ -614,7 +614,7 @@ def _confirm(question: str) -> bool:
     return answer.strip().lower() in ("y", "yes")
 
 
-def _periodic_spec(app: App, module: str, name: str) -> Any:
+def _periodic_spec(app: App, module: str, name: str) -> JobSpec:
     """The periodic job of `app` named `name`: its whole kind, or the short name ending one kind."""
     periodic = {kind: spec for kind, spec in app.jobs.items() if spec.cron}
     if name in periodic:

@@ -897,7 +897,7 @@ WRONG = ["bad-host", "bad-port", "unknown-role", "no-such-database", "garbage"]
 def expected_message(case: str, bad: str) -> list[str]:
     """What the error must say: where it tried (host:port/dbname) and what went wrong."""
     if case == "garbage":
-        return ["invalid DSN"]
+        return ["does not parse", "expected a URL such as postgresql://USER:PASSWORD@HOST:5432/DBNAME"]
     where = f"cannot connect to PostgreSQL at {database.describe(bad)}"
     reason = {
         "bad-host": "fastjobs-no-such-host.invalid",
