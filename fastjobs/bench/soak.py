@@ -200,7 +200,8 @@ def _raw_produce(dsn: str, stop: Any, sent: Any) -> None:
 
 
 def _raw_consume(dsn: str, batch: int, stop: Any, completed: Any) -> None:
-    """The raw limit's consumer: the same claim, DELETE by id array, polling 1 ms when empty."""
+    """The raw limit's consumer: the state lane's UPDATE claim, DELETE by id array (two writes per
+    job), polling 1 ms when empty."""
     with psycopg.connect(dsn, autocommit=True, prepare_threshold=0) as conn:
         cur = psycopg.RawCursor(conn)
         cur.execute(sql.worker_session)
@@ -425,7 +426,8 @@ def run_soak(
     fast_max, raw_max = measure_maximum(target, processes, batch, pickup, echo)
     offered = rate if rate is not None else round(LOAD * fast_max)
     echo(
-        f"  maximum {fast_max:,.0f} jobs/s = {fast_max / raw_max:.2f} x the raw limit {raw_max:,.0f};"
+        f"  maximum {fast_max:,.0f} jobs/s = {fast_max / raw_max:.2f} x the raw two-write loop"
+        f" (UPDATE claim + DELETE) {raw_max:,.0f};"
         f" offering {offered:,.0f} jobs/s\n\nsteady:\n"
     )
     steady = run_phase(target, minutes, offered, processes, batch, None, pickup, echo)
@@ -461,7 +463,7 @@ def run_soak(
     }
     record = bench._record("soak", target, **figures)
     echo(
-        f"\nsoak at {offered:,.0f} jobs/s offered ({offered / raw_max:.2f} x the raw limit):\n"
+        f"\nsoak at {offered:,.0f} jobs/s offered ({offered / raw_max:.2f} x the raw two-write loop):\n"
         f"  steady: last minute {figures['steady_last_minute']:,} jobs/s ="
         f" {figures['steady_last_over_first']:.2f} x the first; worst p99"
         f" {figures['steady_p99_ms_worst']:,.1f} ms; from the commit, worst p50"
