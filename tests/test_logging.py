@@ -131,12 +131,13 @@ def test_failure_records_carry_the_job_its_queue_and_the_worker(
     app.declare("stranger")  # handled elsewhere: this worker fails it
     stranger = app.enqueue("stranger", {}, queue="other")
     worker = drain(app, ["default", "other"], worker_id="test-worker")
-    assert worker.loop is not None and worker.loop.failed == 3
+    assert worker.loop is not None and worker.loop.failed >= 3
 
+    # The first attempts' (the stranger fails again if its ~1 s backoff ends before the drain does).
     fields = sorted(
         (r.levelname, r.name, *(getattr(r, f) for f in JOB_FIELDS))
         for r in caplog.records
-        if getattr(r, "job_id", None) is not None
+        if getattr(r, "job_id", None) is not None and getattr(r, "attempt", None) == 1
     )
     assert fields == sorted(
         [
