@@ -1146,7 +1146,8 @@ cdef class BatchLoop:
             spec = self._last_spec
             if spec is None:
                 failures.append(self._tally(row, _unknown_kind(
-                    job_id, PyUnicode_DecodeUTF8(kind, kind_len, "replace"), attempt, max_attempts)))
+                    job_id, PyUnicode_DecodeUTF8(kind, kind_len, "replace"), attempt, max_attempts,
+                    self._specs.values())))
                 continue
             # jsonb's binary format: a version byte, then the JSON text.
             raw = PQgetvalue(rows, i, 2)

@@ -720,7 +720,11 @@ class BatchLoop:
                 stats.observe(counts, at + PICKUP_SUM, (claimed_us - run_at) * 1000)
             spec = specs.get(kind)
             if spec is None:
-                failures.append(self._tally(at, handlers.unknown_kind(job_id, kind, attempt, max_attempts)))
+                failures.append(
+                    self._tally(
+                        at, handlers.unknown_kind(job_id, kind, attempt, max_attempts, specs.values())
+                    )
+                )
                 continue
             try:
                 args = orjson.loads(raw[1:])

@@ -14,7 +14,7 @@ import select
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypedDict, TypeVar, Unpack
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypedDict, TypeVar, Unpack, overload
 
 import psycopg
 
@@ -101,6 +101,10 @@ class App:
         self.close()
         self._dsn = dsn
 
+    @overload
+    def job(self, kind: Callable[P, R], /) -> Job[P, R]: ...
+
+    @overload
     def job(
         self,
         kind: str | None = None,
@@ -112,8 +116,23 @@ class App:
         retry: RetryPolicy | None = None,
         unique: bool | tuple[str, ...] | list[str] = False,
         cron: str | None = None,
-    ) -> Callable[[Callable[P, R]], Job[P, R]]:
-        """Register a handler (`def` or `async def`).
+        tz: str | None = None,
+    ) -> Callable[[Callable[P, R]], Job[P, R]]: ...
+
+    def job(
+        self,
+        kind: str | Callable[P, R] | None = None,
+        *,
+        queue: str = DEFAULT_QUEUE,
+        priority: int = DEFAULT_PRIORITY,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        timeout: float | None = None,
+        retry: RetryPolicy | None = None,
+        unique: bool | tuple[str, ...] | list[str] = False,
+        cron: str | None = None,
+        tz: str | None = None,
+    ) -> Callable[[Callable[P, R]], Job[P, R]] | Job[P, R]:
+        """Register a handler (`def` or `async def`); `@app.job` bare is `@app.job()`.
 
         `kind`, the name stored on each job row, defaults to the function's
         `module.qualname`: renaming or moving the function changes it, so pass
@@ -122,16 +141,24 @@ class App:
         fastjobs.retry.default_backoff). `unique=True` (or a list of argument
         names) derives a unique key from the args: a duplicate enqueued while
         the first is pending or running returns the first's id. `cron`
-        (5 fields, UTC) makes the leader enqueue the job, without args, once
-        per tick across the cluster.
+        (5 fields or a shorthand such as "@daily"; the `cron` extra) makes the
+        leader enqueue the job, without args, once per tick across the
+        cluster, the expression read in the IANA time zone `tz` (default UTC).
         """
+        func: Callable[P, R] | None = None
+        if callable(kind):  # bare `@app.job`: the function came as `kind`
+            func, kind = kind, None
+        elif kind is not None and not isinstance(kind, str):
+            raise TypeError(f"kind must be a string, not {kind!r}")
         check_queue(queue)
         check_priority(priority)
         check_max_attempts(max_attempts)
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
         if cron is not None:
-            Cron(cron)  # a bad expression fails at registration, naming the field
+            Cron(cron, tz)  # a bad expression or zone fails at registration, naming the field
+        elif tz is not None:
+            raise ValueError("tz= is the time zone of a cron schedule: give cron= too")
         unique_by: bool | tuple[str, ...] = unique if isinstance(unique, bool) else tuple(unique)
 
         def register(func: Callable[P, R]) -> Job[P, R]:
@@ -163,12 +190,13 @@ class App:
                 retry=retry,
                 unique=unique_by,
                 cron=cron,
+                tz=tz,
                 args_schema=args_schema,
             )
             self.jobs[name] = spec
             return Job(self, spec)
 
-        return register
+        return register if func is None else register(func)
 
     def declare(
         self,
@@ -462,10 +490,17 @@ class App:
             return await enqueue.copy_many_async(own, opts, rows, meta)
 
     def periodic(
-        self, cron: str, *, kind: str | None = None, queue: str = DEFAULT_QUEUE, **options: Any
+        self,
+        cron: str,
+        *,
+        kind: str | None = None,
+        queue: str = DEFAULT_QUEUE,
+        tz: str | None = None,
+        **options: Any,
     ) -> Callable[[Callable[P, R]], Job[P, R]]:
-        """Register a job the leader enqueues once per tick of `cron` ("*/5 * * * *", UTC)."""
-        return self.job(kind, queue=queue, cron=cron, **options)
+        """Register a job the leader enqueues once per tick of `cron` ("*/5 * * * *"), read in
+        the IANA time zone `tz` (default UTC)."""
+        return self.job(kind, queue=queue, cron=cron, tz=tz, **options)
 
     def testing(self, mode: Mode = "manual", *, dsn: str | None = None) -> Testing:
         """The testing kit for this app (docs/guides/testing.md); use it as a context manager.
@@ -691,7 +726,8 @@ def _signature(func: Callable[..., Any]) -> tuple[frozenset[str] | None, frozens
     """Names a handler accepts (None with **kwargs) and those it requires.
 
     Jobs are called with keyword arguments only, so positional-only
-    parameters and *args cannot be filled from a job's args.
+    parameters and *args cannot be filled from a job's args: *args is
+    refused at registration rather than left empty at every call.
     """
     params: set[str] = set()
     required: set[str] = set()
@@ -700,7 +736,10 @@ def _signature(func: Callable[..., Any]) -> tuple[frozenset[str] | None, frozens
         if p.kind is p.VAR_KEYWORD:
             open_ended = True
         elif p.kind is p.VAR_POSITIONAL:
-            continue
+            raise TypeError(
+                f"{func.__qualname__}: *{p.name} can never receive anything: a job's args are passed by"
+                " name; name each argument, or take **kwargs"
+            )
         elif p.kind is p.POSITIONAL_ONLY:
             if p.default is p.empty:
                 raise TypeError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
+import difflib
 import importlib
 import json
 import logging
@@ -20,18 +21,16 @@ from . import control, database, logs, schema, sql, stats
 from .abc import OUTCOMES
 from .app import App
 from .children import EXIT_BOOT_ERROR
-from .errors import ConfigurationError, FastjobsError
+from .errors import ConfigurationError, DatabaseUnavailable, FastjobsError, SchemaMissing
 from .impl import FALLBACK, IMPLEMENTATION
 from .leader import DEFAULT_LEASE, LeaderConfig, RescuerConfig, periodic_status
 from .master import DEFAULT_WORKER_TIMEOUT, Master, parse_queues, threaded_queues
 from .stats import HORIZON_WARNING
-from .types import JobState
+from .types import JobSpec, JobState
 from .worker import WorkerConfig, host_id
 
 # By name: run as `python -m fastjobs.cli`, __name__ is "__main__", outside the "fastjobs" logger.
 logger = logging.getLogger("fastjobs.cli")
-
-DEFAULT_RESULTS = Path("bench") / "results.jsonl"
 
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
@@ -58,6 +57,25 @@ def _int64(text: str) -> int:
             f"must be between {_INT64[0]} and {_INT64[1]} (a bigint), not {value}"
         )
     return value
+
+
+_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def _age(text: str) -> dt.timedelta:
+    """An argparse type: an age such as 90s, 15m, 2h, 7d or 1w (a bare number is seconds)."""
+    number, unit = (text[:-1], text[-1]) if text[-1:] in _AGE_UNITS else (text, "s")
+    try:
+        value = float(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an age such as 90s, 15m, 2h, 7d or 1w") from None
+    if not 0 <= value < 1e7:
+        raise argparse.ArgumentTypeError(f"{text!r}: an age is a positive number")
+    return dt.timedelta(seconds=value * _AGE_UNITS[unit])
+
+
+# The states each of `fastjobs jobs retry|cancel|discard` acts on.
+_ACTS_ON = {"retry": control.RETRIABLE, "cancel": control.CANCELLABLE, "discard": control.DISCARDABLE}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -191,7 +209,23 @@ def _parser() -> argparse.ArgumentParser:
         ("discard", "discard jobs that are not running"),
     ):
         command = jobs_commands.add_parser(name, help=help_text)
-        command.add_argument("id", type=int, nargs="+")
+        command.add_argument("id", type=int, nargs="*", help="job ids; or select jobs with the filters")
+        command.add_argument(
+            "--state",
+            choices=sorted(_ACTS_ON[name]),
+            help=f"with the filters: jobs in this state (default: every state {name} acts on)",
+        )
+        command.add_argument("--queue", help="with the filters: jobs of this queue")
+        command.add_argument("--kind", help="with the filters: jobs of this kind, whole")
+        command.add_argument(
+            "--older-than",
+            type=_age,
+            metavar="AGE",
+            help="with the filters: jobs created more than AGE ago (90s, 15m, 2h, 7d)",
+        )
+        command.add_argument(
+            "--yes", action="store_true", help="with the filters: no confirmation prompt (for scripts)"
+        )
         command.add_argument("--json", action="store_true", help="one JSON object per job and line")
 
     periodic = commands.add_parser("periodic", help="the periodic (cron) jobs of MODULE")
@@ -297,10 +331,13 @@ def _parser() -> argparse.ArgumentParser:
         help="with --soak: the held transaction's length",
     )
     run_bench.add_argument(
-        "--plot", type=Path, default=Path("bench") / "soak.png", help="with --soak: where the PNG plot goes"
+        "--plot", type=Path, help="with --soak: draw both runs as a PNG at PLOT (needs the plot extra)"
     )
     run_bench.add_argument(
-        "--results", type=Path, default=DEFAULT_RESULTS, help="JSON lines file to append to"
+        "--results",
+        type=Path,
+        metavar="PATH",
+        help="append one JSON line per measurement to PATH (default: no file is written)",
     )
     return parser
 
@@ -337,6 +374,11 @@ def _main(args: argparse.Namespace) -> int:
             return _periodic(args)
         if args.command == "bench":
             return _bench(args)
+    except (ConfigurationError, DatabaseUnavailable, SchemaMissing) as exc:
+        # Could not start (no or bad DSN, no database, no schema, no app): the code `run` exits
+        # with too, which a supervisor takes for "do not restart".
+        logger.error("%s", exc)
+        return EXIT_BOOT_ERROR
     except (FastjobsError, ValueError) as exc:
         logger.error("%s", exc)
         return 1
@@ -426,12 +468,8 @@ def _jobs(args: argparse.Namespace) -> int:
                 _table(_JOB_COLUMNS, rows)
             if more:
                 logger.info("the newest %d shown, and there are more: --limit N for more", args.limit)
-            elif not rows and args.kind and "." not in args.kind:
-                logger.info(
-                    "no job of kind %r: a kind is matched whole, and is module.function unless"
-                    " @app.job(kind=...) named it (`fastjobs jobs list` shows them)",
-                    args.kind,
-                )
+            elif not rows and (args.kind or args.queue):
+                _no_such_names(conn, args.queue, args.kind)
             return 0
         if command == "show":
             job = control.show(conn, args.id)
@@ -449,6 +487,14 @@ def _jobs(args: argparse.Namespace) -> int:
                 if error.get("traceback"):
                     _echo(_safe(str(error["traceback"]).rstrip(), lines=True))
             return 0
+        filtered = any(v is not None for v in (args.state, args.queue, args.kind, args.older_than))
+        if filtered == bool(args.id):
+            raise ValueError(
+                f"`fastjobs jobs {command}` takes job ids or filters (--state, --queue, --kind,"
+                " --older-than), " + ("not both" if filtered else "and was given neither")
+            )
+        if filtered:
+            return _act_on_filtered(conn, args)
         # Each job is done and reported on its own; one that cannot be is logged and makes the exit 1.
         failed = False
         for job_id in args.id:
@@ -468,18 +514,134 @@ def _jobs(args: argparse.Namespace) -> int:
         return 1 if failed else 0
 
 
+def _close(name: str, known: Iterable[str]) -> str:
+    """A hint naming the names of `known` close to `name` (difflib): "; did you mean 'x'?", or ""."""
+    close = difflib.get_close_matches(name, sorted(set(known)), n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+
+
+def _no_such_names(conn: Any, queue: str | None, kind: str | None) -> None:
+    """After a listing came back empty: warn about a --queue or --kind that names nothing known.
+
+    Known are the queues and kinds of the jobs table and those live workers
+    serve and handle (their heartbeats).
+    """
+    rows = control.kinds(conn)
+    workers = [w for h in stats.cluster(conn) for w in h.workers if not w.stale]
+    queues = {q for q, _, _ in rows} | {q for w in workers for q in w.queues}
+    kinds = {k for _, k, _ in rows} | {k for w in workers for k in w.counters.get("handles", [])}
+    if queue is not None and queue not in queues:
+        logger.warning(
+            "no queue %r: no job is on it and no live worker serves it%s", queue, _close(queue, queues)
+        )
+    if kind is not None and kind not in kinds:
+        # A kind is matched whole: name the kinds the short name ends, else the close ones.
+        ends = sorted(k for k in kinds if k.endswith("." + kind))
+        hint = f"; a kind is matched whole: {' or '.join(map(repr, ends))}?" if ends else _close(kind, kinds)
+        logger.warning("no kind %r: no job has it and no live worker handles it%s", kind, hint)
+
+
+def _act_on_filtered(conn: Any, args: argparse.Namespace) -> int:
+    """`fastjobs jobs retry|cancel|discard` by filter: count, confirm, then act on those jobs one by one.
+
+    Each job goes through the single-id path (its statement, and the look again
+    by id when the rotation moved its row), in its own transaction: a long run
+    holds no lock for long, and the jobs acted on are those counted.
+    """
+    command = args.jobs_command
+    states = {args.state} if args.state else _ACTS_ON[command]
+    ids = control.select(conn, states, queue=args.queue, kind=args.kind, older_than=args.older_than)
+    what = ", ".join(
+        f"{name} {value}"
+        for name, value in (
+            ("state", args.state),
+            ("queue", args.queue),
+            ("kind", args.kind),
+            (
+                "created more than",
+                args.older_than and f"{logs.duration(args.older_than.total_seconds())} ago",
+            ),
+        )
+        if value
+    )
+    if not ids:
+        logger.info("no job matches (%s): nothing to %s", what, command)
+        if args.queue or args.kind:
+            _no_such_names(conn, args.queue, args.kind)
+        return 0
+    if not args.yes and not _confirm(f"{command} {logs.plural(len(ids), 'job')} ({what})? [y/N] "):
+        logger.info("nothing done")
+        return 1
+    done: dict[str, int] = {}
+    failed = 0
+    for index, job_id in enumerate(ids, 1):
+        try:
+            if command == "retry":
+                retried = control.retry(conn, job_id)
+                doc: dict[str, Any] = dataclasses.asdict(retried)
+                state = retried.state if retried.attempt is not None else f"left {retried.state}"
+            else:
+                state = {"cancel": control.cancel, "discard": control.discard}[command](conn, job_id)
+                doc = {"id": job_id, "state": state}
+        except (FastjobsError, ValueError) as exc:  # running now, finished meanwhile, a unique key held
+            logger.warning("%s", exc)
+            failed += 1
+            continue
+        done[state] = done.get(state, 0) + 1
+        if args.json:
+            _echo(json.dumps(doc))
+        if index % _PROGRESS_EVERY == 0:
+            logger.info("%s of %s", f"{index:,}", logs.plural(len(ids), "job"))
+    summary = ", ".join(f"{logs.plural(n, 'job')} {state}" for state, n in sorted(done.items())) or "none"
+    left = f"; {logs.plural(failed, 'job')} not, each said why above" if failed else ""
+    logger.info("%s of %s: %s%s", command, logs.plural(len(ids), "job"), summary, left)
+    return 1 if failed else 0
+
+
+# A filtered retry, cancel or discard logs how far it is after this many jobs.
+_PROGRESS_EVERY = 1000
+
+
+def _confirm(question: str) -> bool:
+    """Ask on the terminal; from a script (stdin not a terminal) say to pass --yes instead."""
+    if not sys.stdin.isatty():
+        raise ValueError(f"{question.removesuffix(' [y/N] ')} Confirm with --yes: stdin is not a terminal")
+    sys.stderr.write(question)
+    sys.stderr.flush()
+    try:
+        answer = sys.stdin.readline()
+    except KeyboardInterrupt:
+        answer = ""
+    return answer.strip().lower() in ("y", "yes")
+
+
+def _periodic_spec(app: App, module: str, name: str) -> JobSpec:
+    """The periodic job of `app` named `name`: its whole kind, or the short name ending one kind."""
+    periodic = {kind: spec for kind, spec in app.jobs.items() if spec.cron}
+    if name in periodic:
+        return periodic[name]
+    ends = sorted(kind for kind in periodic if kind.endswith("." + name))
+    if len(ends) == 1:
+        return periodic[ends[0]]
+    if ends:
+        raise ValueError(
+            f"{name!r} names several periodic jobs of {module}: {', '.join(ends)}; give one whole"
+        )
+    shorts = {kind.rsplit(".", 1)[-1] for kind in periodic}
+    known = ", ".join(sorted(periodic)) or "none"
+    raise ValueError(
+        f"{name!r} is not a periodic job of {module}{_close(name, shorts) or _close(name, periodic)}"
+        f" (its periodic jobs: {known})"
+    )
+
+
 def _periodic(args: argparse.Namespace) -> int:
     app = load_app(args.module, args.dsn)
     try:
         with database.connect(app.dsn, autocommit=True) as conn:
             schema.check(conn)
             if args.periodic_command == "run":
-                spec = app.jobs.get(args.kind)
-                if spec is None or not spec.cron:
-                    known = ", ".join(sorted(k for k, s in app.jobs.items() if s.cron)) or "none"
-                    raise ConfigurationError(
-                        f"{args.kind!r} is not a periodic job of {args.module} (its periodic jobs: {known})"
-                    )
+                spec = _periodic_spec(app, args.module, args.kind)
                 job_id = app.enqueue(spec.kind, conn=conn)
                 if args.json:
                     _echo(json.dumps({"id": job_id, "kind": spec.kind, "queue": spec.queue}))
@@ -631,7 +793,8 @@ def _stats(args: argparse.Namespace) -> int:
         health = stats.health(conn)
         identity = stats.database_identity(conn, dsn)
         hosts = stats.cluster(conn)
-    warnings = health.warnings(args.horizon_warning)
+        unhandled = stats.unhandled_kinds(control.kinds(conn), hosts)
+    warnings = health.warnings(args.horizon_warning) + [u.warning() for u in unhandled]
     found, skipped = stats.live_masters(None if args.all_masters else identity)
     for skip in skipped:
         removed = " (removed)" if skip.stale and skip.ours else ""
@@ -658,6 +821,7 @@ def _stats(args: argparse.Namespace) -> int:
             "health": dataclasses.asdict(health),
             "warnings": warnings,
             "cluster": [dataclasses.asdict(h) for h in hosts],
+            "unhandled_kinds": [dataclasses.asdict(u) for u in unhandled],
         }
         _echo(json.dumps(doc, indent=2))
         return 0
@@ -802,8 +966,9 @@ def _bench(args: argparse.Namespace) -> int:
     every = not (args.enqueue_only or args.drain_only or args.latency_only)
     echo = bench.echo
     echo(
-        f"fastjobs bench: {args.jobs:,} jobs, {args.processes} processes, batch {args.batch}, "
-        f"{IMPLEMENTATION} implementation, medians of {args.repeat}\n"
+        f"fastjobs bench: {logs.plural(args.jobs, 'job')},"
+        f" {logs.plural(args.processes, 'process', 'processes')}, batch {args.batch},"
+        f" {IMPLEMENTATION} implementation, medians of {logs.plural(args.repeat, 'run')}\n"
     )
     if every or args.enqueue_only:
         bench.run_enqueue(dsn, args.jobs, args.repeat, args.results, echo)

@@ -1,8 +1,10 @@
-"""Job control: cancel, retry, discard and inspect single jobs (the `fastjobs jobs` commands)."""
+"""Job control: cancel, retry, discard and inspect jobs, one or by filter (the `fastjobs jobs` commands)."""
 
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,3 +198,38 @@ def list_jobs(
     """Jobs matching the filters, newest first; a run_at a datetime cannot hold comes as PostgreSQL's text."""
     with _inspecting(conn) as cur:
         return cur.execute(sql.job_list, (queue, state, kind, limit)).fetchall()
+
+
+# Ids read per statement by `select`.
+SELECT_PAGE = 10_000
+
+
+def select(
+    conn: psycopg.Connection[Any],
+    states: Iterable[str],
+    *,
+    queue: str | None = None,
+    kind: str | None = None,
+    older_than: dt.timedelta | None = None,
+) -> list[int]:
+    """Ids of the jobs in `states` matching the filters (created more than `older_than` ago), in id order.
+
+    Read in pages, then acted on one by one with `retry`, `cancel` or `discard`
+    (their semantics, rotation-safe re-look included): the jobs acted on are
+    those counted, never ones enqueued after the count.
+    """
+    found: list[int] = []
+    with _cursor(conn) as cur:
+        while True:
+            after = found[-1] if found else 0
+            params = (sorted(states), queue, kind, older_than, after, SELECT_PAGE)
+            page = [int(row[0]) for row in cur.execute(sql.job_select_many, params)]
+            found.extend(page)
+            if len(page) < SELECT_PAGE:
+                return found
+
+
+def kinds(conn: psycopg.Connection[Any]) -> list[tuple[str, str, int]]:
+    """Every (queue, kind) the jobs table holds, with its count of pending jobs."""
+    with _cursor(conn) as cur:
+        return [(str(q), str(k), int(n)) for q, k, n in cur.execute(sql.job_kinds)]

@@ -1,104 +1,133 @@
-"""Cron expressions: five fields (minute hour day-of-month month day-of-week), in UTC.
+"""Cron schedules: a cron expression read in a time zone (UTC unless told), its last and next ticks.
 
-Each field takes `*`, numbers, ranges `a-b`, lists `a,b` and steps `*/n` or
-`a-b/n`; day-of-week is 0-6 from Sunday (7 is Sunday too). As in cron, when
-both day fields are restricted a day matching either one is a tick.
+The expression is cronsim's (the `cron` extra), which reads cron as
+Debian's cron does: five fields (minute hour day-of-month month
+day-of-week), names (`JAN`, `MON-FRI`), `L` and `#`, and the usual rule
+that when both day fields are restricted a day matching either is a tick.
+fastjobs adds the `@hourly`-style shorthands. cronsim is imported lazily:
+an application without periodic jobs needs nothing beyond the core.
+
+Daylight saving time follows Debian's cron as well (README, Periodic jobs):
+a tick at a fixed wall time that the spring change skips (02:30) runs once,
+at the first minute after the jump (03:00); one that the autumn change
+repeats runs once, at its first occurrence. Schedules with a wildcard or
+step in the minute or hour fields (`*/15 * * * *`) tick by the wall clock
+both times: none in the skipped hour, each in the repeated one.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import functools
+import re
+import zoneinfo
+from typing import Any
 
 from .errors import ConfigurationError
 
-_FIELDS = (
-    ("minute", 0, 59),
-    ("hour", 0, 23),
-    ("day of month", 1, 31),
-    ("month", 1, 12),
-    ("day of week", 0, 7),
+# Vixie cron's shorthands (cronsim reads the five fields only).
+SHORTHANDS = {
+    "@yearly": "0 0 1 1 *",
+    "@annually": "0 0 1 1 *",
+    "@monthly": "0 0 1 * *",
+    "@weekly": "0 0 * * 0",
+    "@daily": "0 0 * * *",
+    "@midnight": "0 0 * * *",
+    "@hourly": "0 * * * *",
+}
+
+MISSING = (
+    "cron schedules need the cronsim package, which fastjobs does not install by itself:"
+    " pip install 'fastjobs[cron]'"
 )
-# Far enough back to find the last tick of any valid expression (29 February: 8 years).
-_SEARCH_DAYS = 366 * 8 + 2
 
 
-def _number(text: str) -> bool:
-    return text.isascii() and text.isdigit()
+def _cronsim() -> Any:
+    try:
+        import cronsim
+    except ImportError:
+        raise ConfigurationError(MISSING) from None
+    return cronsim
 
 
-def _parse_field(text: str, name: str, low: int, high: int) -> frozenset[int]:
-    values: set[int] = set()
-    for part in text.split(","):
-        body, slash, step_text = part.partition("/")
-        step = 1
-        if slash:
-            if not _number(step_text) or int(step_text) < 1:
-                raise ConfigurationError(f"cron {name}: bad step in {part!r}")
-            step = int(step_text)
-        if body == "*":
-            start, end = low, high
-        else:
-            first, dash, last = body.partition("-")
-            if not _number(first) or (dash and not _number(last)):
-                raise ConfigurationError(f"cron {name}: {part!r} is not a number, range or *")
-            start = int(first)
-            end = int(last) if dash else (high if slash else start)
-        if not low <= start <= end <= high:
-            raise ConfigurationError(f"cron {name}: {part!r} is outside {low}-{high}")
-        values.update(range(start, end + 1, step))
-    return frozenset(values)
+def _zone(tz: str | None) -> dt.tzinfo:
+    if tz is None:
+        return dt.UTC
+    if not isinstance(tz, str) or not tz:
+        raise ConfigurationError(f"tz must be an IANA time zone name such as 'Europe/Paris', not {tz!r}")
+    try:
+        return zoneinfo.ZoneInfo(tz)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        raise ConfigurationError(
+            f"unknown time zone {tz!r}: give an IANA name such as 'Europe/Paris' or 'America/New_York'"
+            " (the tzdata package provides them where the system has none)"
+        ) from None
+
+
+def _days_in_range(field: str) -> bool:
+    """Whether every number of a day-of-month field is a day of some month (1-31)."""
+    numbers = re.findall(r"\d+", field)
+    return bool(numbers) and all(1 <= int(n) <= 31 for n in numbers)
 
 
 class Cron:
-    """A cron expression: `latest(now)` is its last tick at or before `now`, `next(now)` the first after."""
+    """A cron expression in a time zone: `latest(now)` is its last tick at or before `now`,
+    `next(now)` the first after, both in UTC (None: none within 50 years)."""
 
-    def __init__(self, expression: str) -> None:
-        fields = expression.split()
-        if len(fields) != 5:
-            raise ConfigurationError(f"cron expression {expression!r} must have 5 fields, not {len(fields)}")
-        parsed = [_parse_field(text, *spec) for text, spec in zip(fields, _FIELDS, strict=True)]
+    def __init__(self, expression: str, tz: str | None = None) -> None:
+        if not isinstance(expression, str):
+            raise ConfigurationError(f"a cron expression is a string, not {expression!r}")
         self.expression = expression
-        self.minutes, self.hours, self.days, self.months, dow = parsed
-        self.weekdays = frozenset(d % 7 for d in dow)
-        self._any_day = fields[2] == "*"
-        self._any_weekday = fields[4] == "*"
+        self.tz = tz
+        self.zone = _zone(tz)
+        self._fields = SHORTHANDS.get(expression.strip().lower(), expression)
+        cronsim = _cronsim()
+        fields = self._fields.split()
+        try:
+            if len(fields) != 5:  # cronsim would take a sixth, seconds, field: ticks are minutes here
+                raise cronsim.CronSimError("Wrong number of fields")
+            ticks = cronsim.CronSim(self._fields, dt.datetime(2000, 1, 1, tzinfo=self.zone))
+        except cronsim.CronSimError as exc:
+            if str(exc) == "Bad day-of-month" and _days_in_range(fields[2]):  # 31 February
+                raise ConfigurationError(
+                    f"cron expression {expression!r} can never fire: no month it names has those days"
+                ) from None
+            expected = "5 fields (minute hour day-of-month month day-of-week)"
+            raise ConfigurationError(
+                f"cron expression {expression!r}: {exc}; expected {expected}, or one of"
+                f" {', '.join(SHORTHANDS)}"
+            ) from None
+        # cronsim refuses a day no month has (31 April); what can still never come (29 February on a
+        # weekday it never falls on, with L or #) is caught by looking for one tick.
+        if next(ticks, None) is None:
+            raise ConfigurationError(f"cron expression {expression!r} can never fire")
 
-    def _day_matches(self, day: dt.date) -> bool:
-        if day.month not in self.months:
-            return False
-        by_month_day = day.day in self.days
-        by_weekday = (day.isoweekday() % 7) in self.weekdays
-        if self._any_day or self._any_weekday:
-            return by_month_day and by_weekday
-        return by_month_day or by_weekday
+    def _first(self, start: dt.datetime, reverse: bool) -> dt.datetime | None:
+        tick = next(self._ticks(start, reverse), None)
+        return None if tick is None else tick.astimezone(dt.UTC)
+
+    def _ticks(self, start: dt.datetime, reverse: bool) -> Any:
+        return _cronsim().CronSim(self._fields, start.astimezone(self.zone), reverse=reverse)
 
     def latest(self, now: dt.datetime) -> dt.datetime | None:
-        """The last tick at or before `now` (UTC), or None if there is none within 8 years."""
-        now = now.astimezone(dt.UTC).replace(second=0, microsecond=0)
-        day = now.date()
-        for back in range(_SEARCH_DAYS):
-            if self._day_matches(day):
-                hours = [h for h in self.hours if back or h <= now.hour]
-                for hour in sorted(hours, reverse=True):
-                    minutes = [m for m in self.minutes if back or hour < now.hour or m <= now.minute]
-                    if minutes:
-                        return dt.datetime(day.year, day.month, day.day, hour, max(minutes), tzinfo=dt.UTC)
-            day -= dt.timedelta(days=1)
-        return None
+        """The last tick at or before `now`, in UTC."""
+        # cronsim's reverse search starts strictly before its start: one minute past `now`'s.
+        start = now.astimezone(dt.UTC).replace(second=0, microsecond=0) + dt.timedelta(minutes=1)
+        return self._first(start, reverse=True)
 
     def next(self, now: dt.datetime) -> dt.datetime | None:
-        """The first tick after `now` (UTC), or None if there is none within 8 years."""
-        start = now.astimezone(dt.UTC).replace(second=0, microsecond=0) + dt.timedelta(minutes=1)
-        day = start.date()
-        for ahead in range(_SEARCH_DAYS):
-            if self._day_matches(day):
-                hours = [h for h in self.hours if ahead or h >= start.hour]
-                for hour in sorted(hours):
-                    minutes = [m for m in self.minutes if ahead or hour > start.hour or m >= start.minute]
-                    if minutes:
-                        return dt.datetime(day.year, day.month, day.day, hour, min(minutes), tzinfo=dt.UTC)
-            day += dt.timedelta(days=1)
-        return None
+        """The first tick after `now`, in UTC."""
+        return self._first(now.astimezone(dt.UTC), reverse=False)
+
+    def describe(self) -> str:
+        """The expression, and its time zone when it is not UTC."""
+        return self.expression if self.tz is None else f"{self.expression} ({self.tz})"
 
     def __repr__(self) -> str:
-        return f"Cron({self.expression!r})"
+        return f"Cron({self.expression!r})" if self.tz is None else f"Cron({self.expression!r}, {self.tz!r})"
+
+
+@functools.lru_cache(maxsize=256)
+def schedule(expression: str, tz: str | None = None) -> Cron:
+    """The Cron of `expression` in `tz`, parsed once (the leader asks every second)."""
+    return Cron(expression, tz)

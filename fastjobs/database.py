@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,12 @@ _embedded_dsn: str | None = None
 # The DSN that chooses the embedded PostgreSQL (no libpq connection string can be this word alone).
 EMBEDDED = "embedded"
 
+# What a DSN looks like, for the error about one that does not parse.
+DSN_FORMS = (
+    "a URL such as postgresql://USER:PASSWORD@HOST:5432/DBNAME, key=value pairs such as"
+    f" 'host=HOST port=5432 dbname=DBNAME user=USER', or {EMBEDDED!r}"
+)
+
 NO_DSN = (
     "no database configured: pass dsn= (or fastjobs --dsn), or set FASTJOBS_DSN or DATABASE_URL, to a "
     f"PostgreSQL URL; or to {EMBEDDED!r} for the embedded PostgreSQL (the `embedded` extra)"
@@ -36,9 +43,10 @@ def resolve_dsn(dsn: str | None = None, *, fallback: bool = False) -> str:
     reverse). `fallback` is for the commands that never run an application's
     jobs (migrate, stats, jobs, bench): they use the embedded server, warning.
     """
-    for candidate in (dsn, os.environ.get("FASTJOBS_DSN"), os.environ.get("DATABASE_URL")):
+    sources = ((dsn, "dsn= or --dsn"), (os.environ.get("FASTJOBS_DSN"), "FASTJOBS_DSN"))
+    for candidate, source in (*sources, (os.environ.get("DATABASE_URL"), "DATABASE_URL")):
         if candidate:
-            return embedded_dsn() if candidate == EMBEDDED else candidate
+            return embedded_dsn() if candidate == EMBEDDED else check_dsn(candidate, source)
     if not fallback:
         raise ConfigurationError(NO_DSN)
     logger.warning(
@@ -47,6 +55,26 @@ def resolve_dsn(dsn: str | None = None, *, fallback: bool = False) -> str:
         EMBEDDED,
     )
     return embedded_dsn()
+
+
+def check_dsn(dsn: str, source: str = "dsn= or --dsn") -> str:
+    """`dsn` if libpq can parse it; else ConfigurationError showing the expected form (never a password)."""
+    try:
+        conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError as exc:
+        raise ConfigurationError(invalid_dsn_message(dsn, exc, source)) from None
+    return dsn
+
+
+def invalid_dsn_message(dsn: str, exc: BaseException, source: str = "dsn= or --dsn") -> str:
+    """What is wrong with a DSN libpq cannot parse, and what one looks like."""
+    reason = str(exc).strip().removeprefix("invalid connection string: ").rstrip(".")
+    # It cannot be parsed, so its password cannot be asked for: mask what would be one.
+    for secret in re.findall(r"password\s*=\s*'?([^'\s]+)|://[^:/@\s]*:([^@/\s]+)@", dsn):
+        for text in secret:
+            if text:
+                reason = reason.replace(text, "***")
+    return f"the DSN ({source}) does not parse: {reason}; expected {DSN_FORMS}"
 
 
 def data_dir() -> Path:
@@ -101,7 +129,10 @@ def _scrub(message: str, dsn: str) -> str:
         password = conninfo_to_dict(dsn).get("password")
     except psycopg.ProgrammingError:
         return "invalid connection string"
-    return message.replace(str(password), "***") if password else message
+    if not password:
+        return message
+    # Whole tokens only: a password "p" must not turn "supported" into "su***orted".
+    return re.sub(rf"(?<![\w]){re.escape(str(password))}(?![\w])", "***", message)
 
 
 @contextlib.contextmanager
@@ -112,7 +143,7 @@ def _connect_errors(dsn: str) -> Iterator[None]:
     except psycopg.OperationalError as exc:
         raise DatabaseUnavailable(unavailable_message(dsn, exc)) from None
     except psycopg.ProgrammingError as exc:
-        raise ConfigurationError(f"invalid DSN: {_scrub(str(exc), dsn)}") from None
+        raise ConfigurationError(invalid_dsn_message(dsn, exc)) from None
 
 
 def connect(dsn: str, **kwargs: Any) -> psycopg.Connection[Any]:

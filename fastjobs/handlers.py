@@ -20,14 +20,14 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from .errors import Cancel, InvalidArguments, JobTimeout, Retry, Snooze
-from .logs import job_fields
+from .logs import duration, job_fields
 from .retry import default_backoff
 from .types import JobSpec
 
@@ -212,13 +212,13 @@ def _say_outcome(outcome: Outcome, kind: str | None, exc: BaseException | str | 
     """
     state, error = outcome["state"], outcome["error"]
     if outcome["uncount"]:
-        level, text = logging.DEBUG, f"snoozed for {outcome['delay']:g}s"
+        level, text = logging.DEBUG, f"snoozed for {duration(outcome['delay'])}"
     elif state == "cancelled":
         level, text = logging.INFO, "cancelled"
     elif state == "discarded":
         level, text = logging.ERROR, "failed; discarded"
     else:
-        level, text = logging.WARNING, f"failed; retrying in {outcome['delay']:g}s"
+        level, text = logging.WARNING, f"failed; retrying in {duration(outcome['delay'])}"
     if not logger.isEnabledFor(level):
         return
     fields = _job_fields(outcome["id"], outcome["attempt"], kind, of_batch=True)
@@ -292,9 +292,22 @@ def discard(job_id: int, attempt: int, reason: str) -> Outcome:
     return outcome
 
 
-def unknown_kind(job_id: int, kind: str, attempt: int, max_attempts: int) -> Outcome:
-    """A kind this worker has no handler for: retried, since another deploy may have it."""
-    outcome = _failure(None, job_id, attempt, max_attempts, f"no handler registered for job kind {kind!r}")
+def unknown_kind(
+    job_id: int, kind: str, attempt: int, max_attempts: int, specs: Iterable[JobSpec] = ()
+) -> Outcome:
+    """A kind this worker has no handler for: retried, since another deploy may have it.
+
+    `specs` are the worker's handlers: the error names their modules, the
+    ones its application imported, which is where the missing one was expected.
+    """
+    modules = sorted({getattr(spec.func, "__module__", None) or "?" for spec in specs})
+    where = f"the modules {', '.join(modules)}" if modules else "no module (it has no handlers)"
+    reason = (
+        f"no handler registered for job kind {kind!r}: this worker's handlers come from {where};"
+        " register one with @app.job in a module the worker imports (the one `fastjobs run` names,"
+        " or one that module imports). Retried meanwhile: a rolling deploy may bring the handler"
+    )
+    outcome = _failure(None, job_id, attempt, max_attempts, reason)
     _say_outcome(outcome, kind)
     return outcome
 

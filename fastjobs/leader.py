@@ -25,7 +25,7 @@ import psycopg
 from psycopg import sql as pgsql
 
 from . import database, enqueue, schema, sql
-from .cron import Cron
+from .cron import schedule
 from .errors import ConfigurationError, DatabaseUnavailable
 from .stats import (
     HORIZON_WARNING,
@@ -534,7 +534,7 @@ def periodic_once(
     done = []
     for spec in specs:
         assert spec.cron is not None
-        tick = Cron(spec.cron).latest(now)
+        tick = schedule(spec.cron, spec.tz).latest(now)
         if tick is None:
             continue
         on_time = now - tick <= PERIODIC_ON_TIME
@@ -586,7 +586,8 @@ def periodic_status(
         # A whole minute is a tick; anything else the moment the kind was first seen (see first_seen).
         seen = last if last is not None and (last.second or last.microsecond) else None
         tick = None if seen is not None else last
-        found.append(PeriodicStatus(spec.kind, spec.queue, spec.cron, tick, seen, Cron(spec.cron).next(now)))
+        cron = schedule(spec.cron, spec.tz)
+        found.append(PeriodicStatus(spec.kind, spec.queue, cron.describe(), tick, seen, cron.next(now)))
     return found
 
 

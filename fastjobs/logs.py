@@ -21,6 +21,29 @@ FORMATS = ("text", "json")
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 TEXT_FORMAT = "fastjobs: %(message)s"
 
+
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """`count` and `noun`, in the plural unless one: "1 job kind", "2 job kinds"."""
+    return f"{count:,} {noun if count == 1 else nouns or noun + 's'}"
+
+
+def duration(seconds: float) -> str:
+    """A delay for people: "350ms", "1.1s", "45s", "2m 5s", "3h 20m", "2d 4h" (rounded, two units at most)."""
+    if seconds <= 0:
+        return "0s"
+    if seconds < 1:
+        return f"{max(seconds * 1000, 1):.0f}ms"
+    if seconds < 10:
+        return f"{seconds:.1f}".removesuffix(".0") + "s"
+    whole = round(seconds)
+    for unit, size, small, small_size in (("d", 86400, "h", 3600), ("h", 3600, "m", 60), ("m", 60, "s", 1)):
+        if whole >= size:
+            big, rest = divmod(whole, size)
+            rest //= small_size
+            return f"{big}{unit} {rest}{small}" if rest else f"{big}{unit}"
+    return f"{whole}s"
+
+
 # The structured fields of a record about one job (None where the record does not know one).
 JOB_FIELDS = ("job_id", "kind", "queue", "attempt", "worker")
 

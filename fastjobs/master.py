@@ -30,7 +30,7 @@ from .children import EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK, Backoff, die_with, f
 from .errors import ConfigurationError, DatabaseUnavailable, FastjobsError, SchemaMissing
 from .impl import IMPLEMENTATION
 from .leader import Leader, LeaderConfig
-from .logs import job_fields
+from .logs import job_fields, plural
 from .metrics import MetricsProcess
 from .stats import LEADER, WORKER, Labels, Slot, Slots, database_identity
 from .types import DEFAULT_QUEUE
@@ -589,10 +589,10 @@ class Master:
 
     def _print_plan(self) -> None:
         logger.info(
-            "master pid %d, %d workers + leader, %d job kinds, %s implementation",
+            "master pid %d, %s + leader, %s, %s implementation",
             os.getpid(),
-            len(self.plan),
-            len(self.app.jobs),
+            plural(len(self.plan), "worker"),
+            plural(len(self.app.jobs), "job kind"),
             IMPLEMENTATION,
         )
         for index, share in enumerate(self.plan):

@@ -1360,6 +1360,26 @@ SELECT id, queue, kind, args, priority,
        unique_key, meta, crashes, cancel_requested
   FROM fastjobs_jobs_all WHERE id = $1"""
 
+# job_select_many: ids of the jobs in states $1 of queue $2 and kind $3 (NULL:
+# any) created more than $4 ago (NULL: any time), above id $5, in id order, up
+# to $6: the pages of `fastjobs jobs retry|cancel|discard --state/--queue/...`,
+# each id then acted on by job_retry, job_cancel or job_discard.
+job_select_many: Final = """
+SELECT id FROM fastjobs_jobs_all
+ WHERE state::text = ANY($1::text[]) AND ($2::text IS NULL OR queue = $2) AND ($3::text IS NULL OR kind = $3)
+   AND ($4::interval IS NULL OR created_at < now() - $4::interval) AND id > $5
+ ORDER BY id
+ LIMIT $6"""
+
+# job_kinds: every (queue, kind) of the jobs table and its count of pending
+# jobs, for `fastjobs stats` (kinds no live worker handles) and the
+# suggestions of `fastjobs jobs` when a --queue or --kind filter names none.
+job_kinds: Final = """
+SELECT queue, kind, count(*) FILTER (WHERE state IN ('available', 'scheduled', 'retryable'))
+  FROM fastjobs_jobs_all
+ GROUP BY queue, kind
+ ORDER BY queue, kind"""
+
 # job_stats_by_queue: depth and oldest age (seconds) per queue and state, for
 # `fastjobs stats` and the metrics endpoint. Ages: available since run_at,
 # running since attempted_at, the rest since created_at. An infinite oldest
@@ -1769,6 +1789,8 @@ STATEMENTS: Final[Mapping[str, str]] = MappingProxyType(
         "job_discard": job_discard,
         "job_list": job_list,
         "job_get": job_get,
+        "job_select_many": job_select_many,
+        "job_kinds": job_kinds,
         "job_stats_by_queue": job_stats_by_queue,
         "jobs_dead_rows": jobs_dead_rows,
         "vacuum_jobs": vacuum_jobs,

@@ -852,6 +852,44 @@ def cluster(conn: psycopg.Connection[Any], stale_after: float = STALE_AFTER) -> 
 
 
 @dataclass(frozen=True, slots=True)
+class UnhandledKind:
+    """A kind with pending jobs on a queue that live workers serve, none of which has its handler."""
+
+    queue: str
+    kind: str
+    pending: int
+    workers: int  # the live workers serving the queue, each failing the kind's jobs when it claims them
+
+    def warning(self) -> str:
+        jobs = f"{self.pending:,} pending job{'' if self.pending == 1 else 's'}"
+        return (
+            f"WARNING: {jobs} of kind {self.kind!r} on queue {self.queue!r}, and no live worker handles"
+            f" that kind: the {self.workers} serving the queue fail each with 'no handler registered'"
+            " and it retries. Deploy workers whose application imports its handler, or `fastjobs jobs"
+            f" discard --kind {self.kind}`."
+        )
+
+
+def unhandled_kinds(kinds: Iterable[tuple[str, str, int]], hosts: list[ClusterHost]) -> list[UnhandledKind]:
+    """The (queue, kind, pending) of `kinds` with pending jobs that no live worker handles.
+
+    Only queues that live workers serve, and whose workers all say what they
+    handle (a heartbeat's "handles"; older workers' do not) are judged: a
+    queue nobody serves is another matter. The jobs are left to retry, since a
+    rolling deploy may bring their handler.
+    """
+    live = [w for h in hosts for w in h.workers if not w.stale]
+    found = []
+    for queue, kind, pending in kinds:
+        serving = [w for w in live if queue in w.queues]
+        if not pending or not serving or any("handles" not in w.counters for w in serving):
+            continue
+        if not any(kind in w.counters["handles"] for w in serving):
+            found.append(UnhandledKind(queue, kind, pending, len(serving)))
+    return found
+
+
+@dataclass(frozen=True, slots=True)
 class QueueDepth:
     queue: str
     state: str

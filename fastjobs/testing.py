@@ -571,6 +571,10 @@ def _off_the_event_loop(call: Callable[[], T]) -> T:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
+        running = False
+    else:
+        running = True
+    if not running:  # called outside the except block: a handler's error must not chain this one
         return call()
     result: list[T] = []
     error: list[BaseException] = []

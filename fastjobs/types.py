@@ -74,6 +74,8 @@ class JobSpec:
     unique: bool | tuple[str, ...] = False
     # A cron expression: the leader enqueues this kind (with no args) at each tick.
     cron: str | None = None
+    # The IANA time zone the cron expression is read in (None: UTC).
+    tz: str | None = None
     # What the hot loops and the executor call instead of `func` when set: the
     # handler behind the app's middleware and argument conversion, built once
     # per worker by App.runnable (None: `func` itself, at no cost per job).

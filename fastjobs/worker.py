@@ -92,8 +92,12 @@ class Control(threading.Thread):
         slot: Slot | None = None,
         names: list[tuple[int, str, str]] | None = None,
         rotator: leader.Rotator | None = None,
+        handles: list[str] | None = None,
     ) -> None:
         super().__init__(name="fastjobs-control", daemon=True)
+        # The kinds this worker has handlers for: the heartbeat carries them, so that `fastjobs
+        # stats` can flag pending kinds that no live worker handles.
+        self.handles = handles
         # A worker without a leader rotates the slots here, off the hot loop, whenever it finds
         # the leader's lock free (see Worker).
         self.rotator = rotator
@@ -173,12 +177,15 @@ class Control(threading.Thread):
 
     def _counters(self) -> str | None:
         """The heartbeat's counters (stats.worker_counters); its rate is over the time since the last."""
-        if self.slot is None:
-            return None
-        now, done = time.monotonic(), self.slot["completed"] + self.slot["failed"]
-        last, self._last_count = self._last_count, (now, done)
-        rate = (done - last[1]) / (now - last[0]) if last is not None and now > last[0] else 0.0
-        return orjson.dumps(worker_counters(self.slot, self.names, max(rate, 0.0))).decode()
+        doc: dict[str, Any] = {}
+        if self.slot is not None:
+            now, done = time.monotonic(), self.slot["completed"] + self.slot["failed"]
+            last, self._last_count = self._last_count, (now, done)
+            rate = (done - last[1]) / (now - last[0]) if last is not None and now > last[0] else 0.0
+            doc = worker_counters(self.slot, self.names, max(rate, 0.0))
+        if self.handles is not None:
+            doc["handles"] = self.handles
+        return orjson.dumps(doc).decode() if doc else None
 
     def _beat(self, conn: psycopg.Connection[Any]) -> None:
         with psycopg.RawCursor(conn) as cur:
@@ -644,7 +651,9 @@ class Worker:
                 if self.parent is None and self.config.rotate and self.config.rotation.enabled
                 else None
             )
-            control = Control(dsn, self.worker_id, self.executor, register, watch, self.slot, names, rotator)
+            control = Control(
+                dsn, self.worker_id, self.executor, register, watch, self.slot, names, rotator, sorted(specs)
+            )
             control.start()
             try:
                 if self.on_ready is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -90,3 +91,82 @@ def test_a_long_listing_into_head(app: App, dsn: str) -> None:
     header, first = done.stdout.splitlines()
     assert header.split() == ["id", "queue", "kind", "state", "attempt", "run_at"]
     assert first.split()[:4] == ["3000", "default", "k", "available"]
+
+
+PERIODIC = """
+import fastjobs
+
+app = fastjobs.App()
+
+
+@app.periodic("@daily")
+def nightly_report():
+    pass
+
+
+@app.periodic("@hourly")
+def nightly_reports():
+    pass
+
+
+@app.periodic("@weekly", kind="billing.invoices.send")
+def send():
+    pass
+
+
+@app.periodic("@weekly", kind="mail.send")
+def send_mail():
+    pass
+"""
+
+
+@pytest.fixture
+def periodic_module(dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    (tmp_path / "fjshort.py").write_text(PERIODIC)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "fjshort", raising=False)
+    return "fjshort"
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("nightly_report", "fjshort.nightly_report"),
+        ("fjshort.nightly_report", "fjshort.nightly_report"),
+        ("invoices.send", "billing.invoices.send"),
+        ("mail.send", "mail.send"),
+    ],
+)
+def test_periodic_run_takes_the_short_name_of_one_periodic_job(
+    dsn: str, periodic_module: str, capsys: pytest.CaptureFixture[str], name: str, kind: str
+) -> None:
+    from fastjobs.cli import main
+
+    assert main(["--dsn", dsn, "periodic", "run", periodic_module, name, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kind"] == kind
+
+
+@pytest.mark.parametrize(
+    ("name", "error"),
+    [
+        (
+            "send",
+            "'send' names several periodic jobs of fjshort: billing.invoices.send, mail.send; give one whole",
+        ),
+        (
+            "nightly_rport",
+            "'nightly_rport' is not a periodic job of fjshort; did you mean 'nightly_report' or"
+            " 'nightly_reports'? (its periodic jobs: billing.invoices.send, fjshort.nightly_report,"
+            " fjshort.nightly_reports, mail.send)",
+        ),
+    ],
+)
+def test_periodic_run_of_an_ambiguous_or_unknown_name_says_which_it_could_be(
+    dsn: str, periodic_module: str, capsys: pytest.CaptureFixture[str], name: str, error: str
+) -> None:
+    from fastjobs.cli import main
+
+    assert main(["--dsn", dsn, "periodic", "run", periodic_module, name]) == 1
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", f"fastjobs: {error}\n")

@@ -90,7 +90,7 @@ async def test_unreachable_database_via_enqueue_async(bad):
 
 
 def test_unreachable_database_via_cli(no_env, capsys):
-    assert main(["--dsn", UNREACHABLE, "migrate"]) == 1
+    assert main(["--dsn", UNREACHABLE, "migrate"]) == 3
     captured = capsys.readouterr()
     _assert_names_host_and_port_only(captured.err)
     assert PASSWORD not in captured.out
@@ -98,7 +98,7 @@ def test_unreachable_database_via_cli(no_env, capsys):
 
 def test_unreachable_database_from_the_environment_via_cli(no_env, capsys):
     no_env.setenv("FASTJOBS_DSN", UNREACHABLE)
-    assert main(["migrate"]) == 1
+    assert main(["migrate"]) == 3
     _assert_names_host_and_port_only(capsys.readouterr().err)
 
 
@@ -277,3 +277,80 @@ def test_the_cli_dsn_points_the_loaded_app_at_its_database(dsn, other_dsn, tmp_p
         sys.modules.pop("fj_configured_app", None)
     assert _kinds(dsn) == ["at import"]
     assert _kinds(other_dsn) == ["after load"]
+
+
+APP_MODULE = """
+import fastjobs
+
+app = fastjobs.App()
+
+
+@app.periodic("@daily", kind="fjdsn.nightly")
+def nightly():
+    pass
+"""
+
+EVERY_COMMAND = [
+    ["migrate"],
+    ["stats"],
+    ["jobs", "list"],
+    ["jobs", "retry", "1"],
+    ["jobs", "discard", "--queue", "q", "--yes"],
+    ["periodic", "list", "fjdsn"],
+    ["periodic", "run", "fjdsn", "nightly"],
+    ["run", "fjdsn"],
+    ["bench", "--enqueue-only", "--jobs", "10"],
+]
+
+
+@pytest.fixture
+def app_module(no_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    (tmp_path / "fjdsn.py").write_text(APP_MODULE)
+    no_env.chdir(tmp_path)
+    no_env.syspath_prepend(str(tmp_path))
+    no_env.delitem(sys.modules, "fjdsn", raising=False)
+
+
+@pytest.mark.parametrize("command", EVERY_COMMAND, ids=" ".join)
+@pytest.mark.parametrize(
+    ("bad", "reason"),
+    [
+        ("nonsense", 'missing "=" after "nonsense" in connection info string'),
+        (f"host=127.0.0.1 password='{PASSWORD}", "unterminated quoted string in connection info string"),
+        (f"postgresql://u:{PASSWORD}@h/db?colour=blue", 'invalid URI query parameter: "colour"'),
+    ],
+    ids=["word", "quote", "query"],
+)
+def test_a_dsn_that_does_not_parse_shows_the_expected_form_and_exits_3_from_every_command(
+    app_module: None, capsys: pytest.CaptureFixture[str], command: list[str], bad: str, reason: str
+) -> None:
+    assert main(["--dsn", bad, *command]) == EXIT_BOOT_ERROR
+    out, err = capsys.readouterr()
+    assert out == "" or command[0] == "bench"  # bench says what it will measure first
+    assert err == (
+        f"fastjobs: the DSN (dsn= or --dsn) does not parse: {reason}; expected a URL such as"
+        " postgresql://USER:PASSWORD@HOST:5432/DBNAME, key=value pairs such as 'host=HOST port=5432"
+        " dbname=DBNAME user=USER', or 'embedded'\n"
+    )
+    assert PASSWORD not in err
+
+
+@pytest.mark.parametrize("command", EVERY_COMMAND, ids=" ".join)
+def test_an_unreachable_database_exits_3_from_every_command(
+    app_module: None, capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    assert main(["--dsn", UNREACHABLE, *command]) == EXIT_BOOT_ERROR
+    err = capsys.readouterr().err
+    assert "fastjobs: cannot connect to PostgreSQL at 127.0.0.1:1/db" in err and PASSWORD not in err
+
+
+def test_the_dsn_in_the_environment_is_named_as_its_source(no_env: pytest.MonkeyPatch) -> None:
+    no_env.setenv("DATABASE_URL", "nonsense")
+    with pytest.raises(ConfigurationError, match=r"^the DSN \(DATABASE_URL\) does not parse"):
+        App().enqueue("k")
+
+
+def test_a_short_password_is_masked_without_garbling_the_message() -> None:
+    assert database._scrub("Servname not supported, password p", "postgresql://u:p@h/db") == (
+        "Servname not supported, password ***"
+    )

@@ -405,3 +405,42 @@ def test_a_handle_given_the_other_kind_of_psycopg_conn_names_the_methods_for_it(
 
     asyncio.run(attempt())
     assert count(dsn) == 0
+
+
+# --- registering handlers (issue 25) ---------------------------------------------------------
+
+
+def test_a_bare_job_decorator_registers_as_with_parentheses(app: App, dsn: str):
+    @app.job
+    def bare(n: int) -> int:
+        return n * 2
+
+    kind = f"{__name__}.test_a_bare_job_decorator_registers_as_with_parentheses.<locals>.bare"
+    assert app.jobs[kind].func is bare.__wrapped__
+    assert bare(n=2) == 4  # still callable as the function
+    bare.enqueue(n=1)
+    assert count(dsn) == 1
+
+    @app.job
+    async def bare_async() -> None: ...
+
+    assert app.jobs[bare_async.kind].is_async
+
+
+def test_a_kind_that_is_neither_a_string_nor_a_function_is_a_type_error(app: App):
+    with pytest.raises(TypeError, match="kind must be a string, not 3"):
+        app.job(3)  # type: ignore[call-overload]
+
+
+def test_a_handler_taking_star_args_is_refused_at_registration(app: App):
+    with pytest.raises(TypeError, match=r"\*items can never receive anything: a job's args are passed"):
+
+        @app.job(kind="star")
+        def star(*items: int) -> None: ...
+
+    with pytest.raises(TypeError, match=r"\*rest"):
+
+        @app.job
+        def mixed(first: int, *rest: int, **options: Any) -> None: ...
+
+    assert app.jobs == {}

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
 import re
+import sys
 from typing import Any
 
 import pytest
@@ -140,9 +142,33 @@ def test_a_short_kind_that_lists_nothing_says_kinds_are_matched_whole(
     app.enqueue("shop.jobs.make_invoice", {"n": 1})
     code, out, err = jobs_cli(dsn, capsys, "list", "--kind", "make_invoice")
     assert code == 0 and out.splitlines()[1:] == []
-    assert "no job of kind 'make_invoice': a kind is matched whole, and is module.function" in err
+    assert err == (
+        "fastjobs: no kind 'make_invoice': no job has it and no live worker handles it; a kind is"
+        " matched whole: 'shop.jobs.make_invoice'?\n"
+    )
     code, out, err = jobs_cli(dsn, capsys, "list", "--kind", "shop.jobs.make_invoice")
     assert len(out.splitlines()) == 2 and err == ""
+
+
+def test_a_typo_in_a_queue_or_kind_filter_says_no_such_name_and_suggests_close_ones(
+    dsn: str, capsys: pytest.CaptureFixture[str], seeded: dict[str, int]
+) -> None:
+    code, out, err = jobs_cli(dsn, capsys, "list", "--queue", "mial")
+    assert (code, out.splitlines()[1:]) == (0, [])
+    assert (
+        err
+        == "fastjobs: no queue 'mial': no job is on it and no live worker serves it; did you mean 'mail'?\n"
+    )
+    code, out, err = jobs_cli(dsn, capsys, "list", "--kind", "betta", "--queue", "mail")
+    assert (
+        err
+        == "fastjobs: no kind 'betta': no job has it and no live worker handles it; did you mean 'beta'?\n"
+    )
+    # A known name that lists nothing is no typo: nothing to say.
+    code, out, err = jobs_cli(dsn, capsys, "list", "--queue", "mail", "--state", "scheduled")
+    assert (code, err) == (0, "")
+    code, out, err = jobs_cli(dsn, capsys, "list", "--kind", "zzz")
+    assert err == "fastjobs: no kind 'zzz': no job has it and no live worker handles it\n"
 
 
 # --- show ----------------------------------------------------------------------------------------
@@ -349,7 +375,7 @@ def test_a_database_without_the_schema_says_to_migrate(
     empty_dsn: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code, out, err = jobs_cli(empty_dsn, capsys, "list")
-    assert (code, out) == (1, "")
+    assert (code, out) == (3, "")
     assert "fastjobs migrate" in err
 
 
@@ -408,3 +434,135 @@ def test_show_and_list_escape_control_characters_of_job_input(
         f"héllo {_EVIL}",
         f"ValueError: {_EVIL}",
     )
+
+
+# --- retry, cancel, discard by filter ------------------------------------------------------------
+
+
+@pytest.fixture
+def failures(app: App, dsn: str) -> dict[str, list[int]]:
+    """Discarded jobs of two kinds on two queues, two of them created a day ago; and a pending one."""
+    ids = {
+        "old_alpha": [app.enqueue("alpha", {"n": n}) for n in range(2)],
+        "alpha": [app.enqueue("alpha", {"n": n}) for n in range(3)],
+        "beta_mail": [app.enqueue("beta", {"n": n}, queue="mail") for n in range(2)],
+        "pending": [app.enqueue("alpha", {"n": 99})],
+    }
+    query(
+        dsn, "UPDATE fastjobs_jobs_all SET state = 'discarded', finalized_at = now() WHERE args->>'n' <> '99'"
+    )
+    query(
+        dsn,
+        "UPDATE fastjobs_jobs_all SET created_at = now() - interval '1 day' WHERE id = ANY(%s)",
+        (ids["old_alpha"],),
+    )
+    return ids
+
+
+def states(dsn: str) -> dict[int, str]:
+    return {r["id"]: r["state"] for r in query(dsn, "SELECT id, state::text FROM fastjobs_jobs_all")}
+
+
+def test_retry_by_filter_counts_and_acts_on_the_matching_jobs_only(
+    dsn: str, capsys: pytest.CaptureFixture[str], failures: dict[str, list[int]]
+) -> None:
+    code, out, err = jobs_cli(dsn, capsys, "retry", "--kind", "alpha", "--state", "discarded", "--yes")
+    assert (code, out) == (0, "")
+    assert err == "fastjobs: retry of 5 jobs: 5 jobs available\n"
+    now = states(dsn)
+    assert [now[i] for i in failures["old_alpha"] + failures["alpha"]] == ["available"] * 5
+    assert [now[i] for i in failures["beta_mail"]] == ["discarded"] * 2
+    # Nothing left to match: said so, nothing done.
+    code, out, err = jobs_cli(dsn, capsys, "retry", "--kind", "alpha", "--state", "discarded", "--yes")
+    assert (code, err) == (0, "fastjobs: no job matches (state discarded, kind alpha): nothing to retry\n")
+
+
+def test_discard_and_cancel_by_queue_and_age(
+    dsn: str, capsys: pytest.CaptureFixture[str], failures: dict[str, list[int]]
+) -> None:
+    code, out, err = jobs_cli(dsn, capsys, "retry", "--older-than", "2h", "--yes", "--json")
+    assert code == 0
+    assert [json.loads(line)["id"] for line in out.splitlines()] == failures["old_alpha"]
+    code, out, err = jobs_cli(dsn, capsys, "cancel", "--queue", "default", "--yes")
+    assert (code, err) == (0, "fastjobs: cancel of 3 jobs: 3 jobs cancelled\n")  # 2 retried + the pending one
+    code, out, err = jobs_cli(dsn, capsys, "discard", "--queue", "default", "--state", "cancelled", "--yes")
+    assert (code, err) == (0, "fastjobs: discard of 3 jobs: 3 jobs discarded\n")
+
+
+def test_a_filter_asks_for_confirmation_on_a_terminal_and_for_yes_in_a_script(
+    dsn: str,
+    capsys: pytest.CaptureFixture[str],
+    failures: dict[str, list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stdin", Terminal("n\n"))
+    code, _, err = jobs_cli(dsn, capsys, "retry", "--queue", "mail")
+    assert (code, err) == (1, "retry 2 jobs (queue mail)? [y/N] fastjobs: nothing done\n")
+    assert [states(dsn)[i] for i in failures["beta_mail"]] == ["discarded"] * 2
+    monkeypatch.setattr(sys, "stdin", Terminal("y\n"))
+    code, _, err = jobs_cli(dsn, capsys, "retry", "--queue", "mail")
+    assert (code, err) == (
+        0,
+        "retry 2 jobs (queue mail)? [y/N] fastjobs: retry of 2 jobs: 2 jobs available\n",
+    )
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))  # a script's stdin
+    code, _out, err = jobs_cli(dsn, capsys, "cancel", "--queue", "mail")
+    assert (code, err) == (
+        1,
+        "fastjobs: cancel 2 jobs (queue mail)? Confirm with --yes: stdin is not a terminal\n",
+    )
+    assert [states(dsn)[i] for i in failures["beta_mail"]] == ["available"] * 2
+
+
+def test_a_filter_reports_the_jobs_it_could_not_act_on_and_exits_1(
+    app: App, dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    failed = app.enqueue("alpha", {"n": 1}, unique_key="k")
+    other = app.enqueue("alpha", {"n": 2})
+    query(dsn, "UPDATE fastjobs_jobs_all SET state = 'discarded' WHERE id IN (%s, %s)", (failed, other))
+    holder = app.enqueue("alpha", {"n": 3}, unique_key="k")  # the key is free again, and taken
+    code, _out, err = jobs_cli(dsn, capsys, "retry", "--kind", "alpha", "--state", "discarded", "--yes")
+    assert code == 1
+    assert err.splitlines() == [
+        f"fastjobs: job {failed} cannot be retried: job {holder} (available) holds its unique key 'k';"
+        " retry it once that job has finished",
+        "fastjobs: retry of 2 jobs: 1 job available; 1 job not, each said why above",
+    ]
+    assert states(dsn) == {failed: "discarded", other: "available", holder: "available"}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["retry"],
+            "takes job ids or filters (--state, --queue, --kind, --older-than), and was given neither",
+        ),
+        (["retry", "1", "--queue", "q"], "not both"),
+    ],
+)
+def test_ids_or_filters_not_both_nor_neither(
+    dsn: str, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    code, _out, err = jobs_cli(dsn, capsys, *args)
+    assert code == 1 and message in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["retry", "--state", "running"], "invalid choice: 'running'"),
+        (["discard", "--older-than", "soon"], "'soon' is not an age such as 90s"),
+    ],
+)
+def test_a_bad_filter_is_a_usage_error(
+    dsn: str, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--dsn", dsn, "jobs", *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

@@ -229,7 +229,7 @@ def test_error_text_jsonb_cannot_store_is_escaped(
         raise FileNotFoundError(text)
 
     bad_id, good = _around(app, "bad")
-    drain(app)
+    assert run_one_batch(app, 3) == 3  # one run each: a drain would meet the bad job again after ~1 s
     assert sorted(ok_and_bad) == [1, 2]
     row = _row(dsn, bad_id)
     assert (row["state"], row["attempt"]) == ("retryable", 1)
@@ -336,7 +336,7 @@ def test_a_misbehaving_retry_policy_falls_back_to_the_default_backoff(
     assert sorted(ok_and_bad) == [1, 2]
     row = _row(dsn, bad_id)
     assert (row["state"], row["attempt"]) == ("retryable", 1)
-    assert run_in[0] - 0.01 <= row["run_after_error"] <= run_in[1] + 0.01  # counted from the failure
+    assert run_in[0] - 0.01 <= row["run_after_error"] <= run_in[1] + 0.1  # counted from the failure
     [error] = _errors(row)
     assert error["error"].startswith("ValueError: boom [fastjobs: ")
     assert note in error["error"]
@@ -377,8 +377,9 @@ def test_a_statement_postgresql_rejects_is_written_outcome_by_outcome(
             raise RuntimeError("an ordinary failure")
 
     ids = {n: app.enqueue("job", {"n": n}) for n in range(20)}
-    # The state lane's isolation; on the fast lane the batch rolls back first (test_fast_lane).
-    drain(app, fast_lane=False)
+    # The state lane's isolation (on the fast lane the batch rolls back first: test_fast_lane),
+    # in one batch: a drain would meet jobs 5 and 7 again once their ~1 s backoff ends.
+    assert run_one_batch(app, 20) == 20
     assert runs == Counter(range(20)), "a job was lost or ran twice"
     rows = {row["id"]: row for row in jobs(dsn)}
     assert set(rows) == {ids[5], ids[7]}

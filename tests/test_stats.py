@@ -674,3 +674,41 @@ def test_stats_json_gives_whole_numbers_as_integers_and_tables_keep_wide_values_
         columns = len(re.split(r"\s{2,}", head))
         assert all(len(re.split(r"\s{2,}", line.strip())) >= columns - 1 for line in block), block
     assert master.stop() == 0, master.stderr()
+
+
+def test_stats_flags_pending_kinds_that_no_live_worker_handles(
+    app: App, dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fastjobs import Worker
+    from fastjobs.cli import main
+
+    from .helpers import WorkerThread, insert_raw
+    from .helpers import wait_for as wait_until
+
+    @app.job(kind="known")
+    def known() -> None: ...
+
+    insert_raw(dsn, "known", "{}")
+    stray = insert_raw(dsn, "gone.elsewhere", "{}")  # its handler lives in no module this worker imported
+    insert_raw(dsn, "gone.elsewhere", "{}", queue="unserved")  # no live worker serves that queue
+    with psycopg.connect(dsn, autocommit=True) as db, WorkerThread(Worker(app, ["default"])):
+        assert wait_until(
+            lambda: (
+                count(db, "SELECT count(*) FROM fastjobs_workers WHERE counters ? 'handles'") == 1
+                and count(db, "SELECT count(*) FROM fastjobs_jobs_all WHERE id = %s AND attempt = 1", stray)
+                == 1
+            ),
+            timeout=10,
+        )
+        assert main(["--dsn", dsn, "stats", "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["unhandled_kinds"] == [
+            {"queue": "default", "kind": "gone.elsewhere", "pending": 1, "workers": 1}
+        ]
+        assert main(["--dsn", dsn, "stats"]) == 0
+        out = capsys.readouterr().out
+    assert (
+        "WARNING: 1 pending job of kind 'gone.elsewhere' on queue 'default', and no live worker handles"
+        " that kind" in out
+    )
+    assert "fastjobs jobs discard --kind gone.elsewhere" in out

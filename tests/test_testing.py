@@ -67,6 +67,23 @@ def test_a_failed_job_waits_for_its_backoff_unless_now_moves_past_it(app: App):
     kit.assert_enqueued(flaky, state="discarded", count=1)
 
 
+def test_a_failure_in_a_sync_test_records_the_handlers_exception_alone(app: App):
+    @app.job(kind="boom", max_attempts=1)
+    def boom() -> None:
+        raise KeyError("missing")
+
+    boom.enqueue()
+    kit = app.testing()
+    assert kit.drain() == Drained(discarded=1)
+    [row] = kit.enqueued(boom, state="discarded")
+    assert row.errors is not None
+    trace = row.errors[0]["traceback"]
+    assert "KeyError: 'missing'" in trace
+    # No exception of fastjobs' own machinery chained before the handler's.
+    assert "no running event loop" not in trace and "During handling" not in trace
+    assert trace.startswith("Traceback (most recent call last):")
+
+
 def test_now_runs_scheduled_jobs_due_by_then_in_the_order_they_were_due(app: App):
     order: list[str] = []
 

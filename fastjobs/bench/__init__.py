@@ -33,6 +33,7 @@ from ..errors import FastjobsError
 from ..handlers import current_job
 from ..impl import IMPLEMENTATION, core
 from ..leader import CleanerConfig, clean_once
+from ..logs import plural
 from ..master import DEFAULT_CONCURRENCY, Master
 from ..stats import Slots, find
 from ..worker import Worker, WorkerConfig
@@ -93,11 +94,17 @@ def _plain(i: int, email: str) -> None:
 def _fastjobs_copy(dsn: str, rows: list[dict[str, Any]]) -> float:
     app = App(dsn)
     app.job(kind=BENCH_KIND)(_plain)
-    with psycopg.connect(dsn) as conn:
+    with contextlib.closing(app), psycopg.connect(dsn) as conn:
         start = time.perf_counter()
         app.enqueue_many(BENCH_KIND, rows, conn=conn)
         conn.commit()
         return time.perf_counter() - start
+
+
+def _enqueue_noops(dsn: str, jobs: int) -> None:
+    """`jobs` no-op jobs in one COPY, committed before it returns."""
+    with contextlib.closing(App(dsn)) as app:
+        app.enqueue_many(BENCH_KIND, ({"i": i} for i in range(jobs)))
 
 
 def run_enqueue(
@@ -115,6 +122,7 @@ def run_enqueue(
             echo(f"  run {run + 1}/{repeat} {name:8s} {jobs / seconds:>10,.0f} jobs/s\n")
     fast = jobs / statistics.median(times["fastjobs"])
     raw = jobs / statistics.median(times["raw"])
+    rates = {name: [jobs / s for s in t] for name, t in times.items()}
     record = _record(
         "enqueue",
         target,
@@ -123,10 +131,12 @@ def run_enqueue(
         fastjobs_jobs_per_s=round(fast),
         raw_copy_jobs_per_s=round(raw),
         ratio=round(fast / raw, 3),
+        fastjobs_jobs_per_s_runs=[round(r) for r in rates["fastjobs"]],
+        raw_copy_jobs_per_s_runs=[round(r) for r in rates["raw"]],
     )
-    echo(f"\n{'enqueue':<28}{'jobs/s':>12}{'ratio':>8}\n")
-    echo(f"{'raw binary COPY':<28}{raw:>12,.0f}{1.0:>8.2f}\n")
-    echo(f"{'fastjobs enqueue_many':<28}{fast:>12,.0f}{fast / raw:>8.2f}\n")
+    echo(f"\n{'enqueue':<28}{'jobs/s':>12}{'runs min-max':>20}{'ratio':>8}\n")
+    echo(f"{'raw binary COPY':<28}{raw:>12,.0f}{spread(rates['raw']):>20}{1.0:>8.2f}\n")
+    echo(f"{'fastjobs enqueue_many':<28}{fast:>12,.0f}{spread(rates['fastjobs']):>20}{fast / raw:>8.2f}\n")
     costs = typed_costs()
     record["typed_us_per_job"] = costs
     echo(f"\n{'typed arguments, per job':<28}{'enqueue us':>12}{'run us':>8}\n")
@@ -241,9 +251,26 @@ def _git_commit() -> str | None:
 
 
 def echo(text: str) -> None:
-    """Progress and tables on stdout; a leading \\r rewrites the progress line."""
+    """Progress and tables on stdout; a leading \\r rewrites the progress line on a terminal.
+
+    Elsewhere (a log, a pipe) a reading that a later one would overwrite is
+    left out, and a final line is written as a line of its own: `\\r` in a
+    file joins every reading into one line.
+    """
+    if text.startswith("\r"):
+        if not sys.stdout.isatty():
+            if not text.endswith("\n"):
+                return
+            text = text[1:]
+        else:
+            text = "\r\x1b[K" + text[1:]  # erase what a longer reading left on the line
     sys.stdout.write(text)
     sys.stdout.flush()
+
+
+def spread(values: list[float]) -> str:
+    """The range of repeated runs' figures, "48,210-51,877" (one run: "-")."""
+    return f"{min(values):,.0f}-{max(values):,.0f}" if len(values) > 1 else "-"
 
 
 # --- drain: fastjobs workers against the leanest psycopg loop -------------------------------
@@ -280,10 +307,14 @@ def _fastjobs_drainer(
     worker.run()
 
 
-def _raw_drainer(dsn: str, batch: int, keep: bool, ready: Any, start: Any) -> None:
-    """The limit: the same claim, then DELETE (or mark completed) by id array; no fastjobs code.
+def _raw_drainer(dsn: str, batch: int, keep: bool, locked: bool, ready: Any, start: Any) -> None:
+    """A limit: fastjobs' claim, then DELETE (or mark completed) by id array; no fastjobs code.
 
-    Its session has the same durability as a worker's (sql.worker_session).
+    Two loops, one per lane: the state lane's UPDATE claim (each job written
+    'running', then deleted: two writes) in autocommit, and with `locked` the
+    fast lane's claim (rows locked FOR UPDATE SKIP LOCKED, then deleted in
+    the same transaction: one write). Its session has the same durability as
+    a worker's (sql.worker_session).
     """
     complete = queries.bench_raw_complete_keep if keep else queries.bench_raw_complete
     with psycopg.connect(dsn, autocommit=True, prepare_threshold=0) as conn:
@@ -293,10 +324,17 @@ def _raw_drainer(dsn: str, batch: int, keep: bool, ready: Any, start: Any) -> No
         ready.wait()
         start.wait()
         while True:
-            ids = [row[0] for row in cur.execute(sql.job_claim_many, ("default", batch, worker))]
+            if locked:
+                cur.execute(sql.fast_begin)
+                ids = [row[0] for row in cur.execute(sql.job_lock_many, ("default", batch))]
+            else:
+                ids = [row[0] for row in cur.execute(sql.job_claim_many, ("default", batch, worker))]
+            if ids:
+                cur.execute(complete, (ids,))
+            if locked:
+                cur.execute(sql.fast_commit)
             if not ids:
                 return
-            cur.execute(complete, (ids,))
 
 
 def _child(target: Callable[..., None], *args: Any) -> None:
@@ -333,7 +371,7 @@ def _drain_once(
             _child(target, dsn, *args, ready, start)
         pids.append(pid)
     ready.wait()
-    App(dsn).enqueue_many(BENCH_KIND, ({"i": i} for i in range(jobs)))
+    _enqueue_noops(dsn, jobs)
     start.wait()
     began = time.perf_counter()
     cpu = 0.0
@@ -420,7 +458,7 @@ def _master_once(
     """
     _reset(dsn)
     with master_running(lambda: _bench_app(dsn, middleware), processes, batch, keep, fast_lane) as slots:
-        App(dsn).enqueue_many(BENCH_KIND, ({"i": i} for i in range(jobs)))
+        _enqueue_noops(dsn, jobs)
         began = time.perf_counter()
         workers = [slots[i] for i in range(processes)]
         next_echo = 0.0
@@ -452,11 +490,15 @@ def _await_slots(master_pid: int, processes: int, timeout: float = 30.0) -> Slot
     raise FastjobsError("the benchmark's workers did not become ready in time")
 
 
-CONTENDERS = ("raw", "worker", "master")
+# raw: the state lane's raw loop (UPDATE claim + DELETE); raw_locked: the fast lane's (locked claim + DELETE).
+CONTENDERS = ("raw", "raw_locked", "worker", "master")
 # With --compare-sync: the overlapped loop against a strictly sequential one.
-CONTENDERS_SYNC = ("raw", "worker", "worker_sync")
+CONTENDERS_SYNC = ("raw", "raw_locked", "worker", "worker_sync")
 # With --compare-lanes: `fastjobs run` against `fastjobs run --no-fast-lane` (the state lane alone).
-CONTENDERS_LANES = ("raw", "master", "master_state")
+CONTENDERS_LANES = ("raw", "raw_locked", "master", "master_state")
+# The raw loop each contender's ratio is taken against: the one of the lane its jobs take. No-op
+# jobs all take the fast lane unless it is turned off.
+BASELINE = {"master_state": "raw"}
 
 
 def run_drain(
@@ -487,8 +529,9 @@ def run_drain(
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
     for run in range(repeat):
         for name in contenders:
-            if name == "raw":
-                measured = _drain_once(target, jobs, processes, _raw_drainer, (batch, keep), echo)
+            if name in ("raw", "raw_locked"):
+                raw_args = (batch, keep, name == "raw_locked")
+                measured = _drain_once(target, jobs, processes, _raw_drainer, raw_args, echo)
             elif name in ("worker", "worker_sync"):
                 args = (batch, name == "worker", keep, middleware)
                 measured = _drain_once(target, jobs, processes, _fastjobs_drainer, args, echo)
@@ -500,8 +543,11 @@ def run_drain(
                 f"\r  run {run + 1}/{repeat} {name:11s} {jobs / measured[0]:>10,.0f} jobs/s"
                 f"   worker CPU {measured[1] / jobs * 1e6:6.1f} us/job\n"
             )
-    rate = {name: statistics.median(jobs / s for s, _ in r) for name, r in runs.items()}
+    rates = {name: [jobs / s for s, _ in r] for name, r in runs.items()}
+    rate = {name: statistics.median(r) for name, r in rates.items()}
     cpu = {name: statistics.median(c / jobs * 1e6 for _, c in r) for name, r in runs.items()}
+    raws = ("raw", "raw_locked")
+    ratio = {name: rate[name] / rate[BASELINE.get(name, "raw_locked")] for name in contenders}
     record = _record(
         "drain",
         target,
@@ -512,20 +558,29 @@ def run_drain(
         middleware=middleware,
         repeat=repeat,
         **{f"{name}_jobs_per_s": round(rate[name]) for name in contenders},
+        **{f"{name}_jobs_per_s_runs": [round(r) for r in rates[name]] for name in contenders},
         **{f"{name}_cpu_us_per_job": round(cpu[name], 2) for name in contenders},
-        **{f"{name}_ratio": round(rate[name] / rate["raw"], 3) for name in contenders if name != "raw"},
+        **{f"{name}_ratio": round(ratio[name], 3) for name in contenders if name not in raws},
+        **{f"{name}_baseline": BASELINE.get(name, "raw_locked") for name in contenders if name not in raws},
     )
     labels = {
-        "raw": "raw SQL limit",
+        "raw": "raw SQL: UPDATE claim + DELETE",
+        "raw_locked": "raw SQL: locked claim + DELETE",
         "worker": f"fastjobs workers ({IMPLEMENTATION})",
         "worker_sync": f"  without overlap ({IMPLEMENTATION})",
         "master": f"fastjobs run ({IMPLEMENTATION})",
         "master_state": f"  --no-fast-lane ({IMPLEMENTATION})",
     }
-    title = f"drain, {processes} processes"
-    echo(f"\n{title:<30}{'jobs/s':>12}{'ratio':>8}{'CPU us/job':>12}\n")
+    title = f"drain, {plural(processes, 'process', 'processes')}"
+    echo(f"\n{title:<32}{'jobs/s':>12}{'runs min-max':>20}{'ratio':>8}{'CPU us/job':>12}\n")
     for name in contenders:
-        echo(f"{labels[name]:<30}{rate[name]:>12,.0f}{rate[name] / rate['raw']:>8.2f}{cpu[name]:>12.1f}\n")
+        shown = "" if name in raws else f"{ratio[name]:.2f}"
+        echo(f"{labels[name]:<32}{rate[name]:>12,.0f}{spread(rates[name]):>20}{shown:>8}{cpu[name]:>12.1f}\n")
+    echo(
+        "ratio: against the raw loop of the same lane: the fast lane's (the default for these no-op"
+        " jobs) is the locked claim + DELETE, one write per job; --no-fast-lane's is the UPDATE claim"
+        " + DELETE, two writes\n"
+    )
     _write(results, record, echo)
     return record
 
@@ -631,6 +686,10 @@ def _latency_worker(dsn: str, batch: int, write: bool, out: Any, ready: Any, sta
     out.put(started)
 
 
+# The share of the rate asked for that the latency run must offer to be reported as at that rate.
+RATE_REACHED = 0.95
+
+
 def run_latency(
     dsn: str,
     rate: float,
@@ -671,8 +730,7 @@ def run_latency(
     sent: dict[int, tuple[float, float]] = {}
 
     def produce(index: int) -> None:
-        app = App(target)
-        with psycopg.connect(target, autocommit=True) as conn:
+        with contextlib.closing(App(target)) as app, psycopg.connect(target, autocommit=True) as conn:
             for i in range(index, total, producers):
                 pause = began + i / rate - time.perf_counter()
                 if pause > 0:
@@ -712,6 +770,8 @@ def run_latency(
         target,
         rate=rate,
         achieved_rate=round(achieved),
+        # Within 5% of the rate asked for: a busy machine's producers may not keep up.
+        rate_reached=achieved >= RATE_REACHED * rate,
         jobs=len(from_call),
         processes=processes,
         batch=batch,
@@ -724,9 +784,16 @@ def run_latency(
         from_commit_p90_ms=pct(from_commit, 0.90),
         from_commit_p99_ms=pct(from_commit, 0.99),
     )
+    shortfall = ""
+    if not record["rate_reached"]:
+        shortfall = (
+            f"  NOTE: {rate:,.0f} jobs/s was asked for and the producers offered {achieved:,.0f}: the"
+            " machine could not enqueue faster; these figures are at that lower rate\n"
+        )
     echo(
-        f"\npickup latency at {achieved:,.0f} jobs/s offered ({processes} processes, {IMPLEMENTATION}),"
-        f" {len(from_call):,} jobs{', handlers writing a row' if write else ''}\n"
+        f"\npickup latency at {achieved:,.0f} jobs/s offered of {rate:,.0f} asked ({processes} processes,"
+        f" {IMPLEMENTATION}), {len(from_call):,} jobs{', handlers writing a row' if write else ''}\n"
+        f"{shortfall}"
         f"  from the enqueue call: p50 {record['p50_ms']} ms   p90 {record['p90_ms']} ms"
         f"   p99 {record['p99_ms']} ms\n"
         f"  from its commit:       p50 {record['from_commit_p50_ms']} ms"
