@@ -410,7 +410,8 @@ def _outcomes(*, keep: bool, fast: bool) -> str:
         record = "j.attempt = f.attempt\n       AND j.attempted_by = $5 AND j.state::text = 'running'"
     complete, records = "DELETE FROM fastjobs_jobs_all j", " USING"
     if keep:  # kept as 'completed' rows, which the cleaner removes after the retention period
-        complete, records = "UPDATE fastjobs_jobs_all j SET state = 'completed', finalized_at = now()", "  FROM"
+        complete = "UPDATE fastjobs_jobs_all j SET state = 'completed', finalized_at = now()"
+        records = "  FROM"
     state = _outcome_state(attempt)
     return f"""WITH completed AS (
     {complete}
