@@ -10,15 +10,16 @@ loop. FINISH, FINISH_CONTEXT and LOCK pick the hot loops' statements.
 
 Most statements are written out whole, as one literal. A family of statements
 that differ in a part has one source instead: a function whose keyword-only
-parameters name what varies, returning the statement as an f-string of SQL
-and the family's fragments (River's sqlc templates are the model). Each
-variant is one line that calls it, evaluated once at import: nothing is
-composed at run time, and no statement is derived from another by
-substitution. A rule a family shares, such as the state an outcome ends in,
-is a fragment written once. The families: inserts (the columns each path
-writes, the unique-key clause), claims (`_available`: the choice of jobs that
-every claim, lock and finish makes), finishes (`_outcomes`: one batch's
-outcomes, for both lanes) and state reports (`_IN_FLIGHT`).
+parameters name what varies, returning the statement (or the part its
+members share) as an f-string of SQL and fragments (River's sqlc templates
+are the model). Each member is bound once, at import, by a line that calls
+the family: nothing is composed at run time, and no statement is derived
+from another by substitution. A rule a family shares, such as the state an
+outcome ends in, is written once. The families: inserts (`_columns`, the
+columns each path writes; `_SKIP_TAKEN_KEYS`), claims (`_available`, the
+choice every claim, lock and finish makes), finishes (`_outcomes`, a batch's
+outcomes on either lane), state reports (`_IN_FLIGHT`), crashes charged
+(`_crashed`) and the rotation's moves (`_to_slot_0`).
 
 Adding a variant is one edit: the line that names it. A family grows a
 dimension where it is written. Flow control's limit, say, becomes a named
@@ -544,6 +545,28 @@ RETURNING j.id"""
 # again without a write of their own that would wake them.
 queue_wake: Final = "SELECT pg_notify('fastjobs', $1)"
 
+
+def _crashed(*, attempt: str, worker: str, at: str) -> str:
+    """The assignments that charge a crash to a job whose worker died running attempt `attempt` of it
+    (worker `worker`, at `at`): retryable, due at once, or discarded after $3 crashes or its last
+    attempt, or cancelled when that was requested; the reason is appended to its errors."""
+    ends = f"j.crashes + 1 >= $3 OR {attempt} >= j.max_attempts"
+    return f"""state = CASE WHEN j.cancel_requested THEN 'cancelled'
+                    WHEN {ends} THEN 'discarded'
+                    ELSE 'retryable' END::fastjobs_state,
+       run_at = {at},
+       finalized_at = CASE WHEN j.cancel_requested OR {ends}
+                           THEN {at} END,
+       errors = coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
+           'at', {at}, 'attempt', {attempt}, 'traceback', NULL,
+           'error', CASE WHEN j.cancel_requested
+                         THEN 'cancelled: its worker died after cancellation was requested'
+                         WHEN j.crashes + 1 >= $3
+                         THEN format('quarantined: its worker died while running it %s times', j.crashes + 1)
+                         ELSE format('worker %s died while running the job (crash %s)',
+                                     {worker}, j.crashes + 1) END))"""
+
+
 # job_crash_fast: worker $1 died running the jobs $2 on the fast lane: its
 # transaction rolled back, so each is available again with no attempt
 # counted. Each counts the attempt and a crash now, as job_rescue_many does
@@ -558,27 +581,12 @@ queue_wake: Final = "SELECT pg_notify('fastjobs', $1)"
 # it, came back, and then killed it. (Left: a job another worker ran
 # meanwhile and made available again at once, Retry(0) or Snooze(0), before
 # the releaser came, is charged a crash it did not cause.)
-job_crash_fast: Final = """
+job_crash_fast: Final = f"""
 UPDATE fastjobs_jobs_all j
    SET crashes = j.crashes + 1,
-       attempt = least(j.attempt, 32766) + 1,
+       attempt = {_next_attempt("j")},
        attempted_at = now(), attempted_by = $1,
-       state = CASE WHEN j.cancel_requested THEN 'cancelled'
-                    WHEN j.crashes + 1 >= $3 OR least(j.attempt, 32766) + 1 >= j.max_attempts
-                    THEN 'discarded'
-                    ELSE 'retryable' END::fastjobs_state,
-       run_at = now(),
-       finalized_at = CASE WHEN j.cancel_requested OR j.crashes + 1 >= $3
-                                OR least(j.attempt, 32766) + 1 >= j.max_attempts
-                           THEN now() END,
-       errors = coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
-           'at', now(), 'attempt', least(j.attempt, 32766) + 1, 'traceback', NULL,
-           'error', CASE WHEN j.cancel_requested
-                         THEN 'cancelled: its worker died after cancellation was requested'
-                         WHEN j.crashes + 1 >= $3
-                         THEN format('quarantined: its worker died while running it %s times', j.crashes + 1)
-                         ELSE format('worker %s died while running the job (crash %s)',
-                                     $1::text, j.crashes + 1) END))
+       {_crashed(attempt=_next_attempt("j"), worker="$1::text", at="now()")}
  WHERE j.id = ANY($2::bigint[]) AND j.state = 'available'
 RETURNING j.id, j.state::text"""
 
@@ -706,23 +714,10 @@ _section("Maintenance")
 # discarded instead, and one whose cancellation was requested is cancelled.
 # At most $4 per statement. A running row with no attempted_at (written by
 # hand: no claim leaves one) counts as stale.
-job_rescue_many: Final = """
+job_rescue_many: Final = f"""
 UPDATE fastjobs_jobs_all j
    SET crashes = j.crashes + 1,
-       state = CASE WHEN j.cancel_requested THEN 'cancelled'
-                    WHEN j.crashes + 1 >= $3 OR j.attempt >= j.max_attempts THEN 'discarded'
-                    ELSE 'retryable' END::fastjobs_state,
-       run_at = $2::timestamptz,
-       finalized_at = CASE WHEN j.cancel_requested OR j.crashes + 1 >= $3 OR j.attempt >= j.max_attempts
-                           THEN $2::timestamptz END,
-       errors = coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
-           'at', $2::timestamptz, 'attempt', j.attempt, 'traceback', NULL,
-           'error', CASE WHEN j.cancel_requested
-                         THEN 'cancelled: its worker died after cancellation was requested'
-                         WHEN j.crashes + 1 >= $3
-                         THEN format('quarantined: its worker died while running it %s times', j.crashes + 1)
-                         ELSE format('worker %s died while running the job (crash %s)',
-                                     j.attempted_by, j.crashes + 1) END))
+       {_crashed(attempt="j.attempt", worker="j.attempted_by", at="$2::timestamptz")}
  WHERE j.id = ANY(ARRAY(
            SELECT r.id FROM fastjobs_jobs_all r
             WHERE r.state = 'running'
@@ -1055,74 +1050,69 @@ slot_lock_timeout: Final = "SELECT set_config('lock_timeout', $1, true)"
 # rows where slot_move put them (tests/test_rotation.py).
 slot_lock: Final = "LOCK TABLE {partition} IN ACCESS EXCLUSIVE MODE"
 
-# slot_move: the rows slot $1 still holds, copied whole (id, state, attempt,
-# attempted_by, errors...): available and running ones into slot $2 (the
-# current one), the rest (scheduled, retryable, finished) into slot 0,
-# where the scheduler promotes and the cleaner removes them.
-slot_move: Final = """
-INSERT INTO fastjobs_jobs_all (id, queue, kind, args, priority, state, run_at, attempt, max_attempts,
-                               created_at, attempted_at, finalized_at, attempted_by, errors, unique_key,
-                               meta, crashes, cancel_requested, slot)
-SELECT id, queue, kind, args, priority, state, run_at, attempt, max_attempts,
-       created_at, attempted_at, finalized_at, attempted_by, errors, unique_key,
-       meta, crashes, cancel_requested,
+# The columns of a job's row but its slot: the rotation copies rows whole (id,
+# state, attempt, attempted_by, errors...), deleted from one slot and
+# inserted into another.
+_ROW: Final = (
+    ("id", "queue", "kind", "args", "priority", "state", "run_at", "attempt", "max_attempts"),
+    ("created_at", "attempted_at", "finalized_at", "attempted_by", "errors", "unique_key"),
+    ("meta", "crashes", "cancel_requested"),
+)
+
+
+def _row(*, alias: str, spaces: int) -> str:
+    """_ROW's columns, of table `alias` if given, laid out to sit `spaces` in."""
+    prefix = f"{alias}." if alias else ""
+    return (",\n" + " " * spaces).join(", ".join(prefix + column for column in line) for line in _ROW)
+
+
+def _to_slot_0(*, moved: str, which: str, oldest_first: bool) -> str:
+    """Up to $2 rows of slot $1 that `which` chooses (oldest first, or in any order) moved to slot 0
+    by row locks; a row another session holds is skipped (slot_move copies it later), and a writer
+    that waited for a moved row finds it gone and must look again by id."""
+    order = "\n                ORDER BY id" if oldest_first else ""
+    return f"""
+WITH {moved} AS (
+    DELETE FROM fastjobs_jobs_all j
+     WHERE j.slot = $1::smallint AND j.id = ANY(ARRAY(
+               SELECT id FROM fastjobs_jobs_all
+                WHERE slot = $1::smallint AND {which}{order}
+                LIMIT $2
+                  FOR UPDATE SKIP LOCKED))
+    RETURNING {_row(alias="j", spaces=14)}
+)
+INSERT INTO fastjobs_jobs_all ({_row(alias="", spaces=31)}, slot)
+SELECT {_row(alias="", spaces=7)}, 0::smallint
+  FROM {moved}"""
+
+
+# slot_move: the rows slot $1 still holds, copied whole: available and
+# running ones into slot $2 (the current one), the rest (scheduled,
+# retryable, finished) into slot 0, where the scheduler promotes and the
+# cleaner removes them.
+slot_move: Final = f"""
+INSERT INTO fastjobs_jobs_all ({_row(alias="", spaces=31)}, slot)
+SELECT {_row(alias="", spaces=7)},
        CASE WHEN state IN ('available', 'running') THEN $2::smallint ELSE 0::smallint END
   FROM fastjobs_jobs_all
  WHERE slot = $1::smallint"""
 
 # slot_settle: up to $2 settled rows (neither available nor running:
-# scheduled, retryable, finished) of slot $1 moved to slot 0 by row locks,
-# before the rotation takes its lock: kept completed jobs, a burst of
-# discarded ones or a long backoff would otherwise stop the rotation (its
-# slot would hold more than max_move rows) or be copied under its lock. A row
-# another session holds is skipped (slot_move copies it later); a writer that
-# waited for one of these rows finds it gone and must look again by id.
-slot_settle: Final = """
-WITH settled AS (
-    DELETE FROM fastjobs_jobs_all j
-     WHERE j.slot = $1::smallint AND j.id = ANY(ARRAY(
-               SELECT id FROM fastjobs_jobs_all
-                WHERE slot = $1::smallint AND state NOT IN ('available', 'running')
-                LIMIT $2
-                  FOR UPDATE SKIP LOCKED))
-    RETURNING j.id, j.queue, j.kind, j.args, j.priority, j.state, j.run_at, j.attempt, j.max_attempts,
-              j.created_at, j.attempted_at, j.finalized_at, j.attempted_by, j.errors, j.unique_key,
-              j.meta, j.crashes, j.cancel_requested
+# scheduled, retryable, finished) of slot $1 moved to slot 0, before the
+# rotation takes its lock: kept completed jobs, a burst of discarded ones or
+# a long backoff would otherwise stop the rotation (its slot would hold more
+# than max_move rows) or be copied under its lock.
+slot_settle: Final = _to_slot_0(
+    moved="settled", which="state NOT IN ('available', 'running')", oldest_first=False
 )
-INSERT INTO fastjobs_jobs_all (id, queue, kind, args, priority, state, run_at, attempt, max_attempts,
-                               created_at, attempted_at, finalized_at, attempted_by, errors, unique_key,
-                               meta, crashes, cancel_requested, slot)
-SELECT id, queue, kind, args, priority, state, run_at, attempt, max_attempts,
-       created_at, attempted_at, finalized_at, attempted_by, errors, unique_key,
-       meta, crashes, cancel_requested, 0::smallint
-  FROM settled"""
 
-# slot_evacuate: up to $2 available rows of slot $1 moved to slot 0 by row
-# locks, oldest first, when the slot has held a backlog past the rotation's
-# patience (a queue nobody serves): a slot that never empties would stop the
-# rotation of every slot. Rows a claim or a fast-lane batch holds are skipped
-# (the claim wins them); a writer that waited for a moved row looks again by id
+# slot_evacuate: up to $2 available rows of slot $1 moved to slot 0, oldest
+# first, when the slot has held a backlog past the rotation's patience (a
+# queue nobody serves): a slot that never empties would stop the rotation of
+# every slot. Rows a claim or a fast-lane batch holds are skipped (the claim
+# wins them); a writer that waited for a moved row looks again by id
 # (fastjobs.control). Slot 0 is vacuumed: the backlog leaves the rotation for good.
-slot_evacuate: Final = """
-WITH evacuated AS (
-    DELETE FROM fastjobs_jobs_all j
-     WHERE j.slot = $1::smallint AND j.id = ANY(ARRAY(
-               SELECT id FROM fastjobs_jobs_all
-                WHERE slot = $1::smallint AND state = 'available'
-                ORDER BY id
-                LIMIT $2
-                  FOR UPDATE SKIP LOCKED))
-    RETURNING j.id, j.queue, j.kind, j.args, j.priority, j.state, j.run_at, j.attempt, j.max_attempts,
-              j.created_at, j.attempted_at, j.finalized_at, j.attempted_by, j.errors, j.unique_key,
-              j.meta, j.crashes, j.cancel_requested
-)
-INSERT INTO fastjobs_jobs_all (id, queue, kind, args, priority, state, run_at, attempt, max_attempts,
-                               created_at, attempted_at, finalized_at, attempted_by, errors, unique_key,
-                               meta, crashes, cancel_requested, slot)
-SELECT id, queue, kind, args, priority, state, run_at, attempt, max_attempts,
-       created_at, attempted_at, finalized_at, attempted_by, errors, unique_key,
-       meta, crashes, cancel_requested, 0::smallint
-  FROM evacuated"""
+slot_evacuate: Final = _to_slot_0(moved="evacuated", which="state = 'available'", oldest_first=True)
 
 # slot_privileges: what the current role lacks to rotate, as GRANT clauses
 # (none: it may), and the role. LOCK and TRUNCATE name each rotating slot
