@@ -13,7 +13,7 @@ that differ in a part has one source instead: a function whose keyword-only
 parameters name what varies, returning the statement (or the part its
 members share) as an f-string of SQL and fragments (River's sqlc templates
 are the model). Each member is bound once, at import, by a line that calls
-the family: nothing is composed at run time, and no statement is derived
+the family or embeds its fragment: nothing is composed at run time, and no statement is derived
 from another by substitution. A rule a family shares, such as the state an
 outcome ends in, is written once. The families: inserts (`_columns`, the
 columns each path writes; `_SKIP_TAKEN_KEYS`), claims (`_available`, the
@@ -534,10 +534,10 @@ fast_rollback: Final = "ROLLBACK"
 # batch then commits, so the handler holds no transaction for the rest of its
 # run, and its outcome is written by the state lane's statements. Returns the
 # row's id (none when the row is no longer the one claimed).
-job_hand_over: Final = """
+job_hand_over: Final = f"""
 UPDATE fastjobs_jobs_all j
    SET state = 'running', attempt = $3, attempted_at = now(), attempted_by = $2
- WHERE j.id = $1 AND j.state::text = 'available' AND least(j.attempt, 32766) + 1 = $3
+ WHERE j.id = $1 AND j.state::text = 'available' AND {_next_attempt("j")} = $3
 RETURNING j.id"""
 
 # queue_wake: wake the workers sleeping on queue $1 (sent at commit): jobs a
@@ -828,7 +828,7 @@ SELECT id FROM fastjobs_jobs_all WHERE state = 'running' AND attempted_by = $1 A
 # claim counts attempts up to smallint's maximum, and so does this) and its
 # crash allowance back. Returns the state before, the attempts made, the
 # limit before and after, and wakes its queue's workers (an UPDATE fires no enqueue trigger).
-job_retry: Final = """
+job_retry: Final = f"""
 WITH target AS (
     SELECT id, state::text AS state, max_attempts FROM fastjobs_jobs_all
      WHERE id = $1 AND state IN ('discarded', 'cancelled', 'completed', 'retryable', 'scheduled')
@@ -837,7 +837,7 @@ WITH target AS (
 UPDATE fastjobs_jobs_all j
    SET state = 'available', run_at = now(), finalized_at = NULL, cancel_requested = false,
        max_attempts = CASE WHEN t.state IN ('retryable', 'scheduled') THEN j.max_attempts
-                      ELSE greatest(j.max_attempts, least(j.attempt, 32766) + 1) END,
+                      ELSE greatest(j.max_attempts, {_next_attempt("j")}) END,
        crashes = CASE WHEN t.state IN ('retryable', 'scheduled') THEN j.crashes ELSE 0 END
   FROM target t
  WHERE j.id = t.id
