@@ -13,19 +13,21 @@ that differ in a part has one source instead: a function whose keyword-only
 parameters name what varies, returning the statement (or the part its
 members share) as an f-string of SQL and fragments (River's sqlc templates
 are the model). Each member is bound once, at import, by a line that calls
-the family or embeds its fragment: nothing is composed at run time, and no statement is derived
-from another by substitution. A rule a family shares, such as the state an
-outcome ends in, is written once. The families: inserts (`_columns`, the
-columns each path writes; `_SKIP_TAKEN_KEYS`), claims (`_available`, the
-choice every claim, lock and finish makes), finishes (`_outcomes`, a batch's
+the family or embeds its fragment: nothing is composed at run time, and no
+statement is derived from another by substitution. A rule a family shares,
+such as the state an outcome ends in, is written once. The families: inserts (`_columns`, the
+columns each path writes; `_SKIP_TAKEN_KEYS`), claims (`_Choice`, the
+jobs every claim, lock and finish takes), finishes (`_outcomes`, a batch's
 outcomes on either lane), state reports (`_IN_FLIGHT`), crashes charged
 (`_crashed`) and the rotation's moves (`_to_slot_0`).
 
 Adding a variant is one edit: the line that names it. A family grows a
-dimension where it is written. Flow control's limit, say, becomes a named
-parameter of `_available`; then a finish statement that claims under it is
+dimension in one place: the claims' variants are `_Choice`s, which every
+claim, lock and finish reads, so flow control's limit, say, is a field of
+`_Choice` and its predicate in `_Choice.where`; then a finish statement that
+claims under it is
 
-    job_finish_claim_limited: Final = _finish_claim(keep=False, after=False, context=False, limited=True)
+    job_finish_claim_limited: Final = _finish_claim(keep=False, choice=_Choice(limited=True), context=False)
 
 and it is in STATEMENTS, prepared by the test of every statement and printed
 by `fastjobs sql show job_finish_claim_limited`, with nothing else to edit.
@@ -52,6 +54,7 @@ statements, as `fastjobs sql show` does):
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Final
 
@@ -295,56 +298,70 @@ def _returned(*, context: bool, row: str = "", attempt: str = "") -> str:
     return ", ".join(attempt if column == "attempt" and attempt else prefix + column for column in columns)
 
 
-def _available(*, queue: str, limit: str, mark: tuple[str, str] | None) -> str:
-    """The choice every claim makes: up to `limit` available jobs of `queue` due now, in claim order,
-    skipping rows others hold; after a `mark` (the parameters of its priority and run_at), from there."""
-    after = ""
-    if mark is not None:
-        priority, run_at = mark
-        after = (
-            f" AND priority = {priority}\n   AND run_at >= timestamptz '2000-01-01 00:00:00+00'"
-            f" + ({run_at}::int8 - {CLAIM_MARK_MARGIN}) * interval '1 microsecond'"
-        )
-    return f""" WHERE state = 'available' AND queue = {queue} AND run_at <= now(){after}
+@dataclass(frozen=True)
+class _Choice:
+    """Which available jobs a claim takes: the claims' variants. Every family that claims (the
+    state lane's claim, the fast lane's lock, the finish statements) takes one and reads its `where`,
+    so a new kind of claim is a field here and its predicate in `where`. A choice's parameters are
+    numbered after the statement's own."""
+
+    after: bool = False  # from the mark on: the priority and run_at where the last claim ended
+
+    def where(self, *, queue: str, limit: str, first: int) -> str:
+        """Up to `limit` available jobs of `queue` due now, in claim order, skipping rows others hold;
+        this choice's parameters are $`first` and on."""
+        after = ""
+        if self.after:
+            after = (
+                f" AND priority = ${first}\n   AND run_at >= timestamptz '2000-01-01 00:00:00+00'"
+                f" + (${first + 1}::int8 - {CLAIM_MARK_MARGIN}) * interval '1 microsecond'"
+            )
+        return f""" WHERE state = 'available' AND queue = {queue} AND run_at <= now(){after}
  ORDER BY priority DESC, run_at, id
  LIMIT {limit}
    FOR UPDATE SKIP LOCKED"""
 
 
-def _claim(*, queue: str, limit: str, worker: str, mark: tuple[str, str] | None, context: bool) -> str:
-    """The state lane's claim: the jobs `_available` chooses become running for `worker`, their
-    attempt counted. The ids go through ARRAY(...): joined as a subquery instead, a large batch makes
-    the planner hash-join it against a Seq Scan of the whole table."""
+_FROM_THE_FRONT: Final = _Choice()
+_AFTER_THE_MARK: Final = _Choice(after=True)
+
+
+def _claim(*, queue: str, limit: str, worker: str, choice: _Choice, first: int, context: bool) -> str:
+    """The state lane's claim: the jobs `choice` takes become running for `worker`, their attempt
+    counted. The ids go through ARRAY(...): joined as a subquery instead, a large batch makes the
+    planner hash-join it against a Seq Scan of the whole table."""
     return f"""UPDATE fastjobs_jobs_all j
    SET state = 'running', attempt = {_next_attempt("j")},
        attempted_at = now(), attempted_by = {worker}
  WHERE j.id = ANY(ARRAY(
            SELECT id FROM fastjobs_jobs_all
-           {_indent(_available(queue=queue, limit=limit, mark=mark), 11)}))
+           {_indent(choice.where(queue=queue, limit=limit, first=first), 11)}))
 RETURNING {_returned(context=context, row="j")}"""
 
 
-def _lock(*, after: bool, context: bool) -> str:
-    """The fast lane's claim: lock up to $2 available jobs of queue $1 (after the mark: priority $3,
-    run_at $4); nothing is written. The attempt returned is the one this run makes (counted when its
-    outcome is written)."""
+def _lock(*, choice: _Choice, context: bool) -> str:
+    """The fast lane's claim: lock up to $2 available jobs of queue $1 (the choice's parameters from
+    $3); nothing is written. The attempt returned is the one this run makes (counted when its outcome
+    is written)."""
     return f"""
 SELECT {_returned(context=context, attempt=f"({_next_attempt('')})::smallint")}
   FROM fastjobs_jobs_all
-{_available(queue="$1", limit="$2", mark=("$3", "$4") if after else None)}"""
+{choice.where(queue="$1", limit="$2", first=3)}"""
 
 
 # job_claim_many: take up to $2 available jobs of queue $1 for worker $3, in
 # claim order, skipping rows other workers hold; the attempt is counted here.
 # Priority and run_at come back so the hot loop knows where the claim ended.
-job_claim_many: Final = "\n" + _claim(queue="$1", limit="$2", worker="$3", mark=None, context=False)
+job_claim_many: Final = "\n" + _claim(
+    queue="$1", limit="$2", worker="$3", choice=_FROM_THE_FRONT, first=4, context=False
+)
 
 # job_lock_many, job_lock_after (after the mark), and their _context variants:
 # the fast lane's claim (see fast_begin).
-job_lock_many: Final = _lock(after=False, context=False)
-job_lock_after: Final = _lock(after=True, context=False)
-job_lock_many_context: Final = _lock(after=False, context=True)
-job_lock_after_context: Final = _lock(after=True, context=True)
+job_lock_many: Final = _lock(choice=_FROM_THE_FRONT, context=False)
+job_lock_after: Final = _lock(choice=_AFTER_THE_MARK, context=False)
+job_lock_many_context: Final = _lock(choice=_FROM_THE_FRONT, context=True)
+job_lock_after_context: Final = _lock(choice=_AFTER_THE_MARK, context=True)
 
 
 _section("Finishes")
@@ -451,13 +468,14 @@ _WAKE: Final = """  FROM (SELECT DISTINCT queue FROM failed WHERE state = 'avail
  WHERE pg_notify('fastjobs', woken.queue)::text IS NULL"""
 
 
-def _finish_claim(*, keep: bool, after: bool, context: bool) -> str:
+def _finish_claim(*, keep: bool, choice: _Choice, context: bool) -> str:
     """Finish a batch and claim the next: the outcomes, then job_claim_many's claim of up to $4 jobs of
-    queue $3 for worker $5 (LIMIT 0: none). It returns the claimed rows, and after them one row per
-    outcome that did not apply (stale), kind NULL, the outcome's state in args; each of those branches
-    runs only when its count of applied rows falls short (a one-time filter: nothing to do in the usual
-    batch). Claimed rows come first: an Append runs its branches in order."""
-    claim = _claim(queue="$3", limit="$4", worker="$5", mark=("$6", "$7") if after else None, context=context)
+    queue $3 for worker $5 (LIMIT 0: none), the choice's parameters from $6. It returns the claimed
+    rows, and after them one row per outcome that did not apply (stale), kind NULL, the outcome's
+    state in args; each of those branches runs only when its count of applied rows falls short (a
+    one-time filter: nothing to do in the usual batch). Claimed rows come first: an Append runs its
+    branches in order."""
+    claim = _claim(queue="$3", limit="$4", worker="$5", choice=choice, first=6, context=context)
     width = len(_CLAIMED) + (len(_CONTEXT) if context else 0)
     rest = ", NULL" * (width - 4)  # the columns after id, kind, args and attempt
     return f"""
@@ -483,17 +501,17 @@ SELECT {", ".join(["NULL"] * width)}
 
 
 # job_finish_claim_many: finish a batch (completed jobs deleted) and claim the next from the front.
-job_finish_claim_many: Final = _finish_claim(keep=False, after=False, context=False)
+job_finish_claim_many: Final = _finish_claim(keep=False, choice=_FROM_THE_FRONT, context=False)
 # job_finish_claim_after: the same, claiming after the mark ($6, $7).
-job_finish_claim_after: Final = _finish_claim(keep=False, after=True, context=False)
+job_finish_claim_after: Final = _finish_claim(keep=False, choice=_AFTER_THE_MARK, context=False)
 # job_finish_claim_many_keep, job_finish_claim_after_keep: the same two, keeping completed jobs.
-job_finish_claim_many_keep: Final = _finish_claim(keep=True, after=False, context=False)
-job_finish_claim_after_keep: Final = _finish_claim(keep=True, after=True, context=False)
+job_finish_claim_many_keep: Final = _finish_claim(keep=True, choice=_FROM_THE_FRONT, context=False)
+job_finish_claim_after_keep: Final = _finish_claim(keep=True, choice=_AFTER_THE_MARK, context=False)
 # The four above, returning meta and created_at too (FINISH_CONTEXT).
-job_finish_claim_many_context: Final = _finish_claim(keep=False, after=False, context=True)
-job_finish_claim_after_context: Final = _finish_claim(keep=False, after=True, context=True)
-job_finish_claim_many_keep_context: Final = _finish_claim(keep=True, after=False, context=True)
-job_finish_claim_after_keep_context: Final = _finish_claim(keep=True, after=True, context=True)
+job_finish_claim_many_context: Final = _finish_claim(keep=False, choice=_FROM_THE_FRONT, context=True)
+job_finish_claim_after_context: Final = _finish_claim(keep=False, choice=_AFTER_THE_MARK, context=True)
+job_finish_claim_many_keep_context: Final = _finish_claim(keep=True, choice=_FROM_THE_FRONT, context=True)
+job_finish_claim_after_keep_context: Final = _finish_claim(keep=True, choice=_AFTER_THE_MARK, context=True)
 
 # job_finish_locked_many: the fast lane's outcomes, in the transaction that
 # locked their rows ($1, $2 as above, releases left out: an unstarted job is

@@ -7,8 +7,10 @@ import datetime as dt
 import json
 import os
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import psycopg
@@ -64,6 +66,22 @@ def test_every_statement_is_bound_once_and_nothing_derives_one_text_from_another
     targets += [n.target for n in nodes if isinstance(n, (ast.AnnAssign, ast.AugAssign))]
     bound = [t.id for t in targets if isinstance(t, ast.Name)]
     assert [name for name in sql.STATEMENTS if bound.count(name) != 1] == []
+
+
+def test_a_new_variant_is_one_line(monkeypatch):
+    """What the module's docstring promises: one line naming a variant, and it is a statement
+    (STATEMENTS, so the test of every statement prepares it and `fastjobs sql show` prints it) of
+    its family's section, expanded as its siblings are."""
+    source = Path(sql.__file__).read_text(encoding="utf-8")
+    before, section, after = source.partition('\n_section("The fast lane")')
+    line = "job_finish_claim_again: Final = _finish_claim(keep=False, choice=_AFTER_THE_MARK, context=False)"
+    module = ModuleType("fastjobs_sql_with_a_variant")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    exec(compile(f"{before}\n{line}\n{section}{after}", "sql.py", "exec"), module.__dict__)
+    statements, sections = module.STATEMENTS, module.SECTIONS
+    assert set(statements) - set(sql.STATEMENTS) == {"job_finish_claim_again"}
+    assert sections["Finishes"][-1] == "job_finish_claim_again"
+    assert statements["job_finish_claim_again"] == sql.job_finish_claim_after
 
 
 @pytest.mark.parametrize("name", PREPARABLE)
