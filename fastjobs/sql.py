@@ -357,7 +357,7 @@ job_claim_many: Final = "\n" + _claim(
 )
 
 # job_lock_many, job_lock_after (after the mark), and their _context variants:
-# the fast lane's claim (see fast_begin).
+# the fast lane's claim (see its section).
 job_lock_many: Final = _lock(choice=_FROM_THE_FRONT, context=False)
 job_lock_after: Final = _lock(choice=_AFTER_THE_MARK, context=False)
 job_lock_many_context: Final = _lock(choice=_FROM_THE_FRONT, context=True)
@@ -378,11 +378,11 @@ _section("Finishes")
 #   array: the usual case, found by the primary key in one index scan);
 # completed_later: the same for the 'completed' outcomes of $2 (jobs
 #   completed at an attempt other than the first);
-# failed: the other outcomes of $2 recorded. $2 is a JSON array written by
-#   fastjobs.handlers of {id, attempt, state, delay (seconds, null keeps
-#   run_at), uncount (1 gives the attempt back: snoozed and released jobs),
-#   error (appended to errors, or null)}; the state it ends its job in is
-#   _outcome_state's. Its times (run_at, so a delay counts from then;
+# failed: the other outcomes of $2 recorded. $2 is a JSON array of the
+#   records fastjobs.handlers writes (fastjobs.types.Outcome: id, attempt,
+#   state, delay in seconds or null to keep run_at, uncount 1 to give the
+#   attempt back, error to append or null); the state a record ends its job
+#   in is _outcome_state's. Its times (run_at, so a delay counts from then;
 #   finalized_at; the 'at' of a cancel's note) are clock_timestamp(), when
 #   the statement writes it: in the fast lane's transaction now() is its
 #   start, before the handlers ran, and a Snooze(5) raised after a 3 s run
@@ -528,9 +528,10 @@ SELECT NULL
 
 
 _section("The fast lane")
-# The fast lane: one write per job. A batch of short jobs
-# is claimed by locking its rows (FOR UPDATE SKIP LOCKED) inside a transaction
-# the hot loop holds while the handlers run, and finished in that transaction:
+
+# The fast lane: one write per job. A batch of short jobs is claimed by
+# locking its rows (FOR UPDATE SKIP LOCKED) inside a transaction the hot
+# loop holds while the handlers run, and finished in that transaction:
 # a completed job is deleted, another outcome updates its row once. The claim
 # writes no row version (the state lane's claim UPDATE writes one per job,
 # plus pkey and running-index entries): measured 1.6x the drain of the
@@ -540,6 +541,7 @@ _section("The fast lane")
 # the fast lane keeps its row 'available' for the < 0.1 s its batch takes,
 # and a cancel or another writer of its row waits for the batch's commit;
 # every report of a job's state tells it is running (_IN_FLIGHT).
+
 # fast_begin, fast_commit, fast_rollback: the fast lane's transaction (the
 # worker's connection is otherwise in autocommit).
 fast_begin: Final = "BEGIN"
@@ -610,6 +612,7 @@ RETURNING j.id, j.state::text"""
 
 
 _section("Leader")
+
 # job_schedule_many: scheduled and retryable jobs whose time has come become
 # available, at most $1 per statement, oldest first; returns their queues so
 # waiting workers can be woken.
@@ -668,6 +671,7 @@ leader_unlock: Final = "SELECT pg_advisory_unlock($1)"
 
 
 _section("Workers")
+
 # worker_session: the hot loop's connection settings.
 # synchronous_commit off: it commits without waiting for its WAL flush. Safe
 # under at-least-once: a crash can only forget claims and outcomes of the
@@ -726,6 +730,7 @@ worker_delete: Final = "DELETE FROM fastjobs_workers WHERE id = $1"
 
 
 _section("Maintenance")
+
 # job_rescue_many: running jobs whose worker stopped heartbeating ($1 seconds
 # before $2, or whose row is gone) go back to retryable, due now, with a crash
 # counted; a job that has crashed $3 times, or has no attempt left, is
@@ -817,6 +822,7 @@ db_now: Final = "SELECT now()"
 
 
 _section("Operators")
+
 # job_cancel: a queued job becomes cancelled at once; a running one gets
 # cancel_requested and its worker is told on the fastjobs_cancel channel.
 job_cancel: Final = """
@@ -1017,6 +1023,7 @@ SELECT id, kind, queue, args, priority, state, run_at, attempt, max_attempts, er
 
 
 _section("Vacuum and rotation")
+
 # jobs_dead_rows: dead row versions of slot 0, fastjobs_jobs (the rotating
 # slots are truncated, never vacuumed), that the statistics know of (each
 # backend reports within a second or so), for the leader's vacuumer.
@@ -1158,6 +1165,7 @@ slot_advance: Final = "SELECT setval('fastjobs_slot', $1)"
 
 
 _section("Monitoring")
+
 # mvcc_horizon: the oldest snapshot of this database holding back cleanup
 # (VACUUM cannot remove a dead row any snapshot may still see): a backend's
 # transaction, a prepared transaction, or a replication slot. Vacuums
@@ -1221,6 +1229,7 @@ notify_queue_usage: Final = "SELECT pg_notification_queue_usage()"
 
 
 _section("Testing kit")
+
 # The testing kit's (fastjobs.testing): its drain claims and completes through
 # the hot loop's own statements; these only pick what it drains and move its clock.
 

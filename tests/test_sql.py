@@ -653,7 +653,7 @@ def test_the_search_for_stale_outcomes_runs_only_when_an_outcome_did_not_apply(d
     assert sorted(n["Actual Loops"] for n in scans) == [1, 1, 1, 1], scans
 
 
-# The test every statement that reports a job's state makes (see sql.fast_begin), whitespace aside.
+# The test every statement that reports a job's state makes (sql._IN_FLIGHT), whitespace aside.
 IN_FLIGHT = """state = 'available' AND xmax <> '0'::xid
     AND (xmax = ANY(ARRAY(SELECT xid(x) FROM pg_snapshot_xip(pg_current_snapshot()) AS x))
          OR (xmax::text::bigint + 4294967296
