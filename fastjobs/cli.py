@@ -1010,8 +1010,9 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _sql_show(name: str | None) -> int:
-    """Statement `name` as it is sent (its text, the leading newline of its literal aside); without a
-    name, the names by section of fastjobs.sql (a family's variants are one section). Needs no database."""
+    """Statement `name` as it is sent (its text, the leading newline of its literal aside; the three
+    that name a table or an index, `{partition}` or `{index}`, have it filled in by psycopg.sql);
+    without a name, the names by section of fastjobs.sql (a family's members are one). No database."""
     if name is None:
         for title, names in sql.SECTIONS.items():
             _echo(title)
