@@ -209,13 +209,13 @@ def _say_outcome(outcome: Outcome, kind: str | None, exc: BaseException | str | 
     """
     what, error = outcome["outcome"], outcome["error"]
     if what == "snoozed":
-        level, text = logging.DEBUG, f"snoozed for {duration(outcome['delay'])}"
+        level, text = logging.DEBUG, f"snoozed for {duration(outcome['delay'] or 0.0)}"
     elif what == "cancelled":
         level, text = logging.INFO, "cancelled"
     elif what == "discarded":
         level, text = logging.ERROR, "failed; discarded"
     else:
-        level, text = logging.WARNING, f"failed; retrying in {duration(outcome['delay'])}"
+        level, text = logging.WARNING, f"failed; retrying in {duration(outcome['delay'] or 0.0)}"
     if not logger.isEnabledFor(level):
         return
     fields = _job_fields(outcome["id"], outcome["attempt"], kind, of_batch=True)
