@@ -32,9 +32,9 @@ from .abc import (
 )
 from .args import dump_args as dump_args
 from .errors import LoopError
-from .handlers import Executor, Outcome
+from .handlers import Executor
 from .stats import RUNNING_JOB, RUNNING_SUSPECT, RUNNING_WRITING
-from .types import JobSpec
+from .types import JobSpec, Outcome
 
 IMPLEMENTATION = "python"
 

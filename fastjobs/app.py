@@ -20,7 +20,7 @@ import psycopg
 
 from . import control, database, enqueue, middleware, schema, typed
 from .cron import Cron
-from .enqueue import Options, check_kind, check_max_attempts, check_priority, check_queue
+from .enqueue import InsertParams, Options, check_kind, check_max_attempts, check_priority, check_queue
 from .errors import UnknownKind
 from .middleware import Enqueue, EnqueueMiddleware, JobMiddleware
 from .retry import RetryPolicy
@@ -356,7 +356,7 @@ class App:
         async with self.connection_async() as own, own.transaction():
             yield own
 
-    def _insert(self, params: tuple[Any, ...], conn: psycopg.Connection[Any] | None) -> int:
+    def _insert(self, params: InsertParams, conn: psycopg.Connection[Any] | None) -> int:
         if conn is not None:
             enqueue.check_conn(conn, psycopg.Connection)
             job_id = enqueue.insert(conn, params)
@@ -438,7 +438,7 @@ class App:
             await self._testing.inserted_async(conn)
         return job_id
 
-    async def _insert_async(self, params: tuple[Any, ...], conn: psycopg.AsyncConnection[Any] | None) -> int:
+    async def _insert_async(self, params: InsertParams, conn: psycopg.AsyncConnection[Any] | None) -> int:
         if conn is not None:
             enqueue.check_conn(conn, psycopg.AsyncConnection)
             job_id = await enqueue.insert_async(conn, params)
@@ -716,10 +716,10 @@ def _enqueue_call(opts: Options, args: dict[str, Any] | None) -> Enqueue:
     )
 
 
-def _with_meta(params: tuple[Any, ...], call: Enqueue) -> tuple[Any, ...]:
-    """sql.job_insert's parameters with the meta the middleware gave (the last one)."""
+def _with_meta(params: InsertParams, call: Enqueue) -> InsertParams:
+    """sql.job_insert's parameters with the meta the middleware gave."""
     meta = enqueue.dump_meta(call.meta)
-    return params if meta is None else (*params[:-1], meta.decode())
+    return params if meta is None else params._replace(meta=meta.decode())
 
 
 def _signature(func: Callable[..., Any]) -> tuple[frozenset[str] | None, frozenset[str]]:

@@ -255,6 +255,13 @@ def _parser() -> argparse.ArgumentParser:
         help="warn when one transaction has held back cleanup this long (default %(default)g)",
     )
 
+    statements = commands.add_parser("sql", help="the SQL statements fastjobs sends")
+    statements_commands = statements.add_subparsers(dest="sql_command", required=True)
+    statements_show = statements_commands.add_parser(
+        "show", help="print statement NAME whole, as it is sent (no NAME: every name, by section)"
+    )
+    statements_show.add_argument("name", nargs="?", metavar="NAME")
+
     run_bench = commands.add_parser("bench", help="measure fastjobs beside the raw-SQL limit")
     run_bench.add_argument("--jobs", type=int, default=100_000)
     run_bench.add_argument("--processes", type=int, default=2, help="worker processes draining")
@@ -374,6 +381,8 @@ def _main(args: argparse.Namespace) -> int:
             return _periodic(args)
         if args.command == "bench":
             return _bench(args)
+        if args.command == "sql":
+            return _sql_show(args.name)
     except (ConfigurationError, DatabaseUnavailable, SchemaMissing) as exc:
         # Could not start (no or bad DSN, no database, no schema, no app): the code `run` exits
         # with too, which a supervisor takes for "do not restart".
@@ -997,6 +1006,24 @@ def _bench(args: argparse.Namespace) -> int:
             echo,
             write=args.latency_write,
         )
+    return 0
+
+
+def _sql_show(name: str | None) -> int:
+    """Statement `name` as it is sent (its text, the leading newline of its literal aside; the three
+    that name a table or an index, `{partition}` or `{index}`, have it filled in by psycopg.sql);
+    without a name, the names by section of fastjobs.sql (a family's members are one). No database."""
+    if name is None:
+        for title, names in sql.SECTIONS.items():
+            _echo(title)
+            for statement in names:
+                _echo(f"  {statement}")
+        return 0
+    text = sql.STATEMENTS.get(name)
+    if text is None:
+        hint = _close(name, sql.STATEMENTS) or "; `fastjobs sql show` lists them"
+        raise ValueError(f"no statement named {name!r}{hint}")
+    _echo(text.lstrip("\n"))
     return 0
 
 

@@ -9,7 +9,7 @@ import math
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 import psycopg
@@ -194,14 +194,36 @@ def check_conn(conn: object, expected: type[Any]) -> None:
         raise ValueError("conn= is in a failed transaction: roll it back before enqueueing")
 
 
-def insert_params(opts: Options, args: Any, meta: bytes | None = None) -> tuple[Any, ...]:
+class InsertParams(NamedTuple):
+    """One job's parameters: sql.job_insert's $1 to $9, in order (sql.job_insert_now takes `now()`)."""
+
+    queue: str
+    kind: str
+    args: str  # JSON
+    priority: int
+    max_attempts: int
+    run_at: dt.datetime | None
+    delay: float | None  # seconds from now, when run_at is None
+    unique_key: str | None
+    meta: str | None  # JSON
+
+    def due_now(self) -> bool:
+        """Whether sql.job_insert_now can take the job: due now, no unique key."""
+        return self.run_at is None and not self.delay and self.unique_key is None
+
+    def now(self) -> tuple[str, str, str, int, int, str | None]:
+        """sql.job_insert_now's parameters."""
+        return (self.queue, self.kind, self.args, self.priority, self.max_attempts, self.meta)
+
+
+def insert_params(opts: Options, args: Any, meta: bytes | None = None) -> InsertParams:
     """Parameters of sql.job_insert; raises TypeError for arguments that cannot be stored."""
     args = {} if args is None else args
     if opts.args_schema is not None:
         args = opts.args_schema.encode(args)
     data = core.dump_args(opts.kind, args, opts.params, opts.required)
     key = unique_key_for(opts, args) if opts.unique_key or opts.unique else None
-    return (
+    return InsertParams(
         opts.queue,
         opts.kind,
         data.decode(),
@@ -229,12 +251,6 @@ def dump_meta(meta: dict[str, Any]) -> bytes | None:
 # A unique insert that found the key taken looks the holder up; if the holder
 # finished in between, the insert is tried again.
 _UNIQUE_TRIES = 5
-_KEY = 7  # the unique key's index in insert_params
-
-
-def _now(params: tuple[Any, ...]) -> bool:
-    """Whether sql.job_insert_now can take the job: due now, no unique key."""
-    return params[5] is None and not params[6] and params[7] is None
 
 
 # fastjobs' own pooled connections on which job_insert_now is prepared.
@@ -242,7 +258,7 @@ _prepared: weakref.WeakSet[psycopg.Connection[Any]] = weakref.WeakSet()
 _INSERT_NOW = b"fastjobs_job_insert_now"
 
 
-def insert_own(conn: psycopg.Connection[Any], params: tuple[Any, ...]) -> int:
+def insert_own(conn: psycopg.Connection[Any], params: InsertParams) -> int:
     """`insert` on one of fastjobs' own autocommit connections: a job due now goes straight through libpq.
 
     Web applications enqueue one job per request from many processes, and on
@@ -252,7 +268,7 @@ def insert_own(conn: psycopg.Connection[Any], params: tuple[Any, ...]) -> int:
     connection no one else uses: psycopg keeps no transaction state to
     track there. Any other job takes `insert`.
     """
-    if not _now(params):
+    if not params.due_now():
         return insert(conn, params)
     pgconn = conn.pgconn
     with schema.required():
@@ -265,12 +281,12 @@ def insert_own(conn: psycopg.Connection[Any], params: tuple[Any, ...]) -> int:
                 raise psycopg.errors.error_from_result(res, encoding=conn.info.encoding)
             _prepared.add(conn)
         values: list[bytes | None] = [
-            params[0].encode(),
-            params[1].encode(),
-            params[2].encode(),
-            b"%d" % params[3],
-            b"%d" % params[4],
-            None if params[8] is None else params[8].encode(),
+            params.queue.encode(),
+            params.kind.encode(),
+            params.args.encode(),
+            b"%d" % params.priority,
+            b"%d" % params.max_attempts,
+            None if params.meta is None else params.meta.encode(),
         ]
         res = pgconn.exec_prepared(_INSERT_NOW, values)  # type: ignore[arg-type]  # None is NULL to libpq
         if res.status != pq.ExecStatus.TUPLES_OK:
@@ -280,29 +296,29 @@ def insert_own(conn: psycopg.Connection[Any], params: tuple[Any, ...]) -> int:
     return int(value)
 
 
-def insert(conn: psycopg.Connection[Any], params: tuple[Any, ...]) -> int:
+def insert(conn: psycopg.Connection[Any], params: InsertParams) -> int:
     """Run sql.job_insert with `insert_params`' parameters; the job's id (or the unique key holder's)."""
     # Tuples whatever the caller's connection's row factory (dict_row made
     # row[0] a KeyError after the INSERT ran: a caller retrying enqueued twice).
     with schema.required(), psycopg.RawCursor(conn, row_factory=tuple_row) as cur:
-        if _now(params):
-            row = cur.execute(sql.job_insert_now, (*params[:5], params[8])).fetchone()
+        if params.due_now():
+            row = cur.execute(sql.job_insert_now, params.now()).fetchone()
             assert row is not None
             return int(row[0])
         for _ in range(_UNIQUE_TRIES):
             row = cur.execute(sql.job_insert, params).fetchone()
             if row is None:
-                row = cur.execute(sql.job_get_unique, (params[_KEY],)).fetchone()
+                row = cur.execute(sql.job_get_unique, (params.unique_key,)).fetchone()
             if row is not None:
                 return int(row[0])
-    raise FastjobsError(f"unique key {params[_KEY]!r} kept changing hands; enqueue not done")
+    raise FastjobsError(f"unique key {params.unique_key!r} kept changing hands; enqueue not done")
 
 
-async def insert_async(conn: psycopg.AsyncConnection[Any], params: tuple[Any, ...]) -> int:
+async def insert_async(conn: psycopg.AsyncConnection[Any], params: InsertParams) -> int:
     with schema.required():
         async with psycopg.AsyncRawCursor(conn, row_factory=tuple_row) as cur:
-            if _now(params):
-                await cur.execute(sql.job_insert_now, (*params[:5], params[8]))
+            if params.due_now():
+                await cur.execute(sql.job_insert_now, params.now())
                 row = await cur.fetchone()
                 assert row is not None
                 return int(row[0])
@@ -310,11 +326,11 @@ async def insert_async(conn: psycopg.AsyncConnection[Any], params: tuple[Any, ..
                 await cur.execute(sql.job_insert, params)
                 row = await cur.fetchone()
                 if row is None:
-                    await cur.execute(sql.job_get_unique, (params[_KEY],))
+                    await cur.execute(sql.job_get_unique, (params.unique_key,))
                     row = await cur.fetchone()
                 if row is not None:
                     return int(row[0])
-    raise FastjobsError(f"unique key {params[_KEY]!r} kept changing hands; enqueue not done")
+    raise FastjobsError(f"unique key {params.unique_key!r} kept changing hands; enqueue not done")
 
 
 def _field(data: bytes) -> bytes:

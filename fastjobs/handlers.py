@@ -29,14 +29,13 @@ import orjson
 from .errors import Cancel, InvalidArguments, JobTimeout, Retry, Snooze
 from .logs import duration, job_fields
 from .retry import default_backoff
-from .types import JobSpec
+from .types import JobSpec, Outcome, OutcomeKind
 
 if TYPE_CHECKING:
     from .pool import Pool
 
 logger = logging.getLogger(__name__)
 
-Outcome = dict[str, Any]
 
 # One job handed to the slow path: (spec, id, args, attempt, max_attempts, claimed),
 # `claimed` being what a loop claiming with context (the app has middleware)
@@ -122,6 +121,7 @@ def _error(
 
 
 def _outcome(
+    outcome: OutcomeKind,
     job_id: int,
     attempt: int,
     state: str,
@@ -130,12 +130,9 @@ def _outcome(
     uncount: int = 0,
     error: dict[str, Any] | None = None,
 ) -> Outcome:
-    """One row of the batch statement's outcomes ($2 of sql.job_finish_claim_many).
-
-    `attempt` is the attempt that produced it: the statement applies it only
-    while the row still runs that attempt for this worker.
-    """
+    """One record of the batch statement's outcomes (see Outcome)."""
     return {
+        "outcome": outcome,
         "id": job_id,
         "attempt": attempt,
         "state": state,
@@ -210,15 +207,15 @@ def _say_outcome(outcome: Outcome, kind: str | None, exc: BaseException | str | 
     Retry and Snooze, asked for by the handler, carry no exception, nor does
     the SystemExit or KeyboardInterrupt that stops a worker.
     """
-    state, error = outcome["state"], outcome["error"]
-    if outcome["uncount"]:
-        level, text = logging.DEBUG, f"snoozed for {duration(outcome['delay'])}"
-    elif state == "cancelled":
+    what, error = outcome["outcome"], outcome["error"]
+    if what == "snoozed":
+        level, text = logging.DEBUG, f"snoozed for {duration(outcome['delay'] or 0.0)}"
+    elif what == "cancelled":
         level, text = logging.INFO, "cancelled"
-    elif state == "discarded":
+    elif what == "discarded":
         level, text = logging.ERROR, "failed; discarded"
     else:
-        level, text = logging.WARNING, f"failed; retrying in {duration(outcome['delay'])}"
+        level, text = logging.WARNING, f"failed; retrying in {duration(outcome['delay'] or 0.0)}"
     if not logger.isEnabledFor(level):
         return
     fields = _job_fields(outcome["id"], outcome["attempt"], kind, of_batch=True)
@@ -265,13 +262,17 @@ def _failure(
         if delay is not None:
             state = "scheduled" if delay > 0 else "available"
             error = None if note is None else _error(attempt, exc, with_traceback=False, note=note)
-            return _outcome(job_id, attempt, state, delay=delay, uncount=1, error=error)
+            return _outcome("snoozed", job_id, attempt, state, delay=delay, uncount=1, error=error)
         # Snooze(inf) or NaN is no delay: it fails the attempt (counted), so it cannot rerun forever.
     if isinstance(exc, Cancel):
-        return _outcome(job_id, attempt, "cancelled", error=_error(attempt, f"Cancel: {exc.reason}"))
+        return _outcome(
+            "cancelled", job_id, attempt, "cancelled", error=_error(attempt, f"Cancel: {exc.reason}")
+        )
     quiet = isinstance(exc, Retry | Snooze | InvalidArguments)  # asked for, or no fault of code: no traceback
     if attempt >= max_attempts or isinstance(exc, InvalidArguments):  # args that never convert
-        return _outcome(job_id, attempt, "discarded", error=_error(attempt, exc, not quiet, note))
+        return _outcome(
+            "discarded", job_id, attempt, "discarded", error=_error(attempt, exc, not quiet, note)
+        )
     delay = None
     if isinstance(exc, Retry):
         delay, note = _delay(exc.delay, "Retry")
@@ -282,12 +283,13 @@ def _failure(
             delay, clamped = _backoff(None, attempt)
             note = f"{note}; the default backoff applied" + (f" ({clamped})" if clamped else "")
     error = _error(attempt, exc, not quiet, note)
-    return _outcome(job_id, attempt, "retryable" if delay > 0 else "available", delay=delay, error=error)
+    state = "retryable" if delay > 0 else "available"
+    return _outcome("retried", job_id, attempt, state, delay=delay, error=error)
 
 
 def discard(job_id: int, attempt: int, reason: str) -> Outcome:
     """A job that can never succeed (its args do not decode): discarded at once."""
-    outcome = _outcome(job_id, attempt, "discarded", error=_error(attempt, reason))
+    outcome = _outcome("discarded", job_id, attempt, "discarded", error=_error(attempt, reason))
     _say_outcome(outcome, None)
     return outcome
 
@@ -314,7 +316,7 @@ def unknown_kind(
 
 def completed(job_id: int, attempt: int) -> Outcome:
     """A job completed at an attempt other than its first (the first's travel as bare ids)."""
-    return _outcome(job_id, attempt, "completed")
+    return _outcome("completed", job_id, attempt, "completed")
 
 
 def release(job_id: int, attempt: int = 0) -> Outcome:
@@ -323,21 +325,18 @@ def release(job_id: int, attempt: int = 0) -> Outcome:
     Attempt 0 means the caller did not know it: the hot loop fills it in
     from the batch before the outcome is written.
     """
-    return _outcome(job_id, attempt, "available", uncount=1)
+    return _outcome("released", job_id, attempt, "available", uncount=1)
 
 
 def started(outcomes: list[Outcome]) -> list[Outcome]:
     """The outcomes but releases: on the fast lane an unstarted job's row is left as it was."""
-    return [
-        o
-        for o in outcomes
-        if not (o["uncount"] and o["state"] == "available" and o["delay"] is None and o["error"] is None)
-    ]
+    return [o for o in outcomes if o["outcome"] != "released"]
 
 
 def cancelled(job_id: int, attempt: int) -> Outcome:
     """A job whose cancellation was requested while it was claimed or running."""
     return _outcome(
+        "cancelled",
         job_id,
         attempt,
         "cancelled",
@@ -353,7 +352,7 @@ def unrecorded(job_id: int, attempt: int, what: str, reason: str, last: bool = F
     with `last`, the final fallback: discarded, no error appended.
     """
     if last:
-        return _outcome(job_id, attempt, "discarded")
+        return _outcome("discarded", job_id, attempt, "discarded")
     message = f"fastjobs could not record this attempt's outcome ({clean(what)}): {clean(reason)}"
     error = {
         "at": dt.datetime.now(dt.UTC).isoformat(),
@@ -362,7 +361,7 @@ def unrecorded(job_id: int, attempt: int, what: str, reason: str, last: bool = F
         "traceback": None,
     }
     delay, _ = _delay(default_backoff(attempt, random.random()), "the default backoff")
-    return _outcome(job_id, attempt, "retryable", delay=delay, error=error)
+    return _outcome("retried", job_id, attempt, "retryable", delay=delay, error=error)
 
 
 def tally(outcomes: list[Outcome]) -> tuple[int, int, int, int]:

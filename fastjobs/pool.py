@@ -27,7 +27,8 @@ import time
 from typing import Any
 
 from .errors import JobTimeout
-from .handlers import Executor, JobContext, Outcome, SlowJob, bind, cancelled, release
+from .handlers import Executor, JobContext, SlowJob, bind, cancelled, release
+from .types import Outcome
 
 logger = logging.getLogger(__name__)
 

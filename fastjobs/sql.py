@@ -1,18 +1,77 @@
 """Every SQL statement fastjobs runs, named, with its purpose.
 
-Each statement is written out whole, as one string literal: nothing is
-composed at run time, so what is read here is what PostgreSQL runs. The
-constant's name is the prepared statement's name and the test id; STATEMENTS
-lists them all, FINISH picks the hot loop's. Placeholders are PostgreSQL's own
-`$n`: the statements run unchanged through psycopg's RawCursor and through
-libpq in the Cython hot loop.
+A statement is a module-level string whose name starts with a lowercase
+letter: the name is its prepared statement's name and its test id, and
+STATEMENTS lists them all (collected from this module, so writing one lists
+it; tests/test_sql.py prepares each). `fastjobs sql show NAME` prints one as
+it is sent. Placeholders are PostgreSQL's own `$n`: the statements run
+unchanged through psycopg's RawCursor and through libpq in the Cython hot
+loop. FINISH, FINISH_CONTEXT and LOCK pick the hot loops' statements.
+
+Most statements are written out whole, as one literal. A family of statements
+that differ in a part has one source instead: a function whose keyword-only
+parameters name what varies, returning the statement (or the part its
+members share) as an f-string of SQL and fragments (River's sqlc templates
+are the model). Each member is bound once, at import, by a line that calls
+the family or embeds its fragment: nothing is composed at run time, and no
+statement is derived from another by substitution. A rule a family shares,
+such as the state an outcome ends in, is written once. The families: inserts (`_columns`, the
+columns each path writes; `_SKIP_TAKEN_KEYS`), claims (`_Choice`, the
+jobs every claim, lock and finish takes), finishes (`_outcomes`, a batch's
+outcomes on either lane), state reports (`_IN_FLIGHT`), crashes charged
+(`_crashed`) and the rotation's moves (`_to_slot_0`).
+
+Adding a variant is one edit: the line that names it. A family grows a
+dimension in one place: the claims' variants are `_Choice`s, which every
+claim, lock and finish reads, so flow control's limit, say, is a field of
+`_Choice` and its predicate in `_Choice.where`; then a finish statement that
+claims under it is
+
+    job_finish_claim_limited: Final = _finish_claim(keep=False, choice=_Choice(limited=True), context=False)
+
+and it is in STATEMENTS, prepared by the test of every statement and printed
+by `fastjobs sql show job_finish_claim_limited`, with nothing else to edit.
+
+Contents (each section opens with `_section`; SECTIONS lists them and their
+statements, as `fastjobs sql show` does):
+
+  Listening and migrations   listen_*, migration_*, schema_*
+  Inserts (family)           job_insert*, job_copy*, the staging table
+  Claims (family)            job_claim_many, job_lock_*
+  Finishes (family)          job_finish_claim_*, job_finish_locked_many
+  The fast lane              its transaction, hand-over, wake-up, crash
+  Leader                     the leader's lock and keepalives, the scheduler
+  Workers                    a worker's session, registration, heartbeat, sleep
+  Maintenance                rescuer, releaser, cleaners, periodic jobs
+  Operators                  cancel, retry, discard
+  State reports (family)     job_state, job_get, job_list, job_stats_by_queue, testing_jobs_in_states
+  Vacuum and rotation        slot 0's VACUUM, the rotating slots
+  Monitoring                 MVCC horizon, table health, NOTIFY queue
+  Testing kit                fastjobs.testing's own statements
+  Registry                   STATEMENTS, NOT_PREPARABLE, SECTIONS, FINISH, FINISH_CONTEXT, LOCK
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Final
+
+# Where each section of the catalogue starts: its title and how many module
+# names were defined before it (a module's namespace keeps definition order).
+_SECTION_STARTS: list[tuple[str, int]] = []
+
+
+def _section(title: str) -> None:
+    """Open a section of the catalogue: the statements defined after this call, up to the next, are its."""
+    _SECTION_STARTS.append((title, len(globals())))
+
+
+def _indent(text: str, spaces: int) -> str:
+    """A fragment of several lines, laid out to sit `spaces` in (its first line where it is put)."""
+    return ("\n" + " " * spaces).join(text.split("\n"))
+
 
 # Key of the transaction-level advisory lock `fastjobs migrate` holds, so two
 # concurrent migrations apply each file once. ("fastjobs" in ASCII, truncated.)
@@ -42,6 +101,17 @@ ATTEMPT_CAP: Final = 32766
 # How far before the last claim's run_at a claim after the mark starts, in
 # microseconds ($7::int8 - 100000): room for transactions that committed late.
 CLAIM_MARK_MARGIN: Final = 100_000
+
+
+def _next_attempt(row: str) -> str:
+    """The attempt a run of `row` ("j", or "" for the statement's only table) makes: its count stops
+    at ATTEMPT_CAP + 1, smallint's maximum, so a row already there (written by hand) runs as its last
+    attempt instead of failing the statement (max_attempts is a smallint too)."""
+    column = f"{row}.attempt" if row else "attempt"
+    return f"least({column}, {ATTEMPT_CAP}) + 1"
+
+
+_section("Listening and migrations")
 
 # listen_jobs, listen_ping, listen_cancel: subscribe a connection to a channel.
 listen_jobs: Final = "LISTEN fastjobs"
@@ -99,9 +169,12 @@ schema_exists: Final = "SELECT to_regclass('fastjobs_migrations') IS NOT NULL"
 # schema_version: the newest applied migration.
 schema_version: Final = "SELECT max(version) FROM fastjobs_migrations"
 
+
+_section("Inserts")
+
 # The states in which a unique key is taken are the partial unique index's
 # predicate (migrations/002_maintenance.sql): job_insert, job_get_unique and
-# job_insert_staged spell it as UNIQUE_STATES does (tests/test_sql.py checks).
+# job_insert_staged spell it as UNIQUE_STATES (tests/test_sql.py checks the index).
 UNIQUE_STATES: Final = "state IN ('available', 'scheduled', 'running', 'retryable')"
 
 # Jobs live in fastjobs_jobs_all, partitioned on `slot`
@@ -112,20 +185,38 @@ UNIQUE_STATES: Final = "state IN ('available', 'scheduled', 'running', 'retryabl
 # and scheduled ones go into fastjobs_jobs, slot 0, directly; jobs due now
 # without a key go through the parent into the current rotating slot.
 
+
+def _columns(*, at: bool, key: bool) -> str:
+    """The columns an insert writes, in the order of its values (and of encode_copy_rows's COPY rows):
+    a job due now takes the table's defaults for the rest; one due at a time of its own has its state
+    and run_at; a keyed one its unique key too."""
+    scheduled = ", state, run_at" if at else ""
+    keyed = ", unique_key" if key else ""
+    return f"queue, kind, args, priority, max_attempts{scheduled}{keyed}, meta"
+
+
+def _copy(*, into: str, at: bool, key: bool) -> str:
+    """A binary COPY of jobs into `into`; rows are encoded by fastjobs._core.encode_copy_rows."""
+    return f"COPY {into} ({_columns(at=at, key=key)}) FROM STDIN (FORMAT BINARY)"
+
+
+# A key already taken inserts nothing: the conflict names the partial unique index by its predicate.
+_SKIP_TAKEN_KEYS: Final = f"""ON CONFLICT (unique_key)
+   WHERE unique_key IS NOT NULL AND {UNIQUE_STATES}
+   DO NOTHING"""
+
 # job_insert: one job, into slot 0 (fastjobs_jobs); scheduled when its run_at
 # ($6, or now + $7 seconds) is in the future; $9 its meta (enqueue
 # middleware's, or NULL). With a unique key ($8) already taken, nothing is
 # inserted and no row returned (job_get_unique then finds the holder).
-job_insert: Final = """
-INSERT INTO fastjobs_jobs (queue, kind, args, priority, max_attempts, state, run_at, unique_key, meta)
+job_insert: Final = f"""
+INSERT INTO fastjobs_jobs ({_columns(at=True, key=True)})
 SELECT $1, $2, $3::jsonb, $4, $5,
        CASE WHEN t.run_at > now() THEN 'scheduled' ELSE 'available' END::fastjobs_state,
        t.run_at, $8, $9::jsonb
   FROM (SELECT coalesce($6::timestamptz,
                         now() + make_interval(secs => coalesce($7::float8, 0)))) AS t(run_at)
-ON CONFLICT (unique_key)
-   WHERE unique_key IS NOT NULL AND state IN ('available', 'scheduled', 'running', 'retryable')
-   DO NOTHING
+{_SKIP_TAKEN_KEYS}
 RETURNING id"""
 
 # job_insert_now: one job due now, without a unique key: what most enqueues
@@ -134,22 +225,19 @@ RETURNING id"""
 # 120-140 us against 55-65 us a statement, one session, PostgreSQL 15).
 # Through the parent: into the current rotating slot (the slot's default),
 # with its meta ($6, or NULL): an app with enqueue middleware (tracing) puts
-# meta on every job, and those went to slot 0, back onto VACUUM.
-job_insert_now: Final = """
-INSERT INTO fastjobs_jobs_all (queue, kind, args, priority, max_attempts, meta)
+# meta on every job, which must not all go to slot 0, back onto VACUUM.
+job_insert_now: Final = f"""
+INSERT INTO fastjobs_jobs_all ({_columns(at=False, key=False)})
 VALUES ($1, $2, $3::jsonb, $4, $5, $6::jsonb)
 RETURNING id"""
 
 # job_get_unique: the pending or running job holding unique key $1 (only slot 0 holds keys).
-job_get_unique: Final = """
+job_get_unique: Final = f"""
 SELECT id FROM fastjobs_jobs
- WHERE unique_key = $1 AND state IN ('available', 'scheduled', 'running', 'retryable')"""
+ WHERE unique_key = $1 AND {UNIQUE_STATES}"""
 
 # job_copy_staged: bulk unique jobs go through a temporary table, since COPY cannot skip conflicts.
-job_copy_staged: Final = (
-    "COPY fastjobs_staged (queue, kind, args, priority, max_attempts, state, run_at, unique_key, meta)"
-    " FROM STDIN (FORMAT BINARY)"
-)
+job_copy_staged: Final = _copy(into="fastjobs_staged", at=True, key=True)
 
 # job_stage_create: the session's staging table for bulk unique enqueues, emptied at commit.
 job_stage_create: Final = """
@@ -159,691 +247,291 @@ CREATE TEMP TABLE IF NOT EXISTS fastjobs_staged (
 ) ON COMMIT DELETE ROWS"""
 
 # job_insert_staged: move staged jobs in, skipping keys already taken; one statement, one notification.
-job_insert_staged: Final = """
-INSERT INTO fastjobs_jobs (queue, kind, args, priority, max_attempts, state, run_at, unique_key, meta)
+job_insert_staged: Final = f"""
+INSERT INTO fastjobs_jobs ({_columns(at=True, key=True)})
 SELECT queue, kind, args, priority, max_attempts,
        coalesce(state, 'available'), coalesce(run_at, now()), unique_key, meta
   FROM fastjobs_staged
-ON CONFLICT (unique_key)
-   WHERE unique_key IS NOT NULL AND state IN ('available', 'scheduled', 'running', 'retryable')
-   DO NOTHING"""
+{_SKIP_TAKEN_KEYS}"""
 
 # job_stage_clear: empty the staging table (a caller's transaction may stage again before commit).
 job_stage_clear: Final = "DELETE FROM fastjobs_staged"
 
-# job_copy: bulk insert of jobs due now into the current rotating slot, binary
-# COPY; rows are encoded by fastjobs._core.encode_copy_rows.
-job_copy: Final = (
-    "COPY fastjobs_jobs_all (queue, kind, args, priority, max_attempts, meta) FROM STDIN (FORMAT BINARY)"
-)
+# job_copy: bulk insert of jobs due now into the current rotating slot.
+job_copy: Final = _copy(into="fastjobs_jobs_all", at=False, key=False)
 
 # job_copy_at: bulk insert of jobs that all share one run_at (and state), into slot 0.
-job_copy_at: Final = (
-    "COPY fastjobs_jobs (queue, kind, args, priority, max_attempts, state, run_at, meta)"
-    " FROM STDIN (FORMAT BINARY)"
-)
+job_copy_at: Final = _copy(into="fastjobs_jobs", at=True, key=False)
 
-# job_claim_many: take up to $2 available jobs of queue $1 for worker $3, in
-# claim order, skipping rows other workers hold; the attempt is counted here.
-# Priority and run_at come back so the hot loop knows where the claim ended.
-# The ids go through ARRAY(...): joined as a subquery instead, a large batch
-# makes the planner hash-join it against a Seq Scan of the whole table.
-# The attempt stops at smallint's maximum (ATTEMPT_CAP): a row already there (written by
-# hand) would otherwise fail the whole statement, so every claim of its queue;
-# it runs as its last attempt instead (max_attempts is a smallint too).
-job_claim_many: Final = """
-UPDATE fastjobs_jobs_all j
-   SET state = 'running', attempt = least(j.attempt, 32766) + 1,
-       attempted_at = now(), attempted_by = $3
- WHERE j.id = ANY(ARRAY(
-           SELECT id FROM fastjobs_jobs_all
-            WHERE state = 'available' AND queue = $1 AND run_at <= now()
-            ORDER BY priority DESC, run_at, id
-            LIMIT $2
-              FOR UPDATE SKIP LOCKED))
-RETURNING j.id, j.kind, j.args, j.attempt, j.max_attempts, j.priority, j.run_at"""
 
-# The hot loop's one statement per batch, one round trip: job_finish_claim_many
-# and its three variants (tests/test_sql.py pins what they share: the _keep
-# ones differ only in their completed and completed_later CTEs, the _after
-# ones only in their claim's predicate). Each, in order:
-# completed: the ids of jobs completed at their first attempt ($1, an int8
-#   array: the usual case, found by the primary key in one index scan),
-#   deleted, or (_keep) kept as 'completed' rows for the cleaner to remove
-#   after the retention period;
-# completed_later: the same for the 'completed' outcomes of $2 (jobs
-#   completed at an attempt other than the first);
-# failed: the other outcomes of $2 recorded. $2 is a JSON array written by
-#   fastjobs.handlers of {id, attempt, state, delay (seconds, null keeps
-#   run_at), uncount (1 gives the attempt back: snoozed and released jobs),
-#   error (appended to errors, or null)}. A job whose cancellation was
-#   requested ends cancelled instead of running again (released, snoozed,
-#   retried), and a failed attempt (an error, the attempt counted) that was
-#   the last is discarded whatever the outcome says (the fallback record of a
-#   poison outcome does not know max_attempts). Its times (run_at, so a
-#   delay counts from then; finalized_at; the 'at' of a cancel's note) are
-#   clock_timestamp(), when the statement writes it: as in
-#   job_finish_locked_many, where now() is the batch transaction's start;
-# claimed: job_claim_many's claim, its parameters renumbered: up to $4 jobs of
-#   queue $3 for worker $5 (LIMIT 0: none);
-# then the claimed rows, and after them one row per outcome that did not
-#   apply (stale: its job is no longer running that attempt for this worker),
-#   kind NULL, the outcome's state in args; each of those branches runs only
-#   when its count of applied rows falls short (a one-time filter: nothing to
-#   do in the usual batch). Last, the wake-up of each queue an outcome made
-#   available at once (Retry(0), Snooze(0), a release): pg_notify returns
-#   void, so that branch yields no row. Claimed rows come first: an Append
-#   runs its branches in order.
-# An outcome applies only to the attempt that produced it: the row must still
-# be running that attempt for this worker ($5), or it was taken meanwhile (the
-# rescuer, an operator) and the outcome is stale.
-# The guards read `state::text = 'running'` so no plan can answer them from
-# the partial index of running jobs: a queue table's statistics are often
-# those of a moment it was empty, and then the generic plan scanned every
-# running job per batch, filtering each against the id array (a drain at
-# 0.55 x the raw limit instead of 1.2 x, measured). Finding the rows by id is
-# the only plan left.
-# The _after variants claim from where the last claim ended ($6 priority, $7
-# run_at in microseconds since 2000-01-01, the binary timestamptz the claim
-# returned, less a margin of CLAIM_MARK_MARGIN for transactions that committed
+_section("Claims")
+
+# Every claim takes available jobs of one queue in claim order, skipping rows
+# other workers hold: the state lane's claim (job_claim_many, and the claimed
+# part of every job_finish_claim_*) and the fast lane's (job_lock_*).
+#
+# A claim after the mark starts where the last claim ended (its priority, and
+# its run_at in microseconds since 2000-01-01, the binary timestamptz the
+# claim returned, less CLAIM_MARK_MARGIN for transactions that committed
 # late). Claimed jobs leave dead entries at the front of the claim index until
 # VACUUM removes them, and a scan from the front wades through all of them: a
 # million after a minute at 30k jobs/s, or whenever a long transaction holds
 # the horizon back (measured: 17 ms against 2.5 ms per claim of 1,000 behind
-# 900,000 dead). The hot loop claims from the front only as often as that
-# costs it 2% of its time (fastjobs.abc.FULL_CLAIM_DUTY), which is
-# nearly always when the index is clean; jobs behind the mark (promoted,
-# retried, of another priority) wait for that claim.
+# 900,000 dead; a fast-lane claim from the front after a held snapshot spent
+# 42 ms walking a slot of only dead entries, 3,600 index pages). The hot loop
+# claims from the front only as often as that costs it 2% of its time
+# (fastjobs.abc.FULL_CLAIM_DUTY), which is nearly always when the index is
+# clean; jobs behind the mark (promoted, retried, of another priority) wait
+# for that claim.
+
+# What a claim returns of each job, in the order the hot loops decode it; with
+# context (the app has middleware, which fills each JobContext) its meta and
+# created_at too. Any other worker claims without, so a job pays for neither.
+_CLAIMED: Final = ("id", "kind", "args", "attempt", "max_attempts", "priority", "run_at")
+_CONTEXT: Final = ("meta", "created_at")
+
+
+def _returned(*, context: bool, row: str = "", attempt: str = "") -> str:
+    """The claimed columns, of table alias `row` if given; `attempt` in place of the attempt column."""
+    columns = _CLAIMED + _CONTEXT if context else _CLAIMED
+    prefix = f"{row}." if row else ""
+    return ", ".join(attempt if column == "attempt" and attempt else prefix + column for column in columns)
+
+
+@dataclass(frozen=True)
+class _Choice:
+    """Which available jobs a claim takes: the claims' variants. Every family that claims (the
+    state lane's claim, the fast lane's lock, the finish statements) takes one and reads its `where`,
+    so a new kind of claim is a field here and its predicate in `where`. A choice's parameters are
+    numbered after the statement's own."""
+
+    after: bool = False  # from the mark on: the priority and run_at where the last claim ended
+
+    def where(self, *, queue: str, limit: str, first: int) -> str:
+        """Up to `limit` available jobs of `queue` due now, in claim order, skipping rows others hold;
+        this choice's parameters are $`first` and on."""
+        after = ""
+        if self.after:
+            after = (
+                f" AND priority = ${first}\n   AND run_at >= timestamptz '2000-01-01 00:00:00+00'"
+                f" + (${first + 1}::int8 - {CLAIM_MARK_MARGIN}) * interval '1 microsecond'"
+            )
+        return f""" WHERE state = 'available' AND queue = {queue} AND run_at <= now(){after}
+ ORDER BY priority DESC, run_at, id
+ LIMIT {limit}
+   FOR UPDATE SKIP LOCKED"""
+
+
+_FROM_THE_FRONT: Final = _Choice()
+_AFTER_THE_MARK: Final = _Choice(after=True)
+
+
+def _claim(*, queue: str, limit: str, worker: str, choice: _Choice, first: int, context: bool) -> str:
+    """The state lane's claim: the jobs `choice` takes become running for `worker`, their attempt
+    counted. The ids go through ARRAY(...): joined as a subquery instead, a large batch makes the
+    planner hash-join it against a Seq Scan of the whole table."""
+    return f"""UPDATE fastjobs_jobs_all j
+   SET state = 'running', attempt = {_next_attempt("j")},
+       attempted_at = now(), attempted_by = {worker}
+ WHERE j.id = ANY(ARRAY(
+           SELECT id FROM fastjobs_jobs_all
+           {_indent(choice.where(queue=queue, limit=limit, first=first), 11)}))
+RETURNING {_returned(context=context, row="j")}"""
+
+
+def _lock(*, choice: _Choice, context: bool) -> str:
+    """The fast lane's claim: lock up to $2 available jobs of queue $1 (the choice's parameters from
+    $3); nothing is written. The attempt returned is the one this run makes (counted when its outcome
+    is written)."""
+    return f"""
+SELECT {_returned(context=context, attempt=f"({_next_attempt('')})::smallint")}
+  FROM fastjobs_jobs_all
+{choice.where(queue="$1", limit="$2", first=3)}"""
+
+
+# job_claim_many: take up to $2 available jobs of queue $1 for worker $3, in
+# claim order, skipping rows other workers hold; the attempt is counted here.
+# Priority and run_at come back so the hot loop knows where the claim ended.
+job_claim_many: Final = "\n" + _claim(
+    queue="$1", limit="$2", worker="$3", choice=_FROM_THE_FRONT, first=4, context=False
+)
+
+# job_lock_many, job_lock_after (after the mark), and their _context variants:
+# the fast lane's claim (see its section).
+job_lock_many: Final = _lock(choice=_FROM_THE_FRONT, context=False)
+job_lock_after: Final = _lock(choice=_AFTER_THE_MARK, context=False)
+job_lock_many_context: Final = _lock(choice=_FROM_THE_FRONT, context=True)
+job_lock_after_context: Final = _lock(choice=_AFTER_THE_MARK, context=True)
+
+
+_section("Finishes")
+
+# The hot loop's one statement per batch, one round trip: a job_finish_claim_*
+# statement writes the outcomes of one batch and claims the next (from the
+# front, or _after the mark: $6 priority, $7 run_at); a _keep one keeps
+# completed jobs as 'completed' rows for the cleaner to remove after the
+# retention period instead of deleting them; a _context one returns meta and
+# created_at too. The fast lane's job_finish_locked_many writes the outcomes
+# of a batch it locked, in the batch's transaction. Both lanes write the
+# outcomes alike (_outcomes), in three CTEs:
+# completed: the ids of jobs completed at their first attempt ($1, an int8
+#   array: the usual case, found by the primary key in one index scan);
+# completed_later: the same for the 'completed' outcomes of $2 (jobs
+#   completed at an attempt other than the first);
+# failed: the other outcomes of $2 recorded. $2 is a JSON array of the
+#   records fastjobs.handlers writes (fastjobs.types.Outcome: id, attempt,
+#   state, delay in seconds or null to keep run_at, uncount 1 to give the
+#   attempt back, error to append or null); the state a record ends its job
+#   in is _outcome_state's. Its times (run_at, so a delay counts from then;
+#   finalized_at; the 'at' of a cancel's note) are clock_timestamp(), when
+#   the statement writes it: in the fast lane's transaction now() is its
+#   start, before the handlers ran, and a Snooze(5) raised after a 3 s run
+#   would come back 2 s later.
+# An outcome applies only to the attempt that produced it. On the state lane
+# the row must still be running that attempt for this worker ($5), or it was
+# taken meanwhile (the rescuer, an operator) and the outcome is stale. On the
+# fast lane the row is still available at the attempt before this run, which
+# holds while the batch's transaction keeps it locked, and the attempt is
+# counted (attempt - uncount) with worker $3 as attempted_by.
+# The state lane's guards read `state::text = 'running'` so no plan can
+# answer them from the partial index of running jobs: a queue table's
+# statistics are often those of a moment it was empty, and then the generic
+# plan scanned every running job per batch, filtering each against the id
+# array (a drain at 0.55 x the raw limit instead of 1.2 x, measured). Finding
+# the rows by id is the only plan left.
+
+# An outcome that would run its job again, of a job whose cancellation was requested.
+_CANCELS: Final = "j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')"
+
+
+def _outcome_state(attempt: str) -> str:
+    """The state an outcome record ends its job in, `attempt` being the attempt it ends. A job whose
+    cancellation was requested ends cancelled instead of running again (released, snoozed, retried),
+    and a failed attempt (an error, the attempt counted) that was the last is discarded whatever the
+    record says (the fallback record of a poison outcome does not know max_attempts)."""
+    return f"""CASE WHEN {_CANCELS}
+     THEN 'cancelled'
+     WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
+          AND {attempt} >= j.max_attempts THEN 'discarded'
+     ELSE f.state END::fastjobs_state"""
+
+
+def _outcomes(*, keep: bool, fast: bool) -> str:
+    """The CTEs completed, completed_later and failed of a finish statement (the last one left open)."""
+    if fast:  # the row is locked, not claimed: the outcome's attempt is the run's, counted now
+        attempt, runner = "f.attempt", "\n           attempted_at = now(), attempted_by = $3,"
+        first = "j.attempt = 0 AND j.state::text = 'available'"
+        record = f"{_next_attempt('j')} = f.attempt\n       AND j.state::text = 'available'"
+    else:
+        attempt, runner = "j.attempt", ""
+        first = "j.attempt = 1\n       AND j.attempted_by = $5 AND j.state::text = 'running'"
+        record = "j.attempt = f.attempt\n       AND j.attempted_by = $5 AND j.state::text = 'running'"
+    complete, records = "DELETE FROM fastjobs_jobs_all j", " USING"
+    if keep:  # kept as 'completed' rows, which the cleaner removes after the retention period
+        complete = "UPDATE fastjobs_jobs_all j SET state = 'completed', finalized_at = now()"
+        records = "  FROM"
+    state = _outcome_state(attempt)
+    return f"""WITH completed AS (
+    {complete}
+     WHERE j.id = ANY($1::bigint[]) AND {first}
+    RETURNING j.id
+), completed_later AS (
+    {complete}
+    {records} jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state)
+     WHERE f.state = 'completed' AND j.id = f.id AND {record}
+    RETURNING j.id
+), failed AS (
+    UPDATE fastjobs_jobs_all j
+       SET state = {_indent(state, 19)},
+           run_at = CASE WHEN f.delay IS NULL THEN j.run_at
+                         ELSE clock_timestamp() + make_interval(secs => f.delay) END,
+           attempt = {attempt} - f.uncount,{runner}
+           finalized_at = CASE
+               WHEN {_indent(state, 20)} IN ('discarded', 'cancelled')
+               THEN clock_timestamp() END,
+           errors = CASE WHEN f.error IS NOT NULL
+                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(f.error)
+                         WHEN {_CANCELS}
+                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
+                              'at', clock_timestamp(), 'attempt', {attempt}, 'traceback', NULL,
+                              'error', 'Cancel: cancellation requested before it could run again'))
+                         ELSE j.errors END
+      FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
+                                              delay float8, uncount smallint, error jsonb)
+     WHERE f.state <> 'completed' AND j.id = f.id AND {record}
+    RETURNING j.id, j.queue, j.state"""
+
+
+# The wake-up of each queue an outcome made available at once (Retry(0),
+# Snooze(0), a release): pg_notify returns void, so its branch yields no row.
+_WAKE: Final = """  FROM (SELECT DISTINCT queue FROM failed WHERE state = 'available') AS woken
+ WHERE pg_notify('fastjobs', woken.queue)::text IS NULL"""
+
+
+def _finish_claim(*, keep: bool, choice: _Choice, context: bool) -> str:
+    """Finish a batch and claim the next: the outcomes, then job_claim_many's claim of up to $4 jobs of
+    queue $3 for worker $5 (LIMIT 0: none), the choice's parameters from $6. It returns the claimed
+    rows, and after them one row per outcome that did not apply (stale), kind NULL, the outcome's
+    state in args; each of those branches runs only when its count of applied rows falls short (a
+    one-time filter: nothing to do in the usual batch). Claimed rows come first: an Append runs its
+    branches in order."""
+    claim = _claim(queue="$3", limit="$4", worker="$5", choice=choice, first=6, context=context)
+    width = len(_CLAIMED) + (len(_CONTEXT) if context else 0)
+    rest = ", NULL" * (width - 4)  # the columns after id, kind, args and attempt
+    return f"""
+{_outcomes(keep=keep, fast=False)}
+), claimed AS (
+    {_indent(claim, 4)}
+)
+SELECT {_returned(context=context)} FROM claimed
+UNION ALL
+SELECT c.id, NULL, to_jsonb('completed'::text), 1::smallint{rest}
+  FROM unnest($1::bigint[]) AS c(id)
+ WHERE (SELECT count(*) FROM completed) < cardinality($1::bigint[])
+   AND c.id NOT IN (SELECT id FROM completed)
+UNION ALL
+SELECT f.id, NULL, to_jsonb(f.state), f.attempt{rest}
+  FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state text)
+ WHERE (SELECT count(*) FROM failed) + (SELECT count(*) FROM completed_later)
+       < jsonb_array_length($2::jsonb)
+   AND f.id NOT IN (SELECT id FROM failed UNION ALL SELECT id FROM completed_later)
+UNION ALL
+SELECT {", ".join(["NULL"] * width)}
+{_WAKE}"""
+
 
 # job_finish_claim_many: finish a batch (completed jobs deleted) and claim the next from the front.
-job_finish_claim_many: Final = """
-WITH completed AS (
-    DELETE FROM fastjobs_jobs_all j
-     WHERE j.id = ANY($1::bigint[]) AND j.attempt = 1
-       AND j.attempted_by = $5 AND j.state::text = 'running'
-    RETURNING j.id
-), completed_later AS (
-    DELETE FROM fastjobs_jobs_all j
-     USING jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state)
-     WHERE f.state = 'completed' AND j.id = f.id AND j.attempt = f.attempt
-       AND j.attempted_by = $5 AND j.state::text = 'running'
-    RETURNING j.id
-), failed AS (
-    UPDATE fastjobs_jobs_all j
-       SET state = CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
-                        THEN 'cancelled'
-                        WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
-                             AND j.attempt >= j.max_attempts THEN 'discarded'
-                        ELSE f.state END::fastjobs_state,
-           run_at = CASE WHEN f.delay IS NULL THEN j.run_at
-                         ELSE clock_timestamp() + make_interval(secs => f.delay) END,
-           attempt = j.attempt - f.uncount,
-           finalized_at = CASE
-               WHEN CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
-                         THEN 'cancelled'
-                         WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
-                              AND j.attempt >= j.max_attempts THEN 'discarded'
-                         ELSE f.state END::fastjobs_state IN ('discarded', 'cancelled')
-               THEN clock_timestamp() END,
-           errors = CASE WHEN f.error IS NOT NULL
-                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(f.error)
-                         WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
-                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
-                              'at', clock_timestamp(), 'attempt', j.attempt, 'traceback', NULL,
-                              'error', 'Cancel: cancellation requested before it could run again'))
-                         ELSE j.errors END
-      FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
-                                              delay float8, uncount smallint, error jsonb)
-     WHERE f.state <> 'completed' AND j.id = f.id AND j.attempt = f.attempt
-       AND j.attempted_by = $5 AND j.state::text = 'running'
-    RETURNING j.id, j.queue, j.state
-), claimed AS (
-    UPDATE fastjobs_jobs_all j
-       SET state = 'running', attempt = least(j.attempt, 32766) + 1,
-           attempted_at = now(), attempted_by = $5
-     WHERE j.id = ANY(ARRAY(
-               SELECT id FROM fastjobs_jobs_all
-                WHERE state = 'available' AND queue = $3 AND run_at <= now()
-                ORDER BY priority DESC, run_at, id
-                LIMIT $4
-                  FOR UPDATE SKIP LOCKED))
-    RETURNING j.id, j.kind, j.args, j.attempt, j.max_attempts, j.priority, j.run_at
+job_finish_claim_many: Final = _finish_claim(keep=False, choice=_FROM_THE_FRONT, context=False)
+# job_finish_claim_after: the same, claiming after the mark ($6, $7).
+job_finish_claim_after: Final = _finish_claim(keep=False, choice=_AFTER_THE_MARK, context=False)
+# job_finish_claim_many_keep, job_finish_claim_after_keep: the same two, keeping completed jobs.
+job_finish_claim_many_keep: Final = _finish_claim(keep=True, choice=_FROM_THE_FRONT, context=False)
+job_finish_claim_after_keep: Final = _finish_claim(keep=True, choice=_AFTER_THE_MARK, context=False)
+# The four above, returning meta and created_at too (FINISH_CONTEXT).
+job_finish_claim_many_context: Final = _finish_claim(keep=False, choice=_FROM_THE_FRONT, context=True)
+job_finish_claim_after_context: Final = _finish_claim(keep=False, choice=_AFTER_THE_MARK, context=True)
+job_finish_claim_many_keep_context: Final = _finish_claim(keep=True, choice=_FROM_THE_FRONT, context=True)
+job_finish_claim_after_keep_context: Final = _finish_claim(keep=True, choice=_AFTER_THE_MARK, context=True)
+
+# job_finish_locked_many: the fast lane's outcomes, in the transaction that
+# locked their rows ($1, $2 as above, releases left out: an unstarted job is
+# left as it was; worker $3). Returns how many outcomes applied, and wakes
+# each queue an outcome made available at once.
+job_finish_locked_many: Final = f"""
+{_outcomes(keep=False, fast=True)}
 )
-SELECT id, kind, args, attempt, max_attempts, priority, run_at FROM claimed
+SELECT (SELECT count(*) FROM completed) + (SELECT count(*) FROM completed_later)
+       + (SELECT count(*) FROM failed)
 UNION ALL
-SELECT c.id, NULL, to_jsonb('completed'::text), 1::smallint, NULL, NULL, NULL
-  FROM unnest($1::bigint[]) AS c(id)
- WHERE (SELECT count(*) FROM completed) < cardinality($1::bigint[])
-   AND c.id NOT IN (SELECT id FROM completed)
-UNION ALL
-SELECT f.id, NULL, to_jsonb(f.state), f.attempt, NULL, NULL, NULL
-  FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state text)
- WHERE (SELECT count(*) FROM failed) + (SELECT count(*) FROM completed_later)
-       < jsonb_array_length($2::jsonb)
-   AND f.id NOT IN (SELECT id FROM failed UNION ALL SELECT id FROM completed_later)
-UNION ALL
-SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL
-  FROM (SELECT DISTINCT queue FROM failed WHERE state = 'available') AS woken
- WHERE pg_notify('fastjobs', woken.queue)::text IS NULL"""
+SELECT NULL
+{_WAKE}"""
 
-# job_finish_claim_after: finish a batch (completed jobs deleted) and claim after the mark ($6, $7).
-job_finish_claim_after: Final = """
-WITH completed AS (
-    DELETE FROM fastjobs_jobs_all j
-     WHERE j.id = ANY($1::bigint[]) AND j.attempt = 1
-       AND j.attempted_by = $5 AND j.state::text = 'running'
-    RETURNING j.id
-), completed_later AS (
-    DELETE FROM fastjobs_jobs_all j
-     USING jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state)
-     WHERE f.state = 'completed' AND j.id = f.id AND j.attempt = f.attempt
-       AND j.attempted_by = $5 AND j.state::text = 'running'
-    RETURNING j.id
-), failed AS (
-    UPDATE fastjobs_jobs_all j
-       SET state = CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
-                        THEN 'cancelled'
-                        WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
-                             AND j.attempt >= j.max_attempts THEN 'discarded'
-                        ELSE f.state END::fastjobs_state,
-           run_at = CASE WHEN f.delay IS NULL THEN j.run_at
-                         ELSE clock_timestamp() + make_interval(secs => f.delay) END,
-           attempt = j.attempt - f.uncount,
-           finalized_at = CASE
-               WHEN CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
-                         THEN 'cancelled'
-                         WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
-                              AND j.attempt >= j.max_attempts THEN 'discarded'
-                         ELSE f.state END::fastjobs_state IN ('discarded', 'cancelled')
-               THEN clock_timestamp() END,
-           errors = CASE WHEN f.error IS NOT NULL
-                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(f.error)
-                         WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
-                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
-                              'at', clock_timestamp(), 'attempt', j.attempt, 'traceback', NULL,
-                              'error', 'Cancel: cancellation requested before it could run again'))
-                         ELSE j.errors END
-      FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
-                                              delay float8, uncount smallint, error jsonb)
-     WHERE f.state <> 'completed' AND j.id = f.id AND j.attempt = f.attempt
-       AND j.attempted_by = $5 AND j.state::text = 'running'
-    RETURNING j.id, j.queue, j.state
-), claimed AS (
-    UPDATE fastjobs_jobs_all j
-       SET state = 'running', attempt = least(j.attempt, 32766) + 1,
-           attempted_at = now(), attempted_by = $5
-     WHERE j.id = ANY(ARRAY(
-               SELECT id FROM fastjobs_jobs_all
-                WHERE state = 'available' AND queue = $3 AND run_at <= now() AND priority = $6
-                  AND run_at >= timestamptz '2000-01-01 00:00:00+00'
-                                + ($7::int8 - 100000) * interval '1 microsecond'
-                ORDER BY priority DESC, run_at, id
-                LIMIT $4
-                  FOR UPDATE SKIP LOCKED))
-    RETURNING j.id, j.kind, j.args, j.attempt, j.max_attempts, j.priority, j.run_at
-)
-SELECT id, kind, args, attempt, max_attempts, priority, run_at FROM claimed
-UNION ALL
-SELECT c.id, NULL, to_jsonb('completed'::text), 1::smallint, NULL, NULL, NULL
-  FROM unnest($1::bigint[]) AS c(id)
- WHERE (SELECT count(*) FROM completed) < cardinality($1::bigint[])
-   AND c.id NOT IN (SELECT id FROM completed)
-UNION ALL
-SELECT f.id, NULL, to_jsonb(f.state), f.attempt, NULL, NULL, NULL
-  FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state text)
- WHERE (SELECT count(*) FROM failed) + (SELECT count(*) FROM completed_later)
-       < jsonb_array_length($2::jsonb)
-   AND f.id NOT IN (SELECT id FROM failed UNION ALL SELECT id FROM completed_later)
-UNION ALL
-SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL
-  FROM (SELECT DISTINCT queue FROM failed WHERE state = 'available') AS woken
- WHERE pg_notify('fastjobs', woken.queue)::text IS NULL"""
 
-# job_finish_claim_many_keep: finish a batch (completed jobs kept) and claim the next from the front.
-job_finish_claim_many_keep: Final = """
-WITH completed AS (
-    UPDATE fastjobs_jobs_all j SET state = 'completed', finalized_at = now()
-     WHERE j.id = ANY($1::bigint[]) AND j.attempt = 1
-       AND j.attempted_by = $5 AND j.state::text = 'running'
-    RETURNING j.id
-), completed_later AS (
-    UPDATE fastjobs_jobs_all j SET state = 'completed', finalized_at = now()
-      FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state)
-     WHERE f.state = 'completed' AND j.id = f.id AND j.attempt = f.attempt
-       AND j.attempted_by = $5 AND j.state::text = 'running'
-    RETURNING j.id
-), failed AS (
-    UPDATE fastjobs_jobs_all j
-       SET state = CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
-                        THEN 'cancelled'
-                        WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
-                             AND j.attempt >= j.max_attempts THEN 'discarded'
-                        ELSE f.state END::fastjobs_state,
-           run_at = CASE WHEN f.delay IS NULL THEN j.run_at
-                         ELSE clock_timestamp() + make_interval(secs => f.delay) END,
-           attempt = j.attempt - f.uncount,
-           finalized_at = CASE
-               WHEN CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
-                         THEN 'cancelled'
-                         WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
-                              AND j.attempt >= j.max_attempts THEN 'discarded'
-                         ELSE f.state END::fastjobs_state IN ('discarded', 'cancelled')
-               THEN clock_timestamp() END,
-           errors = CASE WHEN f.error IS NOT NULL
-                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(f.error)
-                         WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
-                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
-                              'at', clock_timestamp(), 'attempt', j.attempt, 'traceback', NULL,
-                              'error', 'Cancel: cancellation requested before it could run again'))
-                         ELSE j.errors END
-      FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
-                                              delay float8, uncount smallint, error jsonb)
-     WHERE f.state <> 'completed' AND j.id = f.id AND j.attempt = f.attempt
-       AND j.attempted_by = $5 AND j.state::text = 'running'
-    RETURNING j.id, j.queue, j.state
-), claimed AS (
-    UPDATE fastjobs_jobs_all j
-       SET state = 'running', attempt = least(j.attempt, 32766) + 1,
-           attempted_at = now(), attempted_by = $5
-     WHERE j.id = ANY(ARRAY(
-               SELECT id FROM fastjobs_jobs_all
-                WHERE state = 'available' AND queue = $3 AND run_at <= now()
-                ORDER BY priority DESC, run_at, id
-                LIMIT $4
-                  FOR UPDATE SKIP LOCKED))
-    RETURNING j.id, j.kind, j.args, j.attempt, j.max_attempts, j.priority, j.run_at
-)
-SELECT id, kind, args, attempt, max_attempts, priority, run_at FROM claimed
-UNION ALL
-SELECT c.id, NULL, to_jsonb('completed'::text), 1::smallint, NULL, NULL, NULL
-  FROM unnest($1::bigint[]) AS c(id)
- WHERE (SELECT count(*) FROM completed) < cardinality($1::bigint[])
-   AND c.id NOT IN (SELECT id FROM completed)
-UNION ALL
-SELECT f.id, NULL, to_jsonb(f.state), f.attempt, NULL, NULL, NULL
-  FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state text)
- WHERE (SELECT count(*) FROM failed) + (SELECT count(*) FROM completed_later)
-       < jsonb_array_length($2::jsonb)
-   AND f.id NOT IN (SELECT id FROM failed UNION ALL SELECT id FROM completed_later)
-UNION ALL
-SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL
-  FROM (SELECT DISTINCT queue FROM failed WHERE state = 'available') AS woken
- WHERE pg_notify('fastjobs', woken.queue)::text IS NULL"""
+_section("The fast lane")
 
-# job_finish_claim_after_keep: finish a batch (completed jobs kept) and claim after the mark ($6, $7).
-job_finish_claim_after_keep: Final = """
-WITH completed AS (
-    UPDATE fastjobs_jobs_all j SET state = 'completed', finalized_at = now()
-     WHERE j.id = ANY($1::bigint[]) AND j.attempt = 1
-       AND j.attempted_by = $5 AND j.state::text = 'running'
-    RETURNING j.id
-), completed_later AS (
-    UPDATE fastjobs_jobs_all j SET state = 'completed', finalized_at = now()
-      FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state)
-     WHERE f.state = 'completed' AND j.id = f.id AND j.attempt = f.attempt
-       AND j.attempted_by = $5 AND j.state::text = 'running'
-    RETURNING j.id
-), failed AS (
-    UPDATE fastjobs_jobs_all j
-       SET state = CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
-                        THEN 'cancelled'
-                        WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
-                             AND j.attempt >= j.max_attempts THEN 'discarded'
-                        ELSE f.state END::fastjobs_state,
-           run_at = CASE WHEN f.delay IS NULL THEN j.run_at
-                         ELSE clock_timestamp() + make_interval(secs => f.delay) END,
-           attempt = j.attempt - f.uncount,
-           finalized_at = CASE
-               WHEN CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
-                         THEN 'cancelled'
-                         WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
-                              AND j.attempt >= j.max_attempts THEN 'discarded'
-                         ELSE f.state END::fastjobs_state IN ('discarded', 'cancelled')
-               THEN clock_timestamp() END,
-           errors = CASE WHEN f.error IS NOT NULL
-                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(f.error)
-                         WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
-                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
-                              'at', clock_timestamp(), 'attempt', j.attempt, 'traceback', NULL,
-                              'error', 'Cancel: cancellation requested before it could run again'))
-                         ELSE j.errors END
-      FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
-                                              delay float8, uncount smallint, error jsonb)
-     WHERE f.state <> 'completed' AND j.id = f.id AND j.attempt = f.attempt
-       AND j.attempted_by = $5 AND j.state::text = 'running'
-    RETURNING j.id, j.queue, j.state
-), claimed AS (
-    UPDATE fastjobs_jobs_all j
-       SET state = 'running', attempt = least(j.attempt, 32766) + 1,
-           attempted_at = now(), attempted_by = $5
-     WHERE j.id = ANY(ARRAY(
-               SELECT id FROM fastjobs_jobs_all
-                WHERE state = 'available' AND queue = $3 AND run_at <= now() AND priority = $6
-                  AND run_at >= timestamptz '2000-01-01 00:00:00+00'
-                                + ($7::int8 - 100000) * interval '1 microsecond'
-                ORDER BY priority DESC, run_at, id
-                LIMIT $4
-                  FOR UPDATE SKIP LOCKED))
-    RETURNING j.id, j.kind, j.args, j.attempt, j.max_attempts, j.priority, j.run_at
-)
-SELECT id, kind, args, attempt, max_attempts, priority, run_at FROM claimed
-UNION ALL
-SELECT c.id, NULL, to_jsonb('completed'::text), 1::smallint, NULL, NULL, NULL
-  FROM unnest($1::bigint[]) AS c(id)
- WHERE (SELECT count(*) FROM completed) < cardinality($1::bigint[])
-   AND c.id NOT IN (SELECT id FROM completed)
-UNION ALL
-SELECT f.id, NULL, to_jsonb(f.state), f.attempt, NULL, NULL, NULL
-  FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state text)
- WHERE (SELECT count(*) FROM failed) + (SELECT count(*) FROM completed_later)
-       < jsonb_array_length($2::jsonb)
-   AND f.id NOT IN (SELECT id FROM failed UNION ALL SELECT id FROM completed_later)
-UNION ALL
-SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL
-  FROM (SELECT DISTINCT queue FROM failed WHERE state = 'available') AS woken
- WHERE pg_notify('fastjobs', woken.queue)::text IS NULL"""
-
-# The _context variants of the four above: the same statements, their claimed
-# rows carrying meta and created_at too (then NULL in the other branches).
-# A worker whose app has middleware claims with them to fill each
-# JobContext; any other claims without, so a job pays for neither column
-# (tests/test_sql.py pins that they differ in nothing else).
-
-# job_finish_claim_many_context: job_finish_claim_many, returning meta and created_at too.
-job_finish_claim_many_context: Final = """
-WITH completed AS (
-    DELETE FROM fastjobs_jobs_all j
-     WHERE j.id = ANY($1::bigint[]) AND j.attempt = 1
-       AND j.attempted_by = $5 AND j.state::text = 'running'
-    RETURNING j.id
-), completed_later AS (
-    DELETE FROM fastjobs_jobs_all j
-     USING jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state)
-     WHERE f.state = 'completed' AND j.id = f.id AND j.attempt = f.attempt
-       AND j.attempted_by = $5 AND j.state::text = 'running'
-    RETURNING j.id
-), failed AS (
-    UPDATE fastjobs_jobs_all j
-       SET state = CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
-                        THEN 'cancelled'
-                        WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
-                             AND j.attempt >= j.max_attempts THEN 'discarded'
-                        ELSE f.state END::fastjobs_state,
-           run_at = CASE WHEN f.delay IS NULL THEN j.run_at
-                         ELSE clock_timestamp() + make_interval(secs => f.delay) END,
-           attempt = j.attempt - f.uncount,
-           finalized_at = CASE
-               WHEN CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
-                         THEN 'cancelled'
-                         WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
-                              AND j.attempt >= j.max_attempts THEN 'discarded'
-                         ELSE f.state END::fastjobs_state IN ('discarded', 'cancelled')
-               THEN clock_timestamp() END,
-           errors = CASE WHEN f.error IS NOT NULL
-                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(f.error)
-                         WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
-                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
-                              'at', clock_timestamp(), 'attempt', j.attempt, 'traceback', NULL,
-                              'error', 'Cancel: cancellation requested before it could run again'))
-                         ELSE j.errors END
-      FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
-                                              delay float8, uncount smallint, error jsonb)
-     WHERE f.state <> 'completed' AND j.id = f.id AND j.attempt = f.attempt
-       AND j.attempted_by = $5 AND j.state::text = 'running'
-    RETURNING j.id, j.queue, j.state
-), claimed AS (
-    UPDATE fastjobs_jobs_all j
-       SET state = 'running', attempt = least(j.attempt, 32766) + 1,
-           attempted_at = now(), attempted_by = $5
-     WHERE j.id = ANY(ARRAY(
-               SELECT id FROM fastjobs_jobs_all
-                WHERE state = 'available' AND queue = $3 AND run_at <= now()
-                ORDER BY priority DESC, run_at, id
-                LIMIT $4
-                  FOR UPDATE SKIP LOCKED))
-    RETURNING j.id, j.kind, j.args, j.attempt, j.max_attempts, j.priority, j.run_at,
-              j.meta, j.created_at
-)
-SELECT id, kind, args, attempt, max_attempts, priority, run_at, meta, created_at FROM claimed
-UNION ALL
-SELECT c.id, NULL, to_jsonb('completed'::text), 1::smallint, NULL, NULL, NULL, NULL, NULL
-  FROM unnest($1::bigint[]) AS c(id)
- WHERE (SELECT count(*) FROM completed) < cardinality($1::bigint[])
-   AND c.id NOT IN (SELECT id FROM completed)
-UNION ALL
-SELECT f.id, NULL, to_jsonb(f.state), f.attempt, NULL, NULL, NULL, NULL, NULL
-  FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state text)
- WHERE (SELECT count(*) FROM failed) + (SELECT count(*) FROM completed_later)
-       < jsonb_array_length($2::jsonb)
-   AND f.id NOT IN (SELECT id FROM failed UNION ALL SELECT id FROM completed_later)
-UNION ALL
-SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
-  FROM (SELECT DISTINCT queue FROM failed WHERE state = 'available') AS woken
- WHERE pg_notify('fastjobs', woken.queue)::text IS NULL"""
-
-# job_finish_claim_after_context: job_finish_claim_after, returning meta and created_at too.
-job_finish_claim_after_context: Final = """
-WITH completed AS (
-    DELETE FROM fastjobs_jobs_all j
-     WHERE j.id = ANY($1::bigint[]) AND j.attempt = 1
-       AND j.attempted_by = $5 AND j.state::text = 'running'
-    RETURNING j.id
-), completed_later AS (
-    DELETE FROM fastjobs_jobs_all j
-     USING jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state)
-     WHERE f.state = 'completed' AND j.id = f.id AND j.attempt = f.attempt
-       AND j.attempted_by = $5 AND j.state::text = 'running'
-    RETURNING j.id
-), failed AS (
-    UPDATE fastjobs_jobs_all j
-       SET state = CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
-                        THEN 'cancelled'
-                        WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
-                             AND j.attempt >= j.max_attempts THEN 'discarded'
-                        ELSE f.state END::fastjobs_state,
-           run_at = CASE WHEN f.delay IS NULL THEN j.run_at
-                         ELSE clock_timestamp() + make_interval(secs => f.delay) END,
-           attempt = j.attempt - f.uncount,
-           finalized_at = CASE
-               WHEN CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
-                         THEN 'cancelled'
-                         WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
-                              AND j.attempt >= j.max_attempts THEN 'discarded'
-                         ELSE f.state END::fastjobs_state IN ('discarded', 'cancelled')
-               THEN clock_timestamp() END,
-           errors = CASE WHEN f.error IS NOT NULL
-                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(f.error)
-                         WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
-                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
-                              'at', clock_timestamp(), 'attempt', j.attempt, 'traceback', NULL,
-                              'error', 'Cancel: cancellation requested before it could run again'))
-                         ELSE j.errors END
-      FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
-                                              delay float8, uncount smallint, error jsonb)
-     WHERE f.state <> 'completed' AND j.id = f.id AND j.attempt = f.attempt
-       AND j.attempted_by = $5 AND j.state::text = 'running'
-    RETURNING j.id, j.queue, j.state
-), claimed AS (
-    UPDATE fastjobs_jobs_all j
-       SET state = 'running', attempt = least(j.attempt, 32766) + 1,
-           attempted_at = now(), attempted_by = $5
-     WHERE j.id = ANY(ARRAY(
-               SELECT id FROM fastjobs_jobs_all
-                WHERE state = 'available' AND queue = $3 AND run_at <= now() AND priority = $6
-                  AND run_at >= timestamptz '2000-01-01 00:00:00+00'
-                                + ($7::int8 - 100000) * interval '1 microsecond'
-                ORDER BY priority DESC, run_at, id
-                LIMIT $4
-                  FOR UPDATE SKIP LOCKED))
-    RETURNING j.id, j.kind, j.args, j.attempt, j.max_attempts, j.priority, j.run_at,
-              j.meta, j.created_at
-)
-SELECT id, kind, args, attempt, max_attempts, priority, run_at, meta, created_at FROM claimed
-UNION ALL
-SELECT c.id, NULL, to_jsonb('completed'::text), 1::smallint, NULL, NULL, NULL, NULL, NULL
-  FROM unnest($1::bigint[]) AS c(id)
- WHERE (SELECT count(*) FROM completed) < cardinality($1::bigint[])
-   AND c.id NOT IN (SELECT id FROM completed)
-UNION ALL
-SELECT f.id, NULL, to_jsonb(f.state), f.attempt, NULL, NULL, NULL, NULL, NULL
-  FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state text)
- WHERE (SELECT count(*) FROM failed) + (SELECT count(*) FROM completed_later)
-       < jsonb_array_length($2::jsonb)
-   AND f.id NOT IN (SELECT id FROM failed UNION ALL SELECT id FROM completed_later)
-UNION ALL
-SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
-  FROM (SELECT DISTINCT queue FROM failed WHERE state = 'available') AS woken
- WHERE pg_notify('fastjobs', woken.queue)::text IS NULL"""
-
-# job_finish_claim_many_keep_context: job_finish_claim_many_keep, returning meta and created_at too.
-job_finish_claim_many_keep_context: Final = """
-WITH completed AS (
-    UPDATE fastjobs_jobs_all j SET state = 'completed', finalized_at = now()
-     WHERE j.id = ANY($1::bigint[]) AND j.attempt = 1
-       AND j.attempted_by = $5 AND j.state::text = 'running'
-    RETURNING j.id
-), completed_later AS (
-    UPDATE fastjobs_jobs_all j SET state = 'completed', finalized_at = now()
-      FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state)
-     WHERE f.state = 'completed' AND j.id = f.id AND j.attempt = f.attempt
-       AND j.attempted_by = $5 AND j.state::text = 'running'
-    RETURNING j.id
-), failed AS (
-    UPDATE fastjobs_jobs_all j
-       SET state = CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
-                        THEN 'cancelled'
-                        WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
-                             AND j.attempt >= j.max_attempts THEN 'discarded'
-                        ELSE f.state END::fastjobs_state,
-           run_at = CASE WHEN f.delay IS NULL THEN j.run_at
-                         ELSE clock_timestamp() + make_interval(secs => f.delay) END,
-           attempt = j.attempt - f.uncount,
-           finalized_at = CASE
-               WHEN CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
-                         THEN 'cancelled'
-                         WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
-                              AND j.attempt >= j.max_attempts THEN 'discarded'
-                         ELSE f.state END::fastjobs_state IN ('discarded', 'cancelled')
-               THEN clock_timestamp() END,
-           errors = CASE WHEN f.error IS NOT NULL
-                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(f.error)
-                         WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
-                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
-                              'at', clock_timestamp(), 'attempt', j.attempt, 'traceback', NULL,
-                              'error', 'Cancel: cancellation requested before it could run again'))
-                         ELSE j.errors END
-      FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
-                                              delay float8, uncount smallint, error jsonb)
-     WHERE f.state <> 'completed' AND j.id = f.id AND j.attempt = f.attempt
-       AND j.attempted_by = $5 AND j.state::text = 'running'
-    RETURNING j.id, j.queue, j.state
-), claimed AS (
-    UPDATE fastjobs_jobs_all j
-       SET state = 'running', attempt = least(j.attempt, 32766) + 1,
-           attempted_at = now(), attempted_by = $5
-     WHERE j.id = ANY(ARRAY(
-               SELECT id FROM fastjobs_jobs_all
-                WHERE state = 'available' AND queue = $3 AND run_at <= now()
-                ORDER BY priority DESC, run_at, id
-                LIMIT $4
-                  FOR UPDATE SKIP LOCKED))
-    RETURNING j.id, j.kind, j.args, j.attempt, j.max_attempts, j.priority, j.run_at,
-              j.meta, j.created_at
-)
-SELECT id, kind, args, attempt, max_attempts, priority, run_at, meta, created_at FROM claimed
-UNION ALL
-SELECT c.id, NULL, to_jsonb('completed'::text), 1::smallint, NULL, NULL, NULL, NULL, NULL
-  FROM unnest($1::bigint[]) AS c(id)
- WHERE (SELECT count(*) FROM completed) < cardinality($1::bigint[])
-   AND c.id NOT IN (SELECT id FROM completed)
-UNION ALL
-SELECT f.id, NULL, to_jsonb(f.state), f.attempt, NULL, NULL, NULL, NULL, NULL
-  FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state text)
- WHERE (SELECT count(*) FROM failed) + (SELECT count(*) FROM completed_later)
-       < jsonb_array_length($2::jsonb)
-   AND f.id NOT IN (SELECT id FROM failed UNION ALL SELECT id FROM completed_later)
-UNION ALL
-SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
-  FROM (SELECT DISTINCT queue FROM failed WHERE state = 'available') AS woken
- WHERE pg_notify('fastjobs', woken.queue)::text IS NULL"""
-
-# job_finish_claim_after_keep_context: job_finish_claim_after_keep, returning meta and created_at too.
-job_finish_claim_after_keep_context: Final = """
-WITH completed AS (
-    UPDATE fastjobs_jobs_all j SET state = 'completed', finalized_at = now()
-     WHERE j.id = ANY($1::bigint[]) AND j.attempt = 1
-       AND j.attempted_by = $5 AND j.state::text = 'running'
-    RETURNING j.id
-), completed_later AS (
-    UPDATE fastjobs_jobs_all j SET state = 'completed', finalized_at = now()
-      FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state)
-     WHERE f.state = 'completed' AND j.id = f.id AND j.attempt = f.attempt
-       AND j.attempted_by = $5 AND j.state::text = 'running'
-    RETURNING j.id
-), failed AS (
-    UPDATE fastjobs_jobs_all j
-       SET state = CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
-                        THEN 'cancelled'
-                        WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
-                             AND j.attempt >= j.max_attempts THEN 'discarded'
-                        ELSE f.state END::fastjobs_state,
-           run_at = CASE WHEN f.delay IS NULL THEN j.run_at
-                         ELSE clock_timestamp() + make_interval(secs => f.delay) END,
-           attempt = j.attempt - f.uncount,
-           finalized_at = CASE
-               WHEN CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
-                         THEN 'cancelled'
-                         WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
-                              AND j.attempt >= j.max_attempts THEN 'discarded'
-                         ELSE f.state END::fastjobs_state IN ('discarded', 'cancelled')
-               THEN clock_timestamp() END,
-           errors = CASE WHEN f.error IS NOT NULL
-                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(f.error)
-                         WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
-                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
-                              'at', clock_timestamp(), 'attempt', j.attempt, 'traceback', NULL,
-                              'error', 'Cancel: cancellation requested before it could run again'))
-                         ELSE j.errors END
-      FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
-                                              delay float8, uncount smallint, error jsonb)
-     WHERE f.state <> 'completed' AND j.id = f.id AND j.attempt = f.attempt
-       AND j.attempted_by = $5 AND j.state::text = 'running'
-    RETURNING j.id, j.queue, j.state
-), claimed AS (
-    UPDATE fastjobs_jobs_all j
-       SET state = 'running', attempt = least(j.attempt, 32766) + 1,
-           attempted_at = now(), attempted_by = $5
-     WHERE j.id = ANY(ARRAY(
-               SELECT id FROM fastjobs_jobs_all
-                WHERE state = 'available' AND queue = $3 AND run_at <= now() AND priority = $6
-                  AND run_at >= timestamptz '2000-01-01 00:00:00+00'
-                                + ($7::int8 - 100000) * interval '1 microsecond'
-                ORDER BY priority DESC, run_at, id
-                LIMIT $4
-                  FOR UPDATE SKIP LOCKED))
-    RETURNING j.id, j.kind, j.args, j.attempt, j.max_attempts, j.priority, j.run_at,
-              j.meta, j.created_at
-)
-SELECT id, kind, args, attempt, max_attempts, priority, run_at, meta, created_at FROM claimed
-UNION ALL
-SELECT c.id, NULL, to_jsonb('completed'::text), 1::smallint, NULL, NULL, NULL, NULL, NULL
-  FROM unnest($1::bigint[]) AS c(id)
- WHERE (SELECT count(*) FROM completed) < cardinality($1::bigint[])
-   AND c.id NOT IN (SELECT id FROM completed)
-UNION ALL
-SELECT f.id, NULL, to_jsonb(f.state), f.attempt, NULL, NULL, NULL, NULL, NULL
-  FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state text)
- WHERE (SELECT count(*) FROM failed) + (SELECT count(*) FROM completed_later)
-       < jsonb_array_length($2::jsonb)
-   AND f.id NOT IN (SELECT id FROM failed UNION ALL SELECT id FROM completed_later)
-UNION ALL
-SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
-  FROM (SELECT DISTINCT queue FROM failed WHERE state = 'available') AS woken
- WHERE pg_notify('fastjobs', woken.queue)::text IS NULL"""
-
-# The fast lane (issue 13, part 4): one write per job. A batch of short jobs
-# is claimed by locking its rows (FOR UPDATE SKIP LOCKED) inside a transaction
-# the hot loop holds while the handlers run, and finished in that transaction:
+# The fast lane: one write per job. A batch of short jobs is claimed by
+# locking its rows (FOR UPDATE SKIP LOCKED) inside a transaction the hot
+# loop holds while the handlers run, and finished in that transaction:
 # a completed job is deleted, another outcome updates its row once. The claim
 # writes no row version (the state lane's claim UPDATE writes one per job,
 # plus pkey and running-index entries): measured 1.6x the drain of the
@@ -851,144 +539,14 @@ SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 # its jobs are available again at once, attempt uncounted; the master charges
 # the crash to the job it was running (job_crash_fast). A job in flight on
 # the fast lane keeps its row 'available' for the < 0.1 s its batch takes,
-# and a cancel or another writer of its row waits for the batch's commit.
-# Every read of a job's state for people and metrics (job_list, job_get,
-# job_state, job_stats_by_queue, testing_jobs_in_states) reports such a job
-# 'running' (issue: `jobs list` and `stats` show running jobs as running),
-# by the same test, written out in each: an available row whose xmax is a
-# transaction in progress for the reading statement's snapshot is locked by
-# a live transaction, a fast batch (or, for a moment, a state-lane claim's
-# UPDATE about to make it running, or a cancel's lock). In progress: listed
-# in pg_snapshot_xip, or at or after the snapshot's xmax, the first xid not
-# completed when it was taken (a batch holding the newest xid, or one that
-# took its xid during the statement, is not in the list). The second is
-# computed on the low 32 bits (xmax has no epoch), modulo 2^32 so that
-# wraparound cannot confuse it, and within 2^20 xids: xids taken between
-# the last completion before the snapshot and the end of the statement fit
-# well inside it, and a multixact xmax (a row locked by several
-# transactions at once, which fastjobs never does; a user's foreign key or
-# FOR SHARE can) counts on another counter, so only a 2^-12 chance puts it
-# there instead of half the circle. A stale xmax cannot pass either: one
-# 2^32 xids old would have been frozen away. Only available rows with a
-# non-zero xmax reach the comparisons (a row never locked costs one). A
-# locker in a subtransaction older than the snapshot's xmax is not listed
-# (pg_snapshot_xip has top-level xids only): its row reads 'available'. A
-# row another session holds (SELECT ... FOR UPDATE in a transaction of the
-# user's) reads 'running' too: nothing tells its locker from a worker's
-# batch, and no worker can claim it while it is held, so it is not waiting
-# for one (tests/test_fast_lane.py). The row itself never says 'running'.
+# and a cancel or another writer of its row waits for the batch's commit;
+# every report of a job's state tells it is running (_IN_FLIGHT).
+
 # fast_begin, fast_commit, fast_rollback: the fast lane's transaction (the
 # worker's connection is otherwise in autocommit).
 fast_begin: Final = "BEGIN"
 fast_commit: Final = "COMMIT"
 fast_rollback: Final = "ROLLBACK"
-
-# job_lock_many: the fast lane's claim: lock up to $2 available jobs of queue
-# $1 in claim order, skipping rows others hold; nothing is written. The attempt
-# returned is the one this run makes (counted when its outcome is written).
-job_lock_many: Final = """
-SELECT id, kind, args, (least(attempt, 32766) + 1)::smallint, max_attempts, priority, run_at
-  FROM fastjobs_jobs_all
- WHERE state = 'available' AND queue = $1 AND run_at <= now()
- ORDER BY priority DESC, run_at, id
- LIMIT $2
-   FOR UPDATE SKIP LOCKED"""
-
-# job_lock_after: job_lock_many after the mark (priority $3, run_at $4 in
-# microseconds since 2000, less CLAIM_MARK_MARGIN), as job_finish_claim_after
-# claims: a fast-lane claim from the front walks every dead entry its own
-# deletions left at the index's front, and while a snapshot is held none can
-# be killed (measured after a held snapshot: one claim from the front spent
-# 42 ms walking a slot holding only dead entries, 3,600 index pages).
-job_lock_after: Final = """
-SELECT id, kind, args, (least(attempt, 32766) + 1)::smallint, max_attempts, priority, run_at
-  FROM fastjobs_jobs_all
- WHERE state = 'available' AND queue = $1 AND run_at <= now() AND priority = $3
-   AND run_at >= timestamptz '2000-01-01 00:00:00+00' + ($4::int8 - 100000) * interval '1 microsecond'
- ORDER BY priority DESC, run_at, id
- LIMIT $2
-   FOR UPDATE SKIP LOCKED"""
-
-# job_lock_many_context: job_lock_many, returning meta and created_at too.
-job_lock_many_context: Final = """
-SELECT id, kind, args, (least(attempt, 32766) + 1)::smallint, max_attempts, priority, run_at,
-       meta, created_at
-  FROM fastjobs_jobs_all
- WHERE state = 'available' AND queue = $1 AND run_at <= now()
- ORDER BY priority DESC, run_at, id
- LIMIT $2
-   FOR UPDATE SKIP LOCKED"""
-
-# job_lock_after_context: job_lock_after, returning meta and created_at too.
-job_lock_after_context: Final = """
-SELECT id, kind, args, (least(attempt, 32766) + 1)::smallint, max_attempts, priority, run_at,
-       meta, created_at
-  FROM fastjobs_jobs_all
- WHERE state = 'available' AND queue = $1 AND run_at <= now() AND priority = $3
-   AND run_at >= timestamptz '2000-01-01 00:00:00+00' + ($4::int8 - 100000) * interval '1 microsecond'
- ORDER BY priority DESC, run_at, id
- LIMIT $2
-   FOR UPDATE SKIP LOCKED"""
-
-# job_finish_locked_many: the fast lane's outcomes, in the transaction that
-# locked their rows: jobs completed at their first attempt ($1, ids) and the
-# 'completed' records of $2 are deleted; the other records of $2 (the JSON of
-# job_finish_claim_many, releases left out: an unstarted job is left as it
-# was) update their row once, counting the attempt made (attempt - uncount),
-# with worker $3 as attempted_by. The guards (available, the attempt before
-# this run) hold while the rows stay locked; they make a record meant for
-# another run a no-op. Its times are clock_timestamp(): now() is the
-# transaction's start, before the handlers ran, and a Snooze(5) raised after a
-# 3 s run would come back 2 s later. Returns how many outcomes applied, and
-# wakes each queue an outcome made available at once (Retry(0), Snooze(0)).
-job_finish_locked_many: Final = """
-WITH completed AS (
-    DELETE FROM fastjobs_jobs_all j
-     WHERE j.id = ANY($1::bigint[]) AND j.attempt = 0 AND j.state::text = 'available'
-    RETURNING j.id
-), completed_later AS (
-    DELETE FROM fastjobs_jobs_all j
-     USING jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state)
-     WHERE f.state = 'completed' AND j.id = f.id AND least(j.attempt, 32766) + 1 = f.attempt
-       AND j.state::text = 'available'
-    RETURNING j.id
-), failed AS (
-    UPDATE fastjobs_jobs_all j
-       SET state = CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
-                        THEN 'cancelled'
-                        WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
-                             AND f.attempt >= j.max_attempts THEN 'discarded'
-                        ELSE f.state END::fastjobs_state,
-           run_at = CASE WHEN f.delay IS NULL THEN j.run_at
-                         ELSE clock_timestamp() + make_interval(secs => f.delay) END,
-           attempt = f.attempt - f.uncount,
-           attempted_at = now(), attempted_by = $3,
-           finalized_at = CASE
-               WHEN CASE WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
-                         THEN 'cancelled'
-                         WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
-                              AND f.attempt >= j.max_attempts THEN 'discarded'
-                         ELSE f.state END::fastjobs_state IN ('discarded', 'cancelled')
-               THEN clock_timestamp() END,
-           errors = CASE WHEN f.error IS NOT NULL
-                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(f.error)
-                         WHEN j.cancel_requested AND f.state IN ('available', 'scheduled', 'retryable')
-                         THEN coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
-                              'at', clock_timestamp(), 'attempt', f.attempt, 'traceback', NULL,
-                              'error', 'Cancel: cancellation requested before it could run again'))
-                         ELSE j.errors END
-      FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
-                                              delay float8, uncount smallint, error jsonb)
-     WHERE f.state <> 'completed' AND j.id = f.id AND least(j.attempt, 32766) + 1 = f.attempt
-       AND j.state::text = 'available'
-    RETURNING j.id, j.queue, j.state
-)
-SELECT (SELECT count(*) FROM completed) + (SELECT count(*) FROM completed_later)
-       + (SELECT count(*) FROM failed)
-UNION ALL
-SELECT NULL
-  FROM (SELECT DISTINCT queue FROM failed WHERE state = 'available') AS woken
- WHERE pg_notify('fastjobs', woken.queue)::text IS NULL"""
 
 # job_hand_over: a fast-lane job whose handler outran its batch's deadline
 # becomes an ordinary running job of worker $2 at attempt $3 (the one it is
@@ -996,16 +554,38 @@ SELECT NULL
 # batch then commits, so the handler holds no transaction for the rest of its
 # run, and its outcome is written by the state lane's statements. Returns the
 # row's id (none when the row is no longer the one claimed).
-job_hand_over: Final = """
+job_hand_over: Final = f"""
 UPDATE fastjobs_jobs_all j
    SET state = 'running', attempt = $3, attempted_at = now(), attempted_by = $2
- WHERE j.id = $1 AND j.state::text = 'available' AND least(j.attempt, 32766) + 1 = $3
+ WHERE j.id = $1 AND j.state::text = 'available' AND {_next_attempt("j")} = $3
 RETURNING j.id"""
 
 # queue_wake: wake the workers sleeping on queue $1 (sent at commit): jobs a
 # fast batch left unstarted (its deadline, a stop, a hand-over) are available
 # again without a write of their own that would wake them.
 queue_wake: Final = "SELECT pg_notify('fastjobs', $1)"
+
+
+def _crashed(*, attempt: str, worker: str, at: str) -> str:
+    """The assignments that charge a crash to a job whose worker died running attempt `attempt` of it
+    (worker `worker`, at `at`): retryable, due at once, or discarded after $3 crashes or its last
+    attempt, or cancelled when that was requested; the reason is appended to its errors."""
+    ends = f"j.crashes + 1 >= $3 OR {attempt} >= j.max_attempts"
+    return f"""state = CASE WHEN j.cancel_requested THEN 'cancelled'
+                    WHEN {ends} THEN 'discarded'
+                    ELSE 'retryable' END::fastjobs_state,
+       run_at = {at},
+       finalized_at = CASE WHEN j.cancel_requested OR {ends}
+                           THEN {at} END,
+       errors = coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
+           'at', {at}, 'attempt', {attempt}, 'traceback', NULL,
+           'error', CASE WHEN j.cancel_requested
+                         THEN 'cancelled: its worker died after cancellation was requested'
+                         WHEN j.crashes + 1 >= $3
+                         THEN format('quarantined: its worker died while running it %s times', j.crashes + 1)
+                         ELSE format('worker %s died while running the job (crash %s)',
+                                     {worker}, j.crashes + 1) END))"""
+
 
 # job_crash_fast: worker $1 died running the jobs $2 on the fast lane: its
 # transaction rolled back, so each is available again with no attempt
@@ -1021,29 +601,17 @@ queue_wake: Final = "SELECT pg_notify('fastjobs', $1)"
 # it, came back, and then killed it. (Left: a job another worker ran
 # meanwhile and made available again at once, Retry(0) or Snooze(0), before
 # the releaser came, is charged a crash it did not cause.)
-job_crash_fast: Final = """
+job_crash_fast: Final = f"""
 UPDATE fastjobs_jobs_all j
    SET crashes = j.crashes + 1,
-       attempt = least(j.attempt, 32766) + 1,
+       attempt = {_next_attempt("j")},
        attempted_at = now(), attempted_by = $1,
-       state = CASE WHEN j.cancel_requested THEN 'cancelled'
-                    WHEN j.crashes + 1 >= $3 OR least(j.attempt, 32766) + 1 >= j.max_attempts
-                    THEN 'discarded'
-                    ELSE 'retryable' END::fastjobs_state,
-       run_at = now(),
-       finalized_at = CASE WHEN j.cancel_requested OR j.crashes + 1 >= $3
-                                OR least(j.attempt, 32766) + 1 >= j.max_attempts
-                           THEN now() END,
-       errors = coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
-           'at', now(), 'attempt', least(j.attempt, 32766) + 1, 'traceback', NULL,
-           'error', CASE WHEN j.cancel_requested
-                         THEN 'cancelled: its worker died after cancellation was requested'
-                         WHEN j.crashes + 1 >= $3
-                         THEN format('quarantined: its worker died while running it %s times', j.crashes + 1)
-                         ELSE format('worker %s died while running the job (crash %s)',
-                                     $1::text, j.crashes + 1) END))
+       {_crashed(attempt=_next_attempt("j"), worker="$1::text", at="now()")}
  WHERE j.id = ANY($2::bigint[]) AND j.state = 'available'
 RETURNING j.id, j.state::text"""
+
+
+_section("Leader")
 
 # job_schedule_many: scheduled and retryable jobs whose time has come become
 # available, at most $1 per statement, oldest first; returns their queues so
@@ -1101,6 +669,9 @@ SELECT a.pid, coalesce(host(a.client_addr), 'local'),
 # leader_unlock: step down cleanly.
 leader_unlock: Final = "SELECT pg_advisory_unlock($1)"
 
+
+_section("Workers")
+
 # worker_session: the hot loop's connection settings.
 # synchronous_commit off: it commits without waiting for its WAL flush. Safe
 # under at-least-once: a crash can only forget claims and outcomes of the
@@ -1157,29 +728,19 @@ SELECT setval('fastjobs_sleep_until',
 # worker_delete: a worker that stops cleanly removes its row.
 worker_delete: Final = "DELETE FROM fastjobs_workers WHERE id = $1"
 
+
+_section("Maintenance")
+
 # job_rescue_many: running jobs whose worker stopped heartbeating ($1 seconds
 # before $2, or whose row is gone) go back to retryable, due now, with a crash
 # counted; a job that has crashed $3 times, or has no attempt left, is
 # discarded instead, and one whose cancellation was requested is cancelled.
 # At most $4 per statement. A running row with no attempted_at (written by
 # hand: no claim leaves one) counts as stale.
-job_rescue_many: Final = """
+job_rescue_many: Final = f"""
 UPDATE fastjobs_jobs_all j
    SET crashes = j.crashes + 1,
-       state = CASE WHEN j.cancel_requested THEN 'cancelled'
-                    WHEN j.crashes + 1 >= $3 OR j.attempt >= j.max_attempts THEN 'discarded'
-                    ELSE 'retryable' END::fastjobs_state,
-       run_at = $2::timestamptz,
-       finalized_at = CASE WHEN j.cancel_requested OR j.crashes + 1 >= $3 OR j.attempt >= j.max_attempts
-                           THEN $2::timestamptz END,
-       errors = coalesce(j.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
-           'at', $2::timestamptz, 'attempt', j.attempt, 'traceback', NULL,
-           'error', CASE WHEN j.cancel_requested
-                         THEN 'cancelled: its worker died after cancellation was requested'
-                         WHEN j.crashes + 1 >= $3
-                         THEN format('quarantined: its worker died while running it %s times', j.crashes + 1)
-                         ELSE format('worker %s died while running the job (crash %s)',
-                                     j.attempted_by, j.crashes + 1) END))
+       {_crashed(attempt="j.attempt", worker="j.attempted_by", at="$2::timestamptz")}
  WHERE j.id = ANY(ARRAY(
            SELECT r.id FROM fastjobs_jobs_all r
             WHERE r.state = 'running'
@@ -1259,6 +820,9 @@ periodic_list: Final = "SELECT kind, last_tick FROM fastjobs_periodic ORDER BY k
 # db_now: the database's clock, which every maintenance decision uses.
 db_now: Final = "SELECT now()"
 
+
+_section("Operators")
+
 # job_cancel: a queued job becomes cancelled at once; a running one gets
 # cancel_requested and its worker is told on the fastjobs_cancel channel.
 job_cancel: Final = """
@@ -1278,18 +842,6 @@ WITH target AS (
 SELECT c.state::text, CASE WHEN c.state = 'running' THEN pg_notify('fastjobs_cancel', c.id::text) END
   FROM changed c"""
 
-# job_state: the state of job $1 (NULL when there is no such job), 'running'
-# for a job in flight on the fast lane (see fast_begin): the messages of
-# cancel, retry and discard name it as jobs list does.
-job_state: Final = """
-SELECT CASE WHEN state = 'available' AND xmax <> '0'::xid
-                 AND (xmax = ANY(ARRAY(SELECT xid(x) FROM pg_snapshot_xip(pg_current_snapshot()) AS x))
-                      OR (xmax::text::bigint + 4294967296
-                          - (SELECT xid(pg_snapshot_xmax(pg_current_snapshot()))::text::bigint)) % 4294967296
-                         < 1048576)
-            THEN 'running' ELSE state::text END AS state
-  FROM fastjobs_jobs_all WHERE id = $1"""
-
 # job_cancel_requested: running jobs of worker $1 whose cancellation was requested.
 job_cancel_requested: Final = """
 SELECT id FROM fastjobs_jobs_all WHERE state = 'running' AND attempted_by = $1 AND cancel_requested"""
@@ -1300,7 +852,7 @@ SELECT id FROM fastjobs_jobs_all WHERE state = 'running' AND attempted_by = $1 A
 # claim counts attempts up to smallint's maximum, and so does this) and its
 # crash allowance back. Returns the state before, the attempts made, the
 # limit before and after, and wakes its queue's workers (an UPDATE fires no enqueue trigger).
-job_retry: Final = """
+job_retry: Final = f"""
 WITH target AS (
     SELECT id, state::text AS state, max_attempts FROM fastjobs_jobs_all
      WHERE id = $1 AND state IN ('discarded', 'cancelled', 'completed', 'retryable', 'scheduled')
@@ -1309,7 +861,7 @@ WITH target AS (
 UPDATE fastjobs_jobs_all j
    SET state = 'available', run_at = now(), finalized_at = NULL, cancel_requested = false,
        max_attempts = CASE WHEN t.state IN ('retryable', 'scheduled') THEN j.max_attempts
-                      ELSE greatest(j.max_attempts, least(j.attempt, 32766) + 1) END,
+                      ELSE greatest(j.max_attempts, {_next_attempt("j")}) END,
        crashes = CASE WHEN t.state IN ('retryable', 'scheduled') THEN j.crashes ELSE 0 END
   FROM target t
  WHERE j.id = t.id
@@ -1320,45 +872,6 @@ job_discard: Final = """
 UPDATE fastjobs_jobs_all SET state = 'discarded', finalized_at = now()
  WHERE id = $1 AND state IN ('available', 'scheduled', 'retryable', 'cancelled')
 RETURNING state::text"""
-
-# job_list: jobs filtered by queue ($1), state ($2), kind ($3), newest first,
-# up to $4. A job in flight on the fast lane is 'running' (see fast_begin),
-# in its row and for the filter: `--state running` lists it, `--state
-# available` does not. The CTE's state condition is a superset of the
-# filter's, on the column: a custom plan can still answer `--state running`
-# from the running and claim indexes instead of reading every job.
-job_list: Final = """
-WITH job AS (
-    SELECT id, queue, kind, priority, attempt, max_attempts, run_at, created_at,
-           CASE WHEN state = 'available' AND xmax <> '0'::xid
-                     AND (xmax = ANY(ARRAY(SELECT xid(x) FROM pg_snapshot_xip(pg_current_snapshot()) AS x))
-                          OR (xmax::text::bigint + 4294967296
-                              - (SELECT xid(pg_snapshot_xmax(pg_current_snapshot()))::text::bigint))
-                             % 4294967296 < 1048576)
-                THEN 'running' ELSE state::text END AS state
-      FROM fastjobs_jobs_all
-     WHERE ($1::text IS NULL OR queue = $1) AND ($3::text IS NULL OR kind = $3)
-       AND ($2::fastjobs_state IS NULL OR state = $2 OR ($2 = 'running' AND state = 'available'))
-)
-SELECT id, queue, kind, state, priority, attempt, max_attempts, run_at, created_at
-  FROM job
- WHERE $2::fastjobs_state IS NULL OR state = $2::fastjobs_state::text
- ORDER BY id DESC
- LIMIT $4"""
-
-# job_get: one job's row, for inspection and tests; a job in flight on the
-# fast lane reads 'running' (see fast_begin).
-job_get: Final = """
-SELECT id, queue, kind, args, priority,
-       CASE WHEN state = 'available' AND xmax <> '0'::xid
-                 AND (xmax = ANY(ARRAY(SELECT xid(x) FROM pg_snapshot_xip(pg_current_snapshot()) AS x))
-                      OR (xmax::text::bigint + 4294967296
-                          - (SELECT xid(pg_snapshot_xmax(pg_current_snapshot()))::text::bigint)) % 4294967296
-                         < 1048576)
-            THEN 'running' ELSE state::text END AS state,
-       run_at, attempt, max_attempts, created_at, attempted_at, finalized_at, attempted_by, errors,
-       unique_key, meta, crashes, cancel_requested
-  FROM fastjobs_jobs_all WHERE id = $1"""
 
 # job_select_many: ids of the jobs in states $1 of queue $2 and kind $3 (NULL:
 # any) created more than $4 ago (NULL: any time), above id $5, in id order, up
@@ -1380,13 +893,87 @@ SELECT queue, kind, count(*) FILTER (WHERE state IN ('available', 'scheduled', '
  GROUP BY queue, kind
  ORDER BY queue, kind"""
 
+
+_section("State reports")
+
+# A job in flight on the fast lane keeps its row 'available' for the < 0.1 s
+# its batch takes. Every read of a job's state for people and metrics
+# (job_state, job_get, job_list, job_stats_by_queue, testing_jobs_in_states)
+# reports such a job 'running', by this one test: an available row whose
+# xmax is a transaction in progress for the reading statement's snapshot is
+# locked by a live transaction, a fast batch (or, for a moment, a state-lane
+# claim's UPDATE about to make it running, or a cancel's lock). In progress:
+# listed in pg_snapshot_xip, or at or after the snapshot's xmax, the first
+# xid not completed when it was taken (a batch holding the newest xid, or one
+# that took its xid during the statement, is not in the list). The second is
+# computed on the low 32 bits (xmax has no epoch), modulo 2^32 so that
+# wraparound cannot confuse it, and within 2^20 xids: xids taken between
+# the last completion before the snapshot and the end of the statement fit
+# well inside it, and a multixact xmax (a row locked by several
+# transactions at once, which fastjobs never does; a user's foreign key or
+# FOR SHARE can) counts on another counter, so only a 2^-12 chance puts it
+# there instead of half the circle. A stale xmax cannot pass either: one
+# 2^32 xids old would have been frozen away. Only available rows with a
+# non-zero xmax reach the comparisons (a row never locked costs one). A
+# locker in a subtransaction older than the snapshot's xmax is not listed
+# (pg_snapshot_xip has top-level xids only): its row reads 'available'. A
+# row another session holds (SELECT ... FOR UPDATE in a transaction of the
+# user's) reads 'running' too: nothing tells its locker from a worker's
+# batch, and no worker can claim it while it is held, so it is not waiting
+# for one (tests/test_fast_lane.py). The row itself never says 'running'.
+_IN_FLIGHT: Final = """state = 'available' AND xmax <> '0'::xid
+AND (xmax = ANY(ARRAY(SELECT xid(x) FROM pg_snapshot_xip(pg_current_snapshot()) AS x))
+     OR (xmax::text::bigint + 4294967296
+         - (SELECT xid(pg_snapshot_xmax(pg_current_snapshot()))::text::bigint)) % 4294967296
+        < 1048576)"""
+
+
+def _reported_state(spaces: int) -> str:
+    """A job's state as reported (see _IN_FLIGHT), laid out to sit `spaces` in."""
+    return f"CASE WHEN {_indent(_IN_FLIGHT, spaces + 5)}\n{' ' * spaces}THEN 'running' ELSE state::text END"
+
+
+# job_state: the state of job $1 (NULL when there is no such job), 'running'
+# for a job in flight on the fast lane: the messages of cancel, retry and
+# discard name it as jobs list does.
+job_state: Final = f"""
+SELECT {_reported_state(7)} AS state
+  FROM fastjobs_jobs_all WHERE id = $1"""
+
+# job_get: one job's row, for inspection and tests.
+job_get: Final = f"""
+SELECT id, queue, kind, args, priority,
+       {_reported_state(7)} AS state,
+       run_at, attempt, max_attempts, created_at, attempted_at, finalized_at, attempted_by, errors,
+       unique_key, meta, crashes, cancel_requested
+  FROM fastjobs_jobs_all WHERE id = $1"""
+
+# job_list: jobs filtered by queue ($1), state ($2), kind ($3), newest first,
+# up to $4. A job in flight on the fast lane is 'running', in its row and for
+# the filter: `--state running` lists it, `--state available` does not. The
+# CTE's state condition is a superset of the filter's, on the column: a
+# custom plan can still answer `--state running` from the running and claim
+# indexes instead of reading every job.
+job_list: Final = f"""
+WITH job AS (
+    SELECT id, queue, kind, priority, attempt, max_attempts, run_at, created_at,
+           {_reported_state(11)} AS state
+      FROM fastjobs_jobs_all
+     WHERE ($1::text IS NULL OR queue = $1) AND ($3::text IS NULL OR kind = $3)
+       AND ($2::fastjobs_state IS NULL OR state = $2 OR ($2 = 'running' AND state = 'available'))
+)
+SELECT id, queue, kind, state, priority, attempt, max_attempts, run_at, created_at
+  FROM job
+ WHERE $2::fastjobs_state IS NULL OR state = $2::fastjobs_state::text
+ ORDER BY id DESC
+ LIMIT $4"""
 # job_stats_by_queue: depth and oldest age (seconds) per queue and state, for
 # `fastjobs stats` and the metrics endpoint. Ages: available since run_at,
 # running since attempted_at, the rest since created_at. An infinite oldest
 # time (a run_at of -infinity or infinity) has no age: NULL, where
 # PostgreSQL < 17 would fail the subtraction and 17+ return an infinity
 # that JSON cannot carry. A job in flight on the fast lane counts as
-# running (see fast_begin), since now: its batch began under 0.1 s ago, and
+# running (see _IN_FLIGHT), since now: its batch began under 0.1 s ago, and
 # its attempted_at is its last attempt's, if any. Whether a row is such a
 # job (in_flight) is a key of the first grouping, so each row is tested
 # once, in the scan (an expression of the outer query would be evaluated
@@ -1397,14 +984,10 @@ SELECT queue, kind, count(*) FILTER (WHERE state IN ('available', 'scheduled', '
 # 269 -> 280 ms (serial); with 100k more available rows last locked by a
 # committed transaction (each takes the second comparison): 181 -> 214 ms,
 # 251 -> 312 ms.
-job_stats_by_queue: Final = """
+job_stats_by_queue: Final = f"""
 WITH job AS (
     SELECT queue, state, run_at, attempted_at, created_at,
-           state = 'available' AND xmax <> '0'::xid
-           AND (xmax = ANY(ARRAY(SELECT xid(x) FROM pg_snapshot_xip(pg_current_snapshot()) AS x))
-                OR (xmax::text::bigint + 4294967296
-                    - (SELECT xid(pg_snapshot_xmax(pg_current_snapshot()))::text::bigint)) % 4294967296
-                   < 1048576) AS in_flight
+           {_indent(_IN_FLIGHT, 11)} AS in_flight
       FROM fastjobs_jobs_all
 ), grouped AS (
     SELECT queue, state::text AS state, in_flight, count(*) AS count,
@@ -1423,6 +1006,23 @@ SELECT queue, state, count,
        CASE WHEN isfinite(oldest) THEN extract(epoch FROM now() - oldest)::float8 END
   FROM depths
  ORDER BY queue, state"""
+
+# testing_jobs_in_states: the jobs in states $1, oldest first, for the
+# assertions of the testing kit (fastjobs.testing); a job in flight on the
+# fast lane is running, not pending.
+testing_jobs_in_states: Final = f"""
+WITH job AS (
+    SELECT id, kind, queue, args, priority, run_at, attempt, max_attempts, errors, unique_key,
+           {_reported_state(11)} AS state
+      FROM fastjobs_jobs_all
+)
+SELECT id, kind, queue, args, priority, state, run_at, attempt, max_attempts, errors, unique_key
+  FROM job
+ WHERE state = ANY($1::fastjobs_state[]::text[])
+ ORDER BY id"""
+
+
+_section("Vacuum and rotation")
 
 # jobs_dead_rows: dead row versions of slot 0, fastjobs_jobs (the rotating
 # slots are truncated, never vacuumed), that the statistics know of (each
@@ -1475,74 +1075,69 @@ slot_lock_timeout: Final = "SELECT set_config('lock_timeout', $1, true)"
 # rows where slot_move put them (tests/test_rotation.py).
 slot_lock: Final = "LOCK TABLE {partition} IN ACCESS EXCLUSIVE MODE"
 
-# slot_move: the rows slot $1 still holds, copied whole (id, state, attempt,
-# attempted_by, errors...): available and running ones into slot $2 (the
-# current one), the rest (scheduled, retryable, finished) into slot 0,
-# where the scheduler promotes and the cleaner removes them.
-slot_move: Final = """
-INSERT INTO fastjobs_jobs_all (id, queue, kind, args, priority, state, run_at, attempt, max_attempts,
-                               created_at, attempted_at, finalized_at, attempted_by, errors, unique_key,
-                               meta, crashes, cancel_requested, slot)
-SELECT id, queue, kind, args, priority, state, run_at, attempt, max_attempts,
-       created_at, attempted_at, finalized_at, attempted_by, errors, unique_key,
-       meta, crashes, cancel_requested,
+# The columns of a job's row but its slot: the rotation copies rows whole (id,
+# state, attempt, attempted_by, errors...), deleted from one slot and
+# inserted into another.
+_ROW: Final = (
+    ("id", "queue", "kind", "args", "priority", "state", "run_at", "attempt", "max_attempts"),
+    ("created_at", "attempted_at", "finalized_at", "attempted_by", "errors", "unique_key"),
+    ("meta", "crashes", "cancel_requested"),
+)
+
+
+def _row(*, alias: str, spaces: int) -> str:
+    """_ROW's columns, of table `alias` if given, laid out to sit `spaces` in."""
+    prefix = f"{alias}." if alias else ""
+    return (",\n" + " " * spaces).join(", ".join(prefix + column for column in line) for line in _ROW)
+
+
+def _to_slot_0(*, moved: str, which: str, oldest_first: bool) -> str:
+    """Up to $2 rows of slot $1 that `which` chooses (oldest first, or in any order) moved to slot 0
+    by row locks; a row another session holds is skipped (slot_move copies it later), and a writer
+    that waited for a moved row finds it gone and must look again by id."""
+    order = "\n                ORDER BY id" if oldest_first else ""
+    return f"""
+WITH {moved} AS (
+    DELETE FROM fastjobs_jobs_all j
+     WHERE j.slot = $1::smallint AND j.id = ANY(ARRAY(
+               SELECT id FROM fastjobs_jobs_all
+                WHERE slot = $1::smallint AND {which}{order}
+                LIMIT $2
+                  FOR UPDATE SKIP LOCKED))
+    RETURNING {_row(alias="j", spaces=14)}
+)
+INSERT INTO fastjobs_jobs_all ({_row(alias="", spaces=31)}, slot)
+SELECT {_row(alias="", spaces=7)}, 0::smallint
+  FROM {moved}"""
+
+
+# slot_move: the rows slot $1 still holds, copied whole: available and
+# running ones into slot $2 (the current one), the rest (scheduled,
+# retryable, finished) into slot 0, where the scheduler promotes and the
+# cleaner removes them.
+slot_move: Final = f"""
+INSERT INTO fastjobs_jobs_all ({_row(alias="", spaces=31)}, slot)
+SELECT {_row(alias="", spaces=7)},
        CASE WHEN state IN ('available', 'running') THEN $2::smallint ELSE 0::smallint END
   FROM fastjobs_jobs_all
  WHERE slot = $1::smallint"""
 
 # slot_settle: up to $2 settled rows (neither available nor running:
-# scheduled, retryable, finished) of slot $1 moved to slot 0 by row locks,
-# before the rotation takes its lock: kept completed jobs, a burst of
-# discarded ones or a long backoff would otherwise stop the rotation (its
-# slot would hold more than max_move rows) or be copied under its lock. A row
-# another session holds is skipped (slot_move copies it later); a writer that
-# waited for one of these rows finds it gone and must look again by id.
-slot_settle: Final = """
-WITH settled AS (
-    DELETE FROM fastjobs_jobs_all j
-     WHERE j.slot = $1::smallint AND j.id = ANY(ARRAY(
-               SELECT id FROM fastjobs_jobs_all
-                WHERE slot = $1::smallint AND state NOT IN ('available', 'running')
-                LIMIT $2
-                  FOR UPDATE SKIP LOCKED))
-    RETURNING j.id, j.queue, j.kind, j.args, j.priority, j.state, j.run_at, j.attempt, j.max_attempts,
-              j.created_at, j.attempted_at, j.finalized_at, j.attempted_by, j.errors, j.unique_key,
-              j.meta, j.crashes, j.cancel_requested
+# scheduled, retryable, finished) of slot $1 moved to slot 0, before the
+# rotation takes its lock: kept completed jobs, a burst of discarded ones or
+# a long backoff would otherwise stop the rotation (its slot would hold more
+# than max_move rows) or be copied under its lock.
+slot_settle: Final = _to_slot_0(
+    moved="settled", which="state NOT IN ('available', 'running')", oldest_first=False
 )
-INSERT INTO fastjobs_jobs_all (id, queue, kind, args, priority, state, run_at, attempt, max_attempts,
-                               created_at, attempted_at, finalized_at, attempted_by, errors, unique_key,
-                               meta, crashes, cancel_requested, slot)
-SELECT id, queue, kind, args, priority, state, run_at, attempt, max_attempts,
-       created_at, attempted_at, finalized_at, attempted_by, errors, unique_key,
-       meta, crashes, cancel_requested, 0::smallint
-  FROM settled"""
 
-# slot_evacuate: up to $2 available rows of slot $1 moved to slot 0 by row
-# locks, oldest first, when the slot has held a backlog past the rotation's
-# patience (a queue nobody serves): a slot that never empties would stop the
-# rotation of every slot. Rows a claim or a fast-lane batch holds are skipped
-# (the claim wins them); a writer that waited for a moved row looks again by id
+# slot_evacuate: up to $2 available rows of slot $1 moved to slot 0, oldest
+# first, when the slot has held a backlog past the rotation's patience (a
+# queue nobody serves): a slot that never empties would stop the rotation of
+# every slot. Rows a claim or a fast-lane batch holds are skipped (the claim
+# wins them); a writer that waited for a moved row looks again by id
 # (fastjobs.control). Slot 0 is vacuumed: the backlog leaves the rotation for good.
-slot_evacuate: Final = """
-WITH evacuated AS (
-    DELETE FROM fastjobs_jobs_all j
-     WHERE j.slot = $1::smallint AND j.id = ANY(ARRAY(
-               SELECT id FROM fastjobs_jobs_all
-                WHERE slot = $1::smallint AND state = 'available'
-                ORDER BY id
-                LIMIT $2
-                  FOR UPDATE SKIP LOCKED))
-    RETURNING j.id, j.queue, j.kind, j.args, j.priority, j.state, j.run_at, j.attempt, j.max_attempts,
-              j.created_at, j.attempted_at, j.finalized_at, j.attempted_by, j.errors, j.unique_key,
-              j.meta, j.crashes, j.cancel_requested
-)
-INSERT INTO fastjobs_jobs_all (id, queue, kind, args, priority, state, run_at, attempt, max_attempts,
-                               created_at, attempted_at, finalized_at, attempted_by, errors, unique_key,
-                               meta, crashes, cancel_requested, slot)
-SELECT id, queue, kind, args, priority, state, run_at, attempt, max_attempts,
-       created_at, attempted_at, finalized_at, attempted_by, errors, unique_key,
-       meta, crashes, cancel_requested, 0::smallint
-  FROM evacuated"""
+slot_evacuate: Final = _to_slot_0(moved="evacuated", which="state = 'available'", oldest_first=True)
 
 # slot_privileges: what the current role lacks to rotate, as GRANT clauses
 # (none: it may), and the role. LOCK and TRUNCATE name each rotating slot
@@ -1567,6 +1162,9 @@ slot_truncate: Final = "TRUNCATE {partition}"
 
 # slot_advance: inserts go to slot $1 from now on (seen by every session at once, without a commit).
 slot_advance: Final = "SELECT setval('fastjobs_slot', $1)"
+
+
+_section("Monitoring")
 
 # mvcc_horizon: the oldest snapshot of this database holding back cleanup
 # (VACUUM cannot remove a dead row any snapshot may still see): a backend's
@@ -1629,28 +1227,8 @@ metrics_session: Final = (
 # NOTIFY (so every enqueue) fails.
 notify_queue_usage: Final = "SELECT pg_notification_queue_usage()"
 
-# Statements that PREPARE cannot take (COPY); the test of every statement skips them.
-NOT_PREPARABLE: Final = frozenset(
-    {
-        "vacuum_jobs",
-        "slot_lock",
-        "slot_truncate",
-        "fast_begin",
-        "fast_commit",
-        "fast_rollback",
-        "job_copy",
-        "job_copy_at",
-        "job_copy_staged",
-        "job_stage_create",
-        "migration_table_create",
-        "migration_index_drop",
-        "listen_jobs",
-        "listen_ping",
-        "listen_cancel",
-        "testing_notify_commit",
-    }
-)
 
+_section("Testing kit")
 
 # The testing kit's (fastjobs.testing): its drain claims and completes through
 # the hot loop's own statements; these only pick what it drains and move its clock.
@@ -1695,128 +1273,49 @@ testing_notify_commit: Final = "NOTIFY fastjobs"
 # normalises numbers: the float 1e16 comes back as the integer 10000000000000000).
 testing_args_round_trip: Final = "SELECT $1::jsonb::text"
 
-# testing_jobs_in_states: the jobs in states $1, oldest first, for the kit's
-# assertions; a job in flight on the fast lane is running, not pending (see fast_begin).
-testing_jobs_in_states: Final = """
-WITH job AS (
-    SELECT id, kind, queue, args, priority, run_at, attempt, max_attempts, errors, unique_key,
-           CASE WHEN state = 'available' AND xmax <> '0'::xid
-                     AND (xmax = ANY(ARRAY(SELECT xid(x) FROM pg_snapshot_xip(pg_current_snapshot()) AS x))
-                          OR (xmax::text::bigint + 4294967296
-                              - (SELECT xid(pg_snapshot_xmax(pg_current_snapshot()))::text::bigint))
-                             % 4294967296 < 1048576)
-                THEN 'running' ELSE state::text END AS state
-      FROM fastjobs_jobs_all
-)
-SELECT id, kind, queue, args, priority, state, run_at, attempt, max_attempts, errors, unique_key
-  FROM job
- WHERE state = ANY($1::fastjobs_state[]::text[])
- ORDER BY id"""
 
-# Every statement above, by its name: the name it is prepared as and its test
-# id (tests/test_sql.py prepares each, and checks that this lists every one).
-STATEMENTS: Final[Mapping[str, str]] = MappingProxyType(
+# Registry ------------------------------------------------------------------
+
+# Statements that PREPARE cannot take (COPY); the test of every statement skips them.
+NOT_PREPARABLE: Final = frozenset(
     {
-        "listen_jobs": listen_jobs,
-        "listen_ping": listen_ping,
-        "listen_cancel": listen_cancel,
-        "listener_ping": listener_ping,
-        "migration_table_create": migration_table_create,
-        "migration_lock": migration_lock,
-        "migration_unlock": migration_unlock,
-        "migration_lock_timeout": migration_lock_timeout,
-        "migration_index_invalid": migration_index_invalid,
-        "migration_index_drop": migration_index_drop,
-        "migration_blockers": migration_blockers,
-        "migration_applied_list": migration_applied_list,
-        "migration_record": migration_record,
-        "schema_exists": schema_exists,
-        "schema_version": schema_version,
-        "job_insert": job_insert,
-        "job_insert_now": job_insert_now,
-        "job_get_unique": job_get_unique,
-        "job_copy_staged": job_copy_staged,
-        "job_stage_create": job_stage_create,
-        "job_insert_staged": job_insert_staged,
-        "job_stage_clear": job_stage_clear,
-        "job_copy": job_copy,
-        "job_copy_at": job_copy_at,
-        "job_claim_many": job_claim_many,
-        "job_finish_claim_many": job_finish_claim_many,
-        "job_finish_claim_after": job_finish_claim_after,
-        "job_finish_claim_many_keep": job_finish_claim_many_keep,
-        "job_finish_claim_after_keep": job_finish_claim_after_keep,
-        "job_finish_claim_many_context": job_finish_claim_many_context,
-        "job_finish_claim_after_context": job_finish_claim_after_context,
-        "job_finish_claim_many_keep_context": job_finish_claim_many_keep_context,
-        "job_finish_claim_after_keep_context": job_finish_claim_after_keep_context,
-        "fast_begin": fast_begin,
-        "fast_commit": fast_commit,
-        "fast_rollback": fast_rollback,
-        "job_lock_many": job_lock_many,
-        "job_lock_many_context": job_lock_many_context,
-        "job_lock_after": job_lock_after,
-        "job_lock_after_context": job_lock_after_context,
-        "job_finish_locked_many": job_finish_locked_many,
-        "job_hand_over": job_hand_over,
-        "queue_wake": queue_wake,
-        "job_crash_fast": job_crash_fast,
-        "job_schedule_many": job_schedule_many,
-        "leader_try_lock": leader_try_lock,
-        "leader_keepalive": leader_keepalive,
-        "leader_renew": leader_renew,
-        "leader_take_over": leader_take_over,
-        "leader_unlock": leader_unlock,
-        "worker_session": worker_session,
-        "worker_register": worker_register,
-        "worker_heartbeat": worker_heartbeat,
-        "worker_list": worker_list,
-        "worker_sleep": worker_sleep,
-        "worker_delete": worker_delete,
-        "job_rescue_many": job_rescue_many,
-        "releaser_session": releaser_session,
-        "job_release_unstarted": job_release_unstarted,
-        "job_clean_completed_many": job_clean_completed_many,
-        "job_clean_discarded_many": job_clean_discarded_many,
-        "worker_prune_many": worker_prune_many,
-        "periodic_advance": periodic_advance,
-        "periodic_list": periodic_list,
-        "db_now": db_now,
-        "job_cancel": job_cancel,
-        "job_state": job_state,
-        "job_cancel_requested": job_cancel_requested,
-        "job_retry": job_retry,
-        "job_discard": job_discard,
-        "job_list": job_list,
-        "job_get": job_get,
-        "job_select_many": job_select_many,
-        "job_kinds": job_kinds,
-        "job_stats_by_queue": job_stats_by_queue,
-        "jobs_dead_rows": jobs_dead_rows,
-        "vacuum_jobs": vacuum_jobs,
-        "slot_current": slot_current,
-        "slot_usage": slot_usage,
-        "slot_rows": slot_rows,
-        "slot_lock_timeout": slot_lock_timeout,
-        "slot_lock": slot_lock,
-        "slot_move": slot_move,
-        "slot_settle": slot_settle,
-        "slot_evacuate": slot_evacuate,
-        "slot_privileges": slot_privileges,
-        "slot_truncate": slot_truncate,
-        "slot_advance": slot_advance,
-        "mvcc_horizon": mvcc_horizon,
-        "mvcc_tables": mvcc_tables,
-        "database_identity": database_identity,
-        "metrics_session": metrics_session,
-        "notify_queue_usage": notify_queue_usage,
-        "testing_shift_due": testing_shift_due,
-        "testing_queues_due": testing_queues_due,
-        "testing_notify_commit": testing_notify_commit,
-        "testing_args_round_trip": testing_args_round_trip,
-        "testing_jobs_in_states": testing_jobs_in_states,
+        "vacuum_jobs",
+        "slot_lock",
+        "slot_truncate",
+        "fast_begin",
+        "fast_commit",
+        "fast_rollback",
+        "job_copy",
+        "job_copy_at",
+        "job_copy_staged",
+        "job_stage_create",
+        "migration_table_create",
+        "migration_index_drop",
+        "listen_jobs",
+        "listen_ping",
+        "listen_cancel",
+        "testing_notify_commit",
     }
 )
+
+# Every statement above, by its name, in the order written: the name it is
+# prepared as and its test id (tests/test_sql.py prepares each).
+STATEMENTS: Final[Mapping[str, str]] = MappingProxyType(
+    {name: value for name, value in globals().items() if name[:1].islower() and isinstance(value, str)}
+)
+
+
+def _sections() -> dict[str, tuple[str, ...]]:
+    names = list(globals())
+    ends = [start for _, start in _SECTION_STARTS[1:]] + [len(names)]
+    return {
+        title: tuple(name for name in names[start:end] if name in STATEMENTS)
+        for (title, start), end in zip(_SECTION_STARTS, ends, strict=True)
+    }
+
+
+# The statements of each section, as the contents at the top lists them.
+SECTIONS: Final[Mapping[str, tuple[str, ...]]] = MappingProxyType(_sections())
 
 # The hot loop's statement by (keep completed jobs, claim after the mark): the
 # name it is prepared as, and its text.

@@ -46,20 +46,17 @@ from . import database, sql
 from .abc import (
     BUCKETS,
     BUCKETS_NS,
-    CANCELLED,
     COMPLETED,
-    DISCARDED,
     INT64_MAX,
     MAX_KINDS,
     OBSERVED_MAX_NS,
     OUTCOMES,
     PICKUP_SUM,
-    RETRIED,
     ROW,
     RUN_SUM,
-    SNOOZED,
     BatchLoop,
 )
+from .types import Outcome
 
 MAGIC = 0x66_6A_73_74  # "fjst"
 VERSION = 7
@@ -318,19 +315,14 @@ def kind_rows(kinds: Iterable[str]) -> tuple[dict[str, int], int]:
     return rows, len(rows) * ROW
 
 
-def outcome_column(outcome: dict[str, Any]) -> int:
+# The counter of a (queue, kind) row each kind of outcome record adds one to; none for a release.
+_COLUMNS: dict[str, int] = {name: column for column, name in enumerate(OUTCOMES)} | {"released": -1}
+
+
+def outcome_column(outcome: Outcome) -> int:
     """The counter of a (queue, kind) row an outcome record adds one to; -1 for a job given back
-    unstarted (a release: no delay, its attempt given back)."""
-    if outcome["uncount"]:
-        return SNOOZED if outcome["delay"] is not None else -1
-    state = outcome["state"]
-    if state == "completed":
-        return COMPLETED
-    if state == "cancelled":
-        return CANCELLED
-    if state == "discarded":
-        return DISCARDED
-    return RETRIED
+    unstarted (a release)."""
+    return _COLUMNS[outcome["outcome"]]
 
 
 def observe(counts: Any, at: int, ns: int) -> None:
@@ -347,7 +339,7 @@ def count_slow(
     other: int,
     slow: list[Any],
     done: list[int],
-    failures: list[dict[str, Any]],
+    failures: list[Outcome],
     took: dict[int, int],
 ) -> None:
     """Count a batch's slow jobs (both hot loops): their outcomes, and the run time of each that

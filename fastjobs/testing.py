@@ -387,7 +387,7 @@ class Testing:
             raise ValueError(f"no handler registered for job kind {kind!r} in this App")
         params = enqueue.insert_params(enqueue.options(kind, spec), args)
         with self.app.connection() as conn:
-            return spec, _through_jsonb(conn, params[2])
+            return spec, _through_jsonb(conn, params.args)
 
     # -- looking at what was enqueued
 

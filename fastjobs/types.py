@@ -1,11 +1,11 @@
-"""Plain types shared by every module: job states and the registered job spec."""
+"""Plain types shared by every module: job states, the registered job spec, the outcome record."""
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, TypedDict
 
 __all__ = [
     "DEFAULT_MAX_ATTEMPTS",
@@ -16,6 +16,8 @@ __all__ = [
     "ArgsSchema",
     "JobSpec",
     "JobState",
+    "Outcome",
+    "OutcomeKind",
 ]
 
 PRIORITY_MIN = -32768  # the column is a smallint
@@ -87,3 +89,23 @@ class JobSpec:
     def target(self) -> Callable[..., Any]:
         """The callable a worker runs for this kind's jobs."""
         return self.func if self.call is None else self.call
+
+
+# What happened to an attempt, as its record says: the names of fastjobs.abc.OUTCOMES (what the
+# counters count), and a release, a job given back unstarted (counted nowhere).
+OutcomeKind = Literal["completed", "retried", "discarded", "cancelled", "snoozed", "released"]
+
+
+class Outcome(TypedDict):
+    """One record of a batch's outcomes: an element of $2 of the finish statements (fastjobs.sql,
+    _outcomes), which read id, attempt, state, delay, uncount and error and ignore `outcome`, there
+    for the worker's counters and logs. The statement may end the job otherwise than `state` says:
+    cancelled when that was requested, discarded after a failed last attempt."""
+
+    outcome: OutcomeKind
+    id: int
+    attempt: int  # the attempt that produced it: the statement applies it only to that attempt
+    state: str
+    delay: float | None  # seconds from when the statement writes it; None keeps run_at
+    uncount: int  # 1 gives the attempt back (snoozed, released)
+    error: dict[str, Any] | None  # appended to the job's errors

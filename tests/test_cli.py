@@ -1,4 +1,5 @@
-"""What every `fastjobs` command does with its output: a reader that goes away ends it quietly."""
+"""What every `fastjobs` command does with its output: a reader that goes away ends it quietly;
+`fastjobs sql show`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from fastjobs import App
+from fastjobs import App, sql
+from fastjobs.cli import main
 
 from . import procs
 
@@ -40,6 +42,8 @@ def five():
         ["periodic", "list", "fjcron"],
         ["periodic", "list", "fjcron", "--json"],
         ["migrate", "--sql"],
+        ["sql", "show"],
+        ["sql", "show", "job_finish_claim_many"],
         ["--help"],
         ["jobs", "--help"],
     ],
@@ -170,3 +174,20 @@ def test_periodic_run_of_an_ambiguous_or_unknown_name_says_which_it_could_be(
     assert main(["--dsn", dsn, "periodic", "run", periodic_module, name]) == 1
     out, err = capsys.readouterr()
     assert (out, err) == ("", f"fastjobs: {error}\n")
+
+
+def test_sql_show_prints_each_statement_as_it_is_sent_and_lists_them_by_section(monkeypatch, capsys) -> None:
+    """`fastjobs sql show NAME`: the statement whole, the text fastjobs prepares (the leading newline of
+    its literal aside); with no NAME, each name under its section (a family's variants are one); an
+    unknown name exits 1 and says which are close. No database is needed."""
+    monkeypatch.setenv("FASTJOBS_DSN", "postgresql://nobody@127.0.0.1:1/nothing")
+    for name, text in sql.STATEMENTS.items():
+        assert main(["sql", "show", name]) == 0
+        assert capsys.readouterr().out == text.lstrip("\n") + "\n", name
+    assert main(["sql", "show"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if not line.startswith("  ")] == list(sql.SECTIONS)
+    assert [line.strip() for line in lines if line.startswith("  ")] == list(sql.STATEMENTS)
+    assert "job_lock_after_context" in sql.SECTIONS["Claims"]
+    assert main(["sql", "show", "job_finish_claim_mnay"]) == 1
+    assert "did you mean 'job_finish_claim_many'" in capsys.readouterr().err

@@ -473,7 +473,17 @@ OLD_INSERT_NOW = """
 INSERT INTO fastjobs_jobs (queue, kind, args, priority, max_attempts)
 VALUES ($1, $2, $3::jsonb, $4, $5)
 RETURNING id"""
-OLD_CLAIM = sql.job_claim_many.replace("fastjobs_jobs_all", "fastjobs_jobs")
+OLD_CLAIM = """
+UPDATE fastjobs_jobs j
+   SET state = 'running', attempt = least(j.attempt, 32766) + 1,
+       attempted_at = now(), attempted_by = $3
+ WHERE j.id = ANY(ARRAY(
+           SELECT id FROM fastjobs_jobs
+            WHERE state = 'available' AND queue = $1 AND run_at <= now()
+            ORDER BY priority DESC, run_at, id
+            LIMIT $2
+              FOR UPDATE SKIP LOCKED))
+RETURNING j.id, j.kind, j.args, j.attempt, j.max_attempts, j.priority, j.run_at"""
 OLD_COMPLETE = "DELETE FROM fastjobs_jobs WHERE id = ANY($1::bigint[]) AND state = 'running'"
 
 

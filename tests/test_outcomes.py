@@ -20,7 +20,8 @@ import psycopg
 import pytest
 
 import fastjobs
-from fastjobs import App, control, handlers
+from fastjobs import App, control, handlers, stats
+from fastjobs.abc import OUTCOMES
 from fastjobs.errors import Cancel, Retry, Snooze
 
 from .helpers import batch_loop, drain, jobs, notifications, query, run_one_batch
@@ -584,3 +585,36 @@ def test_jobs_retry_notifies_the_queue(app: App, dsn: str, listener: psycopg.Con
     with psycopg.connect(dsn, autocommit=True) as conn:
         assert control.retry(conn, job_id).state == "available"
     assert notifications(listener, dsn) == {"delta": 1}
+
+
+def test_every_outcome_record_says_what_it_is() -> None:
+    """A record's `outcome` names what happened, and the counters and the fast lane read that, not
+    its shape: a release and a Snooze(0) both give their attempt back with no error, but only the
+    release is left out of a fast batch's writes and counted nowhere."""
+    records = {
+        "completed": handlers.completed(1, 2),
+        "retried": handlers.failure(None, 2, 1, 5, ValueError("boom")),
+        "discarded": handlers.failure(None, 3, 5, 5, ValueError("boom")),
+        "cancelled": handlers.failure(None, 4, 1, 5, Cancel("no")),
+        "snoozed": handlers.failure(None, 5, 1, 5, Snooze(0)),
+        "released": handlers.release(6, 1),
+    }
+    assert {name: record["outcome"] for name, record in records.items()} == {name: name for name in records}
+    snoozed, released = records["snoozed"], records["released"]
+    assert (snoozed["state"], snoozed["delay"], snoozed["uncount"], snoozed["error"]) == (
+        "available",
+        0,
+        1,
+        None,
+    )
+    assert (released["state"], released["delay"], released["uncount"], released["error"]) == (
+        "available",
+        None,
+        1,
+        None,
+    )
+    assert handlers.started(list(records.values())) == [r for r in records.values() if r is not released]
+    columns = {name: stats.outcome_column(record) for name, record in records.items()}
+    assert columns == {**{name: OUTCOMES.index(name) for name in OUTCOMES}, "released": -1}
+    assert handlers.unrecorded(7, 1, "x", "y")["outcome"] == "retried"
+    assert handlers.unrecorded(7, 1, "x", "y", last=True)["outcome"] == "discarded"

@@ -7,8 +7,10 @@ import datetime as dt
 import json
 import os
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import psycopg
@@ -31,15 +33,17 @@ def test_statements_are_named_and_the_exclusions_exist():
 
 
 def test_the_registry_lists_every_statement_under_its_own_name():
-    """STATEMENTS (what every statement test iterates) is written by hand: it must hold
-    each statement of the module, under the name of its constant, and nothing else."""
-    constants = {
-        name: value
-        for name, value in vars(sql).items()
-        if name[0].islower() and not name.startswith("_") and isinstance(value, str)
-    }
-    assert set(sql.STATEMENTS) == set(constants)
-    assert [name for name, text in sql.STATEMENTS.items() if text is not constants[name]] == []
+    """STATEMENTS (what every statement test iterates) is collected from the module: it must hold each
+    module-level statement of fastjobs/sql.py's source under the name it is assigned to, and SECTIONS
+    each of them once, in the order of the contents at the top of the module."""
+    tree = ast.parse(Path(sql.__file__).read_text(encoding="utf-8"))
+    targets = [node.target for node in tree.body if isinstance(node, ast.AnnAssign)]
+    assigned = [t.id for t in targets if isinstance(t, ast.Name) and t.id[0].islower()]
+    assert list(sql.STATEMENTS) == assigned
+    assert [name for section in sql.SECTIONS.values() for name in section] == assigned
+    contents = (sql.__doc__ or "").split("Contents")[1].splitlines()
+    titles = [re.split(r"\s{2,}", line.strip())[0] for line in contents if line.startswith("  ")]
+    assert [title.removesuffix(" (family)") for title in titles] == [*sql.SECTIONS, "Registry"]
     assert sorted(sql.FINISH) == [(False, False), (False, True), (True, False), (True, True)]
     assert [name for name, text in sql.FINISH.values() if sql.STATEMENTS[name] is not text] == []
     assert sorted(sql.FINISH_CONTEXT) == sorted(sql.FINISH)
@@ -49,23 +53,35 @@ def test_the_registry_lists_every_statement_under_its_own_name():
     }
 
 
-def test_every_statement_is_written_out_whole():
-    """Each statement's constant is one string literal in fastjobs/sql.py: no f-string,
-    no .replace(), no concatenation; what is read there is what PostgreSQL runs."""
+def test_every_statement_is_bound_once_and_nothing_derives_one_text_from_another():
+    """A statement is a literal, or its family's expansion (a call, an f-string of fragments) bound
+    once at import: sql.py substitutes nothing into a text (no .replace(), no %-formatting, no
+    str.format), and nothing rebinds a statement's name."""
     tree = ast.parse(Path(sql.__file__).read_text(encoding="utf-8"))
-    values: dict[str, ast.expr | None] = {}
-    for node in tree.body:
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            values[node.target.id] = node.value
-        elif isinstance(node, ast.Assign):
-            values.update((t.id, node.value) for t in node.targets if isinstance(t, ast.Name))
-    composed = [
-        name
-        for name in sql.STATEMENTS
-        if not (isinstance(value := values.get(name), ast.Constant) and isinstance(value.value, str))
-    ]
-    assert composed == []
-    assert [n.lineno for n in ast.walk(tree) if isinstance(n, ast.JoinedStr)] == []
+    nodes = list(ast.walk(tree))
+    calls = [n.func.attr for n in nodes if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
+    assert {"replace", "format", "format_map", "sub"} & set(calls) == set()
+    assert [n.lineno for n in nodes if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod)] == []
+    targets = [t for n in nodes if isinstance(n, ast.Assign) for t in n.targets]
+    targets += [n.target for n in nodes if isinstance(n, (ast.AnnAssign, ast.AugAssign))]
+    bound = [t.id for t in targets if isinstance(t, ast.Name)]
+    assert [name for name in sql.STATEMENTS if bound.count(name) != 1] == []
+
+
+def test_a_new_variant_is_one_line(monkeypatch):
+    """What the module's docstring promises: one line naming a variant, and it is a statement
+    (STATEMENTS, so the test of every statement prepares it and `fastjobs sql show` prints it) of
+    its family's section, expanded as its siblings are."""
+    source = Path(sql.__file__).read_text(encoding="utf-8")
+    before, section, after = source.partition('\n_section("The fast lane")')
+    line = "job_finish_claim_again: Final = _finish_claim(keep=False, choice=_AFTER_THE_MARK, context=False)"
+    module = ModuleType("fastjobs_sql_with_a_variant")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    exec(compile(f"{before}\n{line}\n{section}{after}", "sql.py", "exec"), module.__dict__)
+    statements, sections = module.STATEMENTS, module.SECTIONS
+    assert set(statements) - set(sql.STATEMENTS) == {"job_finish_claim_again"}
+    assert sections["Finishes"][-1] == "job_finish_claim_again"
+    assert statements["job_finish_claim_again"] == sql.job_finish_claim_after
 
 
 @pytest.mark.parametrize("name", PREPARABLE)
@@ -115,141 +131,70 @@ def _parts(text: str) -> tuple[dict[str, str], str]:
     return ctes, text[at:].strip()
 
 
-# A claim after the mark adds this predicate to the claim from the front, and nothing else.
-AFTER_THE_MARK = (
-    "AND priority = $6 AND run_at >= timestamptz '2000-01-01 00:00:00+00'"
-    f" + ($7::int8 - {sql.CLAIM_MARK_MARGIN}) * interval '1 microsecond'"
-)
+def _words(text: str) -> str:
+    return " ".join(text.split())
 
 
-def _kept(completion: str) -> str:
-    """A completion CTE that deletes, as it reads when it keeps the rows instead."""
-    kept = "UPDATE fastjobs_jobs_all j SET state = 'completed', finalized_at = now()"
-    return completion.replace("DELETE FROM fastjobs_jobs_all j", kept).replace(" USING ", " FROM ")
-
-
-def _after(claim: str) -> str:
-    """A claim from the front, as it reads when it claims after the mark."""
-    return claim.replace("AND run_at <= now()", f"AND run_at <= now() {AFTER_THE_MARK}")
-
-
-FINISH_SIBLINGS = [
-    pytest.param(
-        "job_finish_claim_many", "job_finish_claim_many_keep", {"completed", "completed_later"}, id="keep"
-    ),
-    pytest.param(
-        "job_finish_claim_after",
-        "job_finish_claim_after_keep",
-        {"completed", "completed_later"},
-        id="after-keep",
-    ),
-    pytest.param("job_finish_claim_many", "job_finish_claim_after", {"claimed"}, id="after"),
-    pytest.param("job_finish_claim_many_keep", "job_finish_claim_after_keep", {"claimed"}, id="keep-after"),
-]
-
-
-@pytest.mark.parametrize(("name", "sibling", "differing"), FINISH_SIBLINGS)
-def test_the_finish_statements_differ_only_where_their_variant_does(name, sibling, differing):
-    """The four finish statements are written out whole: an edit made to one and not
-    to its siblings fails here. A _keep variant differs from its deleting sibling only
-    in its completion CTEs, which keep the rows they would delete; an _after variant
-    differs only in its claim's predicate."""
-    ctes, query = _parts(sql.STATEMENTS[name])
-    sibling_ctes, sibling_query = _parts(sql.STATEMENTS[sibling])
-    assert list(ctes) == list(sibling_ctes) == ["completed", "completed_later", "failed", "claimed"]
-    assert query == sibling_query
-    for cte in ctes:
-        if cte not in differing:
-            assert sibling_ctes[cte] == ctes[cte], cte
-        elif cte == "claimed":
-            assert sibling_ctes[cte] == _after(ctes[cte]) != ctes[cte]
-        else:
-            assert sibling_ctes[cte] == _kept(ctes[cte]) != ctes[cte], cte
-
-
-def test_the_fast_lane_outcomes_are_the_state_lanes_with_the_attempt_of_this_run():
-    """job_finish_locked_many repeats job_finish_claim_many's outcome logic (cancelled,
-    discarded after the last attempt, the delay, the errors). Its rows were never claimed,
-    so the attempt this run made comes from the outcome (f.attempt, where the state lane
-    reads the row's j.attempt), and the worker is written with it; its guards differ. Any
-    other edit made to one and not the other fails here."""
-    state_ctes, _ = _parts(sql.job_finish_claim_many)
-    fast_ctes, _ = _parts(sql.job_finish_locked_many)
-    assert list(fast_ctes) == ["completed", "completed_later", "failed"]
-
-    def assignments(cte: str) -> str:
-        return cte[cte.index(" SET ") : cte.index(" WHERE ")]
-
-    expected = (
-        assignments(state_ctes["failed"])
-        .replace("j.attempt >= j.max_attempts", "f.attempt >= j.max_attempts")
-        .replace(
-            "attempt = j.attempt - f.uncount,",
-            "attempt = f.attempt - f.uncount, attempted_at = now(), attempted_by = $3,",
-        )
-        .replace("'attempt', j.attempt,", "'attempt', f.attempt,")
+def _mark(priority: str, run_at: str) -> str:
+    """The predicate a claim after the mark adds to the claim from the front, its parameters given."""
+    return (
+        f"AND priority = {priority} AND run_at >= timestamptz '2000-01-01 00:00:00+00'"
+        f" + ({run_at}::int8 - {sql.CLAIM_MARK_MARGIN}) * interval '1 microsecond'"
     )
-    assert expected != assignments(state_ctes["failed"])
-    assert assignments(fast_ctes["failed"]) == expected
-    for cte in ("failed", "completed_later"):
-        state_tail, fast_tail = (c[cte].split(" WHERE ")[-1] for c in (state_ctes, fast_ctes))
-        guard = "least(j.attempt, 32766) + 1 = f.attempt AND j.state::text = 'available'"
-        assert fast_tail == state_tail.replace(
-            "j.attempt = f.attempt AND j.attempted_by = $5 AND j.state::text = 'running'", guard
-        )
-        assert fast_tail != state_tail
 
 
-def test_the_fast_lane_claims_differ_only_where_their_variant_does():
-    """The fast lane's four claims are written out whole: the _after ones add the
-    state lane's mark predicate (its parameters $3 and $4), the _context ones meta
-    and created_at; an edit made to one and not its siblings fails here."""
-    mark = AFTER_THE_MARK.replace("$6", "$3").replace("$7", "$4")
-    after = sql.job_lock_many.replace("AND run_at <= now()", f"AND run_at <= now() {mark}")
-    context = "priority, run_at,\n       meta, created_at\n"
-
-    def words(text: str) -> str:
-        return " ".join(text.split())
-
-    assert words(sql.job_lock_after) == words(after) != words(sql.job_lock_many)
-    assert sql.job_lock_many_context == sql.job_lock_many.replace("priority, run_at\n", context, 1)
-    assert sql.job_lock_after_context == sql.job_lock_after.replace("priority, run_at\n", context, 1)
-    assert {
-        (context, after): (name, sql.STATEMENTS[name])
-        for (context, after), name in {
-            (False, False): "job_lock_many",
-            (False, True): "job_lock_after",
-            (True, False): "job_lock_many_context",
-            (True, True): "job_lock_after_context",
-        }.items()
-    } == sql.LOCK
+FINISHES = sorted(name for table in (sql.FINISH, sql.FINISH_CONTEXT) for name, _ in table.values())
+LOCKS = sorted(name for name, _ in sql.LOCK.values())
 
 
-def _with_context(text: str) -> str:
-    """A finish statement, as its _context variant reads: its claimed rows carry meta and created_at."""
-    columns = "id, kind, args, attempt, max_attempts, priority, run_at"
-    returning = f"RETURNING j.{columns.replace(', ', ', j.')}"
-    text = text.replace(returning, f"{returning}, j.meta, j.created_at")
-    text = text.replace(f"SELECT {columns} FROM claimed", f"SELECT {columns}, meta, created_at FROM claimed")
-    return re.sub(r"(SELECT (?:c\.id|f\.id|NULL), NULL, .*?, NULL, NULL, NULL)\n", r"\1, NULL, NULL\n", text)
+@pytest.mark.parametrize("name", FINISHES + LOCKS)
+def test_a_variants_name_says_what_it_is(name):
+    """A variant is one line, its name and its family's parameters: each part of the name shows in
+    its text, and only then. _after claims after the mark, _keep keeps completed jobs (their
+    completion CTEs update instead of deleting), _context returns meta and created_at."""
+    text = _words(sql.STATEMENTS[name])
+    mark = _mark("$3", "$4") if name in LOCKS else _mark("$6", "$7")
+    assert (text.count(mark), text.count("AND priority = $")) == ((1, 1) if "_after" in name else (0, 0))
+    assert ("run_at, meta, created_at" in text) == ("_context" in name)
+    if name in FINISHES:
+        ctes, _ = _parts(sql.STATEMENTS[name])
+        assert list(ctes) == ["completed", "completed_later", "failed", "claimed"]
+        kept = "UPDATE fastjobs_jobs_all j SET state = 'completed', finalized_at = now() "
+        deleted = "DELETE FROM fastjobs_jobs_all j "
+        expected = kept if "_keep" in name else deleted
+        assert [ctes[cte].startswith(expected) for cte in ("completed", "completed_later")] == [True, True]
 
 
-@pytest.mark.parametrize("name", sorted(sql.FINISH_CONTEXT[key][0] for key in sql.FINISH_CONTEXT))
-def test_the_context_variants_differ_only_in_the_columns_they_return(name):
-    """A _context variant is its sibling, its claim returning meta and created_at too
-    (and the other branches NULL for them): an edit made to one and not the other fails here."""
-    sibling = name.removesuffix("_context")
-    expected = _with_context(sql.STATEMENTS[sibling])
-    assert expected != sql.STATEMENTS[sibling]
-    assert " ".join(sql.STATEMENTS[name].split()) == " ".join(expected.split())
+def test_keep_the_mark_and_context_leave_the_outcomes_alone():
+    """Every state-lane finish statement writes outcomes with the same CTE; the fast lane's differs only
+    in the attempt it ends (the outcome's own, f.attempt: its rows were never claimed), the worker it
+    records, and its guard (the row locked at the attempt before this run)."""
+    failed = {_parts(sql.STATEMENTS[name])[0]["failed"] for name in FINISHES}
+    assert len(failed) == 1
+    state_lane = failed.pop()
+    fast_lane = _parts(sql.job_finish_locked_many)[0]["failed"]
+    assert "'attempt', j.attempt," in state_lane and "'attempt', f.attempt," in fast_lane
+    assert "attempt = j.attempt - f.uncount," in state_lane
+    assert "attempt = f.attempt - f.uncount, attempted_at = now(), attempted_by = $3," in fast_lane
+    guards = [lane.split(" WHERE ")[-1] for lane in (state_lane, fast_lane)]
+    assert guards == [
+        "f.state <> 'completed' AND j.id = f.id AND j.attempt = f.attempt"
+        " AND j.attempted_by = $5 AND j.state::text = 'running' RETURNING j.id, j.queue, j.state",
+        "f.state <> 'completed' AND j.id = f.id AND least(j.attempt, 32766) + 1 = f.attempt"
+        " AND j.state::text = 'available' RETURNING j.id, j.queue, j.state",
+    ]
 
 
-def test_an_outcome_is_finalized_by_the_state_it_is_given():
+@pytest.mark.parametrize("name", [*FINISHES, "job_finish_locked_many"])
+def test_an_outcome_is_finalized_by_the_state_it_is_given(name):
     """The failed CTE spells the outcome's new state twice (SET cannot read the new
-    value of another column): finalized_at must test the very state that SET writes."""
-    failed = _parts(sql.job_finish_claim_many)[0]["failed"]
+    value of another column): finalized_at must test the very state that SET writes, and
+    a failed last attempt is discarded by the attempt the outcome ends."""
+    failed = _parts(sql.STATEMENTS[name])[0]["failed"]
     match = re.search(r"SET state = (CASE .*? END::fastjobs_state),", failed)
     assert match is not None
+    attempt = "f.attempt" if name == "job_finish_locked_many" else "j.attempt"
+    assert f"AND {attempt} >= j.max_attempts THEN 'discarded'" in match[1]
     assert failed.count(match[1]) == 2
     finalized = f"finalized_at = CASE WHEN {match[1]} IN ('discarded', 'cancelled')"
     finalized += " THEN clock_timestamp() END,"
@@ -708,7 +653,7 @@ def test_the_search_for_stale_outcomes_runs_only_when_an_outcome_did_not_apply(d
     assert sorted(n["Actual Loops"] for n in scans) == [1, 1, 1, 1], scans
 
 
-# The test every statement that reports a job's state makes (see sql.fast_begin), whitespace aside.
+# The test every statement that reports a job's state makes (sql._IN_FLIGHT), whitespace aside.
 IN_FLIGHT = """state = 'available' AND xmax <> '0'::xid
     AND (xmax = ANY(ARRAY(SELECT xid(x) FROM pg_snapshot_xip(pg_current_snapshot()) AS x))
          OR (xmax::text::bigint + 4294967296
