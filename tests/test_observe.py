@@ -21,6 +21,7 @@ import pytest
 
 from fastjobs import App, _core, _core_py, stats
 from fastjobs.abc import BUCKETS, COMPLETED, INT64_MAX, OUTCOMES, PICKUP_SUM, ROW
+from fastjobs.children import EXIT_BOOT_ERROR
 from fastjobs.handlers import Executor
 
 from . import procs
@@ -256,7 +257,7 @@ def test_a_stats_file_of_another_format_is_skipped_naming_both_formats(tmp_path:
 
 def test_a_host_id_a_worker_id_cannot_carry_is_refused_before_the_application_is_imported(dsn: str) -> None:
     done = procs.cli(dsn, "run", "--host-id", "web:1", "no_such_module")
-    assert done.returncode == 1
+    assert done.returncode == EXIT_BOOT_ERROR  # what cannot start exits 3, as every command
     assert (
         "the host id must be at most 255 printable characters without spaces or ':', not 'web:1'"
         in done.stderr
