@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = ["JobHandle", "JobStatus"]
 
+
 @dataclass(frozen=True, slots=True)
 class JobStatus:
     """A job as App.status finds it, in the jobs table or among the kept results.

@@ -216,8 +216,9 @@ _SKIP_TAKEN_KEYS: Final = f"""ON CONFLICT (unique_key)
 
 # job_insert: one job, into slot 0 (fastjobs_jobs); scheduled when its run_at
 # ($6, or now + $7 seconds) is in the future; $9 its meta (enqueue
-# middleware's, or NULL), $10 its keep_result (seconds, or NULL). With a unique key ($8) already taken, nothing is
-# inserted and no row returned (job_get_unique then finds the holder).
+# middleware's, or NULL), $10 its keep_result (seconds, or NULL). With a
+# unique key ($8) already taken, nothing is inserted and no row returned
+# (job_get_unique then finds the holder).
 job_insert: Final = f"""
 INSERT INTO fastjobs_jobs ({_columns(at=True, key=True)})
 SELECT $1, $2, $3::jsonb, $4, $5,
@@ -935,8 +936,9 @@ SELECT id FROM fastjobs_jobs_all WHERE state = 'running' AND attempted_by = $1 A
 # attempts and limit; a discarded, cancelled or completed one comes back
 # with an attempt to spare (max_attempts raised when it had none left; the
 # claim counts attempts up to smallint's maximum, and so does this) and its
-# crash allowance back; an outcome kept of it (fastjobs_results) is forgotten. Returns the state before, the attempts made, the
-# limit before and after, and wakes its queue's workers (an UPDATE fires no enqueue trigger).
+# crash allowance back; an outcome kept of it (fastjobs_results) is
+# forgotten. Returns the state before, the attempts made, the limit before
+# and after, and wakes its queue's workers (an UPDATE fires no enqueue trigger).
 job_retry: Final = f"""
 WITH target AS (
     SELECT id, state::text AS state, max_attempts FROM fastjobs_jobs_all
@@ -1119,8 +1121,9 @@ SELECT id, kind, queue, args, priority, state, run_at, attempt, max_attempts, er
 job_status: Final = f"""
 SELECT id, kind, queue, state, attempt, max_attempts, args, created_at, attempted_at, finalized_at,
        value, errors, keep_result, source = 0, expired
-  FROM (SELECT id, kind, queue, state::text AS state, attempt, max_attempts, args, created_at, attempted_at,
-               finalized_at, value, errors, NULL::int4 AS keep_result, expires_at <= now() AS expired, 0 AS source
+  FROM (SELECT id, kind, queue, state::text AS state, attempt, max_attempts, args, created_at,
+               attempted_at, finalized_at, value, errors, NULL::int4 AS keep_result,
+               expires_at <= now() AS expired, 0 AS source
           FROM fastjobs_results WHERE id = $1
         UNION ALL
         SELECT id, kind, queue,
@@ -1130,6 +1133,13 @@ SELECT id, kind, queue, state, attempt, max_attempts, args, created_at, attempte
           FROM fastjobs_jobs_all WHERE id = $1) AS found
  ORDER BY source
  LIMIT 1"""
+
+
+# result_get: the kept outcome of job $1 (fastjobs_results), for `fastjobs jobs show`.
+result_get: Final = """
+SELECT id, queue, kind, state::text AS state, attempt, max_attempts, created_at, attempted_at,
+       finalized_at, expires_at, args, errors, value AS result
+  FROM fastjobs_results WHERE id = $1"""
 
 
 _section("Vacuum and rotation")

@@ -255,7 +255,7 @@ def roll_back_006(dsn: str) -> None:
 
 
 def roll_back_005(dsn: str) -> None:
-    """Undo what 005 (and 006) create and its record: fastjobs_jobs as 004 left it (its rows kept), 005 pending."""
+    """Undo what 005 and 006 create, and their records: fastjobs_jobs as 004 left it, 005 pending."""
     roll_back_006(dsn)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("ALTER TABLE fastjobs_jobs_all DETACH PARTITION fastjobs_jobs")

@@ -666,7 +666,14 @@ IN_FLIGHT = """state = 'available' AND xmax <> '0'::xid
          OR (xmax::text::bigint + 4294967296
              - (SELECT xid(pg_snapshot_xmax(pg_current_snapshot()))::text::bigint)) % 4294967296
             < 1048576)"""
-REPORTS_STATE = ["job_state", "job_get", "job_list", "job_stats_by_queue", "testing_jobs_in_states", "job_status"]
+REPORTS_STATE = [
+    "job_state",
+    "job_get",
+    "job_list",
+    "job_stats_by_queue",
+    "testing_jobs_in_states",
+    "job_status",
+]
 
 
 def test_every_report_of_a_state_tests_for_a_job_in_flight_alike():
