@@ -468,6 +468,28 @@ ON CONFLICT (id) DO UPDATE
 RETURNING id"""
 
 
+# What a statement that may end jobs returns of each for _keep to copy (its table aliased j).
+_ENDED: Final = """j.id, j.queue, j.state, j.keep_result, j.kind, j.args, j.attempt, j.max_attempts,
+j.created_at, j.attempted_at, j.errors"""
+
+
+def _ending(*, update: str, returned: str) -> str:
+    """An UPDATE that may discard or cancel jobs (`update`, aliased j, without RETURNING) as a
+    statement that keeps their outcome (_keep) and notifies; it returns `returned` (of the updated
+    rows, as `ended`) as the UPDATE alone did."""
+    return f"""
+WITH ended AS (
+    {_indent(update.strip(), 4)}
+    RETURNING {_indent(_ENDED, 14)}
+), kept AS (
+    {_indent(_keep(completed=None, ended="ended"), 4)}
+)
+SELECT {returned} FROM ended
+UNION ALL
+SELECT {", ".join(["NULL"] * (returned.count(",") + 1))}
+{_NOTIFY_KEPT}"""
+
+
 # The one notification of the outcomes kept (a statement that kept none
 # sends none: the HAVING leaves no row for the WHERE to evaluate).
 _NOTIFY_KEPT: Final = f"""  FROM (SELECT string_agg(id::text, ',') AS ids FROM kept HAVING count(*) > 0) AS k
@@ -522,8 +544,7 @@ def _outcomes(*, keep: bool, fast: bool) -> str:
       FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
                                               delay float8, uncount smallint, error jsonb)
      WHERE f.state <> 'completed' AND j.id = f.id AND {record}
-    RETURNING j.id, j.queue, j.state, j.keep_result, j.kind, j.args, j.attempt, j.max_attempts,
-              j.created_at, j.attempted_at, j.errors
+    RETURNING {_indent(_ENDED, 14)}
 ), kept AS (
     {_indent(_keep(completed="completed_later", ended="failed"), 4)}"""
 
@@ -659,7 +680,9 @@ def _crashed(*, attempt: str, worker: str, at: str) -> str:
                                      {worker}, j.crashes + 1) END))"""
 
 
-# job_crash_fast: worker $1 died running the jobs $2 on the fast lane: its
+# job_crash_fast (and job_rescue_many, job_discard: every statement that may
+# end a job keeps its outcome, with keep_result, as the finish statements do):
+# worker $1 died running the jobs $2 on the fast lane: its
 # transaction rolled back, so each is available again with no attempt
 # counted. Each counts the attempt and a crash now, as job_rescue_many does
 # for a running job: retryable (due now), or discarded after $3 crashes or
@@ -673,14 +696,16 @@ def _crashed(*, attempt: str, worker: str, at: str) -> str:
 # it, came back, and then killed it. (Left: a job another worker ran
 # meanwhile and made available again at once, Retry(0) or Snooze(0), before
 # the releaser came, is charged a crash it did not cause.)
-job_crash_fast: Final = f"""
+job_crash_fast: Final = _ending(
+    update=f"""
 UPDATE fastjobs_jobs_all j
    SET crashes = j.crashes + 1,
        attempt = {_next_attempt("j")},
        attempted_at = now(), attempted_by = $1,
        {_crashed(attempt=_next_attempt("j"), worker="$1::text", at="now()")}
- WHERE j.id = ANY($2::bigint[]) AND j.state = 'available'
-RETURNING j.id, j.state::text"""
+ WHERE j.id = ANY($2::bigint[]) AND j.state = 'available'""",
+    returned="id, state::text",
+)
 
 
 _section("Leader")
@@ -809,7 +834,8 @@ _section("Maintenance")
 # discarded instead, and one whose cancellation was requested is cancelled.
 # At most $4 per statement. A running row with no attempted_at (written by
 # hand: no claim leaves one) counts as stale.
-job_rescue_many: Final = f"""
+job_rescue_many: Final = _ending(
+    update=f"""
 UPDATE fastjobs_jobs_all j
    SET crashes = j.crashes + 1,
        {_crashed(attempt="j.attempt", worker="j.attempted_by", at="$2::timestamptz")}
@@ -822,8 +848,9 @@ UPDATE fastjobs_jobs_all j
                                WHERE w.id = r.attempted_by
                                  AND w.heartbeat_at >= $2::timestamptz - make_interval(secs => $1))
             LIMIT $4
-              FOR UPDATE SKIP LOCKED))
-RETURNING j.id, j.state::text"""
+              FOR UPDATE SKIP LOCKED))""",
+    returned="id, state::text",
+)
 
 # releaser_session: the master's releaser waits at most $1 for a lock or a statement.
 releaser_session: Final = (
@@ -834,12 +861,12 @@ releaser_session: Final = (
 # other than $2 (those whose handler was running, or whose outcome it died
 # writing) had been claimed but not started, or had finished unrecorded: they
 # go back to available with the attempt given back and no crash counted (or
-# to cancelled, when that was requested), so a job that kills its worker is
+# to cancelled, when that was requested: kept, with keep_result), so a job that kills its worker is
 # quarantined alone; the rescuer deals with $2. Workers of each queue that
 # got jobs back are woken once.
-job_release_unstarted: Final = """
+job_release_unstarted: Final = f"""
 WITH released AS (
-    UPDATE fastjobs_jobs_all
+    UPDATE fastjobs_jobs_all j
        SET state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'available' END::fastjobs_state,
            attempt = greatest(attempt - 1, 0),
            finalized_at = CASE WHEN cancel_requested THEN now() END,
@@ -849,10 +876,15 @@ WITH released AS (
                              'error', 'cancelled: requested while it was claimed, before it started'))
                          ELSE errors END
      WHERE state = 'running' AND attempted_by = $1 AND NOT id = ANY($2::bigint[])
-    RETURNING queue, state
+    RETURNING {_indent(_ENDED, 14)}
+), kept AS (
+    {_indent(_keep(completed=None, ended="released"), 4)}
 )
 SELECT queue, count(*), CASE WHEN bool_or(state = 'available') THEN pg_notify('fastjobs', queue) END
-  FROM released GROUP BY queue"""
+  FROM released GROUP BY queue
+UNION ALL
+SELECT NULL, NULL, NULL
+{_NOTIFY_KEPT}"""
 
 # job_clean_completed_many: delete up to $2 completed or cancelled jobs finalized before $1.
 job_clean_completed_many: Final = """
@@ -918,8 +950,7 @@ WITH target AS (
            cancel_requested = (t.state = 'running')
       FROM target t
      WHERE j.id = t.id
-    RETURNING j.id, j.queue, j.state, j.keep_result, j.kind, j.args, j.attempt, j.max_attempts,
-              j.created_at, j.attempted_at, j.errors
+    RETURNING {_indent(_ENDED, 14)}
 ), kept AS (
     {_indent(_keep(completed=None, ended="changed"), 4)}
 )
@@ -956,11 +987,14 @@ UPDATE fastjobs_jobs_all j
  WHERE j.id = t.id
 RETURNING t.state, j.attempt, t.max_attempts, j.max_attempts, pg_notify('fastjobs', j.queue)"""
 
-# job_discard: a job that is not running becomes discarded now.
-job_discard: Final = """
-UPDATE fastjobs_jobs_all SET state = 'discarded', finalized_at = now()
- WHERE id = $1 AND state IN ('available', 'scheduled', 'retryable', 'cancelled')
-RETURNING state::text"""
+# job_discard: a job that is not running becomes discarded now (kept, with keep_result, as the
+# statements that end jobs keep them: _ending).
+job_discard: Final = _ending(
+    update="""
+UPDATE fastjobs_jobs_all j SET state = 'discarded', finalized_at = now()
+ WHERE j.id = $1 AND j.state IN ('available', 'scheduled', 'retryable', 'cancelled')""",
+    returned="state::text",
+)
 
 # job_select_many: ids of the jobs in states $1 of queue $2 and kind $3 (NULL:
 # any) created more than $4 ago (NULL: any time), above id $5, in id order, up

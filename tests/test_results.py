@@ -286,3 +286,38 @@ def test_a_retried_job_forgets_its_kept_outcome_and_keeps_the_next(app: App, dsn
     assert app.status(job_id).state == "available"  # the discarded outcome is forgotten
     _run(app, "state")
     assert app.result(job_id) == "second time"
+
+
+def test_every_statement_that_ends_a_job_keeps_its_outcome_and_wakes_its_waiter(app: App, dsn: str) -> None:
+    """An operator's discard, the rescuer's and a crashed worker's: each keeps the outcome of a job
+    with keep_result and tells its waiters, as the loops' statements do."""
+    _register(app)
+    discarded = app.enqueue("add", {"a": 1, "b": 1}, delay=3600)
+    got: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            app.result(discarded, timeout=30)
+        except BaseException as exc:
+            got.append(exc)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while not _waiter_activity(dsn) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert main(["--dsn", dsn, "jobs", "discard", str(discarded)]) == 0
+    waiter.join(10)
+    assert len(got) == 1 and isinstance(got[0], JobFailed)
+    rescued = app.enqueue("add", {"a": 1, "b": 2}, max_attempts=1)
+    query(
+        dsn,
+        """UPDATE fastjobs_jobs_all SET state = 'running', attempt = 1, attempted_by = 'gone',
+                  attempted_at = now() - interval '1 hour' WHERE id = %s""",
+        (rescued,),
+    )
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        leader.rescue_once(conn)
+    assert [r["id"] for r in _results(dsn) if r["state"] == "discarded"] == [discarded, rescued]
+    with pytest.raises(JobFailed, match="died"):
+        app.result(rescued)

@@ -244,7 +244,10 @@ def test_every_channel_a_statement_names_is_a_channel_constant():
         "job_finish_locked_many": finish,
         "queue_wake": wake,
         "job_schedule_many": wake,
-        "job_release_unstarted": wake,
+        "job_release_unstarted": finish,
+        "job_crash_fast": {sql.RESULT_CHANNEL},  # every statement that may end a job tells the waiters
+        "job_rescue_many": {sql.RESULT_CHANNEL},
+        "job_discard": {sql.RESULT_CHANNEL},
         "job_cancel": {sql.CANCEL_CHANNEL, sql.RESULT_CHANNEL},
         "job_retry": wake,
         "testing_notify_commit": wake,
