@@ -35,7 +35,8 @@ class JobStatus:
 
     `state` is one of fastjobs.JobState's values; `value` is the kept return
     value of a completed job (None otherwise); `errors` the attempts' error
-    records as the jobs table stores them (at, attempt, error, traceback).
+    records as the jobs table stores them (at, attempt, error, traceback, and an
+    exception's class as `module.qualname`).
     """
 
     job_id: int

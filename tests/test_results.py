@@ -122,6 +122,7 @@ def test_a_discarded_job_raises_job_failed_with_its_errors(app: App, dsn: str, l
         app.result(job_id)
     assert caught.value.job_id == job_id
     assert "it broke" in caught.value.errors[0]["error"] and "it broke" in str(caught.value)
+    assert caught.value.errors[0]["class"] == "builtins.RuntimeError"
     assert _results(dsn)[0]["state"] == "discarded"
     query(dsn, "DELETE FROM fastjobs_jobs_all")  # the jobs table's retention ended: still known
     assert app.status(job_id).state == "discarded"
