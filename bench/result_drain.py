@@ -69,7 +69,8 @@ def main() -> None:
     print(
         f"drain of {jobs} jobs, 1 worker, {runs} runs each ({fastjobs.impl.IMPLEMENTATION}):"
         f" without keep_result {medians['plain']:,.0f} jobs/s, with {medians['kept']:,.0f} jobs/s"
-        f" ({medians['kept'] / medians['plain']:.2f} x; results kept by the last run: {count[0] if count else 0});"
+        f" ({medians['kept'] / medians['plain']:.2f} x;"
+        f" results kept by the last run: {count[0] if count else 0});"
         f" runs {[round(r) for r in rates['plain']]} / {[round(r) for r in rates['kept']]};"
         f" load average {os.getloadavg()[0]:.2f}"
     )

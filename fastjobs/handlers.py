@@ -118,7 +118,8 @@ def _error(
     text = _bounded(clean(text))
     if note is not None:
         text = f"{text} [fastjobs: {clean(note)}]"
-    record = {"at": dt.datetime.now(dt.UTC).isoformat(), "attempt": attempt, "error": text, "traceback": trace}
+    at = dt.datetime.now(dt.UTC).isoformat()
+    record = {"at": at, "attempt": attempt, "error": text, "traceback": trace}
     if not isinstance(exc, str):
         record["class"] = clean(f"{type(exc).__module__}.{type(exc).__qualname__}")
     return record
