@@ -23,7 +23,7 @@ import orjson
 
 from fastjobs import guard, handlers, sql, stats
 from fastjobs.abc import (BATCH_SECONDS, BUCKETS_NS, COMPLETED, FAST_LANE_DEMOTE, FULL_CLAIM_DUTY,
-                          FULL_CLAIM_MAX_WAIT, HAND_BACK_AFTER,
+                          FULL_CLAIM_MAX_WAIT, HAND_BACK_AFTER, KEEPING_CLAIMS,
                           INT64_MAX, MARK_RUN_AT_MAX, MARK_RUN_AT_MIN, OBSERVED_MAX_NS, PG_EPOCH_US,
                           PICKUP_SUM, ROW, RUN_SUM, SIZE_DECAY)
 from fastjobs.args import dump_args as _dump_args_checked
@@ -89,6 +89,7 @@ cdef double _FULL_CLAIM_MAX_WAIT = FULL_CLAIM_MAX_WAIT
 cdef Py_ssize_t _SIZE_DECAY = SIZE_DECAY
 cdef double _FAST_LANE_DEMOTE = FAST_LANE_DEMOTE
 cdef double _HAND_BACK_AFTER = HAND_BACK_AFTER
+cdef int _KEEPING_CLAIMS = KEEPING_CLAIMS
 cdef int64_t _MARK_RUN_AT_MIN = MARK_RUN_AT_MIN
 cdef int64_t _MARK_RUN_AT_MAX = MARK_RUN_AT_MAX
 cdef double _INF = float("inf")
@@ -328,6 +329,10 @@ cdef class BatchLoop:
     cdef Py_ssize_t _turn
     cdef bytes _statement, _after_statement
     cdef bytes _sql, _after_sql
+    # The _results variants, and how many claims more outcomes go by them (see the reference).
+    cdef bytes _kept_statement, _kept_after_statement
+    cdef bytes _kept_sql, _kept_after_sql
+    cdef int _keeping
     # Per queue: where its last claim ended, (priority, run_at in binary
     # timestamptz microseconds) or None, and when a claim from the front is
     # due again (see FULL_CLAIM_DUTY in the reference).
@@ -450,6 +455,12 @@ cdef class BatchLoop:
         self._statement, self._sql = name.encode(), text.encode()
         name, text = finish[bool(keep_completed), True]
         self._after_statement, self._after_sql = name.encode(), text.encode()
+        kept = sql.FINISH_CONTEXT_RESULTS if full_context else sql.FINISH_RESULTS
+        name, text = kept[bool(keep_completed), False]
+        self._kept_statement, self._kept_sql = name.encode(), text.encode()
+        name, text = kept[bool(keep_completed), True]
+        self._kept_after_statement, self._kept_after_sql = name.encode(), text.encode()
+        self._keeping = 0
         self._fast_queues = [
             fast_lane and not keep_completed and all(
                 not spec.is_async and spec.timeout is None for spec in specs.values() if spec.queue == q)
@@ -531,10 +542,13 @@ cdef class BatchLoop:
     def prepare(self):
         self._prepare(self._statement, self._sql)
         self._prepare(self._after_statement, self._after_sql)
+        self._prepare(self._kept_statement, self._kept_sql)
+        self._prepare(self._kept_after_statement, self._kept_after_sql)
         if any(self._fast_queues):
             self._prepare(self._lock_statement, self._lock_sql)
             self._prepare(self._lock_after_statement, self._lock_after_sql)
-            for name in ("job_finish_locked_many", "job_hand_over", "queue_wake"):
+            for name in ("job_finish_locked_many", "job_finish_locked_many_results", "job_hand_over",
+                         "queue_wake"):
                 self._prepare(name.encode(), sql.STATEMENTS[name].encode())
         guard.watch(self)
 
@@ -603,6 +617,7 @@ cdef class BatchLoop:
         finally:
             self._quiet = False
         self._mark(n)
+        self._note_keeping(n)
         self._deep[index] = n > 0
         if not n:
             return 0
@@ -676,7 +691,10 @@ cdef class BatchLoop:
         values[2] = PyBytes_AS_STRING(self._worker_id)
         self._quiet = True
         try:
-            if not PQsendQueryPrepared(self._pgconn, b"job_finish_locked_many", 3, values, NULL, NULL, 1):
+            if not PQsendQueryPrepared(
+                    self._pgconn,
+                    b"job_finish_locked_many_results" if self._keeping else b"job_finish_locked_many",
+                    3, values, NULL, NULL, 1):
                 raise LoopError(_conn_error(self._pgconn))
             self._flush()
             res = self._results(error)
@@ -817,13 +835,16 @@ cdef class BatchLoop:
         full = limit == 0 or mark is None or now >= <double>self._next_full[index]
         self._sent_index, self._sent_full, self._sent_at = index, full, now
         if full:
-            rc = PQsendQueryPrepared(self._pgconn, self._statement, 5, values, NULL, NULL, 1)
+            rc = PQsendQueryPrepared(self._pgconn, self._kept_statement if self._keeping else self._statement,
+                                     5, values, NULL, NULL, 1)
         else:
             snprintf(priority_text, sizeof(priority_text), "%d", <int>mark[0])
             snprintf(run_at_text, sizeof(run_at_text), "%lld", <long long>mark[1])
             values[5] = priority_text
             values[6] = run_at_text
-            rc = PQsendQueryPrepared(self._pgconn, self._after_statement, 7, values, NULL, NULL, 1)
+            rc = PQsendQueryPrepared(
+                self._pgconn, self._kept_after_statement if self._keeping else self._after_statement,
+                7, values, NULL, NULL, 1)
         if not rc:
             raise LoopError(_conn_error(self._pgconn))
         self._flush()
@@ -922,7 +943,8 @@ cdef class BatchLoop:
         values[2] = PyBytes_AS_STRING(self._queues[0])
         values[3] = b"0"
         values[4] = PyBytes_AS_STRING(self._worker_id)
-        if not PQsendQueryPrepared(self._pgconn, self._statement, 5, values, NULL, NULL, 1):
+        # A hand-back's or isolation's write: rare, and never unkept (see the reference).
+        if not PQsendQueryPrepared(self._pgconn, self._kept_statement, 5, values, NULL, NULL, 1):
             raise LoopError(_conn_error(self._pgconn))
         self._flush()
         res = self._results(error)
@@ -966,11 +988,23 @@ cdef class BatchLoop:
         self.claimed += n
         if self._limit > 0:
             self._mark(n)
+            self._note_keeping(n)
             if n >= self._limit:
                 self._deep[self._sent_index] = True
         self._full = self._limit > 0 and n >= self._limit
         # A short or empty claim halves the size at most: see the reference.
         self.size = min(self.batch_max, self._cap, max(self.batch_min, 2 * n, self.size // _SIZE_DECAY))
+        return 0
+
+    cdef int _note_keeping(self, int n) except -1:
+        """Count this claim in the window of KEEPING_CLAIMS (see the reference)."""
+        cdef int i
+        for i in range(n):
+            if not PQgetisnull(self._rows, i, 7):
+                self._keeping = _KEEPING_CLAIMS
+                return 0
+        if self._keeping:
+            self._keeping -= 1
         return 0
 
     cdef int _mark(self, int n) except -1:

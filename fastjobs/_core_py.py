@@ -22,6 +22,7 @@ from .abc import (
     FULL_CLAIM_DUTY,
     FULL_CLAIM_MAX_WAIT,
     HAND_BACK_AFTER,
+    KEEPING_CLAIMS,
     MARK_RUN_AT_MAX,
     MARK_RUN_AT_MIN,
     PG_EPOCH_US,
@@ -183,11 +184,14 @@ class BatchLoop:
         # whole; without, neither costs a job anything.
         self._full_context = full_context
         finish = sql.FINISH_CONTEXT if full_context else sql.FINISH
-        self._statements = {
-            name: (name.encode(), text)
-            for name, text in (finish[keep_completed, False], finish[keep_completed, True])
-        }
-        self._full_name, self._after_name = (name for name, _ in self._statements.values())
+        kept = sql.FINISH_CONTEXT_RESULTS if full_context else sql.FINISH_RESULTS
+        pairs = [table[keep_completed, after] for table in (finish, kept) for after in (False, True)]
+        self._statements = {name: (name.encode(), text) for name, text in pairs}
+        self._full_name, self._after_name, self._full_kept, self._after_kept = (
+            name.encode() for name, _ in pairs
+        )
+        # How many claims more outcomes go by the _results statements (KEEPING_CLAIMS).
+        self._keeping = 0
         # The fast lane (sql.job_lock_many): a queue takes it when every kind
         # registered on it is sync without a timeout and its sync jobs do not
         # run on threads; kept completed rows stay on the state lane. A batch
@@ -207,7 +211,12 @@ class BatchLoop:
         if any(self._fast_queues):
             for name, text in locks:
                 self._statements[name] = (name.encode(), text)
-            for name in ("job_finish_locked_many", "job_hand_over", "queue_wake"):
+            for name in (
+                "job_finish_locked_many",
+                "job_finish_locked_many_results",
+                "job_hand_over",
+                "queue_wake",
+            ):
                 self._statements[name] = (name.encode(), sql.STATEMENTS[name])
         self._state_until = [0.0] * len(queues)
         # A queue takes the fast lane only once a batch of it on the state lane
@@ -366,6 +375,7 @@ class BatchLoop:
             else:
                 self._tx = True
         self._mark(res, n)
+        self._note_keeping(res, n)
         self._deep[index] = n > 0
         if not n:
             return []
@@ -394,7 +404,8 @@ class BatchLoop:
         self._tx = False
         self._writing(failures)
         ids = ("{" + ",".join(map(str, done)) + "}").encode()
-        self._send_prepared(b"job_finish_locked_many", [ids, handlers.encode(failures), self._worker_id])
+        name = b"job_finish_locked_many_results" if self._keeping else b"job_finish_locked_many"
+        self._send_prepared(name, [ids, handlers.encode(failures), self._worker_id])
         _, error, _ = self._results()
         if error is None and wake:
             self._send_prepared(b"queue_wake", [self._queues[self._batch_base // self._stride]])
@@ -452,7 +463,10 @@ class BatchLoop:
             assert mark is not None
             params += [str(mark[0]).encode(), str(mark[1]).encode()]
         self._sent = (index, full, now)
-        self._send_prepared(self._full_name if full else self._after_name, params)
+        if self._keeping:
+            self._send_prepared(self._full_kept if full else self._after_kept, params)
+        else:
+            self._send_prepared(self._full_name if full else self._after_name, params)
         self._in_flight = True
         self._limit = limit
 
@@ -503,7 +517,7 @@ class BatchLoop:
         """Write outcomes alone, claiming nothing; the error if one of them is rejected."""
         ids = ("{" + ",".join(map(str, done)) + "}").encode()
         params = [ids, handlers.encode(failures), self._queues[0], b"0", self._worker_id]
-        self._send_prepared(self._full_name, params)
+        self._send_prepared(self._full_kept, params)  # a hand-back's, or isolation's: rare, never unkept
         res, error, isolatable = self._results()
         if error is None:
             self._claimed(res)
@@ -532,6 +546,7 @@ class BatchLoop:
         self.claimed += n
         if self._limit > 0:
             self._mark(res, n)
+            self._note_keeping(res, n)
             if n >= self._limit:
                 self._deep[self._sent[0]] = True
         self._full = self._limit > 0 and n >= self._limit
@@ -557,6 +572,13 @@ class BatchLoop:
                 )
             )
         return rows
+
+    def _note_keeping(self, res: Any, n: int) -> None:
+        """Count this claim in the window of KEEPING_CLAIMS: restarted when a job claimed keeps its result."""
+        if any(res.get_value(i, 7) is not None for i in range(n)):
+            self._keeping = KEEPING_CLAIMS
+        elif self._keeping:
+            self._keeping -= 1
 
     def _mark(self, res: Any, n: int) -> None:
         """Remember where this claim ended, and when to claim from the front of its queue.

@@ -6,7 +6,7 @@ STATEMENTS lists them all (collected from this module, so writing one lists
 it; tests/test_sql.py prepares each). `fastjobs sql show NAME` prints one as
 it is sent. Placeholders are PostgreSQL's own `$n`: the statements run
 unchanged through psycopg's RawCursor and through libpq in the Cython hot
-loop. FINISH, FINISH_CONTEXT and LOCK pick the hot loops' statements.
+loop. FINISH, FINISH_CONTEXT (and their _RESULTS) and LOCK pick the hot loops' statements.
 
 Most statements are written out whole, as one literal. A family of statements
 that differ in a part has one source instead: a function whose keyword-only
@@ -38,7 +38,7 @@ statements, as `fastjobs sql show` does):
   Listening and migrations   listen_*, migration_*, schema_*
   Inserts (family)           job_insert*, job_copy*, the staging table
   Claims (family)            job_claim_many, job_lock_*
-  Finishes (family)          job_finish_claim_*, job_finish_locked_many
+  Finishes (family)          job_finish_claim_*, job_finish_locked_many*
   The fast lane              its transaction, hand-over, wake-up, crash
   Leader                     the leader's lock and keepalives, the scheduler
   Workers                    a worker's session, registration, heartbeat, sleep
@@ -48,7 +48,7 @@ statements, as `fastjobs sql show` does):
   Vacuum and rotation        slot 0's VACUUM, the rotating slots
   Monitoring                 MVCC horizon, table health, NOTIFY queue
   Testing kit                fastjobs.testing's own statements
-  Registry                   STATEMENTS, NOT_PREPARABLE, SECTIONS, FINISH, FINISH_CONTEXT, LOCK
+  Registry                   STATEMENTS, NOT_PREPARABLE, SECTIONS, FINISH*, LOCK
 """
 
 from __future__ import annotations
@@ -497,8 +497,9 @@ _NOTIFY_KEPT: Final = f"""  FROM (SELECT string_agg(id::text, ',') AS ids FROM k
                  CASE WHEN length(k.ids) <= {RESULT_PAYLOAD_MAX} THEN k.ids ELSE '' END)::text IS NULL"""
 
 
-def _outcomes(*, keep: bool, fast: bool) -> str:
-    """The CTEs completed, completed_later, failed and kept of a finish statement (the last one left open)."""
+def _outcomes(*, keep: bool, fast: bool, results: bool) -> str:
+    """The CTEs completed, completed_later and failed of a finish statement, and with `results`
+    kept (the outcomes of jobs with keep_result); the last one left open."""
     if fast:  # the row is locked, not claimed: the outcome's attempt is the run's, counted now
         attempt, runner = "f.attempt", "\n           attempted_at = now(), attempted_by = $3,"
         attempted = "now()"
@@ -514,17 +515,26 @@ def _outcomes(*, keep: bool, fast: bool) -> str:
         complete = "UPDATE fastjobs_jobs_all j SET state = 'completed', finalized_at = now()"
         records = "  FROM"
     state = _outcome_state(attempt)
+    later, later_returned, failed_returned, kept = "", "j.id", "j.id, j.queue, j.state", ""
+    if results:
+        later = ",\n                                              result jsonb"
+        later_returned = (
+            f"j.id, j.keep_result, f.result, j.queue, j.kind, j.args, {attempt} AS attempt, j.max_attempts,"
+            f"\n              j.created_at, {attempted} AS attempted_at, j.errors"
+        )
+        failed_returned = _indent(_ENDED, 14)
+        kept = f"""
+), kept AS (
+    {_indent(_keep(completed="completed_later", ended="failed"), 4)}"""
     return f"""WITH completed AS (
     {complete}
      WHERE j.id = ANY($1::bigint[]) AND {first}
     RETURNING j.id
 ), completed_later AS (
     {complete}
-    {records} jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
-                                              result jsonb)
+    {records} jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state{later})
      WHERE f.state = 'completed' AND j.id = f.id AND {record}
-    RETURNING j.id, j.keep_result, f.result, j.queue, j.kind, j.args, {attempt} AS attempt, j.max_attempts,
-              j.created_at, {attempted} AS attempted_at, j.errors
+    RETURNING {later_returned}
 ), failed AS (
     UPDATE fastjobs_jobs_all j
        SET state = {_indent(state, 19)},
@@ -544,9 +554,7 @@ def _outcomes(*, keep: bool, fast: bool) -> str:
       FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
                                               delay float8, uncount smallint, error jsonb)
      WHERE f.state <> 'completed' AND j.id = f.id AND {record}
-    RETURNING {_indent(_ENDED, 14)}
-), kept AS (
-    {_indent(_keep(completed="completed_later", ended="failed"), 4)}"""
+    RETURNING {failed_returned}{kept}"""
 
 
 # The wake-up of each queue an outcome made available at once (Retry(0),
@@ -555,7 +563,7 @@ _WAKE: Final = """  FROM (SELECT DISTINCT queue FROM failed WHERE state = 'avail
  WHERE pg_notify('fastjobs', woken.queue)::text IS NULL"""
 
 
-def _finish_claim(*, keep: bool, choice: _Choice, context: bool) -> str:
+def _finish_claim(*, keep: bool, choice: _Choice, context: bool, results: bool = False) -> str:
     """Finish a batch and claim the next: the outcomes, then job_claim_many's claim of up to $4 jobs of
     queue $3 for worker $5 (LIMIT 0: none), the choice's parameters from $6. It returns the claimed
     rows, and after them one row per outcome that did not apply (stale), kind NULL, the outcome's
@@ -565,8 +573,9 @@ def _finish_claim(*, keep: bool, choice: _Choice, context: bool) -> str:
     claim = _claim(queue="$3", limit="$4", worker="$5", choice=choice, first=6, context=context)
     width = len(_CLAIMED) + (len(_CONTEXT) if context else 0)
     rest = ", NULL" * (width - 4)  # the columns after id, kind, args and attempt
+    notify = f"\nUNION ALL\nSELECT {', '.join(['NULL'] * width)}\n{_NOTIFY_KEPT}" if results else ""
     return f"""
-{_outcomes(keep=keep, fast=False)}
+{_outcomes(keep=keep, fast=False, results=results)}
 ), claimed AS (
     {_indent(claim, 4)}
 )
@@ -584,10 +593,7 @@ SELECT f.id, NULL, to_jsonb(f.state), f.attempt{rest}
    AND f.id NOT IN (SELECT id FROM failed UNION ALL SELECT id FROM completed_later)
 UNION ALL
 SELECT {", ".join(["NULL"] * width)}
-{_WAKE}
-UNION ALL
-SELECT {", ".join(["NULL"] * width)}
-{_NOTIFY_KEPT}"""
+{_WAKE}{notify}"""
 
 
 # job_finish_claim_many: finish a batch (completed jobs deleted) and claim the next from the front.
@@ -602,13 +608,51 @@ job_finish_claim_many_context: Final = _finish_claim(keep=False, choice=_FROM_TH
 job_finish_claim_after_context: Final = _finish_claim(keep=False, choice=_AFTER_THE_MARK, context=True)
 job_finish_claim_many_keep_context: Final = _finish_claim(keep=True, choice=_FROM_THE_FRONT, context=True)
 job_finish_claim_after_keep_context: Final = _finish_claim(keep=True, choice=_AFTER_THE_MARK, context=True)
+# The eight above with the outcomes of jobs that keep their result (keep_result): the _results
+# variants (FINISH_RESULTS, FINISH_CONTEXT_RESULTS), which a loop sends only for outcomes of a
+# batch that held such a job, so a batch without one sends the statement it sent before results.
+job_finish_claim_many_results: Final = _finish_claim(
+    keep=False, choice=_FROM_THE_FRONT, context=False, results=True
+)
+job_finish_claim_after_results: Final = _finish_claim(
+    keep=False, choice=_AFTER_THE_MARK, context=False, results=True
+)
+job_finish_claim_many_keep_results: Final = _finish_claim(
+    keep=True, choice=_FROM_THE_FRONT, context=False, results=True
+)
+job_finish_claim_after_keep_results: Final = _finish_claim(
+    keep=True, choice=_AFTER_THE_MARK, context=False, results=True
+)
+job_finish_claim_many_context_results: Final = _finish_claim(
+    keep=False, choice=_FROM_THE_FRONT, context=True, results=True
+)
+job_finish_claim_after_context_results: Final = _finish_claim(
+    keep=False, choice=_AFTER_THE_MARK, context=True, results=True
+)
+job_finish_claim_many_keep_context_results: Final = _finish_claim(
+    keep=True, choice=_FROM_THE_FRONT, context=True, results=True
+)
+job_finish_claim_after_keep_context_results: Final = _finish_claim(
+    keep=True, choice=_AFTER_THE_MARK, context=True, results=True
+)
 
 # job_finish_locked_many: the fast lane's outcomes, in the transaction that
 # locked their rows ($1, $2 as above, releases left out: an unstarted job is
 # left as it was; worker $3). Returns how many outcomes applied, and wakes
 # each queue an outcome made available at once.
 job_finish_locked_many: Final = f"""
-{_outcomes(keep=False, fast=True)}
+{_outcomes(keep=False, fast=True, results=False)}
+)
+SELECT (SELECT count(*) FROM completed) + (SELECT count(*) FROM completed_later)
+       + (SELECT count(*) FROM failed)
+UNION ALL
+SELECT NULL
+{_WAKE}"""
+
+# job_finish_locked_many_results: the same with the outcomes of jobs that keep their result (as
+# the _results variants above).
+job_finish_locked_many_results: Final = f"""
+{_outcomes(keep=False, fast=True, results=True)}
 )
 SELECT (SELECT count(*) FROM completed) + (SELECT count(*) FROM completed_later)
        + (SELECT count(*) FROM failed)
@@ -1484,6 +1528,16 @@ FINISH: Final[Mapping[tuple[bool, bool], tuple[str, str]]] = MappingProxyType(
     }
 )
 
+# The same for the outcomes of a batch that held a job with keep_result: the _results variants.
+FINISH_RESULTS: Final[Mapping[tuple[bool, bool], tuple[str, str]]] = MappingProxyType(
+    {
+        (False, False): ("job_finish_claim_many_results", job_finish_claim_many_results),
+        (False, True): ("job_finish_claim_after_results", job_finish_claim_after_results),
+        (True, False): ("job_finish_claim_many_keep_results", job_finish_claim_many_keep_results),
+        (True, True): ("job_finish_claim_after_keep_results", job_finish_claim_after_keep_results),
+    }
+)
+
 # The same, for a worker whose app has middleware: the _context variants.
 FINISH_CONTEXT: Final[Mapping[tuple[bool, bool], tuple[str, str]]] = MappingProxyType(
     {
@@ -1491,6 +1545,22 @@ FINISH_CONTEXT: Final[Mapping[tuple[bool, bool], tuple[str, str]]] = MappingProx
         (False, True): ("job_finish_claim_after_context", job_finish_claim_after_context),
         (True, False): ("job_finish_claim_many_keep_context", job_finish_claim_many_keep_context),
         (True, True): ("job_finish_claim_after_keep_context", job_finish_claim_after_keep_context),
+    }
+)
+
+# And their _results variants.
+FINISH_CONTEXT_RESULTS: Final[Mapping[tuple[bool, bool], tuple[str, str]]] = MappingProxyType(
+    {
+        (False, False): ("job_finish_claim_many_context_results", job_finish_claim_many_context_results),
+        (False, True): ("job_finish_claim_after_context_results", job_finish_claim_after_context_results),
+        (True, False): (
+            "job_finish_claim_many_keep_context_results",
+            job_finish_claim_many_keep_context_results,
+        ),
+        (True, True): (
+            "job_finish_claim_after_keep_context_results",
+            job_finish_claim_after_keep_context_results,
+        ),
     }
 )
 

@@ -51,6 +51,11 @@ def test_the_registry_lists_every_statement_under_its_own_name():
     assert {key: name for key, (name, _) in sql.FINISH_CONTEXT.items()} == {
         key: f"{name}_context" for key, (name, _) in sql.FINISH.items()
     }
+    for plain, kept in ((sql.FINISH, sql.FINISH_RESULTS), (sql.FINISH_CONTEXT, sql.FINISH_CONTEXT_RESULTS)):
+        assert {key: name for key, (name, _) in kept.items()} == {
+            key: f"{name}_results" for key, (name, _) in plain.items()
+        }
+        assert [name for name, text in kept.values() if sql.STATEMENTS[name] is not text] == []
 
 
 def test_every_statement_is_bound_once_and_nothing_derives_one_text_from_another():
@@ -144,22 +149,27 @@ def _mark(priority: str, run_at: str) -> str:
 
 
 FINISHES = sorted(name for table in (sql.FINISH, sql.FINISH_CONTEXT) for name, _ in table.values())
+FINISHES_RESULTS = sorted(
+    name for table in (sql.FINISH_RESULTS, sql.FINISH_CONTEXT_RESULTS) for name, _ in table.values()
+)
 LOCKS = sorted(name for name, _ in sql.LOCK.values())
 
 
-@pytest.mark.parametrize("name", FINISHES + LOCKS)
+@pytest.mark.parametrize("name", FINISHES + FINISHES_RESULTS + LOCKS)
 def test_a_variants_name_says_what_it_is(name):
     """A variant is one line, its name and its family's parameters: each part of the name shows in
     its text, and only then. _after claims after the mark, _keep keeps completed jobs (their
     completion CTEs update instead of deleting), _context returns meta and created_at (after
-    keep_result, which every claim returns)."""
+    keep_result, which every claim returns), _results keeps the outcomes of jobs with keep_result."""
     text = _words(sql.STATEMENTS[name])
     mark = _mark("$3", "$4") if name in LOCKS else _mark("$6", "$7")
     assert (text.count(mark), text.count("AND priority = $")) == ((1, 1) if "_after" in name else (0, 0))
     assert ("run_at, keep_result, meta, created_at" in text) == ("_context" in name)
-    if name in FINISHES:
+    assert ("fastjobs_results" in text) == ("_results" in name)
+    if name in FINISHES + FINISHES_RESULTS:
         ctes, _ = _parts(sql.STATEMENTS[name])
-        assert list(ctes) == ["completed", "completed_later", "failed", "kept", "claimed"]
+        kept = ["kept"] if "_results" in name else []
+        assert list(ctes) == ["completed", "completed_later", "failed", *kept, "claimed"]
         kept = "UPDATE fastjobs_jobs_all j SET state = 'completed', finalized_at = now() "
         deleted = "DELETE FROM fastjobs_jobs_all j "
         expected = kept if "_keep" in name else deleted
@@ -172,16 +182,18 @@ def test_keep_the_mark_and_context_leave_the_outcomes_alone():
     records, and its guard (the row locked at the attempt before this run)."""
     failed = {_parts(sql.STATEMENTS[name])[0]["failed"] for name in FINISHES}
     assert len(failed) == 1
+    for name in [*FINISHES_RESULTS, "job_finish_locked_many_results"]:  # the same outcomes, kept too
+        kept = _parts(sql.STATEMENTS[name])[0]["failed"].split(" RETURNING ")[0]
+        assert (
+            kept == _parts(sql.STATEMENTS[name.removesuffix("_results")])[0]["failed"].split(" RETURNING ")[0]
+        )
     state_lane = failed.pop()
     fast_lane = _parts(sql.job_finish_locked_many)[0]["failed"]
     assert "'attempt', j.attempt," in state_lane and "'attempt', f.attempt," in fast_lane
     assert "attempt = j.attempt - f.uncount," in state_lane
     assert "attempt = f.attempt - f.uncount, attempted_at = now(), attempted_by = $3," in fast_lane
     guards = [lane.split(" WHERE ")[-1] for lane in (state_lane, fast_lane)]
-    returned = (
-        " RETURNING j.id, j.queue, j.state, j.keep_result, j.kind, j.args, j.attempt, j.max_attempts,"
-        " j.created_at, j.attempted_at, j.errors"
-    )
+    returned = " RETURNING j.id, j.queue, j.state"
     assert guards == [
         "f.state <> 'completed' AND j.id = f.id AND j.attempt = f.attempt"
         " AND j.attempted_by = $5 AND j.state::text = 'running'" + returned,
@@ -226,6 +238,7 @@ def test_every_channel_a_statement_names_is_a_channel_constant():
     names.update({m.label: _channels(m.sql) for m in schema.migrations()})
     wake = {sql.NOTIFY_CHANNEL}
     finish = {sql.NOTIFY_CHANNEL, sql.RESULT_CHANNEL}  # wakes queues, tells the waiters of kept outcomes
+    results = {name: finish for name in [*FINISHES_RESULTS, "job_finish_locked_many_results"]}
     assert {name: channels for name, channels in names.items() if channels} == {
         "001_initial": wake,  # the enqueue trigger
         "listen_jobs": wake,
@@ -233,15 +246,15 @@ def test_every_channel_a_statement_names_is_a_channel_constant():
         "listen_cancel": {sql.CANCEL_CHANNEL},
         "listen_result": {sql.RESULT_CHANNEL},
         "listener_ping": {sql.PING_CHANNEL},
-        "job_finish_claim_many": finish,
-        "job_finish_claim_after": finish,
-        "job_finish_claim_many_keep": finish,
-        "job_finish_claim_after_keep": finish,
-        "job_finish_claim_many_context": finish,
-        "job_finish_claim_after_context": finish,
-        "job_finish_claim_many_keep_context": finish,
-        "job_finish_claim_after_keep_context": finish,
-        "job_finish_locked_many": finish,
+        "job_finish_claim_many": wake,
+        "job_finish_claim_after": wake,
+        "job_finish_claim_many_keep": wake,
+        "job_finish_claim_after_keep": wake,
+        "job_finish_claim_many_context": wake,
+        "job_finish_claim_after_context": wake,
+        "job_finish_claim_many_keep_context": wake,
+        "job_finish_claim_after_keep_context": wake,
+        "job_finish_locked_many": wake,
         "queue_wake": wake,
         "job_schedule_many": wake,
         "job_release_unstarted": finish,
@@ -251,6 +264,7 @@ def test_every_channel_a_statement_names_is_a_channel_constant():
         "job_cancel": {sql.CANCEL_CHANNEL, sql.RESULT_CHANNEL},
         "job_retry": wake,
         "testing_notify_commit": wake,
+        **results,
     }
     assert {sql.NOTIFY_CHANNEL, sql.PING_CHANNEL, sql.CANCEL_CHANNEL, sql.RESULT_CHANNEL} == sql.CHANNELS
 
@@ -268,6 +282,8 @@ def test_every_limit_a_statement_carries_is_its_constant():
         "job_finish_claim_many_keep",
         "job_finish_claim_after_keep",
         *(name for name, _ in sql.FINISH_CONTEXT.values()),
+        *FINISHES_RESULTS,
+        "job_finish_locked_many_results",
         "job_retry",
         # The fast lane: the attempt its run makes, counted when its outcome (or its crash) is written.
         "job_lock_many",
@@ -283,9 +299,10 @@ def test_every_limit_a_statement_carries_is_its_constant():
     text = "\n".join(sql.STATEMENTS.values())
     assert text.count(str(sql.ATTEMPT_CAP)) == sum(len(found) for found in counting.values())
     margins = re.findall(r"\$[47]::int8 - (\d+)\)", text)
-    # The _after ones, with context or not: four finish statements and two fast-lane claims.
-    assert [int(m) for m in margins] == [sql.CLAIM_MARK_MARGIN] * 6
-    assert text.count(str(sql.CLAIM_MARK_MARGIN)) == 6
+    # The _after ones, with context or not, with _results or not: eight finish statements and two
+    # fast-lane claims.
+    assert [int(m) for m in margins] == [sql.CLAIM_MARK_MARGIN] * 10
+    assert text.count(str(sql.CLAIM_MARK_MARGIN)) == 10
 
 
 def test_every_unique_key_predicate_is_the_unique_index_predicate():
