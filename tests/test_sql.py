@@ -168,8 +168,8 @@ def test_a_variants_name_says_what_it_is(name):
     assert ("fastjobs_results" in text) == ("_results" in name)
     if name in FINISHES + FINISHES_RESULTS:
         ctes, _ = _parts(sql.STATEMENTS[name])
-        kept = ["kept"] if "_results" in name else []
-        assert list(ctes) == ["completed", "completed_later", "failed", *kept, "claimed"]
+        results = ["kept"] if "_results" in name else []
+        assert list(ctes) == ["completed", "completed_later", "failed", *results, "claimed"]
         kept = "UPDATE fastjobs_jobs_all j SET state = 'completed', finalized_at = now() "
         deleted = "DELETE FROM fastjobs_jobs_all j "
         expected = kept if "_keep" in name else deleted
