@@ -15,8 +15,10 @@ import psycopg
 import pytest
 
 import fastjobs
-from fastjobs import App, JobCancelled, JobFailed, JobNotFound, JobStatus, leader
+from fastjobs import App, JobCancelled, JobFailed, JobNotFound, JobStatus, abc, leader
 from fastjobs.cli import main
+from fastjobs.handlers import Executor
+from fastjobs.impl import core
 from tests.helpers import batch_loop, drain, query, warm
 
 LANES = pytest.mark.parametrize("lane", ["fast", "state"])
@@ -332,3 +334,52 @@ def test_every_statement_that_ends_a_job_keeps_its_outcome_and_wakes_its_waiter(
     assert [r["id"] for r in _results(dsn) if r["state"] == "discarded"] == [discarded, rescued]
     with pytest.raises(JobFailed, match="died"):
         app.result(rescued)
+
+
+@LANES
+def test_a_loop_that_claims_no_job_keeping_its_result_never_sends_the_results_statements(
+    app: App, dsn: str, lane: str
+) -> None:
+    """Jobs without keep_result go by the finish statements of before; a batch with one takes the
+    _results variant, and the loop goes back once KEEPING_CLAIMS claims have held none."""
+    _register(app)
+    conn = psycopg.connect(dsn, autocommit=True)
+    executor = Executor(10)
+    loop = core.BatchLoop(conn, dict(app.jobs), executor, "w", ["default"], batch_min=5, batch_max=5,
+                          fast_lane=lane == "fast")  # fmt: skip
+    try:
+        loop.prepare()
+        if lane == "fast":
+            warm(app, loop)
+
+        def executed() -> dict[str, int]:
+            rows = conn.execute(
+                "SELECT name, generic_plans + custom_plans FROM pg_prepared_statements"
+                " WHERE name LIKE 'job_finish%%results'"
+            ).fetchall()
+            return {name: count for name, count in rows if count}
+
+        def drain_all() -> None:
+            while loop.step():
+                pass
+
+        app.enqueue_many("plain", [{"a": n, "b": 0} for n in range(20)])
+        drain_all()
+        assert executed() == {}
+        app.enqueue("add", {"a": 1, "b": 1})
+        drain_all()
+        assert executed() != {}
+        before = executed()
+        for _ in range(abc.KEEPING_CLAIMS + 1):
+            app.enqueue_many("plain", [{"a": n, "b": 0} for n in range(5)])
+            drain_all()
+        app.enqueue_many("plain", [{"a": n, "b": 0} for n in range(20)])
+        after = executed()
+        drain_all()
+        assert executed() == after
+        loop.stopping = True
+        loop.finish()
+        assert len(_results(dsn)) == 1 and before
+    finally:
+        executor.close()
+        conn.close()
