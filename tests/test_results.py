@@ -13,6 +13,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.rows import dict_row
 
 import fastjobs
 from fastjobs import App, JobCancelled, JobFailed, JobNotFound, JobStatus, abc, leader
@@ -152,6 +153,8 @@ def test_unknown_and_unkept_jobs_say_why(app: App, dsn: str) -> None:
         app.result(job_id)
     status = app.status(job_id)
     assert (status.state, status.value, status.errors) == ("available", None, [])
+    with psycopg.connect(dsn, row_factory=dict_row) as conn:  # the caller's, any row factory
+        assert app.status(job_id, conn=conn) == status
 
 
 def test_a_timeout_raises_and_leaves_the_job_alone(app: App, dsn: str) -> None:
