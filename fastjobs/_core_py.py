@@ -246,7 +246,12 @@ class BatchLoop:
         self.recheck = float("inf")  # seconds until an idle loop should claim from the front
         self.batch_min = batch_min
         self.batch_max = batch_max
-        self.size = batch_min
+        # Per queue, as its marks: a claim's size and the pace cap of its last
+        # batch. One size for all made an empty queue's claim halve the size
+        # of a busy one's, which was then claimed 1-2 jobs at a time.
+        self._sizes = [batch_min] * len(queues)
+        self._caps = [batch_max] * len(queues)
+        self.size = batch_min  # the size the last claim chose for its queue
         self.overlap = overlap
         self.stopping = False
         self._pooled = False  # this batch's sync jobs run on the executor's pool
@@ -258,7 +263,6 @@ class BatchLoop:
         self._in_flight = False
         self._limit = 0
         self._full = False
-        self._cap = batch_max
         self.stale = 0  # outcomes dropped because their job no longer ran that attempt here
         self._rows: list[Row] = []
         # Jobs completed at their first attempt (by id), and every other outcome.
@@ -338,10 +342,10 @@ class BatchLoop:
         """The fast lane's claim: BEGIN, lock up to `limit` jobs; the transaction stays open if any came."""
         if self._done or self._failures:
             # Outcomes of the state lane still held go first, by its own statement.
-            turn, size = self._turn, self.size
+            turn = self._turn
             self._send(0)
             self._receive()
-            self._turn, self.size = turn, size
+            self._turn = turn
         index = self._turn % len(self._queues)
         self._turn += 1
         now = time.monotonic()
@@ -372,7 +376,7 @@ class BatchLoop:
         self._limit = limit
         self._full = n >= limit
         self.claimed += n
-        self.size = min(self.batch_max, self._cap, max(self.batch_min, 2 * n, self.size // SIZE_DECAY))
+        self._resize(index, n)
         return self._rows_of(res, n)
 
     def _commit(self, wake: bool = False) -> None:
@@ -534,9 +538,19 @@ class BatchLoop:
             self._mark(res, n)
             if n >= self._limit >= min(DEEP_CLAIM, self.batch_max):
                 self._deep[self._sent[0]] = True
+            self._resize(self._sent[0], n)
         self._full = self._limit > 0 and n >= self._limit
-        self.size = min(self.batch_max, self._cap, max(self.batch_min, 2 * n, self.size // SIZE_DECAY))
         return rows
+
+    def _resize(self, index: int, n: int) -> None:
+        """The next claim of queue `index` asks twice what this one found, halving at most."""
+        halved = self._sizes[index] // SIZE_DECAY
+        size = min(self.batch_max, self._caps[index], max(self.batch_min, 2 * n, halved))
+        self._sizes[index] = self.size = size
+
+    def _next_size(self) -> int:
+        """The size of the next claim, of the queue whose turn it is (batch_max may have shrunk)."""
+        return min(self._sizes[self._turn % len(self._queues)], self.batch_max)
 
     def _rows_of(self, res: Any, n: int) -> list[Row]:
         rows: list[Row] = []
@@ -592,9 +606,9 @@ class BatchLoop:
         tries = len(self._queues) + (1 if self._failures else 0)
         for _ in range(tries):
             if self._fast_for(self._turn % len(self._queues)):
-                rows = self._lock(self.size)
+                rows = self._lock(self._next_size())
             else:
-                self._send(self.size)
+                self._send(self._next_size())
                 rows = self._receive()
             if rows:
                 return rows
@@ -624,7 +638,7 @@ class BatchLoop:
             and not self.stopping
             and not self._fast_for(self._turn % len(self._queues))
         ):
-            self._send(self.size)
+            self._send(self._next_size())
         began = time.perf_counter()
         self._run(rows)
         ran = time.perf_counter() - began
@@ -645,7 +659,7 @@ class BatchLoop:
             # Whole waves, the nearest count: 19 jobs on 10 threads take as long as 20.
             cap = max(wave, (cap + wave // 2) // wave * wave)
             self._executor.wave = 0
-        self._cap = max(self.batch_min, cap)
+        self._caps[self._batch_base // self._stride] = max(self.batch_min, cap)
         if self._in_flight:
             self._rows = self._receive()
         return len(rows)
@@ -666,7 +680,8 @@ class BatchLoop:
             if self._tx:
                 self._commit()
         ran = time.perf_counter() - began
-        self._cap = max(self.batch_min, int(BATCH_SECONDS / 2 * len(rows) / max(ran, 1e-9)))
+        pace = int(BATCH_SECONDS / 2 * len(rows) / max(ran, 1e-9))
+        self._caps[self._batch_base // self._stride] = max(self.batch_min, pace)
         return len(rows)
 
     def finish(self) -> None:
