@@ -11,8 +11,8 @@ failure of fastjobs's own, the others keep theirs, the worker runs on.
 from __future__ import annotations
 
 import math
-import time
 import os
+import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
