@@ -14,7 +14,7 @@ import select
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypedDict, TypeVar, Unpack, overload
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeAlias, TypedDict, TypeVar, Unpack, overload
 
 import psycopg
 
@@ -27,11 +27,20 @@ from .retry import RetryPolicy
 from .types import DEFAULT_MAX_ATTEMPTS, DEFAULT_PRIORITY, DEFAULT_QUEUE, JobSpec
 
 if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection as SAConnection
+    from sqlalchemy.ext.asyncio import AsyncConnection as SAAsyncConnection
+    from sqlalchemy.ext.asyncio import AsyncSession
+    from sqlalchemy.orm import Session
+
     from .testing import Mode, Testing
 
 P = ParamSpec("P")
 R = TypeVar("R")
 M = TypeVar("M", bound=Callable[..., Any])
+
+# What `conn=` takes: a psycopg 3 connection, or a SQLAlchemy one on psycopg 3 (fastjobs.contrib.sqlalchemy).
+Conn: TypeAlias = "psycopg.Connection[Any] | SAConnection | Session"
+AsyncConn: TypeAlias = "psycopg.AsyncConnection[Any] | SAAsyncConnection | AsyncSession"
 
 # Reserved for enqueue options on the job handle, so a handler cannot take it.
 _RESERVED = frozenset({"conn"})
@@ -308,18 +317,20 @@ class App:
         kind: str,
         args: dict[str, Any] | None = None,
         *,
-        conn: psycopg.Connection[Any] | None = None,
+        conn: Conn | None = None,
         **options: Unpack[EnqueueOptions],
     ) -> int:
         """Insert one job and return its id.
 
-        With `conn`, the job joins the caller's transaction: it exists (and
-        is visible to workers) only once that transaction commits. With a
+        With `conn` (a psycopg 3 connection, or a SQLAlchemy Connection or
+        Session on psycopg 3), the job joins the caller's transaction: it
+        exists (and is visible to workers) only once that transaction commits. With a
         `unique_key` (or a kind registered with `unique=`) held by a job still
         pending or running, nothing is inserted and that job's id is returned.
         """
         opts = enqueue.options(kind, self._spec(kind), **options)
         params = enqueue.insert_params(opts, args)  # bad args fail before a connection is taken
+        conn = enqueue.adapt(conn)
         if not self._enqueue_middleware:
             return self._insert(params, conn)
         if conn is not None:
@@ -372,7 +383,7 @@ class App:
         kind: str,
         args_iterable: Iterable[dict[str, Any]],
         *,
-        conn: psycopg.Connection[Any] | None = None,
+        conn: Conn | None = None,
         **options: Unpack[BulkOptions],
     ) -> int:
         """Insert many jobs of one kind with one binary COPY; return the count inserted.
@@ -384,6 +395,7 @@ class App:
         repeated in the call) are skipped and not counted.
         """
         opts = enqueue.options(kind, self._spec(kind), **options)
+        conn = enqueue.adapt(conn)
         if conn is not None:
             enqueue.check_conn(conn, psycopg.Connection)
         if not self._enqueue_middleware:
@@ -417,12 +429,15 @@ class App:
         kind: str,
         args: dict[str, Any] | None = None,
         *,
-        conn: psycopg.AsyncConnection[Any] | None = None,
+        conn: AsyncConn | None = None,
         **options: Unpack[EnqueueOptions],
     ) -> int:
-        """`enqueue` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs')."""
+        """`enqueue` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs'), or a
+        SQLAlchemy AsyncConnection or AsyncSession on psycopg 3."""
         opts = enqueue.options(kind, self._spec(kind), **options)
         params = enqueue.insert_params(opts, args)
+        if conn is not None and not isinstance(conn, psycopg.AsyncConnection):
+            conn = await enqueue.adapt_async(conn)
         if not self._enqueue_middleware_async:
             return await self._insert_async(params, conn)
         if conn is not None:
@@ -454,11 +469,14 @@ class App:
         kind: str,
         args_iterable: Iterable[dict[str, Any]],
         *,
-        conn: psycopg.AsyncConnection[Any] | None = None,
+        conn: AsyncConn | None = None,
         **options: Unpack[BulkOptions],
     ) -> int:
-        """`enqueue_many` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs')."""
+        """`enqueue_many` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs'), or a
+        SQLAlchemy AsyncConnection or AsyncSession on psycopg 3."""
         opts = enqueue.options(kind, self._spec(kind), **options)
+        if conn is not None and not isinstance(conn, psycopg.AsyncConnection):
+            conn = await enqueue.adapt_async(conn)
         if conn is not None:
             enqueue.check_conn(conn, psycopg.AsyncConnection)
         if not self._enqueue_middleware_async:
@@ -515,7 +533,7 @@ class App:
 
         return Testing(self, mode, dsn=dsn)
 
-    def cancel(self, job_id: int, *, conn: psycopg.Connection[Any] | None = None) -> str:
+    def cancel(self, job_id: int, *, conn: Conn | None = None) -> str:
         """Cancel a job; returns what became of it.
 
         A queued job (available, scheduled, retryable) is `cancelled` at once.
@@ -525,6 +543,7 @@ class App:
         state returned. Raises JobNotFound for an unknown id.
         """
         with schema.required():
+            conn = enqueue.adapt(conn)
             if conn is not None:
                 enqueue.check_conn(conn, psycopg.Connection)
                 return control.cancel(conn, job_id)
@@ -589,7 +608,7 @@ class Job(Generic[P, R]):
         self,
         app: App,
         spec: JobSpec,
-        conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any] | None = None,
+        conn: Conn | AsyncConn | None = None,
         **defaults: Unpack[BulkOptions],
     ) -> None:
         self._func: Callable[P, R] = spec.func
@@ -611,13 +630,15 @@ class Job(Generic[P, R]):
         enqueue.options(self.kind, self.spec, **merged)  # bad options fail here, not at enqueue
         return Job(self.app, self.spec, self._conn, **merged)
 
-    def using(self, conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> Job[P, R]:
+    def using(self, conn: Conn | AsyncConn) -> Job[P, R]:
         """A handle that enqueues in `conn`'s transaction: the jobs exist once it commits.
 
-        A `psycopg.AsyncConnection` serves the `_async` methods; the enqueue
-        checks the connection further, as it checks a `conn=`.
+        A `psycopg.AsyncConnection` (or a SQLAlchemy AsyncConnection or
+        AsyncSession) serves the `_async` methods; the enqueue checks the
+        connection further, as it checks a `conn=`.
         """
-        if not isinstance(conn, psycopg.Connection | psycopg.AsyncConnection):
+        sqlalchemy = enqueue.is_sqlalchemy(conn)
+        if not isinstance(conn, psycopg.Connection | psycopg.AsyncConnection) and not sqlalchemy:
             raise enqueue.foreign_conn(conn, "using() takes a psycopg 3 Connection or AsyncConnection")
         return Job(self.app, self.spec, conn, **self._defaults)
 
@@ -655,9 +676,7 @@ class Job(Generic[P, R]):
         conn = self._conn_for(named.pop("conn", None))
         return self.app.enqueue(self.kind, self._named(args, named), conn=conn, **self._defaults)
 
-    def enqueue_many(
-        self, args_iterable: Iterable[dict[str, Any]], *, conn: psycopg.Connection[Any] | None = None
-    ) -> int:
+    def enqueue_many(self, args_iterable: Iterable[dict[str, Any]], *, conn: Conn | None = None) -> int:
         """Enqueue one job per argument dict with one COPY; returns the count.
 
         `job.args(...)` builds a dict a type checker checks like a call.
@@ -670,7 +689,7 @@ class Job(Generic[P, R]):
         return await self.app.enqueue_async(self.kind, self._named(args, named), conn=conn, **self._defaults)
 
     async def enqueue_many_async(
-        self, args_iterable: Iterable[dict[str, Any]], *, conn: psycopg.AsyncConnection[Any] | None = None
+        self, args_iterable: Iterable[dict[str, Any]], *, conn: AsyncConn | None = None
     ) -> int:
         return await self.app.enqueue_many_async(
             self.kind, args_iterable, conn=self._conn_for(conn), **self._defaults
