@@ -18,9 +18,18 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeAlias, TypedDict,
 
 import psycopg
 
-from . import control, database, enqueue, middleware, schema, typed
+from . import control, database, enqueue, middleware, results, schema, typed
 from .cron import Cron
-from .enqueue import InsertParams, Options, check_kind, check_max_attempts, check_priority, check_queue
+from .enqueue import (
+    InsertParams,
+    Options,
+    check_keep_result,
+    check_kind,
+    check_max_attempts,
+    check_priority,
+    check_queue,
+)
+from .results import JobHandle, JobStatus
 from .errors import UnknownKind
 from .middleware import Enqueue, EnqueueMiddleware, JobMiddleware
 from .retry import RetryPolicy
@@ -54,6 +63,7 @@ class BulkOptions(TypedDict, total=False):
     run_at: dt.datetime | None  # timezone-aware
     delay: float | dt.timedelta | None  # seconds
     max_attempts: int | None
+    keep_result: float | dt.timedelta | None  # seconds the outcome is kept (App.result)
 
 
 class EnqueueOptions(BulkOptions, total=False):
@@ -126,6 +136,7 @@ class App:
         unique: bool | tuple[str, ...] | list[str] = False,
         cron: str | None = None,
         tz: str | None = None,
+        keep_result: float | dt.timedelta | None = None,
     ) -> Callable[[Callable[P, R]], Job[P, R]]: ...
 
     def job(
@@ -140,6 +151,7 @@ class App:
         unique: bool | tuple[str, ...] | list[str] = False,
         cron: str | None = None,
         tz: str | None = None,
+        keep_result: float | dt.timedelta | None = None,
     ) -> Callable[[Callable[P, R]], Job[P, R]] | Job[P, R]:
         """Register a handler (`def` or `async def`); `@app.job` bare is `@app.job()`.
 
@@ -153,6 +165,9 @@ class App:
         (5 fields or a shorthand such as "@daily"; the `cron` extra) makes the
         leader enqueue the job, without args, once per tick across the
         cluster, the expression read in the IANA time zone `tz` (default UTC).
+        `keep_result` (seconds or a timedelta) keeps each job's return value,
+        or the errors it was discarded or cancelled with, that long after it
+        ends, for `App.result` and `App.status` (docs/guides/results.md).
         """
         func: Callable[P, R] | None = None
         if callable(kind):  # bare `@app.job`: the function came as `kind`
@@ -169,6 +184,7 @@ class App:
         elif tz is not None:
             raise ValueError("tz= is the time zone of a cron schedule: give cron= too")
         unique_by: bool | tuple[str, ...] = unique if isinstance(unique, bool) else tuple(unique)
+        keep = check_keep_result(keep_result)
 
         def register(func: Callable[P, R]) -> Job[P, R]:
             name = kind or f"{func.__module__}.{func.__qualname__}"
@@ -201,6 +217,7 @@ class App:
                 cron=cron,
                 tz=tz,
                 args_schema=args_schema,
+                keep_result=keep,
             )
             self.jobs[name] = spec
             return Job(self, spec)
@@ -215,6 +232,7 @@ class App:
         priority: int = DEFAULT_PRIORITY,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         unique: bool | tuple[str, ...] | list[str] = False,
+        keep_result: float | dt.timedelta | None = None,
     ) -> Job[..., None]:
         """Declare a kind whose handler runs in another service, so that this app may enqueue it.
 
@@ -239,6 +257,7 @@ class App:
             priority=priority,
             max_attempts=max_attempts,
             unique=unique if isinstance(unique, bool) else tuple(unique),
+            keep_result=check_keep_result(keep_result),
         )
         self.declared[kind] = spec
         return Job(self, spec)
@@ -319,8 +338,8 @@ class App:
         *,
         conn: Conn | None = None,
         **options: Unpack[EnqueueOptions],
-    ) -> int:
-        """Insert one job and return its id.
+    ) -> JobHandle:
+        """Insert one job and return its id (a JobHandle: an int that can wait for its result).
 
         With `conn` (a psycopg 3 connection, or a SQLAlchemy Connection or
         Session on psycopg 3), the job joins the caller's transaction: it
@@ -332,7 +351,7 @@ class App:
         params = enqueue.insert_params(opts, args)  # bad args fail before a connection is taken
         conn = enqueue.adapt(conn)
         if not self._enqueue_middleware:
-            return self._insert(params, conn)
+            return JobHandle(self._insert(params, conn), self)
         if conn is not None:
             enqueue.check_conn(conn, psycopg.Connection)
         call = _enqueue_call(opts, {} if args is None else args)
@@ -344,7 +363,7 @@ class App:
             job_id = middleware.run_enqueue(self._enqueue_middleware, call, insert)
         if self._testing is not None:
             self._testing.inserted(conn)
-        return job_id
+        return JobHandle(job_id, self)
 
     @contextlib.contextmanager
     def _chain_target(self, conn: psycopg.Connection[Any] | None) -> Iterator[psycopg.Connection[Any]]:
@@ -431,7 +450,7 @@ class App:
         *,
         conn: AsyncConn | None = None,
         **options: Unpack[EnqueueOptions],
-    ) -> int:
+    ) -> JobHandle:
         """`enqueue` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs'), or a
         SQLAlchemy AsyncConnection or AsyncSession on psycopg 3."""
         opts = enqueue.options(kind, self._spec(kind), **options)
@@ -439,7 +458,7 @@ class App:
         if conn is not None and not isinstance(conn, psycopg.AsyncConnection):
             conn = await enqueue.adapt_async(conn)
         if not self._enqueue_middleware_async:
-            return await self._insert_async(params, conn)
+            return JobHandle(await self._insert_async(params, conn), self)
         if conn is not None:
             enqueue.check_conn(conn, psycopg.AsyncConnection)
         call = _enqueue_call(opts, {} if args is None else args)
@@ -451,7 +470,7 @@ class App:
             job_id = await middleware.run_enqueue_async(self._enqueue_middleware_async, call, insert)
         if self._testing is not None:
             await self._testing.inserted_async(conn)
-        return job_id
+        return JobHandle(job_id, self)
 
     async def _insert_async(self, params: InsertParams, conn: psycopg.AsyncConnection[Any] | None) -> int:
         if conn is not None:
@@ -549,6 +568,46 @@ class App:
                 return control.cancel(conn, job_id)
             with self.connection() as own:
                 return control.cancel(own, job_id)
+
+    def status(self, job_id: int, *, conn: Conn | None = None) -> JobStatus:
+        """What job `job_id` is now, without waiting: from the jobs table, or from the kept results
+        (a job enqueued with keep_result, after it ended). Raises JobNotFound when neither has it."""
+        conn = enqueue.adapt(conn)
+        if conn is not None:
+            enqueue.check_conn(conn, psycopg.Connection)
+            return results.status(conn, job_id)
+        with self.connection() as own:
+            return results.status(own, job_id)
+
+    async def status_async(
+        self, job_id: int, *, conn: AsyncConn | None = None
+    ) -> JobStatus:
+        """`status` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs')."""
+        if conn is not None and not isinstance(conn, psycopg.AsyncConnection):
+            conn = await enqueue.adapt_async(conn)
+        if conn is not None:
+            enqueue.check_conn(conn, psycopg.AsyncConnection)
+            return await results.status_async(conn, job_id)
+        async with self.connection_async() as own:
+            return await results.status_async(own, job_id)
+
+    def result(self, job_id: int, timeout: float | None = None) -> Any:
+        """The value job `job_id` returned, waiting for it to finish (at most `timeout` seconds).
+
+        Only a job enqueued with keep_result keeps it. Raises JobFailed (with
+        the job's `errors`) if the job was discarded, JobCancelled if it was
+        cancelled, TimeoutError (leaving the job alone) if it did not finish
+        in time, and JobNotFound, saying why, if there is nothing to wait
+        for: no such job, one without keep_result, or a result expired. The
+        wait issues no query: it is woken by the notification of its outcome.
+        """
+        with self.connection() as own:
+            return results.wait(own, job_id, timeout)
+
+    async def result_async(self, job_id: int, timeout: float | None = None) -> Any:
+        """`result` in an event loop, on one of fastjobs' async connections."""
+        async with self.connection_async() as own:
+            return await results.wait_async(own, job_id, timeout)
 
     @contextlib.contextmanager
     def connection(self) -> Iterator[psycopg.Connection[Any]]:
@@ -670,8 +729,8 @@ class Job(Generic[P, R]):
         """The call's `conn=`, else the one bound by `using`."""
         return self._conn if conn is None else conn
 
-    def enqueue(self, *args: P.args, **kwargs: P.kwargs) -> int:
-        """Enqueue one job with the handler's arguments; returns its id."""
+    def enqueue(self, *args: P.args, **kwargs: P.kwargs) -> JobHandle:
+        """Enqueue one job with the handler's arguments; returns its id (a JobHandle)."""
         named = dict(kwargs)
         conn = self._conn_for(named.pop("conn", None))
         return self.app.enqueue(self.kind, self._named(args, named), conn=conn, **self._defaults)
@@ -683,7 +742,7 @@ class Job(Generic[P, R]):
         """
         return self.app.enqueue_many(self.kind, args_iterable, conn=self._conn_for(conn), **self._defaults)
 
-    async def enqueue_async(self, *args: P.args, **kwargs: P.kwargs) -> int:
+    async def enqueue_async(self, *args: P.args, **kwargs: P.kwargs) -> JobHandle:
         named = dict(kwargs)
         conn = self._conn_for(named.pop("conn", None))
         return await self.app.enqueue_async(self.kind, self._named(args, named), conn=conn, **self._defaults)
