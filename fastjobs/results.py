@@ -17,8 +17,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import orjson
 import psycopg
 from psycopg.rows import tuple_row
+from psycopg.types.json import set_json_loads
 
 from . import schema, sql
 from .errors import JobCancelled, JobFailed, JobNotFound
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
     from .app import App
 
 __all__ = ["JobHandle", "JobStatus"]
+
 
 @dataclass(frozen=True, slots=True)
 class JobStatus:
@@ -85,12 +88,20 @@ def _status(job_id: int, row: tuple[Any, ...] | None) -> JobStatus:
 def status(conn: psycopg.Connection[Any], job_id: int) -> JobStatus:
     """Job `job_id` as it is now (sql.job_status); JobNotFound when neither table has it."""
     with schema.required(), psycopg.RawCursor(conn, row_factory=tuple_row) as cur:
+        _json(cur)
         return _status(job_id, cur.execute(sql.job_status, (job_id,)).fetchone())
+
+
+def _json(cur: psycopg.RawCursor[Any] | psycopg.AsyncRawCursor[Any]) -> None:
+    """Decode json and jsonb on this cursor whatever the caller's connection does with them
+    (Django's loads jsonb as text, for its JSONField to decode)."""
+    set_json_loads(orjson.loads, cur)
 
 
 async def status_async(conn: psycopg.AsyncConnection[Any], job_id: int) -> JobStatus:
     with schema.required():
         async with psycopg.AsyncRawCursor(conn, row_factory=tuple_row) as cur:
+            _json(cur)
             await cur.execute(sql.job_status, (job_id,))
             return _status(job_id, await cur.fetchone())
 

@@ -15,11 +15,10 @@ autocommit and the job is committed at once.
 
 from __future__ import annotations
 
-import datetime as dt
 import importlib
 import inspect
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import psycopg
 from asgiref.sync import sync_to_async
@@ -34,7 +33,9 @@ from django.utils.module_loading import autodiscover_modules, import_string
 from psycopg.conninfo import make_conninfo
 
 import fastjobs
-from fastjobs.testing import Mode, Testing
+
+if TYPE_CHECKING:
+    from fastjobs.testing import Mode, Testing
 
 __all__ = ["FastjobsBackend", "django_dsn"]
 
@@ -81,7 +82,10 @@ class FastjobsBackend(BaseTaskBackend):  # type: ignore[misc]  # django has no t
     (default 1: a Django task that raises is failed, as Django's own
     backends have it; more makes fastjobs retry it with its backoff,
     `READY` in between); "MODULES", modules holding tasks that are not in an
-    installed app's `tasks` module, imported by `manage.py fastjobs_run`.
+    installed app's `tasks` module, imported by `manage.py fastjobs_run`;
+    "KEEP_RESULT", seconds a finished task's outcome is kept for
+    `get_result` (default a day; fastjobs' results table, cleaned by the
+    leader).
 
     Priorities are Django's -100..100, stored as they are: fastjobs runs a
     higher priority first, as Django means it, and a job of fastjobs' own at
@@ -90,7 +94,7 @@ class FastjobsBackend(BaseTaskBackend):  # type: ignore[misc]  # django has no t
 
     supports_defer = True
     supports_async_task = True
-    supports_get_result = False
+    supports_get_result = True
     supports_priority = True
 
     # The management command sets it in the workers' master: close_old_connections() then runs
@@ -102,11 +106,12 @@ class FastjobsBackend(BaseTaskBackend):  # type: ignore[misc]  # django has no t
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
         options = self.options
-        unknown = set(options) - {"DATABASE", "DSN", "MAX_ATTEMPTS", "MODULES"}
+        unknown = set(options) - {"DATABASE", "DSN", "KEEP_RESULT", "MAX_ATTEMPTS", "MODULES"}
         if unknown:
             raise ImproperlyConfigured(f"TASKS[{alias!r}]['OPTIONS'] has unknown keys {sorted(unknown)}")
         self.database: str = options.get("DATABASE", DEFAULT_DB_ALIAS)
         self.max_attempts: int = options.get("MAX_ATTEMPTS", 1)
+        self.keep_result: float = options.get("KEEP_RESULT", KEEP_RESULT)
         self.modules: list[str] = list(options.get("MODULES", []))
         self._dsn: str | None = options.get("DSN")
         # The App has no DSN until a worker or a test needs one (connect_app): enqueues go
@@ -148,7 +153,10 @@ class FastjobsBackend(BaseTaskBackend):  # type: ignore[misc]  # django has no t
                         close_old_connections()
 
             handler = run
-        self.app.job(kind, queue=task.queue_name, max_attempts=self.max_attempts)(handler)
+        register = self.app.job(
+            kind, queue=task.queue_name, max_attempts=self.max_attempts, keep_result=self.keep_result
+        )
+        register(handler)
         self.tasks[kind] = task
 
     def _started(self, kind: str, args: list[Any], kwargs: dict[str, Any]) -> TaskResult:
@@ -280,9 +288,52 @@ class FastjobsBackend(BaseTaskBackend):  # type: ignore[misc]  # django has no t
         task_enqueued.send(type(self), task_result=result)
         return result
 
+    def get_result(self, result_id: str) -> TaskResult:
+        """The task's result as it stands, read through Django's connection (so a task enqueued in
+        the current transaction is found); TaskResultDoesNotExist for an unknown or expired id."""
+        try:
+            job_id = int(result_id)
+        except (TypeError, ValueError):
+            raise TaskResultDoesNotExist(result_id) from None
+        try:
+            status = self.app.status(job_id, conn=self.connection())
+        except fastjobs.JobNotFound as exc:
+            raise TaskResultDoesNotExist(result_id) from exc
+        task = _task_for(self, status.kind)
+        if task is None:
+            raise TaskResultDoesNotExist(f"{result_id} is a fastjobs job of kind {status.kind!r}, not a task")
+        if status.queue != task.queue_name:
+            task = task.using(queue_name=status.queue)
+        stored = status.args
+        result = TaskResult(
+            task=task,
+            id=str(status.job_id),
+            status=STATUS[status.state],
+            enqueued_at=status.enqueued_at,
+            started_at=status.started_at,
+            last_attempted_at=status.started_at,
+            finished_at=status.finished_at,
+            args=list(stored.get("args", [])),
+            kwargs=dict(stored.get("kwargs", {})),
+            backend=self.alias,
+            errors=[
+                TaskError(
+                    exception_class_path=_exception_path(e.get("traceback"), e.get("error", "")),
+                    traceback=e.get("traceback") or e.get("error", ""),
+                )
+                for e in status.errors
+            ],
+            worker_ids=[_WORKER] * status.attempt,
+        )
+        object.__setattr__(result, "_return_value", status.value)
+        return result
+
     def check(self, **kwargs: Any) -> list[Any]:
         return []
 
+
+# How long a finished task's outcome is kept for get_result, by default: a day.
+KEEP_RESULT = 86400.0
 
 # What TaskResult.worker_ids holds, one per attempt: fastjobs records the worker of the last
 # attempt only, and Django counts attempts by the length of this list.
@@ -307,6 +358,3 @@ def _task_for(backend: FastjobsBackend, kind: str) -> Task | None:
     except ImportError:
         return None
     return found if isinstance(found, Task) else None
-
-
-_unused = (dt, TaskError, TaskResultDoesNotExist)

@@ -31,8 +31,11 @@ DATABASES = {
         "CONN_MAX_AGE": int(os.environ.get("FASTJOBS_DJANGO_CONN_MAX_AGE", "0")),
         # Django's own sessions are counted by this name in pg_stat_activity.
         "OPTIONS": {"application_name": "fastjobs-django-test"},
-    }
+    },
+    # Not PostgreSQL: a task backend pointed at it refuses, saying so.
+    "lite": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"},
 }
+DATABASE_ROUTERS = ["djproject.routers.DefaultOnly"]
 
 TASKS = {
     "default": {

@@ -3,7 +3,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     initial = True
-    dependencies = [("fastjobs", "0001_schema")]
+    dependencies = [("fastjobs", "0002_results")]
     operations = [
         migrations.CreateModel(
             name="Order",
