@@ -33,8 +33,9 @@ def _free_port() -> int:
 def _start(args: list[str], dsn: str, log: Path) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if k not in ("FASTJOBS_DSN", "DATABASE_URL")}
     info = psycopg.conninfo.conninfo_to_dict(dsn)  # the tests' DSNs are key=value; the example takes a URL
-    url = f"postgresql://{info.get('user', 'postgres')}@{info.get('host', '127.0.0.1')}:{info.get('port', 5432)}"
-    env.update(DATABASE_URL=f"{url}/{info['dbname']}", PYTHONPATH=str(EXAMPLE.parent.parent))
+    user, host, port = info.get("user", "postgres"), info.get("host", "127.0.0.1"), info.get("port", 5432)
+    url = f"postgresql://{user}@{host}:{port}/{info['dbname']}"
+    env.update(DATABASE_URL=url, PYTHONPATH=str(EXAMPLE.parent.parent))
     with log.open("w") as stderr:  # the child has its own copy of the descriptor
         return subprocess.Popen(
             [sys.executable, *args],
@@ -74,9 +75,8 @@ def service(dsn: str, tmp_path: Path) -> Iterator[tuple[str, Path]]:
     finally:
         codes = _stop(api), _stop(worker)
     # uvicorn ends a graceful shutdown by raising the signal again (-15); fastjobs exits 0.
-    assert codes[0] in (0, -signal.SIGTERM) and codes[1] == 0, (tmp_path / "api.log").read_text() + (
-        tmp_path / "worker.log"
-    ).read_text()
+    logs = (tmp_path / "api.log").read_text() + (tmp_path / "worker.log").read_text()
+    assert codes[0] in (0, -signal.SIGTERM) and codes[1] == 0, logs
 
 
 def test_an_endpoint_enqueues_with_its_writes_and_another_returns_the_result(dsn, service):
@@ -86,9 +86,8 @@ def test_an_endpoint_enqueues_with_its_writes_and_another_returns_the_result(dsn
         assert created.status_code == 200, created.text
         order, job = created.json()["order"], created.json()["job"]
         done = client.get(f"/jobs/{job}", params={"wait": 20})
-        assert done.json() == {"job": job, "state": "completed", "value": 42}, (
-            logs / "worker.log"
-        ).read_text()
+        expected = {"job": job, "state": "completed", "value": 42}
+        assert done.json() == expected, (logs / "worker.log").read_text()
 
         # The request fails after its enqueue: the order and the job are rolled back together.
         failed = client.post(
