@@ -349,20 +349,20 @@ class App:
         """
         opts = enqueue.options(kind, self._spec(kind), **options)
         params = enqueue.insert_params(opts, args)  # bad args fail before a connection is taken
-        conn = enqueue.adapt(conn)
+        db: psycopg.Connection[Any] | None = enqueue.adapt(conn)
         if not self._enqueue_middleware:
-            return JobHandle(self._insert(params, conn), self)
-        if conn is not None:
-            enqueue.check_conn(conn, psycopg.Connection)
+            return JobHandle(self._insert(params, db), self)
+        if db is not None:
+            enqueue.check_conn(db, psycopg.Connection)
         call = _enqueue_call(opts, {} if args is None else args)
-        with self._chain_target(conn) as target:
+        with self._chain_target(db) as target:
 
             def insert() -> int:
                 return enqueue.insert(target, _with_meta(params, call))
 
             job_id = middleware.run_enqueue(self._enqueue_middleware, call, insert)
         if self._testing is not None:
-            self._testing.inserted(conn)
+            self._testing.inserted(db)
         return JobHandle(job_id, self)
 
     @contextlib.contextmanager
@@ -414,21 +414,21 @@ class App:
         repeated in the call) are skipped and not counted.
         """
         opts = enqueue.options(kind, self._spec(kind), **options)
-        conn = enqueue.adapt(conn)
-        if conn is not None:
-            enqueue.check_conn(conn, psycopg.Connection)
+        db: psycopg.Connection[Any] | None = enqueue.adapt(conn)
+        if db is not None:
+            enqueue.check_conn(db, psycopg.Connection)
         if not self._enqueue_middleware:
-            count = self._copy(opts, args_iterable, None, conn)
+            count = self._copy(opts, args_iterable, None, db)
         else:
             call = _enqueue_call(opts, None)
-            with self._chain_target(conn) as target:
+            with self._chain_target(db) as target:
 
                 def copy() -> int:
                     return enqueue.copy_many(target, opts, args_iterable, enqueue.dump_meta(call.meta))
 
                 count = middleware.run_enqueue(self._enqueue_middleware, call, copy)
         if self._testing is not None:
-            self._testing.inserted(conn)
+            self._testing.inserted(db)
         return count
 
     def _copy(
@@ -455,21 +455,24 @@ class App:
         SQLAlchemy AsyncConnection or AsyncSession on psycopg 3."""
         opts = enqueue.options(kind, self._spec(kind), **options)
         params = enqueue.insert_params(opts, args)
-        if conn is not None and not isinstance(conn, psycopg.AsyncConnection):
-            conn = await enqueue.adapt_async(conn)
+        db: psycopg.AsyncConnection[Any] | None = (
+            conn
+            if conn is None or isinstance(conn, psycopg.AsyncConnection)
+            else await enqueue.adapt_async(conn)
+        )
         if not self._enqueue_middleware_async:
-            return JobHandle(await self._insert_async(params, conn), self)
-        if conn is not None:
-            enqueue.check_conn(conn, psycopg.AsyncConnection)
+            return JobHandle(await self._insert_async(params, db), self)
+        if db is not None:
+            enqueue.check_conn(db, psycopg.AsyncConnection)
         call = _enqueue_call(opts, {} if args is None else args)
-        async with self._chain_target_async(conn) as target:
+        async with self._chain_target_async(db) as target:
 
             async def insert() -> int:
                 return await enqueue.insert_async(target, _with_meta(params, call))
 
             job_id = await middleware.run_enqueue_async(self._enqueue_middleware_async, call, insert)
         if self._testing is not None:
-            await self._testing.inserted_async(conn)
+            await self._testing.inserted_async(db)
         return JobHandle(job_id, self)
 
     async def _insert_async(self, params: InsertParams, conn: psycopg.AsyncConnection[Any] | None) -> int:
@@ -494,15 +497,18 @@ class App:
         """`enqueue_many` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs'), or a
         SQLAlchemy AsyncConnection or AsyncSession on psycopg 3."""
         opts = enqueue.options(kind, self._spec(kind), **options)
-        if conn is not None and not isinstance(conn, psycopg.AsyncConnection):
-            conn = await enqueue.adapt_async(conn)
-        if conn is not None:
-            enqueue.check_conn(conn, psycopg.AsyncConnection)
+        db: psycopg.AsyncConnection[Any] | None = (
+            conn
+            if conn is None or isinstance(conn, psycopg.AsyncConnection)
+            else await enqueue.adapt_async(conn)
+        )
+        if db is not None:
+            enqueue.check_conn(db, psycopg.AsyncConnection)
         if not self._enqueue_middleware_async:
-            count = await self._copy_async(opts, args_iterable, None, conn)
+            count = await self._copy_async(opts, args_iterable, None, db)
         else:
             call = _enqueue_call(opts, None)
-            async with self._chain_target_async(conn) as target:
+            async with self._chain_target_async(db) as target:
 
                 async def copy() -> int:
                     return await enqueue.copy_many_async(
@@ -511,7 +517,7 @@ class App:
 
                 count = await middleware.run_enqueue_async(self._enqueue_middleware_async, call, copy)
         if self._testing is not None:
-            await self._testing.inserted_async(conn)
+            await self._testing.inserted_async(db)
         return count
 
     async def _copy_async(
@@ -562,32 +568,33 @@ class App:
         state returned. Raises JobNotFound for an unknown id.
         """
         with schema.required():
-            conn = enqueue.adapt(conn)
-            if conn is not None:
-                enqueue.check_conn(conn, psycopg.Connection)
-                return control.cancel(conn, job_id)
+            db: psycopg.Connection[Any] | None = enqueue.adapt(conn)
+            if db is not None:
+                enqueue.check_conn(db, psycopg.Connection)
+                return control.cancel(db, job_id)
             with self.connection() as own:
                 return control.cancel(own, job_id)
 
     def status(self, job_id: int, *, conn: Conn | None = None) -> JobStatus:
         """What job `job_id` is now, without waiting: from the jobs table, or from the kept results
         (a job enqueued with keep_result, after it ended). Raises JobNotFound when neither has it."""
-        conn = enqueue.adapt(conn)
-        if conn is not None:
-            enqueue.check_conn(conn, psycopg.Connection)
-            return results.status(conn, job_id)
+        db: psycopg.Connection[Any] | None = enqueue.adapt(conn)
+        if db is not None:
+            enqueue.check_conn(db, psycopg.Connection)
+            return results.status(db, job_id)
         with self.connection() as own:
             return results.status(own, job_id)
 
-    async def status_async(
-        self, job_id: int, *, conn: AsyncConn | None = None
-    ) -> JobStatus:
+    async def status_async(self, job_id: int, *, conn: AsyncConn | None = None) -> JobStatus:
         """`status` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs')."""
-        if conn is not None and not isinstance(conn, psycopg.AsyncConnection):
-            conn = await enqueue.adapt_async(conn)
-        if conn is not None:
-            enqueue.check_conn(conn, psycopg.AsyncConnection)
-            return await results.status_async(conn, job_id)
+        db: psycopg.AsyncConnection[Any] | None = (
+            conn
+            if conn is None or isinstance(conn, psycopg.AsyncConnection)
+            else await enqueue.adapt_async(conn)
+        )
+        if db is not None:
+            enqueue.check_conn(db, psycopg.AsyncConnection)
+            return await results.status_async(db, job_id)
         async with self.connection_async() as own:
             return await results.status_async(own, job_id)
 

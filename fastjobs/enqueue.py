@@ -149,7 +149,9 @@ def check_keep_result(keep_result: object) -> int | None:
     if isinstance(seconds, bool) or not isinstance(seconds, int | float):
         raise ValueError(f"keep_result must be seconds or a timedelta, not {type(keep_result).__name__}")
     if not math.isfinite(seconds) or seconds <= 0 or seconds > MAX_KEEP_RESULT:
-        raise ValueError(f"keep_result must be a number of seconds > 0 and <= {MAX_KEEP_RESULT}, not {seconds!r}")
+        raise ValueError(
+            f"keep_result must be a number of seconds > 0 and <= {MAX_KEEP_RESULT}, not {seconds!r}"
+        )
     return math.ceil(seconds)
 
 
@@ -260,7 +262,15 @@ class InsertParams(NamedTuple):
 
     def now(self) -> tuple[str, str, str, int, int, str | None, int | None]:
         """sql.job_insert_now's parameters."""
-        return (self.queue, self.kind, self.args, self.priority, self.max_attempts, self.meta, self.keep_result)
+        return (
+            self.queue,
+            self.kind,
+            self.args,
+            self.priority,
+            self.max_attempts,
+            self.meta,
+            self.keep_result,
+        )
 
 
 def insert_params(opts: Options, args: Any, meta: bytes | None = None) -> InsertParams:

@@ -65,7 +65,7 @@ def service(dsn: str, tmp_path: Path) -> Iterator[tuple[str, Path]]:
         if api.poll() is not None:
             return True
         try:
-            return httpx.get(f"{base}/docs", timeout=1).status_code == 200
+            return bool(httpx.get(f"{base}/docs", timeout=1).status_code == 200)
         except httpx.TransportError:
             return False
 

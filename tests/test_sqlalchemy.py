@@ -152,7 +152,7 @@ def test_another_driver_is_refused_naming_the_url_to_use(dsn, jobs):
     with sqlite.connect() as conn, pytest.raises(TypeError, match="sqlite"):
         job.enqueue(1, conn=conn)
     with pytest.raises(TypeError, match="SQLAlchemy"):
-        job.using(object())  # type: ignore[arg-type]
+        job.using(object())
 
 
 def test_the_dialect_check_needs_no_connection(jobs):
@@ -162,11 +162,11 @@ def test_the_dialect_check_needs_no_connection(jobs):
     from fastjobs.contrib import sqlalchemy as contrib
 
     with pytest.raises(TypeError, match=r"psycopg2 driver.*postgresql\+psycopg://"):
-        contrib._check_dialect(pg2.dialect())
+        contrib._check_dialect(pg2.dialect())  # type: ignore[no-untyped-call]
     from sqlalchemy.dialects.postgresql import asyncpg
 
     with pytest.raises(TypeError, match=r"asyncpg driver.*postgresql\+psycopg://"):
-        contrib._check_dialect(asyncpg.dialect())
+        contrib._check_dialect(asyncpg.dialect())  # type: ignore[no-untyped-call]
 
 
 def test_importing_fastjobs_does_not_import_sqlalchemy():

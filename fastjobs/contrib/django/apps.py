@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.apps import AppConfig
 
 
-class FastjobsConfig(AppConfig):
+class FastjobsConfig(AppConfig):  # type: ignore[misc]  # django has no type information
     name = "fastjobs.contrib.django"
     label = "fastjobs"
     verbose_name = "fastjobs"
