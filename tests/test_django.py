@@ -331,15 +331,17 @@ def _django_sessions(dsn: str) -> int:
     return int(row[0])
 
 
-@pytest.mark.parametrize("max_age", [0, 600])
-def test_fastjobs_run_runs_the_tasks_and_leaks_no_connection(backend, tmp_path, max_age):
+@pytest.mark.parametrize(("max_age", "threads"), [(0, 0), (600, 0), (0, 3)])
+def test_fastjobs_run_runs_the_tasks_and_leaks_no_connection(backend, tmp_path, max_age, threads):
     """100 tasks using the ORM under `manage.py fastjobs_run --processes 2`: with CONN_MAX_AGE=0
-    each task's connection is closed after it (none left once they are done); with a persistent
-    one, each worker process keeps one and reuses it (at most 2), never one per task."""
+    each task's connection is closed after it (none left once they are done), sync tasks on
+    threads (`--queues default:3`) included; with a persistent one, each worker process keeps one
+    and reuses it (at most 2), never one per task."""
     dsn = backend.dsn()
     stderr = (tmp_path / "stderr").open("w+")
+    queues = ["--queues", f"default:{threads},emails:1"] if threads else []
     master = subprocess.Popen(
-        [sys.executable, "manage.py", "fastjobs_run", "--processes", "2", "--log-level", "INFO"],
+        [sys.executable, "manage.py", "fastjobs_run", "--processes", "2", "--log-level", "INFO", *queues],
         cwd=PROJECT,
         env=_env(dsn, FASTJOBS_DJANGO_CONN_MAX_AGE=str(max_age)),
         stdout=subprocess.DEVNULL,
