@@ -37,7 +37,7 @@ from django.test import Client  # noqa: E402
 from fastjobs import schema  # noqa: E402
 from fastjobs.contrib.django import FastjobsBackend  # noqa: E402
 from shop.models import Order, Run  # noqa: E402
-from shop.tasks import add, double, fail, record, whoami  # noqa: E402
+from shop.tasks import OutOfStock, add, double, fail, record, refuse, whoami  # noqa: E402
 from tests.helpers import wait_for  # noqa: E402
 
 APP_NAME = "fastjobs-django-test"  # the project's Django sessions, in pg_stat_activity
@@ -142,6 +142,13 @@ def test_get_result_status_return_value_and_errors(backend):
     [error] = failed.errors
     assert error.exception_class is ValueError
     assert "no stock" in error.traceback
+    # A class of the project's own, by its path.
+    refused = refuse.enqueue("socks")
+    with backend.testing() as kit:
+        kit.drain()
+    [error] = refuse.get_result(refused.id).errors
+    assert error.exception_class_path == "shop.tasks.OutOfStock"
+    assert error.exception_class is OutOfStock
     # refresh() reads it again; an unknown id is TaskResultDoesNotExist.
     ok.refresh()
     assert ok.status == TaskResultStatus.SUCCESSFUL and ok.return_value == 5

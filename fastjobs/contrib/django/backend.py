@@ -15,6 +15,7 @@ autocommit and the job is committed at once.
 
 from __future__ import annotations
 
+import builtins
 import importlib
 import inspect
 from collections.abc import Callable, Iterable
@@ -33,6 +34,7 @@ from django.utils.module_loading import autodiscover_modules, import_string
 from psycopg.conninfo import make_conninfo
 
 import fastjobs
+from fastjobs import errors
 
 if TYPE_CHECKING:
     from fastjobs.testing import Mode, Testing
@@ -341,12 +343,20 @@ _WORKER = "fastjobs"
 
 
 def _exception_path(traceback: str | None, message: str) -> str:
-    """The exception's class path as Django's TaskError has it, from the traceback's last line."""
-    last = (traceback or message or "").strip().splitlines()[-1:] or ["Exception"]
+    """The exception's class path as Django's TaskError has it (`builtins.ValueError`), read from
+    the last line of the traceback (or of the message, for errors fastjobs wrote itself, such as
+    a timeout): Python writes a class there with its module, unless it is a builtin."""
+    last = (traceback or message or "").strip().splitlines()[-1:] or [""]
     name = last[0].split(":", 1)[0].strip()
-    if not name.replace(".", "").replace("_", "").isalnum():
-        return "builtins.Exception"
-    return name if "." in name else f"builtins.{name}"
+    if not name or not all(part.isidentifier() for part in name.split(".")):
+        return "builtins.Exception"  # a message of fastjobs' own, naming no class
+    if "." in name:
+        return name
+    if isinstance(getattr(builtins, name, None), type):
+        return f"builtins.{name}"
+    if isinstance(getattr(errors, name, None), type):
+        return f"fastjobs.errors.{name}"  # JobTimeout and the like
+    return "builtins.Exception"  # a class of __main__, which a worker cannot import
 
 
 def _task_for(backend: FastjobsBackend, kind: str) -> Task | None:

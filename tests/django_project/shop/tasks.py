@@ -12,9 +12,18 @@ def add(a, b):
     return a + b
 
 
+class OutOfStock(Exception):
+    pass
+
+
 @task
 def fail(message):
     raise ValueError(message)
+
+
+@task
+def refuse(item):
+    raise OutOfStock(item)
 
 
 @task(takes_context=True)
