@@ -29,9 +29,9 @@ from .enqueue import (
     check_priority,
     check_queue,
 )
-from .results import JobHandle, JobStatus
 from .errors import UnknownKind
 from .middleware import Enqueue, EnqueueMiddleware, JobMiddleware
+from .results import JobHandle, JobStatus
 from .retry import RetryPolicy
 from .types import DEFAULT_MAX_ATTEMPTS, DEFAULT_PRIORITY, DEFAULT_QUEUE, JobSpec
 

@@ -126,7 +126,7 @@ def _parser() -> argparse.ArgumentParser:
         "--limit", type=_positive_int, default=50, help="at most this many, newest first (default 50)"
     )
     listing.add_argument("--json", action="store_true")
-    show = jobs_commands.add_parser("show", help="one job: args, attempts, error history")
+    show = jobs_commands.add_parser("show", help="one job: args, attempts, error history, kept result")
     show.add_argument("id", type=int)
     show.add_argument("--json", action="store_true")
     for name, help_text in (
@@ -513,10 +513,12 @@ def _jobs(args: argparse.Namespace) -> int:
                 _echo(json.dumps(job, default=str, indent=2))
                 return 0
             for key, value in job.items():
-                if key in ("errors", "args", "meta"):
+                if key in ("errors", "args", "meta", "result"):
                     continue
                 _echo(f"{key:>16}: {_safe(str(value))}")
             _echo(f"{'args':>16}: {_safe(json.dumps(job['args'], ensure_ascii=False))}")
+            if "result" in job:
+                _echo(f"{'result':>16}: {_safe(json.dumps(job['result'], ensure_ascii=False))}")
             for error in job["errors"] or []:
                 head = f"attempt {error.get('attempt')} at {error.get('at')}: {error.get('error')}"
                 _echo(f"\n--- {_safe(head)}")

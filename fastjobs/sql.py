@@ -42,9 +42,9 @@ statements, as `fastjobs sql show` does):
   The fast lane              its transaction, hand-over, wake-up, crash
   Leader                     the leader's lock and keepalives, the scheduler
   Workers                    a worker's session, registration, heartbeat, sleep
-  Maintenance                rescuer, releaser, cleaners, periodic jobs
+  Maintenance                rescuer, releaser, cleaners (results too), periodic jobs
   Operators                  cancel, retry, discard
-  State reports (family)     job_state, job_get, job_list, job_stats_by_queue, testing_jobs_in_states
+  State reports (family)     job_state, job_get, job_list, job_stats_by_queue, testing_jobs_*, job_status
   Vacuum and rotation        slot 0's VACUUM, the rotating slots
   Monitoring                 MVCC horizon, table health, NOTIFY queue
   Testing kit                fastjobs.testing's own statements
@@ -216,8 +216,9 @@ _SKIP_TAKEN_KEYS: Final = f"""ON CONFLICT (unique_key)
 
 # job_insert: one job, into slot 0 (fastjobs_jobs); scheduled when its run_at
 # ($6, or now + $7 seconds) is in the future; $9 its meta (enqueue
-# middleware's, or NULL), $10 its keep_result (seconds, or NULL). With a unique key ($8) already taken, nothing is
-# inserted and no row returned (job_get_unique then finds the holder).
+# middleware's, or NULL), $10 its keep_result (seconds, or NULL). With a
+# unique key ($8) already taken, nothing is inserted and no row returned
+# (job_get_unique then finds the holder).
 job_insert: Final = f"""
 INSERT INTO fastjobs_jobs ({_columns(at=True, key=True)})
 SELECT $1, $2, $3::jsonb, $4, $5,
@@ -467,6 +468,28 @@ ON CONFLICT (id) DO UPDATE
 RETURNING id"""
 
 
+# What a statement that may end jobs returns of each for _keep to copy (its table aliased j).
+_ENDED: Final = """j.id, j.queue, j.state, j.keep_result, j.kind, j.args, j.attempt, j.max_attempts,
+j.created_at, j.attempted_at, j.errors"""
+
+
+def _ending(*, update: str, returned: str) -> str:
+    """An UPDATE that may discard or cancel jobs (`update`, aliased j, without RETURNING) as a
+    statement that keeps their outcome (_keep) and notifies; it returns `returned` (of the updated
+    rows, as `ended`) as the UPDATE alone did."""
+    return f"""
+WITH ended AS (
+    {_indent(update.strip(), 4)}
+    RETURNING {_indent(_ENDED, 14)}
+), kept AS (
+    {_indent(_keep(completed=None, ended="ended"), 4)}
+)
+SELECT {returned} FROM ended
+UNION ALL
+SELECT {", ".join(["NULL"] * (returned.count(",") + 1))}
+{_NOTIFY_KEPT}"""
+
+
 # The one notification of the outcomes kept (a statement that kept none
 # sends none: the HAVING leaves no row for the WHERE to evaluate).
 _NOTIFY_KEPT: Final = f"""  FROM (SELECT string_agg(id::text, ',') AS ids FROM kept HAVING count(*) > 0) AS k
@@ -521,8 +544,7 @@ def _outcomes(*, keep: bool, fast: bool) -> str:
       FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
                                               delay float8, uncount smallint, error jsonb)
      WHERE f.state <> 'completed' AND j.id = f.id AND {record}
-    RETURNING j.id, j.queue, j.state, j.keep_result, j.kind, j.args, j.attempt, j.max_attempts,
-              j.created_at, j.attempted_at, j.errors
+    RETURNING {_indent(_ENDED, 14)}
 ), kept AS (
     {_indent(_keep(completed="completed_later", ended="failed"), 4)}"""
 
@@ -658,7 +680,9 @@ def _crashed(*, attempt: str, worker: str, at: str) -> str:
                                      {worker}, j.crashes + 1) END))"""
 
 
-# job_crash_fast: worker $1 died running the jobs $2 on the fast lane: its
+# job_crash_fast (and job_rescue_many, job_discard: every statement that may
+# end a job keeps its outcome, with keep_result, as the finish statements do):
+# worker $1 died running the jobs $2 on the fast lane: its
 # transaction rolled back, so each is available again with no attempt
 # counted. Each counts the attempt and a crash now, as job_rescue_many does
 # for a running job: retryable (due now), or discarded after $3 crashes or
@@ -672,14 +696,16 @@ def _crashed(*, attempt: str, worker: str, at: str) -> str:
 # it, came back, and then killed it. (Left: a job another worker ran
 # meanwhile and made available again at once, Retry(0) or Snooze(0), before
 # the releaser came, is charged a crash it did not cause.)
-job_crash_fast: Final = f"""
+job_crash_fast: Final = _ending(
+    update=f"""
 UPDATE fastjobs_jobs_all j
    SET crashes = j.crashes + 1,
        attempt = {_next_attempt("j")},
        attempted_at = now(), attempted_by = $1,
        {_crashed(attempt=_next_attempt("j"), worker="$1::text", at="now()")}
- WHERE j.id = ANY($2::bigint[]) AND j.state = 'available'
-RETURNING j.id, j.state::text"""
+ WHERE j.id = ANY($2::bigint[]) AND j.state = 'available'""",
+    returned="id, state::text",
+)
 
 
 _section("Leader")
@@ -808,7 +834,8 @@ _section("Maintenance")
 # discarded instead, and one whose cancellation was requested is cancelled.
 # At most $4 per statement. A running row with no attempted_at (written by
 # hand: no claim leaves one) counts as stale.
-job_rescue_many: Final = f"""
+job_rescue_many: Final = _ending(
+    update=f"""
 UPDATE fastjobs_jobs_all j
    SET crashes = j.crashes + 1,
        {_crashed(attempt="j.attempt", worker="j.attempted_by", at="$2::timestamptz")}
@@ -821,8 +848,9 @@ UPDATE fastjobs_jobs_all j
                                WHERE w.id = r.attempted_by
                                  AND w.heartbeat_at >= $2::timestamptz - make_interval(secs => $1))
             LIMIT $4
-              FOR UPDATE SKIP LOCKED))
-RETURNING j.id, j.state::text"""
+              FOR UPDATE SKIP LOCKED))""",
+    returned="id, state::text",
+)
 
 # releaser_session: the master's releaser waits at most $1 for a lock or a statement.
 releaser_session: Final = (
@@ -833,12 +861,12 @@ releaser_session: Final = (
 # other than $2 (those whose handler was running, or whose outcome it died
 # writing) had been claimed but not started, or had finished unrecorded: they
 # go back to available with the attempt given back and no crash counted (or
-# to cancelled, when that was requested), so a job that kills its worker is
+# to cancelled, when that was requested: kept, with keep_result), so a job that kills its worker is
 # quarantined alone; the rescuer deals with $2. Workers of each queue that
 # got jobs back are woken once.
-job_release_unstarted: Final = """
+job_release_unstarted: Final = f"""
 WITH released AS (
-    UPDATE fastjobs_jobs_all
+    UPDATE fastjobs_jobs_all j
        SET state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'available' END::fastjobs_state,
            attempt = greatest(attempt - 1, 0),
            finalized_at = CASE WHEN cancel_requested THEN now() END,
@@ -848,10 +876,15 @@ WITH released AS (
                              'error', 'cancelled: requested while it was claimed, before it started'))
                          ELSE errors END
      WHERE state = 'running' AND attempted_by = $1 AND NOT id = ANY($2::bigint[])
-    RETURNING queue, state
+    RETURNING {_indent(_ENDED, 14)}
+), kept AS (
+    {_indent(_keep(completed=None, ended="released"), 4)}
 )
 SELECT queue, count(*), CASE WHEN bool_or(state = 'available') THEN pg_notify('fastjobs', queue) END
-  FROM released GROUP BY queue"""
+  FROM released GROUP BY queue
+UNION ALL
+SELECT NULL, NULL, NULL
+{_NOTIFY_KEPT}"""
 
 # job_clean_completed_many: delete up to $2 completed or cancelled jobs finalized before $1.
 job_clean_completed_many: Final = """
@@ -917,8 +950,7 @@ WITH target AS (
            cancel_requested = (t.state = 'running')
       FROM target t
      WHERE j.id = t.id
-    RETURNING j.id, j.queue, j.state, j.keep_result, j.kind, j.args, j.attempt, j.max_attempts,
-              j.created_at, j.attempted_at, j.errors
+    RETURNING {_indent(_ENDED, 14)}
 ), kept AS (
     {_indent(_keep(completed=None, ended="changed"), 4)}
 )
@@ -935,8 +967,9 @@ SELECT id FROM fastjobs_jobs_all WHERE state = 'running' AND attempted_by = $1 A
 # attempts and limit; a discarded, cancelled or completed one comes back
 # with an attempt to spare (max_attempts raised when it had none left; the
 # claim counts attempts up to smallint's maximum, and so does this) and its
-# crash allowance back; an outcome kept of it (fastjobs_results) is forgotten. Returns the state before, the attempts made, the
-# limit before and after, and wakes its queue's workers (an UPDATE fires no enqueue trigger).
+# crash allowance back; an outcome kept of it (fastjobs_results) is
+# forgotten. Returns the state before, the attempts made, the limit before
+# and after, and wakes its queue's workers (an UPDATE fires no enqueue trigger).
 job_retry: Final = f"""
 WITH target AS (
     SELECT id, state::text AS state, max_attempts FROM fastjobs_jobs_all
@@ -954,11 +987,14 @@ UPDATE fastjobs_jobs_all j
  WHERE j.id = t.id
 RETURNING t.state, j.attempt, t.max_attempts, j.max_attempts, pg_notify('fastjobs', j.queue)"""
 
-# job_discard: a job that is not running becomes discarded now.
-job_discard: Final = """
-UPDATE fastjobs_jobs_all SET state = 'discarded', finalized_at = now()
- WHERE id = $1 AND state IN ('available', 'scheduled', 'retryable', 'cancelled')
-RETURNING state::text"""
+# job_discard: a job that is not running becomes discarded now (kept, with keep_result, as the
+# statements that end jobs keep them: _ending).
+job_discard: Final = _ending(
+    update="""
+UPDATE fastjobs_jobs_all j SET state = 'discarded', finalized_at = now()
+ WHERE j.id = $1 AND j.state IN ('available', 'scheduled', 'retryable', 'cancelled')""",
+    returned="state::text",
+)
 
 # job_select_many: ids of the jobs in states $1 of queue $2 and kind $3 (NULL:
 # any) created more than $4 ago (NULL: any time), above id $5, in id order, up
@@ -985,7 +1021,8 @@ _section("State reports")
 
 # A job in flight on the fast lane keeps its row 'available' for the < 0.1 s
 # its batch takes. Every read of a job's state for people and metrics
-# (job_state, job_get, job_list, job_stats_by_queue, testing_jobs_in_states)
+# (job_state, job_get, job_list, job_stats_by_queue, testing_jobs_in_states,
+# job_status)
 # reports such a job 'running', by this one test: an available row whose
 # xmax is a transaction in progress for the reading statement's snapshot is
 # locked by a live transaction, a fast batch (or, for a moment, a state-lane
@@ -1118,8 +1155,9 @@ SELECT id, kind, queue, args, priority, state, run_at, attempt, max_attempts, er
 job_status: Final = f"""
 SELECT id, kind, queue, state, attempt, max_attempts, args, created_at, attempted_at, finalized_at,
        value, errors, keep_result, source = 0, expired
-  FROM (SELECT id, kind, queue, state::text AS state, attempt, max_attempts, args, created_at, attempted_at,
-               finalized_at, value, errors, NULL::int4 AS keep_result, expires_at <= now() AS expired, 0 AS source
+  FROM (SELECT id, kind, queue, state::text AS state, attempt, max_attempts, args, created_at,
+               attempted_at, finalized_at, value, errors, NULL::int4 AS keep_result,
+               expires_at <= now() AS expired, 0 AS source
           FROM fastjobs_results WHERE id = $1
         UNION ALL
         SELECT id, kind, queue,
@@ -1129,6 +1167,13 @@ SELECT id, kind, queue, state, attempt, max_attempts, args, created_at, attempte
           FROM fastjobs_jobs_all WHERE id = $1) AS found
  ORDER BY source
  LIMIT 1"""
+
+
+# result_get: the kept outcome of job $1 (fastjobs_results), for `fastjobs jobs show`.
+result_get: Final = """
+SELECT id, queue, kind, state::text AS state, attempt, max_attempts, created_at, attempted_at,
+       finalized_at, expires_at, args, errors, value AS result
+  FROM fastjobs_results WHERE id = $1"""
 
 
 _section("Vacuum and rotation")

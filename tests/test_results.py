@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ import pytest
 
 import fastjobs
 from fastjobs import App, JobCancelled, JobFailed, JobNotFound, JobStatus, leader
+from fastjobs.cli import main
 from tests.helpers import batch_loop, drain, query, warm
 
 LANES = pytest.mark.parametrize("lane", ["fast", "state"])
@@ -97,7 +99,9 @@ def test_a_value_is_kept_and_returned_and_jobs_without_keep_result_keep_nothing(
 
 
 @LANES
-def test_a_value_that_cannot_be_stored_fails_the_attempt_and_is_retried(app: App, dsn: str, lane: str) -> None:
+def test_a_value_that_cannot_be_stored_fails_the_attempt_and_is_retried(
+    app: App, dsn: str, lane: str
+) -> None:
     _register(app)
     with _lane(app, lane):
         job_id = app.enqueue("opaque")
@@ -245,4 +249,75 @@ def test_keep_result_is_validated() -> None:
     job = app.job(kind="k", keep_result=dt.timedelta(minutes=1))(lambda: None)
     assert job.spec.keep_result == 60
     with pytest.raises(ValueError, match="keep_result"):
-        job.options(keep_result="soon")  # type: ignore[typeddict-item]
+        job.options(keep_result="soon")  # type: ignore[arg-type]
+
+
+def test_jobs_show_displays_a_kept_result_of_a_job_gone_from_the_jobs_table(
+    app: App, dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _register(app)
+    job_id = app.enqueue("add", {"a": 40, "b": 2})
+    _run(app, "state")
+    assert main(["--dsn", dsn, "jobs", "show", str(job_id)]) == 0
+    out = capsys.readouterr().out
+    fields = dict(line.strip().split(": ", 1) for line in out.splitlines() if ": " in line)
+    assert (fields["id"], fields["kind"], fields["state"], fields["result"]) == (
+        str(job_id), "add", "completed", "42",
+    )  # fmt: skip
+    assert main(["--dsn", dsn, "jobs", "show", str(job_id), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["result"] == 42
+
+
+def test_a_retried_job_forgets_its_kept_outcome_and_keeps_the_next(app: App, dsn: str) -> None:
+    ran: list[int] = []
+
+    @app.job(kind="flaky", keep_result=60, max_attempts=1)
+    def flaky() -> str:
+        ran.append(1)
+        if len(ran) == 1:
+            raise RuntimeError("first time")
+        return "second time"
+
+    job_id = app.enqueue("flaky")
+    _run(app, "state")
+    with pytest.raises(JobFailed):
+        app.result(job_id)
+    assert main(["--dsn", dsn, "jobs", "retry", str(job_id)]) == 0
+    assert app.status(job_id).state == "available"  # the discarded outcome is forgotten
+    _run(app, "state")
+    assert app.result(job_id) == "second time"
+
+
+def test_every_statement_that_ends_a_job_keeps_its_outcome_and_wakes_its_waiter(app: App, dsn: str) -> None:
+    """An operator's discard, the rescuer's and a crashed worker's: each keeps the outcome of a job
+    with keep_result and tells its waiters, as the loops' statements do."""
+    _register(app)
+    discarded = app.enqueue("add", {"a": 1, "b": 1}, delay=3600)
+    got: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            app.result(discarded, timeout=30)
+        except BaseException as exc:
+            got.append(exc)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while not _waiter_activity(dsn) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert main(["--dsn", dsn, "jobs", "discard", str(discarded)]) == 0
+    waiter.join(10)
+    assert len(got) == 1 and isinstance(got[0], JobFailed)
+    rescued = app.enqueue("add", {"a": 1, "b": 2}, max_attempts=1)
+    query(
+        dsn,
+        """UPDATE fastjobs_jobs_all SET state = 'running', attempt = 1, attempted_by = 'gone',
+                  attempted_at = now() - interval '1 hour' WHERE id = %s""",
+        (rescued,),
+    )
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        leader.rescue_once(conn)
+    assert [r["id"] for r in _results(dsn) if r["state"] == "discarded"] == [discarded, rescued]
+    with pytest.raises(JobFailed, match="died"):
+        app.result(rescued)
