@@ -275,7 +275,7 @@ class FastjobsBackend(BaseTaskBackend):  # type: ignore[misc]  # django has no t
         )
         result = TaskResult(
             task=task,
-            id=str(job_id),
+            id=str(int(job_id)),
             status=TaskResultStatus.READY,
             enqueued_at=timezone.now(),
             started_at=None,
