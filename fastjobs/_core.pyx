@@ -22,8 +22,8 @@ import threading
 import orjson
 
 from fastjobs import guard, handlers, sql, stats
-from fastjobs.abc import (BATCH_SECONDS, BUCKETS_NS, COMPLETED, FAST_LANE_DEMOTE, FULL_CLAIM_DUTY,
-                          FULL_CLAIM_MAX_WAIT, HAND_BACK_AFTER,
+from fastjobs.abc import (BATCH_SECONDS, BUCKETS_NS, COMPLETED, DEEP_CLAIM, FAST_LANE_DEMOTE,
+                          FULL_CLAIM_DUTY, FULL_CLAIM_MAX_WAIT, HAND_BACK_AFTER,
                           INT64_MAX, MARK_RUN_AT_MAX, MARK_RUN_AT_MIN, OBSERVED_MAX_NS, PG_EPOCH_US,
                           PICKUP_SUM, ROW, RUN_SUM, SIZE_DECAY)
 from fastjobs.args import dump_args as _dump_args_checked
@@ -87,6 +87,7 @@ if (stats.RUNNING_JOB, stats.RUNNING_WRITING, stats.RUNNING_SUSPECT) != (0, 1, 2
     raise ImportError("fastjobs.stats.RUNNING_* changed: rebuild _core with them")
 cdef double _FULL_CLAIM_MAX_WAIT = FULL_CLAIM_MAX_WAIT
 cdef Py_ssize_t _SIZE_DECAY = SIZE_DECAY
+cdef Py_ssize_t _DEEP_CLAIM = DEEP_CLAIM
 cdef double _FAST_LANE_DEMOTE = FAST_LANE_DEMOTE
 cdef double _HAND_BACK_AFTER = HAND_BACK_AFTER
 cdef int64_t _MARK_RUN_AT_MIN = MARK_RUN_AT_MIN
@@ -966,7 +967,7 @@ cdef class BatchLoop:
         self.claimed += n
         if self._limit > 0:
             self._mark(n)
-            if n >= self._limit:
+            if n >= self._limit >= min(_DEEP_CLAIM, self.batch_max):
                 self._deep[self._sent_index] = True
         self._full = self._limit > 0 and n >= self._limit
         # A short or empty claim halves the size at most: see the reference.

@@ -18,6 +18,7 @@ from . import guard, handlers, sql, stats
 from .abc import (
     BATCH_SECONDS,
     COMPLETED,
+    DEEP_CLAIM,
     FAST_LANE_DEMOTE,
     FULL_CLAIM_DUTY,
     FULL_CLAIM_MAX_WAIT,
@@ -216,7 +217,7 @@ class BatchLoop:
         self._proven = [False] * len(queues)
         # A fast claim that comes back empty (three round trips, where the
         # state lane's takes one) sends the queue to the state lane until a
-        # claim of it comes back full: the lane saves a write per job at two
+        # claim of it comes back full (DEEP_CLAIM): the lane saves a write per job at two
         # more round trips a batch, a gain on a backlog, and on a queue the
         # workers keep up with a loss in pickup latency.
         self._deep = [True] * len(queues)
@@ -532,7 +533,7 @@ class BatchLoop:
         self.claimed += n
         if self._limit > 0:
             self._mark(res, n)
-            if n >= self._limit:
+            if n >= self._limit >= min(DEEP_CLAIM, self.batch_max):
                 self._deep[self._sent[0]] = True
         self._full = self._limit > 0 and n >= self._limit
         self.size = min(self.batch_max, self._cap, max(self.batch_min, 2 * n, self.size // SIZE_DECAY))
