@@ -257,6 +257,22 @@ def test_a_database_that_is_not_postgresql_is_refused_clearly(project):
         FastjobsBackend("x", {"OPTIONS": {"DATABSE": "default"}})
 
 
+def test_a_connection_that_is_not_psycopg_3_is_refused_clearly(backend, monkeypatch):
+    """psycopg2 under Django's postgresql engine: a stand-in DB-API connection in its place."""
+    import sqlite3
+
+    wrapper = connections["default"]
+    wrapper.ensure_connection()
+    stand_in = sqlite3.connect(":memory:")
+    monkeypatch.setattr(wrapper, "connection", stand_in)
+    try:
+        with pytest.raises(ImproperlyConfigured, match=r"through psycopg 3.*instead of psycopg2"):
+            add.enqueue(1, 2)
+    finally:
+        monkeypatch.undo()
+        stand_in.close()
+
+
 # Migrations ---------------------------------------------------------------------
 
 
