@@ -7,7 +7,8 @@ round, in one run and alternating: K `Order.objects.create()` in one
 one block; K of the same job through `App.enqueue` on Django's connection
 (fastjobs without Django's task API); and K of a view's pair (create, then enqueue) in one block. The
 medians of the per-operation times are printed, and the ratio of an
-enqueue to a create. Run (Django 6, Python >= 3.12):
+enqueue to a create, first as Django connects (psycopg's automatic prepared
+statements off), then with them on. Run (Django 6, Python >= 3.12):
 
     FASTJOBS_DSN=postgresql://postgres@127.0.0.1:5432/postgres python bench/django_enqueue.py
 """
@@ -80,23 +81,28 @@ def main() -> None:
         "app.enqueue": inserts,
         "create+enqueue": pairs,
     }
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    for run in contenders.values():  # warm-up: prepared statements, caches
-        run()
-    for _ in range(ROUNDS):
-        for name, run in contenders.items():
-            start = time.perf_counter()
-            run()
-            times[name].append((time.perf_counter() - start) / K * 1e6)
-    median = {name: statistics.median(values) for name, values in times.items()}
     info = conninfo_to_dict(os.environ["FASTJOBS_DJANGO_DSN"])
     print(f"database {info.get('host')}:{info.get('port')}/{DATABASE}, {K} operations per atomic() block,")
     print(f"median of {ROUNDS} rounds, microseconds per operation (Django {django.get_version()}):")
-    for name, value in median.items():
-        print(f"  {name:16} {value:8.1f} us")
-    print(f"  enqueue / create: {median['enqueue'] / median['create']:.2f}")
-    print(f"  app.enqueue / create: {median['app.enqueue'] / median['create']:.2f}")
-    print(f"  (create+enqueue) / create: {median['create+enqueue'] / median['create']:.2f}")
+    # Django turns psycopg's automatic prepared statements off (prepare_threshold None, for
+    # transaction-mode poolers); DATABASES' OPTIONS {"prepare_threshold": 5} turns them on.
+    for threshold in (None, 5):
+        connection.connection.prepare_threshold = threshold
+        times: dict[str, list[float]] = {name: [] for name in contenders}
+        for run in contenders.values():  # warm-up: prepared statements, caches
+            run()
+        for _ in range(ROUNDS):
+            for name, run in contenders.items():
+                start = time.perf_counter()
+                run()
+                times[name].append((time.perf_counter() - start) / K * 1e6)
+        median = {name: statistics.median(values) for name, values in times.items()}
+        print(f"prepare_threshold={threshold}:")
+        for name, value in median.items():
+            print(f"  {name:16} {value:8.1f} us")
+        print(f"  enqueue / create: {median['enqueue'] / median['create']:.2f}")
+        print(f"  app.enqueue / create: {median['app.enqueue'] / median['create']:.2f}")
+        print(f"  (create+enqueue) / create: {median['create+enqueue'] / median['create']:.2f}")
     connection.close()
     with psycopg.connect(server, autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)")
