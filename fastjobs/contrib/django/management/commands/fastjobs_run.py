@@ -19,7 +19,6 @@ class Command(BaseCommand):  # type: ignore[misc]  # django has no type informat
         "Run fastjobs workers for the project's tasks: the options of `fastjobs run`, the app being"
         " the task backend's (Django is set up once, in the master, before it forks)."
     )
-    requires_system_checks: list[str] = []  # the master checks the database itself, before forking
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
