@@ -206,6 +206,11 @@ def test_async_get_result_and_an_async_task(backend):
     asyncio.run(sync_to_async(connections.close_all)())
 
 
+def test_the_testing_kit_is_manual_only(backend):
+    with pytest.raises(ValueError, match="manual mode only"):
+        backend.testing("inline")
+
+
 def test_takes_context_gets_the_task_result_and_attempt(backend):
     result = whoami.enqueue("hi")
     with backend.testing() as kit:

@@ -252,8 +252,16 @@ class FastjobsBackend(BaseTaskBackend):  # type: ignore[misc]  # django has no t
 
         Use it in a TransactionTestCase (or pytest-django's `transaction=True`):
         `drain()` runs the jobs on a connection of its own, which sees only
-        committed ones, and a TestCase never commits.
+        committed ones, and a TestCase never commits. Manual mode only: the
+        inline mode runs a job enqueued in a transaction while that
+        transaction's connection commits, and here that connection is
+        Django's, which a task using the ORM would wait on forever.
         """
+        if mode != "manual":
+            raise ValueError(
+                "the Django backend's testing kit runs in manual mode only (drain() after the commit):"
+                " inline runs would use Django's connection while it commits"
+            )
         return self.app.testing(mode, dsn=self.dsn())
 
     # -- Django's contract
