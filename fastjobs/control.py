@@ -186,7 +186,7 @@ def show(conn: psycopg.Connection[Any], job_id: int) -> dict[str, Any]:
         row = cur.execute(sql.job_get, (job_id,)).fetchone()
         kept = cur.execute(sql.result_get, (job_id,)).fetchone()
     if row is None and kept is None:
-        raise JobNotFound(f"no job with id {job_id}, nor a kept result of one")
+        raise JobNotFound(f"no job with id {job_id}")
     if row is None:
         assert kept is not None
         expires = kept.pop("expires_at")

@@ -108,7 +108,8 @@ def _traceback(exc: BaseException) -> str:
 def _error(
     attempt: int, exc: BaseException | str, with_traceback: bool = True, note: str | None = None
 ) -> dict[str, Any]:
-    """One attempt's error record; `note` (what fastjobs changed: a clamped delay) follows the message."""
+    """One attempt's error record; `note` (what fastjobs changed: a clamped delay) follows the message.
+    An exception's record names its class (`module.qualname`) too."""
     if isinstance(exc, str):
         text, trace = exc, None
     else:
@@ -117,7 +118,11 @@ def _error(
     text = _bounded(clean(text))
     if note is not None:
         text = f"{text} [fastjobs: {clean(note)}]"
-    return {"at": dt.datetime.now(dt.UTC).isoformat(), "attempt": attempt, "error": text, "traceback": trace}
+    at = dt.datetime.now(dt.UTC).isoformat()
+    record = {"at": at, "attempt": attempt, "error": text, "traceback": trace}
+    if not isinstance(exc, str):
+        record["class"] = clean(f"{type(exc).__module__}.{type(exc).__qualname__}")
+    return record
 
 
 def _outcome(

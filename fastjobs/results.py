@@ -37,7 +37,8 @@ class JobStatus:
 
     `state` is one of fastjobs.JobState's values; `value` is the kept return
     value of a completed job (None otherwise); `errors` the attempts' error
-    records as the jobs table stores them (at, attempt, error, traceback).
+    records as the jobs table stores them (at, attempt, error, traceback, and an
+    exception's class as `module.qualname`).
     """
 
     job_id: int
@@ -52,13 +53,19 @@ class JobStatus:
     finished_at: dt.datetime | None
     value: Any = None
     errors: list[dict[str, Any]] = field(default_factory=list)
-    # Not part of the public record: how the lookup found it.
-    _keep_result: int | None = field(default=None, repr=False, compare=False)
-    _kept: bool = field(default=False, repr=False, compare=False)
-    _expired: bool = field(default=False, repr=False, compare=False)
 
 
-def _status(job_id: int, row: tuple[Any, ...] | None) -> JobStatus:
+@dataclass(frozen=True, slots=True)
+class _Found:
+    """A job as sql.job_status found it: its status, and where (what App.result decides by)."""
+
+    status: JobStatus
+    keep_result: int | None  # of a job still in the jobs table
+    kept: bool  # found among the kept results
+    expired: bool  # a kept result past its expiry, not yet cleaned
+
+
+def _found(job_id: int, row: tuple[Any, ...] | None) -> _Found:
     if row is None:
         raise JobNotFound(
             f"job {job_id} not found: no such job, or it finished and its outcome was not kept"
@@ -66,7 +73,7 @@ def _status(job_id: int, row: tuple[Any, ...] | None) -> JobStatus:
         )
     (id_, kind, queue, state, attempt, max_attempts, args, created, attempted, finalized) = row[:10]
     value, errors, keep_result, kept, expired = row[10:]
-    return JobStatus(
+    status = JobStatus(
         int(id_),
         kind,
         queue,
@@ -79,17 +86,15 @@ def _status(job_id: int, row: tuple[Any, ...] | None) -> JobStatus:
         finalized,
         value if state == "completed" else None,
         list(errors or []),
-        keep_result,
-        bool(kept),
-        bool(expired),
     )
+    return _Found(status, keep_result, bool(kept), bool(expired))
 
 
 def status(conn: psycopg.Connection[Any], job_id: int) -> JobStatus:
     """Job `job_id` as it is now (sql.job_status); JobNotFound when neither table has it."""
     with schema.required(), psycopg.RawCursor(conn, row_factory=tuple_row) as cur:
         _json(cur)
-        return _status(job_id, cur.execute(sql.job_status, (job_id,)).fetchone())
+        return _found(job_id, cur.execute(sql.job_status, (job_id,)).fetchone()).status
 
 
 def _json(cur: psycopg.RawCursor[Any] | psycopg.AsyncRawCursor[Any]) -> None:
@@ -103,35 +108,38 @@ async def status_async(conn: psycopg.AsyncConnection[Any], job_id: int) -> JobSt
         async with psycopg.AsyncRawCursor(conn, row_factory=tuple_row) as cur:
             _json(cur)
             await cur.execute(sql.job_status, (job_id,))
-            return _status(job_id, await cur.fetchone())
+            return _found(job_id, await cur.fetchone()).status
 
 
-def outcome(found: JobStatus) -> tuple[bool, Any]:
+def outcome(found: _Found) -> tuple[bool, Any]:
     """(True, value) when the job's outcome is known (raising JobFailed or JobCancelled for one
     without a value), (False, None) while it may still come; JobNotFound when it never will."""
-    job_id, state = found.job_id, found.state
-    if found._expired:
+    job = found.status
+    job_id, state = job.job_id, job.state
+    if found.expired:
         raise JobNotFound(f"job {job_id}'s kept outcome expired (its keep_result ran out)")
+    last = job.errors[-1].get("error") if job.errors and isinstance(job.errors[-1], dict) else None
     if state == "discarded":
-        last = found.errors[-1]["error"] if found.errors and isinstance(found.errors[-1], dict) else None
         raise JobFailed(
             job_id,
-            found.errors,
-            f"job {job_id} ({found.kind}) was discarded after {found.attempt} attempt(s)"
+            job.errors,
+            f"job {job_id} ({job.kind}) was discarded after {job.attempt} attempt(s)"
             + (f": {last}" if last else ""),
         )
     if state == "cancelled":
-        raise JobCancelled(job_id, found.errors, f"job {job_id} ({found.kind}) was cancelled")
+        raise JobCancelled(
+            job_id, job.errors, f"job {job_id} ({job.kind}) was cancelled" + (f": {last}" if last else "")
+        )
     if state == "completed":
-        if not found._kept:
+        if not found.kept:
             raise JobNotFound(
-                f"job {job_id} ({found.kind}) completed, but was enqueued without keep_result:"
+                f"job {job_id} ({job.kind}) completed, but was enqueued without keep_result:"
                 " its return value was not kept"
             )
-        return True, found.value
-    if not found._kept and found._keep_result is None:
+        return True, job.value
+    if not found.kept and found.keep_result is None:
         raise JobNotFound(
-            f"job {job_id} ({found.kind}) was enqueued without keep_result: its result will not be kept"
+            f"job {job_id} ({job.kind}) was enqueued without keep_result: its result will not be kept"
             " (give @app.job(keep_result=SECONDS) or .options(keep_result=SECONDS))"
         )
     return False, None
@@ -153,7 +161,7 @@ def wait(conn: psycopg.Connection[Any], job_id: int, timeout: float | None) -> A
         cur.execute(sql.listen_result)
         try:
             while True:
-                done, value = outcome(_status(job_id, cur.execute(sql.job_status, (job_id,)).fetchone()))
+                done, value = outcome(_found(job_id, cur.execute(sql.job_status, (job_id,)).fetchone()))
                 if done:
                     return value
                 while True:
@@ -176,7 +184,7 @@ async def wait_async(conn: psycopg.AsyncConnection[Any], job_id: int, timeout: f
             try:
                 while True:
                     await cur.execute(sql.job_status, (job_id,))
-                    done, value = outcome(_status(job_id, await cur.fetchone()))
+                    done, value = outcome(_found(job_id, await cur.fetchone()))
                     if done:
                         return value
                     while True:

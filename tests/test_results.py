@@ -122,6 +122,7 @@ def test_a_discarded_job_raises_job_failed_with_its_errors(app: App, dsn: str, l
         app.result(job_id)
     assert caught.value.job_id == job_id
     assert "it broke" in caught.value.errors[0]["error"] and "it broke" in str(caught.value)
+    assert caught.value.errors[0]["class"] == "builtins.RuntimeError"
     assert _results(dsn)[0]["state"] == "discarded"
     query(dsn, "DELETE FROM fastjobs_jobs_all")  # the jobs table's retention ended: still known
     assert app.status(job_id).state == "discarded"
@@ -208,14 +209,24 @@ def test_result_async_and_the_handle(app: App, dsn: str) -> None:
     assert value == again == 10 and status.value == 10
 
 
-def test_an_async_handler_keeps_its_value(app: App, dsn: str) -> None:
+def test_handlers_on_the_slow_path_keep_their_value(app: App, dsn: str) -> None:
+    """Async handlers, sync ones with a timeout, and sync ones on threads run on the executor."""
+
     @app.job(kind="async_add", keep_result=60)
     async def async_add(a: int) -> int:
         return a + 1
 
-    job_id = app.enqueue("async_add", {"a": 1})
-    drain(app)
-    assert app.result(job_id) == 2
+    @app.job(kind="timed_add", keep_result=60, timeout=30)
+    def timed_add(a: int) -> int:
+        return a + 2
+
+    @app.job(kind="pooled_add", keep_result=60, queue="pooled")
+    def pooled_add(a: int) -> int:
+        return a + 3
+
+    ids = [app.enqueue(kind, {"a": 1}) for kind in ("async_add", "timed_add", "pooled_add")]
+    drain(app, ["default", "pooled"], threads={"pooled": 4})
+    assert [app.result(job_id) for job_id in ids] == [2, 3, 4]
 
 
 def test_the_cleaner_expires_results_in_batches(app: App, dsn: str) -> None:

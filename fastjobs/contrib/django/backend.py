@@ -328,7 +328,8 @@ class FastjobsBackend(BaseTaskBackend):  # type: ignore[misc]  # django has no t
             backend=self.alias,
             errors=[
                 TaskError(
-                    exception_class_path=_exception_path(e.get("traceback"), e.get("error", "")),
+                    exception_class_path=e.get("class")
+                    or _exception_path(e.get("traceback"), e.get("error", "")),
                     traceback=e.get("traceback") or e.get("error", ""),
                 )
                 for e in status.errors
@@ -351,9 +352,10 @@ _WORKER = "fastjobs"
 
 
 def _exception_path(traceback: str | None, message: str) -> str:
-    """The exception's class path as Django's TaskError has it (`builtins.ValueError`), read from
-    the last line of the traceback (or of the message, for errors fastjobs wrote itself, such as
-    a timeout): Python writes a class there with its module, unless it is a builtin."""
+    """The exception's class path as Django's TaskError has it (`builtins.ValueError`), for an
+    error record without its "class" (written before fastjobs kept it, or by fastjobs itself, as
+    a timeout's): read from the last line of the traceback, or of the message, where Python writes
+    a class with its module unless it is a builtin."""
     last = (traceback or message or "").strip().splitlines()[-1:] or [""]
     name = last[0].split(":", 1)[0].strip()
     if not name or not all(part.isidentifier() for part in name.split(".")):
