@@ -52,7 +52,7 @@ def test_a_higher_priority_job_waits_about_one_batch_behind_slow_jobs(app: App, 
             time.sleep(0.05)
 
     slow.enqueue_many({"n": n} for n in range(150))
-    waits = []
+    before = []  # slow jobs started between each urgent job's enqueue and its start
     with WorkerThread(Worker(app, config=WorkerConfig(poll_interval=60.0, overlap=overlap))):
         assert wait_for(lambda: len(ran) >= 10)
         for k in range(5):
@@ -60,9 +60,10 @@ def test_a_higher_priority_job_waits_about_one_batch_behind_slow_jobs(app: App, 
             began = time.monotonic()
             app.enqueue("slow", {"n": 1000 + k}, priority=5)
             assert urgent_ran.wait(3.0)
-            waits.append(ran[1000 + k] - began)
-    # One batch is ~0.1 s; the batch running and the one claimed ahead come first.
-    assert max(waits) < 0.45, [round(w, 3) for w in waits]
+            before.append(sum(1 for n, at in list(ran.items()) if n < 1000 and began <= at < ran[1000 + k]))
+    # Counted in jobs, not seconds (a loaded machine stretches seconds): the batch running and the
+    # one claimed ahead come first, 2 jobs each, and a batch's size may grow to 4 on the way.
+    assert max(before) <= 8, before
 
 
 def test_an_empty_claim_does_not_shrink_the_next_claim_to_one_job(app: App) -> None:
