@@ -187,23 +187,31 @@ def _task(module_path: str) -> Any:
     return import_string(module_path)
 
 
-def test_async_get_result_and_an_async_task(backend):
+def test_aenqueue_aget_result_and_an_async_task(backend):
+    """aenqueue and aget_result run Django's connection on a thread of asgiref's (Django's base
+    class), which is where the connection is closed after; the async task runs on the worker's loop."""
     import asyncio
 
     from asgiref.sync import sync_to_async
 
-    result = async_to_enqueue = asyncio.run(double.aenqueue(21))
+    async def enqueue() -> Any:
+        try:
+            return await double.aenqueue(21)
+        finally:
+            await sync_to_async(connections.close_all)()
+
+    async def fetch(result_id: str) -> Any:
+        try:
+            return await double.aget_result(result_id)
+        finally:
+            await sync_to_async(connections.close_all)()
+
+    enqueued = asyncio.run(enqueue())
     with backend.testing() as kit:
         kit.drain()
-
-    async def fetch() -> Any:
-        return await double.aget_result(async_to_enqueue.id)
-
-    connections.close_all()  # aget_result reads on a thread of its own: Django's connection there
-    done = asyncio.run(fetch())
+    done = asyncio.run(fetch(enqueued.id))
+    assert done.id == enqueued.id
     assert done.status == TaskResultStatus.SUCCESSFUL and done.return_value == 42
-    assert result.id == done.id
-    asyncio.run(sync_to_async(connections.close_all)())
 
 
 def test_the_testing_kit_is_manual_only(backend):
