@@ -10,6 +10,8 @@ from .errors import (
     DatabaseUnavailable,
     FastjobsError,
     InvalidArguments,
+    JobCancelled,
+    JobFailed,
     JobNotFound,
     JobTimeout,
     LoopError,
@@ -21,6 +23,7 @@ from .errors import (
 )
 from .handlers import JobContext, current_job
 from .middleware import Enqueue
+from .results import JobHandle, JobStatus
 from .retry import default_backoff
 from .types import JobSpec, JobState
 from .worker import Worker, WorkerConfig
@@ -39,10 +42,14 @@ __all__ = [
     "FastjobsError",
     "InvalidArguments",
     "Job",
+    "JobCancelled",
     "JobContext",
+    "JobFailed",
+    "JobHandle",
     "JobNotFound",
     "JobSpec",
     "JobState",
+    "JobStatus",
     "JobTimeout",
     "LoopError",
     "Retry",

@@ -104,6 +104,7 @@ cdef object _unknown_kind = handlers.unknown_kind
 cdef object _tally = handlers.tally
 cdef object _cancelled = handlers.cancelled
 cdef object _completed = handlers.completed
+cdef object _kept = handlers.kept
 cdef object _encode = handlers.encode
 cdef object _isolate = handlers.isolate
 cdef object _say_stale = handlers.say_stale
@@ -1127,6 +1128,8 @@ cdef class BatchLoop:
         cdef bint fast = self._tx
         if self._counts != NULL:
             claimed_us = _realtime_us() - _PG_EPOCH_US
+        if self._executor.keeping:
+            self._executor.keeping.clear()
         for i in range(n):
             job_id = _int8(PQgetvalue(rows, i, 0))
             if self.stopping or (fast and _monotonic() > self._deadline):
@@ -1178,13 +1181,13 @@ cdef class BatchLoop:
                 # jsonb's binary format again; a NULL, non-object or undecodable meta (jsonb
                 # nests deeper than orjson reads) reads as {}: the job runs all the same.
                 meta = None
-                if not PQgetisnull(rows, i, 7):
-                    raw = PQgetvalue(rows, i, 7)
+                if not PQgetisnull(rows, i, 8):
+                    raw = PQgetvalue(rows, i, 8)
                     try:
-                        meta = _loads(PyBytes_FromStringAndSize(raw + 1, PQgetlength(rows, i, 7) - 1))
+                        meta = _loads(PyBytes_FromStringAndSize(raw + 1, PQgetlength(rows, i, 8) - 1))
                     except _JSONDecodeError:
                         meta = None
-                claimed = (meta if type(meta) is dict else {}, _int8(PQgetvalue(rows, i, 8)),
+                claimed = (meta if type(meta) is dict else {}, _int8(PQgetvalue(rows, i, 9)),
                            _int8(PQgetvalue(rows, i, 6)))
             if not self._last_fast or self._pooled:
                 if fast:
@@ -1193,6 +1196,8 @@ cdef class BatchLoop:
                     failures.append(_release(job_id, attempt))
                     continue
                 slow.append((spec, job_id, args, attempt, max_attempts, claimed))
+                if not PQgetisnull(rows, i, 7):  # keep_result: see the reference
+                    self._executor.keeping.add(job_id)
                 continue
             if self._cancelled and job_id in self._cancelled:
                 self._cancelled.discard(job_id)
@@ -1250,16 +1255,20 @@ cdef class BatchLoop:
                 self._join()
             if row != NULL:
                 _observe(row + _RUN_SUM, _monotonic_ns() - began)
-            if not context.cancelled and (result is None or not _iscoroutine(result)):
+            if (not context.cancelled and (result is None or not _iscoroutine(result))
+                    and PQgetisnull(rows, i, 7)):
                 # This loop's only shortcut (handlers.Executor.returned is the
-                # rule): a plain return, not cancelled, completes the job inline,
-                # so a successful job costs no Python call beyond its handler.
+                # rule): a plain return, not cancelled, of a job that keeps no
+                # result (keep_result NULL) completes the job inline, so a
+                # successful job costs no Python call beyond its handler.
                 context.id = 0
                 if row != NULL:
                     row[_COMPLETED] += 1
                 self._add_done(job_id, attempt)
             else:
                 outcome = self._executor.returned(spec, job_id, attempt, max_attempts, result)
+                if outcome is None and not PQgetisnull(rows, i, 7):
+                    outcome = _kept(spec, job_id, attempt, max_attempts, result)
                 if outcome is None:
                     if row != NULL:
                         row[_COMPLETED] += 1

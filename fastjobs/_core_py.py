@@ -42,9 +42,10 @@ IMPLEMENTATION = "python"
 _JSONB_VERSION = b"\x01"
 
 # A claimed job: id, kind, args (binary jsonb), attempt, max_attempts, run_at
-# (binary timestamptz: microseconds since 2000), and with full context its
-# meta (binary jsonb, or None), created_at and run_at.
-Row = tuple[int, str, bytes, int, int, int, "tuple[bytes | None, int, int] | None"]
+# (binary timestamptz: microseconds since 2000), with full context its meta
+# (binary jsonb, or None), created_at and run_at, and whether it keeps its
+# result (keep_result is set: its value goes with its outcome).
+Row = tuple[int, str, bytes, int, int, int, "tuple[bytes | None, int, int] | None", bool]
 
 
 def encode_copy_rows(
@@ -557,7 +558,7 @@ class BatchLoop:
         for i in range(n):
             claimed = None
             if self._full_context:
-                claimed = (res.get_value(i, 7), _int(res.get_value(i, 8)), _int(res.get_value(i, 6)))
+                claimed = (res.get_value(i, 8), _int(res.get_value(i, 9)), _int(res.get_value(i, 6)))
             rows.append(
                 (
                     _int(res.get_value(i, 0)),
@@ -567,6 +568,7 @@ class BatchLoop:
                     _int(res.get_value(i, 4)),
                     _int(res.get_value(i, 6)),
                     claimed,
+                    res.get_value(i, 7) is not None,
                 )
             )
         return rows
@@ -718,7 +720,9 @@ class BatchLoop:
             claimed_us = time.time_ns() // 1000 - PG_EPOCH_US  # run_at's clock: microseconds since 2000
         queue = executor.queue.decode() if isinstance(executor.queue, bytes) else executor.queue
         fast = self._tx
-        for index, (job_id, kind, raw, attempt, max_attempts, run_at, claimed_raw) in enumerate(rows):
+        if executor.keeping:
+            executor.keeping.clear()
+        for index, (job_id, kind, raw, attempt, max_attempts, run_at, claimed_raw, keep) in enumerate(rows):
             if self.stopping:
                 failures.extend(handlers.release(row[0], row[3]) for row in rows[index:])
                 break
@@ -769,6 +773,8 @@ class BatchLoop:
                     failures.append(handlers.release(job_id, attempt))
                     continue
                 slow.append((spec, job_id, args, attempt, max_attempts, claimed))
+                if keep:
+                    executor.keeping.add(job_id)
                 continue
             if executor.cancelled and job_id in executor.cancelled:
                 executor.cancelled.discard(job_id)
@@ -807,6 +813,8 @@ class BatchLoop:
             if at >= 0:
                 stats.observe(counts, at + RUN_SUM, time.perf_counter_ns() - began)
             outcome = executor.returned(spec, job_id, attempt, max_attempts, result)
+            if outcome is None and keep:
+                outcome = handlers.kept(spec, job_id, attempt, max_attempts, result)
             if outcome is not None:
                 failures.append(self._tally(at, outcome))
             else:

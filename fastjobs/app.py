@@ -14,24 +14,42 @@ import select
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypedDict, TypeVar, Unpack, overload
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeAlias, TypedDict, TypeVar, Unpack, overload
 
 import psycopg
 
-from . import control, database, enqueue, middleware, schema, typed
+from . import control, database, enqueue, middleware, results, schema, typed
 from .cron import Cron
-from .enqueue import InsertParams, Options, check_kind, check_max_attempts, check_priority, check_queue
+from .enqueue import (
+    InsertParams,
+    Options,
+    check_keep_result,
+    check_kind,
+    check_max_attempts,
+    check_priority,
+    check_queue,
+)
 from .errors import UnknownKind
 from .middleware import Enqueue, EnqueueMiddleware, JobMiddleware
+from .results import JobHandle, JobStatus
 from .retry import RetryPolicy
 from .types import DEFAULT_MAX_ATTEMPTS, DEFAULT_PRIORITY, DEFAULT_QUEUE, JobSpec
 
 if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection as SAConnection
+    from sqlalchemy.ext.asyncio import AsyncConnection as SAAsyncConnection
+    from sqlalchemy.ext.asyncio import AsyncSession
+    from sqlalchemy.orm import Session
+
     from .testing import Mode, Testing
 
 P = ParamSpec("P")
 R = TypeVar("R")
 M = TypeVar("M", bound=Callable[..., Any])
+
+# What `conn=` takes: a psycopg 3 connection, or a SQLAlchemy one on psycopg 3 (fastjobs.contrib.sqlalchemy).
+Conn: TypeAlias = "psycopg.Connection[Any] | SAConnection | Session"
+AsyncConn: TypeAlias = "psycopg.AsyncConnection[Any] | SAAsyncConnection | AsyncSession"
 
 # Reserved for enqueue options on the job handle, so a handler cannot take it.
 _RESERVED = frozenset({"conn"})
@@ -45,6 +63,7 @@ class BulkOptions(TypedDict, total=False):
     run_at: dt.datetime | None  # timezone-aware
     delay: float | dt.timedelta | None  # seconds
     max_attempts: int | None
+    keep_result: float | dt.timedelta | None  # seconds the outcome is kept (App.result)
 
 
 class EnqueueOptions(BulkOptions, total=False):
@@ -117,6 +136,7 @@ class App:
         unique: bool | tuple[str, ...] | list[str] = False,
         cron: str | None = None,
         tz: str | None = None,
+        keep_result: float | dt.timedelta | None = None,
     ) -> Callable[[Callable[P, R]], Job[P, R]]: ...
 
     def job(
@@ -131,6 +151,7 @@ class App:
         unique: bool | tuple[str, ...] | list[str] = False,
         cron: str | None = None,
         tz: str | None = None,
+        keep_result: float | dt.timedelta | None = None,
     ) -> Callable[[Callable[P, R]], Job[P, R]] | Job[P, R]:
         """Register a handler (`def` or `async def`); `@app.job` bare is `@app.job()`.
 
@@ -144,6 +165,9 @@ class App:
         (5 fields or a shorthand such as "@daily"; the `cron` extra) makes the
         leader enqueue the job, without args, once per tick across the
         cluster, the expression read in the IANA time zone `tz` (default UTC).
+        `keep_result` (seconds or a timedelta) keeps each job's return value,
+        or the errors it was discarded or cancelled with, that long after it
+        ends, for `App.result` and `App.status` (docs/guides/results.md).
         """
         func: Callable[P, R] | None = None
         if callable(kind):  # bare `@app.job`: the function came as `kind`
@@ -160,6 +184,7 @@ class App:
         elif tz is not None:
             raise ValueError("tz= is the time zone of a cron schedule: give cron= too")
         unique_by: bool | tuple[str, ...] = unique if isinstance(unique, bool) else tuple(unique)
+        keep = check_keep_result(keep_result)
 
         def register(func: Callable[P, R]) -> Job[P, R]:
             name = kind or f"{func.__module__}.{func.__qualname__}"
@@ -192,6 +217,7 @@ class App:
                 cron=cron,
                 tz=tz,
                 args_schema=args_schema,
+                keep_result=keep,
             )
             self.jobs[name] = spec
             return Job(self, spec)
@@ -206,6 +232,7 @@ class App:
         priority: int = DEFAULT_PRIORITY,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         unique: bool | tuple[str, ...] | list[str] = False,
+        keep_result: float | dt.timedelta | None = None,
     ) -> Job[..., None]:
         """Declare a kind whose handler runs in another service, so that this app may enqueue it.
 
@@ -230,6 +257,7 @@ class App:
             priority=priority,
             max_attempts=max_attempts,
             unique=unique if isinstance(unique, bool) else tuple(unique),
+            keep_result=check_keep_result(keep_result),
         )
         self.declared[kind] = spec
         return Job(self, spec)
@@ -308,32 +336,34 @@ class App:
         kind: str,
         args: dict[str, Any] | None = None,
         *,
-        conn: psycopg.Connection[Any] | None = None,
+        conn: Conn | None = None,
         **options: Unpack[EnqueueOptions],
-    ) -> int:
-        """Insert one job and return its id.
+    ) -> JobHandle:
+        """Insert one job and return its id (a JobHandle: an int that can wait for its result).
 
-        With `conn`, the job joins the caller's transaction: it exists (and
-        is visible to workers) only once that transaction commits. With a
+        With `conn` (a psycopg 3 connection, or a SQLAlchemy Connection or
+        Session on psycopg 3), the job joins the caller's transaction: it
+        exists (and is visible to workers) only once that transaction commits. With a
         `unique_key` (or a kind registered with `unique=`) held by a job still
         pending or running, nothing is inserted and that job's id is returned.
         """
         opts = enqueue.options(kind, self._spec(kind), **options)
         params = enqueue.insert_params(opts, args)  # bad args fail before a connection is taken
+        db: psycopg.Connection[Any] | None = enqueue.adapt(conn)
         if not self._enqueue_middleware:
-            return self._insert(params, conn)
-        if conn is not None:
-            enqueue.check_conn(conn, psycopg.Connection)
+            return JobHandle(self._insert(params, db), self)
+        if db is not None:
+            enqueue.check_conn(db, psycopg.Connection)
         call = _enqueue_call(opts, {} if args is None else args)
-        with self._chain_target(conn) as target:
+        with self._chain_target(db) as target:
 
             def insert() -> int:
                 return enqueue.insert(target, _with_meta(params, call))
 
             job_id = middleware.run_enqueue(self._enqueue_middleware, call, insert)
         if self._testing is not None:
-            self._testing.inserted(conn)
-        return job_id
+            self._testing.inserted(db)
+        return JobHandle(job_id, self)
 
     @contextlib.contextmanager
     def _chain_target(self, conn: psycopg.Connection[Any] | None) -> Iterator[psycopg.Connection[Any]]:
@@ -372,7 +402,7 @@ class App:
         kind: str,
         args_iterable: Iterable[dict[str, Any]],
         *,
-        conn: psycopg.Connection[Any] | None = None,
+        conn: Conn | None = None,
         **options: Unpack[BulkOptions],
     ) -> int:
         """Insert many jobs of one kind with one binary COPY; return the count inserted.
@@ -384,20 +414,21 @@ class App:
         repeated in the call) are skipped and not counted.
         """
         opts = enqueue.options(kind, self._spec(kind), **options)
-        if conn is not None:
-            enqueue.check_conn(conn, psycopg.Connection)
+        db: psycopg.Connection[Any] | None = enqueue.adapt(conn)
+        if db is not None:
+            enqueue.check_conn(db, psycopg.Connection)
         if not self._enqueue_middleware:
-            count = self._copy(opts, args_iterable, None, conn)
+            count = self._copy(opts, args_iterable, None, db)
         else:
             call = _enqueue_call(opts, None)
-            with self._chain_target(conn) as target:
+            with self._chain_target(db) as target:
 
                 def copy() -> int:
                     return enqueue.copy_many(target, opts, args_iterable, enqueue.dump_meta(call.meta))
 
                 count = middleware.run_enqueue(self._enqueue_middleware, call, copy)
         if self._testing is not None:
-            self._testing.inserted(conn)
+            self._testing.inserted(db)
         return count
 
     def _copy(
@@ -417,26 +448,32 @@ class App:
         kind: str,
         args: dict[str, Any] | None = None,
         *,
-        conn: psycopg.AsyncConnection[Any] | None = None,
+        conn: AsyncConn | None = None,
         **options: Unpack[EnqueueOptions],
-    ) -> int:
-        """`enqueue` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs')."""
+    ) -> JobHandle:
+        """`enqueue` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs'), or a
+        SQLAlchemy AsyncConnection or AsyncSession on psycopg 3."""
         opts = enqueue.options(kind, self._spec(kind), **options)
         params = enqueue.insert_params(opts, args)
+        db: psycopg.AsyncConnection[Any] | None = (
+            conn
+            if conn is None or isinstance(conn, psycopg.AsyncConnection)
+            else await enqueue.adapt_async(conn)
+        )
         if not self._enqueue_middleware_async:
-            return await self._insert_async(params, conn)
-        if conn is not None:
-            enqueue.check_conn(conn, psycopg.AsyncConnection)
+            return JobHandle(await self._insert_async(params, db), self)
+        if db is not None:
+            enqueue.check_conn(db, psycopg.AsyncConnection)
         call = _enqueue_call(opts, {} if args is None else args)
-        async with self._chain_target_async(conn) as target:
+        async with self._chain_target_async(db) as target:
 
             async def insert() -> int:
                 return await enqueue.insert_async(target, _with_meta(params, call))
 
             job_id = await middleware.run_enqueue_async(self._enqueue_middleware_async, call, insert)
         if self._testing is not None:
-            await self._testing.inserted_async(conn)
-        return job_id
+            await self._testing.inserted_async(db)
+        return JobHandle(job_id, self)
 
     async def _insert_async(self, params: InsertParams, conn: psycopg.AsyncConnection[Any] | None) -> int:
         if conn is not None:
@@ -454,18 +491,24 @@ class App:
         kind: str,
         args_iterable: Iterable[dict[str, Any]],
         *,
-        conn: psycopg.AsyncConnection[Any] | None = None,
+        conn: AsyncConn | None = None,
         **options: Unpack[BulkOptions],
     ) -> int:
-        """`enqueue_many` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs')."""
+        """`enqueue_many` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs'), or a
+        SQLAlchemy AsyncConnection or AsyncSession on psycopg 3."""
         opts = enqueue.options(kind, self._spec(kind), **options)
-        if conn is not None:
-            enqueue.check_conn(conn, psycopg.AsyncConnection)
+        db: psycopg.AsyncConnection[Any] | None = (
+            conn
+            if conn is None or isinstance(conn, psycopg.AsyncConnection)
+            else await enqueue.adapt_async(conn)
+        )
+        if db is not None:
+            enqueue.check_conn(db, psycopg.AsyncConnection)
         if not self._enqueue_middleware_async:
-            count = await self._copy_async(opts, args_iterable, None, conn)
+            count = await self._copy_async(opts, args_iterable, None, db)
         else:
             call = _enqueue_call(opts, None)
-            async with self._chain_target_async(conn) as target:
+            async with self._chain_target_async(db) as target:
 
                 async def copy() -> int:
                     return await enqueue.copy_many_async(
@@ -474,7 +517,7 @@ class App:
 
                 count = await middleware.run_enqueue_async(self._enqueue_middleware_async, call, copy)
         if self._testing is not None:
-            await self._testing.inserted_async(conn)
+            await self._testing.inserted_async(db)
         return count
 
     async def _copy_async(
@@ -515,7 +558,7 @@ class App:
 
         return Testing(self, mode, dsn=dsn)
 
-    def cancel(self, job_id: int, *, conn: psycopg.Connection[Any] | None = None) -> str:
+    def cancel(self, job_id: int, *, conn: Conn | None = None) -> str:
         """Cancel a job; returns what became of it.
 
         A queued job (available, scheduled, retryable) is `cancelled` at once.
@@ -525,11 +568,53 @@ class App:
         state returned. Raises JobNotFound for an unknown id.
         """
         with schema.required():
-            if conn is not None:
-                enqueue.check_conn(conn, psycopg.Connection)
-                return control.cancel(conn, job_id)
+            db: psycopg.Connection[Any] | None = enqueue.adapt(conn)
+            if db is not None:
+                enqueue.check_conn(db, psycopg.Connection)
+                return control.cancel(db, job_id)
             with self.connection() as own:
                 return control.cancel(own, job_id)
+
+    def status(self, job_id: int, *, conn: Conn | None = None) -> JobStatus:
+        """What job `job_id` is now, without waiting: from the jobs table, or from the kept results
+        (a job enqueued with keep_result, after it ended). Raises JobNotFound when neither has it."""
+        db: psycopg.Connection[Any] | None = enqueue.adapt(conn)
+        if db is not None:
+            enqueue.check_conn(db, psycopg.Connection)
+            return results.status(db, job_id)
+        with self.connection() as own:
+            return results.status(own, job_id)
+
+    async def status_async(self, job_id: int, *, conn: AsyncConn | None = None) -> JobStatus:
+        """`status` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs')."""
+        db: psycopg.AsyncConnection[Any] | None = (
+            conn
+            if conn is None or isinstance(conn, psycopg.AsyncConnection)
+            else await enqueue.adapt_async(conn)
+        )
+        if db is not None:
+            enqueue.check_conn(db, psycopg.AsyncConnection)
+            return await results.status_async(db, job_id)
+        async with self.connection_async() as own:
+            return await results.status_async(own, job_id)
+
+    def result(self, job_id: int, timeout: float | None = None) -> Any:
+        """The value job `job_id` returned, waiting for it to finish (at most `timeout` seconds).
+
+        Only a job enqueued with keep_result keeps it. Raises JobFailed (with
+        the job's `errors`) if the job was discarded, JobCancelled if it was
+        cancelled, TimeoutError (leaving the job alone) if it did not finish
+        in time, and JobNotFound, saying why, if there is nothing to wait
+        for: no such job, one without keep_result, or a result expired. The
+        wait issues no query: it is woken by the notification of its outcome.
+        """
+        with self.connection() as own:
+            return results.wait(own, job_id, timeout)
+
+    async def result_async(self, job_id: int, timeout: float | None = None) -> Any:
+        """`result` in an event loop, on one of fastjobs' async connections."""
+        async with self.connection_async() as own:
+            return await results.wait_async(own, job_id, timeout)
 
     @contextlib.contextmanager
     def connection(self) -> Iterator[psycopg.Connection[Any]]:
@@ -589,7 +674,7 @@ class Job(Generic[P, R]):
         self,
         app: App,
         spec: JobSpec,
-        conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any] | None = None,
+        conn: Conn | AsyncConn | None = None,
         **defaults: Unpack[BulkOptions],
     ) -> None:
         self._func: Callable[P, R] = spec.func
@@ -611,13 +696,15 @@ class Job(Generic[P, R]):
         enqueue.options(self.kind, self.spec, **merged)  # bad options fail here, not at enqueue
         return Job(self.app, self.spec, self._conn, **merged)
 
-    def using(self, conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> Job[P, R]:
+    def using(self, conn: Conn | AsyncConn) -> Job[P, R]:
         """A handle that enqueues in `conn`'s transaction: the jobs exist once it commits.
 
-        A `psycopg.AsyncConnection` serves the `_async` methods; the enqueue
-        checks the connection further, as it checks a `conn=`.
+        A `psycopg.AsyncConnection` (or a SQLAlchemy AsyncConnection or
+        AsyncSession) serves the `_async` methods; the enqueue checks the
+        connection further, as it checks a `conn=`.
         """
-        if not isinstance(conn, psycopg.Connection | psycopg.AsyncConnection):
+        sqlalchemy = enqueue.is_sqlalchemy(conn)
+        if not isinstance(conn, psycopg.Connection | psycopg.AsyncConnection) and not sqlalchemy:
             raise enqueue.foreign_conn(conn, "using() takes a psycopg 3 Connection or AsyncConnection")
         return Job(self.app, self.spec, conn, **self._defaults)
 
@@ -649,28 +736,26 @@ class Job(Generic[P, R]):
         """The call's `conn=`, else the one bound by `using`."""
         return self._conn if conn is None else conn
 
-    def enqueue(self, *args: P.args, **kwargs: P.kwargs) -> int:
-        """Enqueue one job with the handler's arguments; returns its id."""
+    def enqueue(self, *args: P.args, **kwargs: P.kwargs) -> JobHandle:
+        """Enqueue one job with the handler's arguments; returns its id (a JobHandle)."""
         named = dict(kwargs)
         conn = self._conn_for(named.pop("conn", None))
         return self.app.enqueue(self.kind, self._named(args, named), conn=conn, **self._defaults)
 
-    def enqueue_many(
-        self, args_iterable: Iterable[dict[str, Any]], *, conn: psycopg.Connection[Any] | None = None
-    ) -> int:
+    def enqueue_many(self, args_iterable: Iterable[dict[str, Any]], *, conn: Conn | None = None) -> int:
         """Enqueue one job per argument dict with one COPY; returns the count.
 
         `job.args(...)` builds a dict a type checker checks like a call.
         """
         return self.app.enqueue_many(self.kind, args_iterable, conn=self._conn_for(conn), **self._defaults)
 
-    async def enqueue_async(self, *args: P.args, **kwargs: P.kwargs) -> int:
+    async def enqueue_async(self, *args: P.args, **kwargs: P.kwargs) -> JobHandle:
         named = dict(kwargs)
         conn = self._conn_for(named.pop("conn", None))
         return await self.app.enqueue_async(self.kind, self._named(args, named), conn=conn, **self._defaults)
 
     async def enqueue_many_async(
-        self, args_iterable: Iterable[dict[str, Any]], *, conn: psycopg.AsyncConnection[Any] | None = None
+        self, args_iterable: Iterable[dict[str, Any]], *, conn: AsyncConn | None = None
     ) -> int:
         return await self.app.enqueue_many_async(
             self.kind, args_iterable, conn=self._conn_for(conn), **self._defaults

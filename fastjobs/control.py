@@ -179,11 +179,20 @@ def discard(conn: psycopg.Connection[Any], job_id: int) -> str:
 
 
 def show(conn: psycopg.Connection[Any], job_id: int) -> dict[str, Any]:
-    """Every column of one job; a timestamp a datetime cannot hold comes as PostgreSQL's text."""
+    """Every column of one job, and its kept outcome (`result`, `result_expires_at`) if it has one;
+    a job only among the kept results (its row gone from the jobs table) is shown from there. A
+    timestamp a datetime cannot hold comes as PostgreSQL's text."""
     with _inspecting(conn) as cur:
         row = cur.execute(sql.job_get, (job_id,)).fetchone()
-    if row is None:
+        kept = cur.execute(sql.result_get, (job_id,)).fetchone()
+    if row is None and kept is None:
         raise JobNotFound(f"no job with id {job_id}")
+    if row is None:
+        assert kept is not None
+        expires = kept.pop("expires_at")
+        return {**kept, "result_expires_at": expires}
+    if kept is not None:
+        row["result"], row["result_expires_at"] = kept["result"], kept["expires_at"]
     return row
 
 

@@ -58,6 +58,7 @@ class Options:
     unique_key: str | None = None
     unique: bool | tuple[str, ...] = False
     args_schema: ArgsSchema | None = None
+    keep_result: int | None = None  # seconds its outcome is kept in fastjobs_results
 
 
 def unique_key_for(opts: Options, args: dict[str, Any]) -> str | None:
@@ -80,6 +81,7 @@ def options(
     run_at: dt.datetime | None = None,
     delay: float | dt.timedelta | None = None,
     unique_key: str | None = None,
+    keep_result: float | dt.timedelta | None = None,
 ) -> Options:
     """Validate everything but the arguments; each bad value raises with its reason."""
     if unique_key is not None and (not isinstance(unique_key, str) or not unique_key):
@@ -118,6 +120,7 @@ def options(
             raise ValueError(
                 f"delay must be at most {MAX_DELAY:.0f} seconds (about 1,000 years), not {seconds:g}"
             )
+    keep = check_keep_result(keep_result if keep_result is not None else (spec.keep_result if spec else None))
     return Options(
         kind,
         queue,
@@ -130,7 +133,26 @@ def options(
         unique_key,
         spec.unique if spec else False,
         spec.args_schema if spec else None,
+        keep,
     )
+
+
+# The longest keep_result: the column is an int4 of seconds.
+MAX_KEEP_RESULT = 2**31 - 1
+
+
+def check_keep_result(keep_result: object) -> int | None:
+    """keep_result as whole seconds (rounded up: 0.5 keeps a second), or None; ValueError saying why."""
+    if keep_result is None:
+        return None
+    seconds = keep_result.total_seconds() if isinstance(keep_result, dt.timedelta) else keep_result
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise ValueError(f"keep_result must be seconds or a timedelta, not {type(keep_result).__name__}")
+    if not math.isfinite(seconds) or seconds <= 0 or seconds > MAX_KEEP_RESULT:
+        raise ValueError(
+            f"keep_result must be a number of seconds > 0 and <= {MAX_KEEP_RESULT}, not {seconds!r}"
+        )
+    return math.ceil(seconds)
 
 
 def check_kind(kind: object) -> None:
@@ -166,8 +188,34 @@ def foreign_conn(conn: object, wanted: str) -> TypeError:
     return TypeError(
         f"{wanted} (psycopg2 and other drivers are not supported), not "
         f"{type(conn).__module__}.{type(conn).__qualname__}; pass the psycopg connection underneath "
-        "(Django: django.db.connection.connection; SQLAlchemy: connection.connection.driver_connection)"
+        "(Django: django.db.connection.connection), or a SQLAlchemy Connection or Session of a "
+        "postgresql+psycopg:// engine"
     )
+
+
+def is_sqlalchemy(conn: object) -> bool:
+    """Whether `conn` is a SQLAlchemy object (told by its module: importing sqlalchemy costs 100 ms)."""
+    return type(conn).__module__.startswith("sqlalchemy.")
+
+
+def adapt(conn: Any) -> Any:
+    """The psycopg connection a sync `conn=` stands for: itself, or the one under a SQLAlchemy
+    Connection or Session, in its transaction (fastjobs.contrib.sqlalchemy). Anything else is
+    returned as it is, for check_conn to refuse."""
+    if conn is None or isinstance(conn, psycopg.Connection) or not is_sqlalchemy(conn):
+        return conn
+    from .contrib import sqlalchemy  # the object is SQLAlchemy's: the library is installed
+
+    return sqlalchemy.driver_connection(conn)
+
+
+async def adapt_async(conn: Any) -> Any:
+    """`adapt` for the async methods: a SQLAlchemy AsyncConnection or AsyncSession."""
+    if conn is None or isinstance(conn, psycopg.AsyncConnection) or not is_sqlalchemy(conn):
+        return conn
+    from .contrib import sqlalchemy
+
+    return await sqlalchemy.driver_connection_async(conn)
 
 
 def conn_type_error(conn: object, expected: type[Any]) -> TypeError:
@@ -206,14 +254,23 @@ class InsertParams(NamedTuple):
     delay: float | None  # seconds from now, when run_at is None
     unique_key: str | None
     meta: str | None  # JSON
+    keep_result: int | None  # seconds
 
     def due_now(self) -> bool:
         """Whether sql.job_insert_now can take the job: due now, no unique key."""
         return self.run_at is None and not self.delay and self.unique_key is None
 
-    def now(self) -> tuple[str, str, str, int, int, str | None]:
+    def now(self) -> tuple[str, str, str, int, int, str | None, int | None]:
         """sql.job_insert_now's parameters."""
-        return (self.queue, self.kind, self.args, self.priority, self.max_attempts, self.meta)
+        return (
+            self.queue,
+            self.kind,
+            self.args,
+            self.priority,
+            self.max_attempts,
+            self.meta,
+            self.keep_result,
+        )
 
 
 def insert_params(opts: Options, args: Any, meta: bytes | None = None) -> InsertParams:
@@ -233,6 +290,7 @@ def insert_params(opts: Options, args: Any, meta: bytes | None = None) -> Insert
         opts.delay,
         key,
         None if meta is None else meta.decode(),
+        opts.keep_result,
     )
 
 
@@ -287,6 +345,7 @@ def insert_own(conn: psycopg.Connection[Any], params: InsertParams) -> int:
             b"%d" % params.priority,
             b"%d" % params.max_attempts,
             None if params.meta is None else params.meta.encode(),
+            None if params.keep_result is None else b"%d" % params.keep_result,
         ]
         res = pgconn.exec_prepared(_INSERT_NOW, values)  # type: ignore[arg-type]  # None is NULL to libpq
         if res.status != pq.ExecStatus.TUPLES_OK:
@@ -342,18 +401,19 @@ def copy_layout(opts: Options, now: dt.datetime, meta: bytes | None = None) -> t
 
     A delayed bulk enqueue is computed against the client's clock; the claim
     also requires run_at <= now(), so a skewed clock can only delay a job.
-    The call's meta is the same for every row: it ends the suffix.
+    The call's keep_result and meta are the same for every row: they end the suffix.
     """
     statement, prefix, suffix = _layout(opts, now)
-    return statement, prefix, suffix + _jsonb_field(meta)
+    return statement, prefix, suffix + _keep_field(opts) + _jsonb_field(meta)
 
 
 def _layout(opts: Options, now: dt.datetime) -> tuple[str, bytes, bytes]:
-    """copy_layout's without the meta field that ends its suffix (the field count includes it)."""
+    """copy_layout's without the keep_result and meta fields that end its suffix (the field count
+    includes them)."""
     run_at = opts.run_at
     if run_at is None and opts.delay:
         run_at = now + dt.timedelta(seconds=opts.delay)
-    fields = 6 if run_at is None else 8
+    fields = 7 if run_at is None else 9
     prefix = fields.to_bytes(2, "big") + _field(opts.queue.encode()) + _field(opts.kind.encode())
     suffix = _field(opts.priority.to_bytes(2, "big", signed=True)) + _field(
         opts.max_attempts.to_bytes(2, "big")
@@ -364,6 +424,11 @@ def _layout(opts: Options, now: dt.datetime) -> tuple[str, bytes, bytes]:
     micros = (run_at - _PG_EPOCH) // dt.timedelta(microseconds=1)
     suffix += _field(state) + _field(micros.to_bytes(8, "big", signed=True))
     return sql.job_copy_at, prefix, suffix
+
+
+def _keep_field(opts: Options) -> bytes:
+    """A binary COPY int4 field: the jobs' keep_result, or NULL."""
+    return _NULL if opts.keep_result is None else _field(opts.keep_result.to_bytes(4, "big", signed=True))
 
 
 def _jsonb_field(data: bytes | None) -> bytes:
@@ -399,10 +464,10 @@ _NULL = (-1).to_bytes(4, "big", signed=True)
 def _staged_chunks(opts: Options, rows: Iterable[Any], meta: bytes | None) -> Iterator[tuple[bytes, int]]:
     """COPY data for fastjobs_staged: like copy_layout's, plus each row's unique key."""
     _, prefix, suffix = _layout(opts, dt.datetime.now(dt.UTC))
-    prefix = (9).to_bytes(2, "big") + prefix[2:]
+    prefix = (10).to_bytes(2, "big") + prefix[2:]
     if len(suffix) == 12:  # priority and max_attempts only: state and run_at are NULL (defaults)
         suffix += _NULL + _NULL
-    meta_field = _jsonb_field(meta)
+    meta_field = _keep_field(opts) + _jsonb_field(meta)
     parts: list[bytes] = []
     count = 0
     for args in rows if opts.args_schema is None else opts.args_schema.encode_rows(rows):

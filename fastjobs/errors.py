@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "Cancel",
     "ConfigurationError",
     "DatabaseUnavailable",
     "FastjobsError",
     "InvalidArguments",
+    "JobCancelled",
+    "JobFailed",
     "JobNotFound",
     "JobTimeout",
     "LoopError",
@@ -85,3 +89,20 @@ class JobNotFound(FastjobsError, LookupError):
 
 class InvalidArguments(FastjobsError, TypeError):
     """A job's stored arguments do not convert to its handler's annotations: it is discarded, not retried."""
+
+
+class _Finished(FastjobsError):
+    """The job ended without a result."""
+
+    def __init__(self, job_id: int, errors: list[dict[str, Any]], message: str | None = None) -> None:
+        super().__init__(message)
+        self.job_id = job_id
+        self.errors = errors
+
+
+class JobFailed(_Finished):
+    """The job was discarded: its last attempt failed (`errors` holds every attempt's error)."""
+
+
+class JobCancelled(_Finished):
+    """The job was cancelled (`errors` holds its attempts' errors and the cancellation's note)."""

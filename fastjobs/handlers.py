@@ -108,7 +108,8 @@ def _traceback(exc: BaseException) -> str:
 def _error(
     attempt: int, exc: BaseException | str, with_traceback: bool = True, note: str | None = None
 ) -> dict[str, Any]:
-    """One attempt's error record; `note` (what fastjobs changed: a clamped delay) follows the message."""
+    """One attempt's error record; `note` (what fastjobs changed: a clamped delay) follows the message.
+    An exception's record names its class (`module.qualname`) too."""
     if isinstance(exc, str):
         text, trace = exc, None
     else:
@@ -117,7 +118,11 @@ def _error(
     text = _bounded(clean(text))
     if note is not None:
         text = f"{text} [fastjobs: {clean(note)}]"
-    return {"at": dt.datetime.now(dt.UTC).isoformat(), "attempt": attempt, "error": text, "traceback": trace}
+    at = dt.datetime.now(dt.UTC).isoformat()
+    record = {"at": at, "attempt": attempt, "error": text, "traceback": trace}
+    if not isinstance(exc, str):
+        record["class"] = clean(f"{type(exc).__module__}.{type(exc).__qualname__}")
+    return record
 
 
 def _outcome(
@@ -317,6 +322,23 @@ def unknown_kind(
 def completed(job_id: int, attempt: int) -> Outcome:
     """A job completed at an attempt other than its first (the first's travel as bare ids)."""
     return _outcome("completed", job_id, attempt, "completed")
+
+
+def kept(spec: JobSpec, job_id: int, attempt: int, max_attempts: int, value: Any) -> Outcome:
+    """A job enqueued with keep_result completed, returning `value`: its record carries the value as
+    JSON (the finish statement keeps it in fastjobs_results). A value orjson cannot encode fails the
+    attempt instead, retried as any failure, with a message naming the job, its kind and the type."""
+    try:
+        data = orjson.dumps(value)
+    except Exception as exc:
+        reason = (
+            f"job {job_id} ({spec.kind}) returned a {type(value).__module__}.{type(value).__qualname__}"
+            f" that keep_result cannot store as JSON: {_message(exc)}"
+        )
+        return failure(spec, job_id, attempt, max_attempts, reason)
+    outcome = _outcome("completed", job_id, attempt, "completed")
+    outcome["result"] = orjson.Fragment(data)
+    return outcome
 
 
 def release(job_id: int, attempt: int = 0) -> Outcome:
@@ -634,6 +656,9 @@ class Executor:
         self.worker: str | None = None
         self.queue: bytes | str | None = None
         self.cancelled: set[int] = set()
+        # The slow jobs of the batch running that keep their result (keep_result):
+        # their outcome carries the value (`kept`). Filled by the hot loop.
+        self.keeping: set[int] = set()
         # The worker's slot (stats.SlowJobs): the jobs whose handlers run now,
         # which alone count a crash if the worker dies.
         self.running: Any = None
@@ -742,6 +767,8 @@ class Executor:
             return failure(spec, job_id, attempt, max_attempts, returned_coroutine(spec))
         if context.cancelled:
             return cancelled(job_id, attempt)
+        if self.keeping and job_id in self.keeping:
+            return kept(spec, job_id, attempt, max_attempts, result)
         return None
 
     def run(self, jobs: list[SlowJob], completed: list[int], failures: list[Outcome]) -> None:
@@ -868,7 +895,7 @@ class Executor:
                 self._tasks[job_id] = task
                 try:
                     async with asyncio.timeout(spec.timeout):
-                        await spec.target(**args)
+                        value = await spec.target(**args)
                 except asyncio.CancelledError as stray:
                     if job_id in self.cancelled:
                         failures.append(cancelled(job_id, attempt))
@@ -884,7 +911,10 @@ class Executor:
                 except Exception as exc:
                     failures.append(failure(spec, job_id, attempt, max_attempts, exc))
                 else:
-                    completed.append(job_id)
+                    if job_id in self.keeping:
+                        failures.append(kept(spec, job_id, attempt, max_attempts, value))
+                    else:
+                        completed.append(job_id)
                 finally:
                     if self.running is not None:
                         self.running.discard(job_id)

@@ -122,7 +122,8 @@ class RescuerConfig:
 
 @dataclass(frozen=True, slots=True)
 class CleanerConfig:
-    """Finished jobs are deleted after their retention, in batches; silent workers' rows pruned.
+    """Finished jobs are deleted after their retention, in batches; kept results (fastjobs_results)
+    once they expire (each row carries its own expiry, its job's keep_result); silent workers' rows pruned.
 
     A backlog (a million finished jobs, say) is deleted in turns of at most
     `budget` seconds, and the leader rests between turns so the cleaner
@@ -483,16 +484,17 @@ def rescue_once(
 def clean_once(
     conn: psycopg.Connection[Any], now: dt.datetime | None = None, config: CleanerConfig = CleanerConfig()
 ) -> dict[str, int]:
-    """Delete finished jobs past their retention and prune silent workers; counts of each.
+    """Delete finished jobs past their retention, expired results, and prune silent workers; counts of each.
 
     Works in batches until one comes back short or `config.budget` seconds
     are spent (then the caller comes back after `config.rest`).
     """
     now = now or _db_now(conn)
-    counts = {"completed": 0, "discarded": 0, "workers": 0}
+    counts = {"completed": 0, "discarded": 0, "results": 0, "workers": 0}
     passes = (
         ("completed", sql.job_clean_completed_many, config.completed_retention),
         ("discarded", sql.job_clean_discarded_many, config.discarded_retention),
+        ("results", sql.result_clean_many, 0.0),  # expires_at is the row's own
     )
     began = time.monotonic()
     with psycopg.RawCursor(conn) as cur:

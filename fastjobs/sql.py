@@ -42,9 +42,9 @@ statements, as `fastjobs sql show` does):
   The fast lane              its transaction, hand-over, wake-up, crash
   Leader                     the leader's lock and keepalives, the scheduler
   Workers                    a worker's session, registration, heartbeat, sleep
-  Maintenance                rescuer, releaser, cleaners, periodic jobs
+  Maintenance                rescuer, releaser, cleaners (results too), periodic jobs
   Operators                  cancel, retry, discard
-  State reports (family)     job_state, job_get, job_list, job_stats_by_queue, testing_jobs_in_states
+  State reports (family)     job_state, job_get, job_list, job_stats_by_queue, testing_jobs_*, job_status
   Vacuum and rotation        slot 0's VACUUM, the rotating slots
   Monitoring                 MVCC horizon, table health, NOTIFY queue
   Testing kit                fastjobs.testing's own statements
@@ -92,7 +92,13 @@ NOTIFY_CHANNEL: Final = "fastjobs"
 PING_CHANNEL: Final = "fastjobs_ping"
 # Channel of cancellation requests for running jobs; the payload is the job id.
 CANCEL_CHANNEL: Final = "fastjobs_cancel"
-CHANNELS: Final = frozenset({NOTIFY_CHANNEL, PING_CHANNEL, CANCEL_CHANNEL})
+# Channel of kept outcomes written (fastjobs_results): one notification per
+# statement, its payload the ids, comma-separated, or '' (look again) when
+# they would not fit a notification (RESULT_PAYLOAD_MAX).
+RESULT_CHANNEL: Final = "fastjobs_result"
+CHANNELS: Final = frozenset({NOTIFY_CHANNEL, PING_CHANNEL, CANCEL_CHANNEL, RESULT_CHANNEL})
+# The longest payload of a RESULT_CHANNEL notification (PostgreSQL takes < 8000 bytes).
+RESULT_PAYLOAD_MAX: Final = 7900
 
 # The highest attempt a claim or a retry counts from (`least(attempt, 32766) + 1`):
 # smallint's maximum less one, so the count never overflows the column.
@@ -117,6 +123,9 @@ _section("Listening and migrations")
 listen_jobs: Final = "LISTEN fastjobs"
 listen_ping: Final = "LISTEN fastjobs_ping"
 listen_cancel: Final = "LISTEN fastjobs_cancel"
+listen_result: Final = "LISTEN fastjobs_result"
+# unlisten_result: a waiter (fastjobs.results) is done with its connection, which goes back to the pool.
+unlisten_result: Final = "UNLISTEN fastjobs_result"
 
 # listener_ping: a listener's health check, answered on its own connection.
 listener_ping: Final = "SELECT pg_notify('fastjobs_ping', $1)"
@@ -192,7 +201,7 @@ def _columns(*, at: bool, key: bool) -> str:
     and run_at; a keyed one its unique key too."""
     scheduled = ", state, run_at" if at else ""
     keyed = ", unique_key" if key else ""
-    return f"queue, kind, args, priority, max_attempts{scheduled}{keyed}, meta"
+    return f"queue, kind, args, priority, max_attempts{scheduled}{keyed}, keep_result, meta"
 
 
 def _copy(*, into: str, at: bool, key: bool) -> str:
@@ -207,13 +216,14 @@ _SKIP_TAKEN_KEYS: Final = f"""ON CONFLICT (unique_key)
 
 # job_insert: one job, into slot 0 (fastjobs_jobs); scheduled when its run_at
 # ($6, or now + $7 seconds) is in the future; $9 its meta (enqueue
-# middleware's, or NULL). With a unique key ($8) already taken, nothing is
-# inserted and no row returned (job_get_unique then finds the holder).
+# middleware's, or NULL), $10 its keep_result (seconds, or NULL). With a
+# unique key ($8) already taken, nothing is inserted and no row returned
+# (job_get_unique then finds the holder).
 job_insert: Final = f"""
 INSERT INTO fastjobs_jobs ({_columns(at=True, key=True)})
 SELECT $1, $2, $3::jsonb, $4, $5,
        CASE WHEN t.run_at > now() THEN 'scheduled' ELSE 'available' END::fastjobs_state,
-       t.run_at, $8, $9::jsonb
+       t.run_at, $8, $10::int4, $9::jsonb
   FROM (SELECT coalesce($6::timestamptz,
                         now() + make_interval(secs => coalesce($7::float8, 0)))) AS t(run_at)
 {_SKIP_TAKEN_KEYS}
@@ -224,11 +234,11 @@ RETURNING id"""
 # CONFLICT arbiter costs the server about twice as much per row (measured
 # 120-140 us against 55-65 us a statement, one session, PostgreSQL 15).
 # Through the parent: into the current rotating slot (the slot's default),
-# with its meta ($6, or NULL): an app with enqueue middleware (tracing) puts
+# with its meta ($6, or NULL) and keep_result ($7, or NULL): an app with enqueue middleware (tracing) puts
 # meta on every job, which must not all go to slot 0, back onto VACUUM.
 job_insert_now: Final = f"""
 INSERT INTO fastjobs_jobs_all ({_columns(at=False, key=False)})
-VALUES ($1, $2, $3::jsonb, $4, $5, $6::jsonb)
+VALUES ($1, $2, $3::jsonb, $4, $5, $7::int4, $6::jsonb)
 RETURNING id"""
 
 # job_get_unique: the pending or running job holding unique key $1 (only slot 0 holds keys).
@@ -243,14 +253,14 @@ job_copy_staged: Final = _copy(into="fastjobs_staged", at=True, key=True)
 job_stage_create: Final = """
 CREATE TEMP TABLE IF NOT EXISTS fastjobs_staged (
     queue text, kind text, args jsonb, priority smallint, max_attempts smallint,
-    state fastjobs_state, run_at timestamptz, unique_key text, meta jsonb
+    state fastjobs_state, run_at timestamptz, unique_key text, keep_result integer, meta jsonb
 ) ON COMMIT DELETE ROWS"""
 
 # job_insert_staged: move staged jobs in, skipping keys already taken; one statement, one notification.
 job_insert_staged: Final = f"""
 INSERT INTO fastjobs_jobs ({_columns(at=True, key=True)})
 SELECT queue, kind, args, priority, max_attempts,
-       coalesce(state, 'available'), coalesce(run_at, now()), unique_key, meta
+       coalesce(state, 'available'), coalesce(run_at, now()), unique_key, keep_result, meta
   FROM fastjobs_staged
 {_SKIP_TAKEN_KEYS}"""
 
@@ -286,8 +296,9 @@ _section("Claims")
 
 # What a claim returns of each job, in the order the hot loops decode it; with
 # context (the app has middleware, which fills each JobContext) its meta and
-# created_at too. Any other worker claims without, so a job pays for neither.
-_CLAIMED: Final = ("id", "kind", "args", "attempt", "max_attempts", "priority", "run_at")
+# created_at too. keep_result (NULL for most jobs) tells the loops which jobs'
+# return values to send with their outcomes. Any other worker claims without, so a job pays for neither.
+_CLAIMED: Final = ("id", "kind", "args", "attempt", "max_attempts", "priority", "run_at", "keep_result")
 _CONTEXT: Final = ("meta", "created_at")
 
 
@@ -416,14 +427,86 @@ def _outcome_state(attempt: str) -> str:
      ELSE f.state END::fastjobs_state"""
 
 
+# Results (migrations/006_results.sql). A job enqueued with keep_result
+# (seconds) keeps its outcome in fastjobs_results: the value its handler
+# returned (sent as the `result` of its outcome record, never as a bare id),
+# or the errors it was discarded or cancelled with. The statement that writes
+# the outcome copies the row there, and the statement notifies the waiters
+# (App.result) once, on RESULT_CHANNEL. A job without keep_result takes
+# neither branch: an empty CTE scan per statement.
+_RESULT_COLUMNS: Final = (
+    ("id", "queue", "kind", "args", "state", "value", "errors", "attempt", "max_attempts"),
+    ("created_at", "attempted_at", "finalized_at", "expires_at"),
+)
+
+
+def _result_columns(*, prefix: str = "", skip: str = "") -> str:
+    """_RESULT_COLUMNS, each after `prefix`, without `skip`, on two lines (the second 4 in)."""
+    lines = (", ".join(prefix + c for c in line if c != skip) for line in _RESULT_COLUMNS)
+    return ",\n    ".join(lines)
+
+
+def _keep(*, completed: str | None, ended: str) -> str:
+    """The INSERT of kept outcomes: of rows `completed` returned (with their `result`), if given, and
+    of rows `ended` returned that were discarded or cancelled; a row there already (a job retried
+    since) is replaced. It returns the ids kept."""
+    expires = "clock_timestamp() + make_interval(secs => keep_result)"
+    values = ""
+    if completed is not None:
+        values = f"""SELECT id, queue, kind, args, 'completed', result, errors, attempt, max_attempts,
+       created_at, attempted_at, clock_timestamp(), {expires}
+  FROM {completed} WHERE keep_result IS NOT NULL
+UNION ALL
+"""
+    return f"""INSERT INTO fastjobs_results ({_result_columns()})
+{values}SELECT id, queue, kind, args, state, NULL, errors, attempt, max_attempts,
+       created_at, attempted_at, clock_timestamp(), {expires}
+  FROM {ended} WHERE keep_result IS NOT NULL AND state IN ('discarded', 'cancelled')
+ON CONFLICT (id) DO UPDATE
+   SET ({_indent(_result_columns(skip="id"), 4)})
+     = ({_indent(_result_columns(prefix="excluded.", skip="id"), 4)})
+RETURNING id"""
+
+
+# What a statement that may end jobs returns of each for _keep to copy (its table aliased j).
+_ENDED: Final = """j.id, j.queue, j.state, j.keep_result, j.kind, j.args, j.attempt, j.max_attempts,
+j.created_at, j.attempted_at, j.errors"""
+
+
+def _ending(*, update: str, returned: str) -> str:
+    """An UPDATE that may discard or cancel jobs (`update`, aliased j, without RETURNING) as a
+    statement that keeps their outcome (_keep) and notifies; it returns `returned` (of the updated
+    rows, as `ended`) as the UPDATE alone did."""
+    return f"""
+WITH ended AS (
+    {_indent(update.strip(), 4)}
+    RETURNING {_indent(_ENDED, 14)}
+), kept AS (
+    {_indent(_keep(completed=None, ended="ended"), 4)}
+)
+SELECT {returned} FROM ended
+UNION ALL
+SELECT {", ".join(["NULL"] * (returned.count(",") + 1))}
+{_NOTIFY_KEPT}"""
+
+
+# The one notification of the outcomes kept (a statement that kept none
+# sends none: the HAVING leaves no row for the WHERE to evaluate).
+_NOTIFY_KEPT: Final = f"""  FROM (SELECT string_agg(id::text, ',') AS ids FROM kept HAVING count(*) > 0) AS k
+ WHERE pg_notify('fastjobs_result',
+                 CASE WHEN length(k.ids) <= {RESULT_PAYLOAD_MAX} THEN k.ids ELSE '' END)::text IS NULL"""
+
+
 def _outcomes(*, keep: bool, fast: bool) -> str:
-    """The CTEs completed, completed_later and failed of a finish statement (the last one left open)."""
+    """The CTEs completed, completed_later, failed and kept of a finish statement (the last one left open)."""
     if fast:  # the row is locked, not claimed: the outcome's attempt is the run's, counted now
         attempt, runner = "f.attempt", "\n           attempted_at = now(), attempted_by = $3,"
+        attempted = "now()"
         first = "j.attempt = 0 AND j.state::text = 'available'"
         record = f"{_next_attempt('j')} = f.attempt\n       AND j.state::text = 'available'"
     else:
         attempt, runner = "j.attempt", ""
+        attempted = "j.attempted_at"
         first = "j.attempt = 1\n       AND j.attempted_by = $5 AND j.state::text = 'running'"
         record = "j.attempt = f.attempt\n       AND j.attempted_by = $5 AND j.state::text = 'running'"
     complete, records = "DELETE FROM fastjobs_jobs_all j", " USING"
@@ -437,9 +520,11 @@ def _outcomes(*, keep: bool, fast: bool) -> str:
     RETURNING j.id
 ), completed_later AS (
     {complete}
-    {records} jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state)
+    {records} jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
+                                              result jsonb)
      WHERE f.state = 'completed' AND j.id = f.id AND {record}
-    RETURNING j.id
+    RETURNING j.id, j.keep_result, f.result, j.queue, j.kind, j.args, {attempt} AS attempt, j.max_attempts,
+              j.created_at, {attempted} AS attempted_at, j.errors
 ), failed AS (
     UPDATE fastjobs_jobs_all j
        SET state = {_indent(state, 19)},
@@ -459,7 +544,9 @@ def _outcomes(*, keep: bool, fast: bool) -> str:
       FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
                                               delay float8, uncount smallint, error jsonb)
      WHERE f.state <> 'completed' AND j.id = f.id AND {record}
-    RETURNING j.id, j.queue, j.state"""
+    RETURNING {_indent(_ENDED, 14)}
+), kept AS (
+    {_indent(_keep(completed="completed_later", ended="failed"), 4)}"""
 
 
 # The wake-up of each queue an outcome made available at once (Retry(0),
@@ -497,7 +584,10 @@ SELECT f.id, NULL, to_jsonb(f.state), f.attempt{rest}
    AND f.id NOT IN (SELECT id FROM failed UNION ALL SELECT id FROM completed_later)
 UNION ALL
 SELECT {", ".join(["NULL"] * width)}
-{_WAKE}"""
+{_WAKE}
+UNION ALL
+SELECT {", ".join(["NULL"] * width)}
+{_NOTIFY_KEPT}"""
 
 
 # job_finish_claim_many: finish a batch (completed jobs deleted) and claim the next from the front.
@@ -524,7 +614,10 @@ SELECT (SELECT count(*) FROM completed) + (SELECT count(*) FROM completed_later)
        + (SELECT count(*) FROM failed)
 UNION ALL
 SELECT NULL
-{_WAKE}"""
+{_WAKE}
+UNION ALL
+SELECT NULL
+{_NOTIFY_KEPT}"""
 
 
 _section("The fast lane")
@@ -587,7 +680,9 @@ def _crashed(*, attempt: str, worker: str, at: str) -> str:
                                      {worker}, j.crashes + 1) END))"""
 
 
-# job_crash_fast: worker $1 died running the jobs $2 on the fast lane: its
+# job_crash_fast (and job_rescue_many, job_discard: every statement that may
+# end a job keeps its outcome, with keep_result, as the finish statements do):
+# worker $1 died running the jobs $2 on the fast lane: its
 # transaction rolled back, so each is available again with no attempt
 # counted. Each counts the attempt and a crash now, as job_rescue_many does
 # for a running job: retryable (due now), or discarded after $3 crashes or
@@ -601,14 +696,16 @@ def _crashed(*, attempt: str, worker: str, at: str) -> str:
 # it, came back, and then killed it. (Left: a job another worker ran
 # meanwhile and made available again at once, Retry(0) or Snooze(0), before
 # the releaser came, is charged a crash it did not cause.)
-job_crash_fast: Final = f"""
+job_crash_fast: Final = _ending(
+    update=f"""
 UPDATE fastjobs_jobs_all j
    SET crashes = j.crashes + 1,
        attempt = {_next_attempt("j")},
        attempted_at = now(), attempted_by = $1,
        {_crashed(attempt=_next_attempt("j"), worker="$1::text", at="now()")}
- WHERE j.id = ANY($2::bigint[]) AND j.state = 'available'
-RETURNING j.id, j.state::text"""
+ WHERE j.id = ANY($2::bigint[]) AND j.state = 'available'""",
+    returned="id, state::text",
+)
 
 
 _section("Leader")
@@ -737,7 +834,8 @@ _section("Maintenance")
 # discarded instead, and one whose cancellation was requested is cancelled.
 # At most $4 per statement. A running row with no attempted_at (written by
 # hand: no claim leaves one) counts as stale.
-job_rescue_many: Final = f"""
+job_rescue_many: Final = _ending(
+    update=f"""
 UPDATE fastjobs_jobs_all j
    SET crashes = j.crashes + 1,
        {_crashed(attempt="j.attempt", worker="j.attempted_by", at="$2::timestamptz")}
@@ -750,8 +848,9 @@ UPDATE fastjobs_jobs_all j
                                WHERE w.id = r.attempted_by
                                  AND w.heartbeat_at >= $2::timestamptz - make_interval(secs => $1))
             LIMIT $4
-              FOR UPDATE SKIP LOCKED))
-RETURNING j.id, j.state::text"""
+              FOR UPDATE SKIP LOCKED))""",
+    returned="id, state::text",
+)
 
 # releaser_session: the master's releaser waits at most $1 for a lock or a statement.
 releaser_session: Final = (
@@ -762,12 +861,12 @@ releaser_session: Final = (
 # other than $2 (those whose handler was running, or whose outcome it died
 # writing) had been claimed but not started, or had finished unrecorded: they
 # go back to available with the attempt given back and no crash counted (or
-# to cancelled, when that was requested), so a job that kills its worker is
+# to cancelled, when that was requested: kept, with keep_result), so a job that kills its worker is
 # quarantined alone; the rescuer deals with $2. Workers of each queue that
 # got jobs back are woken once.
-job_release_unstarted: Final = """
+job_release_unstarted: Final = f"""
 WITH released AS (
-    UPDATE fastjobs_jobs_all
+    UPDATE fastjobs_jobs_all j
        SET state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'available' END::fastjobs_state,
            attempt = greatest(attempt - 1, 0),
            finalized_at = CASE WHEN cancel_requested THEN now() END,
@@ -777,10 +876,15 @@ WITH released AS (
                              'error', 'cancelled: requested while it was claimed, before it started'))
                          ELSE errors END
      WHERE state = 'running' AND attempted_by = $1 AND NOT id = ANY($2::bigint[])
-    RETURNING queue, state
+    RETURNING {_indent(_ENDED, 14)}
+), kept AS (
+    {_indent(_keep(completed=None, ended="released"), 4)}
 )
 SELECT queue, count(*), CASE WHEN bool_or(state = 'available') THEN pg_notify('fastjobs', queue) END
-  FROM released GROUP BY queue"""
+  FROM released GROUP BY queue
+UNION ALL
+SELECT NULL, NULL, NULL
+{_NOTIFY_KEPT}"""
 
 # job_clean_completed_many: delete up to $2 completed or cancelled jobs finalized before $1.
 job_clean_completed_many: Final = """
@@ -794,6 +898,14 @@ job_clean_discarded_many: Final = """
 DELETE FROM fastjobs_jobs_all WHERE id IN (
     SELECT id FROM fastjobs_jobs_all
      WHERE state = 'discarded' AND finalized_at < $1
+     LIMIT $2)"""
+
+# result_clean_many: delete up to $2 kept results (fastjobs_results) that expired before $1.
+result_clean_many: Final = """
+DELETE FROM fastjobs_results WHERE id IN (
+    SELECT id FROM fastjobs_results
+     WHERE expires_at < $1
+     ORDER BY expires_at
      LIMIT $2)"""
 
 # worker_prune_many: rows of workers silent since before $1 that hold no running job.
@@ -823,9 +935,10 @@ db_now: Final = "SELECT now()"
 
 _section("Operators")
 
-# job_cancel: a queued job becomes cancelled at once; a running one gets
+# job_cancel: a queued job becomes cancelled at once (kept in
+# fastjobs_results with keep_result, its waiters told); a running one gets
 # cancel_requested and its worker is told on the fastjobs_cancel channel.
-job_cancel: Final = """
+job_cancel: Final = f"""
 WITH target AS (
     SELECT id, state FROM fastjobs_jobs_all
      WHERE id = $1 AND state IN ('available', 'scheduled', 'retryable', 'running')
@@ -837,9 +950,13 @@ WITH target AS (
            cancel_requested = (t.state = 'running')
       FROM target t
      WHERE j.id = t.id
-    RETURNING j.id, j.state
+    RETURNING {_indent(_ENDED, 14)}
+), kept AS (
+    {_indent(_keep(completed=None, ended="changed"), 4)}
 )
-SELECT c.state::text, CASE WHEN c.state = 'running' THEN pg_notify('fastjobs_cancel', c.id::text) END
+SELECT c.state::text,
+       CASE WHEN c.state = 'running' THEN pg_notify('fastjobs_cancel', c.id::text)
+            WHEN EXISTS (SELECT FROM kept) THEN pg_notify('fastjobs_result', c.id::text) END
   FROM changed c"""
 
 # job_cancel_requested: running jobs of worker $1 whose cancellation was requested.
@@ -850,13 +967,16 @@ SELECT id FROM fastjobs_jobs_all WHERE state = 'running' AND attempted_by = $1 A
 # attempts and limit; a discarded, cancelled or completed one comes back
 # with an attempt to spare (max_attempts raised when it had none left; the
 # claim counts attempts up to smallint's maximum, and so does this) and its
-# crash allowance back. Returns the state before, the attempts made, the
-# limit before and after, and wakes its queue's workers (an UPDATE fires no enqueue trigger).
+# crash allowance back; an outcome kept of it (fastjobs_results) is
+# forgotten. Returns the state before, the attempts made, the limit before
+# and after, and wakes its queue's workers (an UPDATE fires no enqueue trigger).
 job_retry: Final = f"""
 WITH target AS (
     SELECT id, state::text AS state, max_attempts FROM fastjobs_jobs_all
      WHERE id = $1 AND state IN ('discarded', 'cancelled', 'completed', 'retryable', 'scheduled')
        FOR UPDATE
+), forgotten AS (
+    DELETE FROM fastjobs_results r USING target t WHERE r.id = t.id
 )
 UPDATE fastjobs_jobs_all j
    SET state = 'available', run_at = now(), finalized_at = NULL, cancel_requested = false,
@@ -867,11 +987,14 @@ UPDATE fastjobs_jobs_all j
  WHERE j.id = t.id
 RETURNING t.state, j.attempt, t.max_attempts, j.max_attempts, pg_notify('fastjobs', j.queue)"""
 
-# job_discard: a job that is not running becomes discarded now.
-job_discard: Final = """
-UPDATE fastjobs_jobs_all SET state = 'discarded', finalized_at = now()
- WHERE id = $1 AND state IN ('available', 'scheduled', 'retryable', 'cancelled')
-RETURNING state::text"""
+# job_discard: a job that is not running becomes discarded now (kept, with keep_result, as the
+# statements that end jobs keep them: _ending).
+job_discard: Final = _ending(
+    update="""
+UPDATE fastjobs_jobs_all j SET state = 'discarded', finalized_at = now()
+ WHERE j.id = $1 AND j.state IN ('available', 'scheduled', 'retryable', 'cancelled')""",
+    returned="state::text",
+)
 
 # job_select_many: ids of the jobs in states $1 of queue $2 and kind $3 (NULL:
 # any) created more than $4 ago (NULL: any time), above id $5, in id order, up
@@ -898,7 +1021,8 @@ _section("State reports")
 
 # A job in flight on the fast lane keeps its row 'available' for the < 0.1 s
 # its batch takes. Every read of a job's state for people and metrics
-# (job_state, job_get, job_list, job_stats_by_queue, testing_jobs_in_states)
+# (job_state, job_get, job_list, job_stats_by_queue, testing_jobs_in_states,
+# job_status)
 # reports such a job 'running', by this one test: an available row whose
 # xmax is a transaction in progress for the reading statement's snapshot is
 # locked by a live transaction, a fast batch (or, for a moment, a state-lane
@@ -1022,6 +1146,36 @@ SELECT id, kind, queue, args, priority, state, run_at, attempt, max_attempts, er
  ORDER BY id"""
 
 
+# job_status: job $1 as App.status reports it, from fastjobs_results (a kept
+# outcome) or else from the jobs table: id, kind, queue, state (a job in
+# flight on the fast lane is running), attempt, max_attempts, args,
+# created_at, attempted_at, finalized_at, the value kept, errors, its
+# keep_result, whether the row is a kept one and whether it has expired (the
+# cleaner has yet to remove it). No row: no such job.
+job_status: Final = f"""
+SELECT id, kind, queue, state, attempt, max_attempts, args, created_at, attempted_at, finalized_at,
+       value, errors, keep_result, source = 0, expired
+  FROM (SELECT id, kind, queue, state::text AS state, attempt, max_attempts, args, created_at,
+               attempted_at, finalized_at, value, errors, NULL::int4 AS keep_result,
+               expires_at <= now() AS expired, 0 AS source
+          FROM fastjobs_results WHERE id = $1
+        UNION ALL
+        SELECT id, kind, queue,
+               {_reported_state(15)},
+               attempt, max_attempts, args, created_at, attempted_at,
+               finalized_at, NULL, errors, keep_result, false, 1
+          FROM fastjobs_jobs_all WHERE id = $1) AS found
+ ORDER BY source
+ LIMIT 1"""
+
+
+# result_get: the kept outcome of job $1 (fastjobs_results), for `fastjobs jobs show`.
+result_get: Final = """
+SELECT id, queue, kind, state::text AS state, attempt, max_attempts, created_at, attempted_at,
+       finalized_at, expires_at, args, errors, value AS result
+  FROM fastjobs_results WHERE id = $1"""
+
+
 _section("Vacuum and rotation")
 
 # jobs_dead_rows: dead row versions of slot 0, fastjobs_jobs (the rotating
@@ -1081,7 +1235,7 @@ slot_lock: Final = "LOCK TABLE {partition} IN ACCESS EXCLUSIVE MODE"
 _ROW: Final = (
     ("id", "queue", "kind", "args", "priority", "state", "run_at", "attempt", "max_attempts"),
     ("created_at", "attempted_at", "finalized_at", "attempted_by", "errors", "unique_key"),
-    ("meta", "crashes", "cancel_requested"),
+    ("meta", "crashes", "cancel_requested", "keep_result"),
 )
 
 
@@ -1294,6 +1448,8 @@ NOT_PREPARABLE: Final = frozenset(
         "listen_jobs",
         "listen_ping",
         "listen_cancel",
+        "listen_result",
+        "unlisten_result",
         "testing_notify_commit",
     }
 )

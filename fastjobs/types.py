@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypedDict
+from typing import Any, Literal, NotRequired, Protocol, TypedDict
 
 __all__ = [
     "DEFAULT_MAX_ATTEMPTS",
@@ -84,6 +84,8 @@ class JobSpec:
     call: Callable[..., Any] | None = None
     # The handler's annotations, checked at enqueue (None: it has none).
     args_schema: ArgsSchema | None = None
+    # Seconds its jobs keep their outcome in fastjobs_results (None: not kept).
+    keep_result: int | None = None
 
     @property
     def target(self) -> Callable[..., Any]:
@@ -109,3 +111,4 @@ class Outcome(TypedDict):
     delay: float | None  # seconds from when the statement writes it; None keeps run_at
     uncount: int  # 1 gives the attempt back (snoozed, released)
     error: dict[str, Any] | None  # appended to the job's errors
+    result: NotRequired[Any]  # a kept return value, as an orjson.Fragment (keep_result only)

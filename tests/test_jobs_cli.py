@@ -37,7 +37,7 @@ def state(dsn: str, job_id: int) -> str:
 @pytest.fixture
 def seeded(app: App, dsn: str) -> dict[str, int]:
     """Jobs of two kinds over two queues in several states, by name."""
-    ids = {
+    ids: dict[str, int] = {
         "a1": app.enqueue("alpha", {"n": 1}),
         "a2": app.enqueue("alpha", {"n": 2}, queue="mail"),
         "b1": app.enqueue("beta", {"n": 3}, delay=3600),
@@ -442,7 +442,7 @@ def test_show_and_list_escape_control_characters_of_job_input(
 @pytest.fixture
 def failures(app: App, dsn: str) -> dict[str, list[int]]:
     """Discarded jobs of two kinds on two queues, two of them created a day ago; and a pending one."""
-    ids = {
+    ids: dict[str, list[int]] = {
         "old_alpha": [app.enqueue("alpha", {"n": n}) for n in range(2)],
         "alpha": [app.enqueue("alpha", {"n": n}) for n in range(3)],
         "beta_mail": [app.enqueue("beta", {"n": n}, queue="mail") for n in range(2)],

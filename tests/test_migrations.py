@@ -246,8 +246,17 @@ CREATE TABLE IF NOT EXISTS u (x int);
 # --- migrations on a live system -----------------------------------------------------------------
 
 
+def roll_back_006(dsn: str) -> None:
+    """Undo what 006 creates and its record: no results table, no keep_result column, 006 pending."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DROP TABLE fastjobs_results")
+        conn.execute("ALTER TABLE fastjobs_jobs_all DROP COLUMN keep_result")
+        conn.execute("DELETE FROM fastjobs_migrations WHERE version >= 6")
+
+
 def roll_back_005(dsn: str) -> None:
-    """Undo what 005 creates and its record: fastjobs_jobs as 004 left it (its rows kept), 005 pending."""
+    """Undo what 005 and 006 create, and their records: fastjobs_jobs as 004 left it, 005 pending."""
+    roll_back_006(dsn)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("ALTER TABLE fastjobs_jobs_all DETACH PARTITION fastjobs_jobs")
         conn.execute("DROP TABLE fastjobs_jobs_all")
@@ -485,6 +494,16 @@ UPDATE fastjobs_jobs j
               FOR UPDATE SKIP LOCKED))
 RETURNING j.id, j.kind, j.args, j.attempt, j.max_attempts, j.priority, j.run_at"""
 OLD_COMPLETE = "DELETE FROM fastjobs_jobs WHERE id = ANY($1::bigint[]) AND state = 'running'"
+# A unique insert of 004 and 005 (sql.job_insert before 006 added keep_result): $1 to $9.
+OLD_INSERT = f"""
+INSERT INTO fastjobs_jobs (queue, kind, args, priority, max_attempts, state, run_at, unique_key, meta)
+SELECT $1, $2, $3::jsonb, $4, $5,
+       CASE WHEN t.run_at > now() THEN 'scheduled' ELSE 'available' END::fastjobs_state,
+       t.run_at, $8, $9::jsonb
+  FROM (SELECT coalesce($6::timestamptz,
+                        now() + make_interval(secs => coalesce($7::float8, 0)))) AS t(run_at)
+ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL AND {sql.UNIQUE_STATES} DO NOTHING
+RETURNING id"""
 
 
 def test_005_applies_live_under_workers_and_producers_of_004_which_keep_working(dsn: str, app: App) -> None:
@@ -512,7 +531,7 @@ def test_005_applies_live_under_workers_and_producers_of_004_which_keep_working(
                     inserted["plain"] += 1
                     key = f"key-{n % 50}"  # half of them taken: ON CONFLICT ... DO NOTHING
                     params = enqueue.insert_params(enqueue.options("old", None, unique_key=key), {})
-                    if cur.execute(sql.job_insert, params).fetchone() is not None:
+                    if cur.execute(OLD_INSERT, params[:9]).fetchone() is not None:
                         inserted["unique"] += 1
                 except BaseException as exc:
                     errors.append(exc)
@@ -540,7 +559,7 @@ def test_005_applies_live_under_workers_and_producers_of_004_which_keep_working(
         wait_for(lambda: len(completed) > 200, "the old worker to drain")
         with psycopg.connect(dsn) as conn:
             applied = schema.migrate(conn, dsn=dsn, lock_timeout=0.5)
-        assert [m.label for m in applied] == ["005_rotation"]
+        assert [m.label for m in applied] == ["005_rotation", "006_results"]
         after, produced = len(completed), inserted["plain"]
         wait_for(lambda: len(completed) > after + 200, "the old worker to go on draining on 005")
         wait_for(lambda: inserted["plain"] > produced + 20, "the old producer to go on inserting on 005")
@@ -588,13 +607,13 @@ def test_005_gives_a_producer_role_granted_the_jobs_table_what_it_needs_to_keep_
                 db.execute(f"SET LOCAL ROLE {producer}")
                 row = (
                     psycopg.RawCursor(db)
-                    .execute(insert, ("default", "granted", "{}", 0, 25, None))
+                    .execute(insert, ("default", "granted", "{}", 0, 25, None, None))
                     .fetchone()
                 )
                 assert row is not None
             with pytest.raises(psycopg.errors.InsufficientPrivilege), db.transaction():
                 db.execute(f"SET LOCAL ROLE {stranger}")
-                psycopg.RawCursor(db).execute(insert, ("default", "refused", "{}", 0, 25, None))
+                psycopg.RawCursor(db).execute(insert, ("default", "refused", "{}", 0, 25, None, None))
             assert db.execute(
                 "SELECT kind, slot > 0 FROM fastjobs_jobs_all WHERE id = %s", row
             ).fetchall() == [("granted", True)]

@@ -151,14 +151,15 @@ LOCKS = sorted(name for name, _ in sql.LOCK.values())
 def test_a_variants_name_says_what_it_is(name):
     """A variant is one line, its name and its family's parameters: each part of the name shows in
     its text, and only then. _after claims after the mark, _keep keeps completed jobs (their
-    completion CTEs update instead of deleting), _context returns meta and created_at."""
+    completion CTEs update instead of deleting), _context returns meta and created_at (after
+    keep_result, which every claim returns)."""
     text = _words(sql.STATEMENTS[name])
     mark = _mark("$3", "$4") if name in LOCKS else _mark("$6", "$7")
     assert (text.count(mark), text.count("AND priority = $")) == ((1, 1) if "_after" in name else (0, 0))
-    assert ("run_at, meta, created_at" in text) == ("_context" in name)
+    assert ("run_at, keep_result, meta, created_at" in text) == ("_context" in name)
     if name in FINISHES:
         ctes, _ = _parts(sql.STATEMENTS[name])
-        assert list(ctes) == ["completed", "completed_later", "failed", "claimed"]
+        assert list(ctes) == ["completed", "completed_later", "failed", "kept", "claimed"]
         kept = "UPDATE fastjobs_jobs_all j SET state = 'completed', finalized_at = now() "
         deleted = "DELETE FROM fastjobs_jobs_all j "
         expected = kept if "_keep" in name else deleted
@@ -177,11 +178,15 @@ def test_keep_the_mark_and_context_leave_the_outcomes_alone():
     assert "attempt = j.attempt - f.uncount," in state_lane
     assert "attempt = f.attempt - f.uncount, attempted_at = now(), attempted_by = $3," in fast_lane
     guards = [lane.split(" WHERE ")[-1] for lane in (state_lane, fast_lane)]
+    returned = (
+        " RETURNING j.id, j.queue, j.state, j.keep_result, j.kind, j.args, j.attempt, j.max_attempts,"
+        " j.created_at, j.attempted_at, j.errors"
+    )
     assert guards == [
         "f.state <> 'completed' AND j.id = f.id AND j.attempt = f.attempt"
-        " AND j.attempted_by = $5 AND j.state::text = 'running' RETURNING j.id, j.queue, j.state",
+        " AND j.attempted_by = $5 AND j.state::text = 'running'" + returned,
         "f.state <> 'completed' AND j.id = f.id AND least(j.attempt, 32766) + 1 = f.attempt"
-        " AND j.state::text = 'available' RETURNING j.id, j.queue, j.state",
+        " AND j.state::text = 'available'" + returned,
     ]
 
 
@@ -220,29 +225,34 @@ def test_every_channel_a_statement_names_is_a_channel_constant():
     names = {name: _channels(text) for name, text in sql.STATEMENTS.items()}
     names.update({m.label: _channels(m.sql) for m in schema.migrations()})
     wake = {sql.NOTIFY_CHANNEL}
+    finish = {sql.NOTIFY_CHANNEL, sql.RESULT_CHANNEL}  # wakes queues, tells the waiters of kept outcomes
     assert {name: channels for name, channels in names.items() if channels} == {
         "001_initial": wake,  # the enqueue trigger
         "listen_jobs": wake,
         "listen_ping": {sql.PING_CHANNEL},
         "listen_cancel": {sql.CANCEL_CHANNEL},
+        "listen_result": {sql.RESULT_CHANNEL},
         "listener_ping": {sql.PING_CHANNEL},
-        "job_finish_claim_many": wake,
-        "job_finish_claim_after": wake,
-        "job_finish_claim_many_keep": wake,
-        "job_finish_claim_after_keep": wake,
-        "job_finish_claim_many_context": wake,
-        "job_finish_claim_after_context": wake,
-        "job_finish_claim_many_keep_context": wake,
-        "job_finish_claim_after_keep_context": wake,
-        "job_finish_locked_many": wake,
+        "job_finish_claim_many": finish,
+        "job_finish_claim_after": finish,
+        "job_finish_claim_many_keep": finish,
+        "job_finish_claim_after_keep": finish,
+        "job_finish_claim_many_context": finish,
+        "job_finish_claim_after_context": finish,
+        "job_finish_claim_many_keep_context": finish,
+        "job_finish_claim_after_keep_context": finish,
+        "job_finish_locked_many": finish,
         "queue_wake": wake,
         "job_schedule_many": wake,
-        "job_release_unstarted": wake,
-        "job_cancel": {sql.CANCEL_CHANNEL},
+        "job_release_unstarted": finish,
+        "job_crash_fast": {sql.RESULT_CHANNEL},  # every statement that may end a job tells the waiters
+        "job_rescue_many": {sql.RESULT_CHANNEL},
+        "job_discard": {sql.RESULT_CHANNEL},
+        "job_cancel": {sql.CANCEL_CHANNEL, sql.RESULT_CHANNEL},
         "job_retry": wake,
         "testing_notify_commit": wake,
     }
-    assert {sql.NOTIFY_CHANNEL, sql.PING_CHANNEL, sql.CANCEL_CHANNEL} == sql.CHANNELS
+    assert {sql.NOTIFY_CHANNEL, sql.PING_CHANNEL, sql.CANCEL_CHANNEL, sql.RESULT_CHANNEL} == sql.CHANNELS
 
 
 def test_every_limit_a_statement_carries_is_its_constant():
@@ -659,7 +669,14 @@ IN_FLIGHT = """state = 'available' AND xmax <> '0'::xid
          OR (xmax::text::bigint + 4294967296
              - (SELECT xid(pg_snapshot_xmax(pg_current_snapshot()))::text::bigint)) % 4294967296
             < 1048576)"""
-REPORTS_STATE = ["job_state", "job_get", "job_list", "job_stats_by_queue", "testing_jobs_in_states"]
+REPORTS_STATE = [
+    "job_state",
+    "job_get",
+    "job_list",
+    "job_stats_by_queue",
+    "testing_jobs_in_states",
+    "job_status",
+]
 
 
 def test_every_report_of_a_state_tests_for_a_job_in_flight_alike():
@@ -723,6 +740,11 @@ def test_a_row_a_live_transaction_locks_reads_running_in_every_report(dsn):
             later: "scheduled",
         }
         assert {i: cur.execute(sql.job_get, (i,)).fetchone()[5] for i in ids.values()} == {  # type: ignore[index]
+            **running,
+            ended: "available",
+            later: "scheduled",
+        }
+        assert {i: cur.execute(sql.job_status, (i,)).fetchone()[3] for i in ids.values()} == {  # type: ignore[index]
             **running,
             ended: "available",
             later: "scheduled",

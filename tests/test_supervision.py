@@ -164,7 +164,7 @@ def test_only_the_slow_jobs_that_started_are_left_to_count_a_crash(
 ) -> None:
     """A dead worker's slow jobs (async, timeout=): those running count a crash, the rest go back at once
     uncounted, and one whose cancellation was requested before it started ends cancelled."""
-    ids = {app.enqueue(kind, {"n": n, "sleep": 60}): n for n in range(6)}
+    ids: dict[int, int] = {app.enqueue(kind, {"n": n, "sleep": 60}): n for n in range(6)}
     master = masters.start("--processes", "1", "--queues", "default:2", "--grace", "1")
     victim = master.wait_child("fastjobs: worker 1 ")
 
