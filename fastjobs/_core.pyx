@@ -22,8 +22,8 @@ import threading
 import orjson
 
 from fastjobs import guard, handlers, sql, stats
-from fastjobs.abc import (BATCH_SECONDS, BUCKETS_NS, COMPLETED, FAST_LANE_DEMOTE, FULL_CLAIM_DUTY,
-                          FULL_CLAIM_MAX_WAIT, HAND_BACK_AFTER, KEEPING_CLAIMS,
+from fastjobs.abc import (BATCH_SECONDS, BUCKETS_NS, COMPLETED, DEEP_CLAIM, FAST_LANE_DEMOTE,
+                          FULL_CLAIM_DUTY, FULL_CLAIM_MAX_WAIT, HAND_BACK_AFTER, KEEPING_CLAIMS,
                           INT64_MAX, MARK_RUN_AT_MAX, MARK_RUN_AT_MIN, OBSERVED_MAX_NS, PG_EPOCH_US,
                           PICKUP_SUM, ROW, RUN_SUM, SIZE_DECAY)
 from fastjobs.args import dump_args as _dump_args_checked
@@ -87,6 +87,7 @@ if (stats.RUNNING_JOB, stats.RUNNING_WRITING, stats.RUNNING_SUSPECT) != (0, 1, 2
     raise ImportError("fastjobs.stats.RUNNING_* changed: rebuild _core with them")
 cdef double _FULL_CLAIM_MAX_WAIT = FULL_CLAIM_MAX_WAIT
 cdef Py_ssize_t _SIZE_DECAY = SIZE_DECAY
+cdef Py_ssize_t _DEEP_CLAIM = DEEP_CLAIM
 cdef double _FAST_LANE_DEMOTE = FAST_LANE_DEMOTE
 cdef double _HAND_BACK_AFTER = HAND_BACK_AFTER
 cdef int _KEEPING_CLAIMS = KEEPING_CLAIMS
@@ -349,7 +350,7 @@ cdef class BatchLoop:
     cdef bint _in_flight
     cdef Py_ssize_t _limit
     cdef bint _full
-    cdef Py_ssize_t _cap
+    cdef list _sizes, _caps  # per queue: see the reference
     cdef PGresult *_rows
     cdef int _nrows
     # Jobs completed at their first attempt (by id; every other outcome is a
@@ -492,6 +493,8 @@ cdef class BatchLoop:
         self._duty = full_claim_duty
         self.batch_min = batch_min
         self.batch_max = batch_max
+        self._sizes = [batch_min] * len(queues)
+        self._caps = [batch_max] * len(queues)
         self.size = batch_min
         self.overlap = overlap
         self.stopping = False
@@ -500,7 +503,6 @@ cdef class BatchLoop:
         self._in_flight = False
         self._limit = 0
         self._full = False
-        self._cap = batch_max
         self._nrows = 0
         self._write_failed = False
         self._ndone = 0
@@ -591,16 +593,16 @@ cdef class BatchLoop:
 
     cdef int _lock(self, Py_ssize_t limit) except -1:
         """The fast lane's claim (see the reference): rows to self._rows, the transaction left open."""
-        cdef Py_ssize_t turn, size, index
+        cdef Py_ssize_t turn, index
         cdef int n
         cdef double now
         cdef bint full
         cdef object mark
         if self._ndone or self._failures:
-            turn, size = self._turn, self.size
+            turn = self._turn
             self._send(0)
             self._receive()
-            self._turn, self.size = turn, size
+            self._turn = turn
         index = self._turn % len(self._queues)
         self._turn += 1
         if self._rows != NULL:
@@ -625,8 +627,19 @@ cdef class BatchLoop:
         self._limit = limit
         self._full = n >= limit
         self.claimed += n
-        self.size = min(self.batch_max, self._cap, max(self.batch_min, 2 * n, self.size // _SIZE_DECAY))
+        self._resize(index, n)
         return 0
+
+    cdef int _resize(self, Py_ssize_t index, Py_ssize_t n) except -1:
+        """The next claim of queue `index` asks twice what this one found, halving at most."""
+        cdef Py_ssize_t size = <Py_ssize_t>self._sizes[index] // _SIZE_DECAY
+        self.size = min(self.batch_max, <Py_ssize_t>self._caps[index], max(self.batch_min, 2 * n, size))
+        self._sizes[index] = self.size
+        return 0
+
+    cdef Py_ssize_t _next_size(self):
+        """The size of the next claim, of the queue whose turn it is (see the reference)."""
+        return min(<Py_ssize_t>self._sizes[self._turn % len(self._queues)], self.batch_max)
 
     cdef int _begin_lock(self, Py_ssize_t limit, Py_ssize_t index, bint full, object mark) except -1:
         """BEGIN and the lock's claim (rows to self._rows); COMMIT at once when it found none."""
@@ -989,11 +1002,10 @@ cdef class BatchLoop:
         if self._limit > 0:
             self._mark(n)
             self._note_keeping(n)
-            if n >= self._limit:
+            if n >= self._limit >= min(_DEEP_CLAIM, self.batch_max):
                 self._deep[self._sent_index] = True
+            self._resize(self._sent_index, n)
         self._full = self._limit > 0 and n >= self._limit
-        # A short or empty claim halves the size at most: see the reference.
-        self.size = min(self.batch_max, self._cap, max(self.batch_min, 2 * n, self.size // _SIZE_DECAY))
         return 0
 
     cdef int _note_keeping(self, int n) except -1:
@@ -1035,9 +1047,9 @@ cdef class BatchLoop:
         cdef Py_ssize_t tries = len(self._queues) + (1 if self._failures else 0)
         for _ in range(tries):
             if self._fast_for(self._turn % len(self._queues)):
-                self._lock(self.size)
+                self._lock(self._next_size())
             else:
-                self._send(self.size)
+                self._send(self._next_size())
                 self._receive()
             if self._nrows:
                 return 0
@@ -1077,7 +1089,8 @@ cdef class BatchLoop:
                     if self._tx:
                         self._commit()
                 ran = _monotonic() - began
-                self._cap = max(self.batch_min, <Py_ssize_t>(_BATCH_SECONDS / 2 * n / max(ran, 1e-9)))
+                self._caps[self._batch_base // self._stride] = max(
+                    self.batch_min, <Py_ssize_t>(_BATCH_SECONDS / 2 * n / max(ran, 1e-9)))
             finally:
                 self._batch = NULL
                 PQclear(batch)
@@ -1086,7 +1099,7 @@ cdef class BatchLoop:
             # Claim ahead only from a deep queue, nor when the next claim takes the fast lane.
             if (self.overlap and self._full and not self.stopping
                     and not self._fast_for(self._turn % len(self._queues))):
-                self._send(self.size)
+                self._send(self._next_size())
             began = _monotonic()
             self._run(batch, n)
             ran = _monotonic() - began
@@ -1102,7 +1115,7 @@ cdef class BatchLoop:
                 # Whole waves, the nearest count: see the reference.
                 cap = max(<Py_ssize_t>wave, (cap + wave // 2) // wave * wave)
                 self._executor.wave = 0
-            self._cap = max(self.batch_min, cap)
+            self._caps[self._batch_base // self._stride] = max(self.batch_min, cap)
         finally:
             self._batch = NULL
             PQclear(batch)

@@ -18,6 +18,7 @@ from . import guard, handlers, sql, stats
 from .abc import (
     BATCH_SECONDS,
     COMPLETED,
+    DEEP_CLAIM,
     FAST_LANE_DEMOTE,
     FULL_CLAIM_DUTY,
     FULL_CLAIM_MAX_WAIT,
@@ -225,7 +226,7 @@ class BatchLoop:
         self._proven = [False] * len(queues)
         # A fast claim that comes back empty (three round trips, where the
         # state lane's takes one) sends the queue to the state lane until a
-        # claim of it comes back full: the lane saves a write per job at two
+        # claim of it comes back full (DEEP_CLAIM): the lane saves a write per job at two
         # more round trips a batch, a gain on a backlog, and on a queue the
         # workers keep up with a loss in pickup latency.
         self._deep = [True] * len(queues)
@@ -255,7 +256,12 @@ class BatchLoop:
         self.recheck = float("inf")  # seconds until an idle loop should claim from the front
         self.batch_min = batch_min
         self.batch_max = batch_max
-        self.size = batch_min
+        # Per queue, as its marks: a claim's size and the pace cap of its last
+        # batch. One size for all made an empty queue's claim halve the size
+        # of a busy one's, which was then claimed 1-2 jobs at a time.
+        self._sizes = [batch_min] * len(queues)
+        self._caps = [batch_max] * len(queues)
+        self.size = batch_min  # the size the last claim chose for its queue
         self.overlap = overlap
         self.stopping = False
         self._pooled = False  # this batch's sync jobs run on the executor's pool
@@ -267,7 +273,6 @@ class BatchLoop:
         self._in_flight = False
         self._limit = 0
         self._full = False
-        self._cap = batch_max
         self.stale = 0  # outcomes dropped because their job no longer ran that attempt here
         self._rows: list[Row] = []
         # Jobs completed at their first attempt (by id), and every other outcome.
@@ -347,10 +352,10 @@ class BatchLoop:
         """The fast lane's claim: BEGIN, lock up to `limit` jobs; the transaction stays open if any came."""
         if self._done or self._failures:
             # Outcomes of the state lane still held go first, by its own statement.
-            turn, size = self._turn, self.size
+            turn = self._turn
             self._send(0)
             self._receive()
-            self._turn, self.size = turn, size
+            self._turn = turn
         index = self._turn % len(self._queues)
         self._turn += 1
         now = time.monotonic()
@@ -382,7 +387,7 @@ class BatchLoop:
         self._limit = limit
         self._full = n >= limit
         self.claimed += n
-        self.size = min(self.batch_max, self._cap, max(self.batch_min, 2 * n, self.size // SIZE_DECAY))
+        self._resize(index, n)
         return self._rows_of(res, n)
 
     def _commit(self, wake: bool = False) -> None:
@@ -547,11 +552,21 @@ class BatchLoop:
         if self._limit > 0:
             self._mark(res, n)
             self._note_keeping(res, n)
-            if n >= self._limit:
+            if n >= self._limit >= min(DEEP_CLAIM, self.batch_max):
                 self._deep[self._sent[0]] = True
+            self._resize(self._sent[0], n)
         self._full = self._limit > 0 and n >= self._limit
-        self.size = min(self.batch_max, self._cap, max(self.batch_min, 2 * n, self.size // SIZE_DECAY))
         return rows
+
+    def _resize(self, index: int, n: int) -> None:
+        """The next claim of queue `index` asks twice what this one found, halving at most."""
+        halved = self._sizes[index] // SIZE_DECAY
+        size = min(self.batch_max, self._caps[index], max(self.batch_min, 2 * n, halved))
+        self._sizes[index] = self.size = size
+
+    def _next_size(self) -> int:
+        """The size of the next claim, of the queue whose turn it is (batch_max may have shrunk)."""
+        return min(self._sizes[self._turn % len(self._queues)], self.batch_max)
 
     def _rows_of(self, res: Any, n: int) -> list[Row]:
         rows: list[Row] = []
@@ -615,9 +630,9 @@ class BatchLoop:
         tries = len(self._queues) + (1 if self._failures else 0)
         for _ in range(tries):
             if self._fast_for(self._turn % len(self._queues)):
-                rows = self._lock(self.size)
+                rows = self._lock(self._next_size())
             else:
-                self._send(self.size)
+                self._send(self._next_size())
                 rows = self._receive()
             if rows:
                 return rows
@@ -647,7 +662,7 @@ class BatchLoop:
             and not self.stopping
             and not self._fast_for(self._turn % len(self._queues))
         ):
-            self._send(self.size)
+            self._send(self._next_size())
         began = time.perf_counter()
         self._run(rows)
         ran = time.perf_counter() - began
@@ -668,7 +683,7 @@ class BatchLoop:
             # Whole waves, the nearest count: 19 jobs on 10 threads take as long as 20.
             cap = max(wave, (cap + wave // 2) // wave * wave)
             self._executor.wave = 0
-        self._cap = max(self.batch_min, cap)
+        self._caps[self._batch_base // self._stride] = max(self.batch_min, cap)
         if self._in_flight:
             self._rows = self._receive()
         return len(rows)
@@ -689,7 +704,8 @@ class BatchLoop:
             if self._tx:
                 self._commit()
         ran = time.perf_counter() - began
-        self._cap = max(self.batch_min, int(BATCH_SECONDS / 2 * len(rows) / max(ran, 1e-9)))
+        pace = int(BATCH_SECONDS / 2 * len(rows) / max(ran, 1e-9))
+        self._caps[self._batch_base // self._stride] = max(self.batch_min, pace)
         return len(rows)
 
     def finish(self) -> None:

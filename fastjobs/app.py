@@ -14,7 +14,7 @@ import select
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypedDict, TypeVar, Unpack, overload
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeAlias, TypedDict, TypeVar, Unpack, overload
 
 import psycopg
 
@@ -36,11 +36,20 @@ from .retry import RetryPolicy
 from .types import DEFAULT_MAX_ATTEMPTS, DEFAULT_PRIORITY, DEFAULT_QUEUE, JobSpec
 
 if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection as SAConnection
+    from sqlalchemy.ext.asyncio import AsyncConnection as SAAsyncConnection
+    from sqlalchemy.ext.asyncio import AsyncSession
+    from sqlalchemy.orm import Session
+
     from .testing import Mode, Testing
 
 P = ParamSpec("P")
 R = TypeVar("R")
 M = TypeVar("M", bound=Callable[..., Any])
+
+# What `conn=` takes: a psycopg 3 connection, or a SQLAlchemy one on psycopg 3 (fastjobs.contrib.sqlalchemy).
+Conn: TypeAlias = "psycopg.Connection[Any] | SAConnection | Session"
+AsyncConn: TypeAlias = "psycopg.AsyncConnection[Any] | SAAsyncConnection | AsyncSession"
 
 # Reserved for enqueue options on the job handle, so a handler cannot take it.
 _RESERVED = frozenset({"conn"})
@@ -327,31 +336,33 @@ class App:
         kind: str,
         args: dict[str, Any] | None = None,
         *,
-        conn: psycopg.Connection[Any] | None = None,
+        conn: Conn | None = None,
         **options: Unpack[EnqueueOptions],
     ) -> JobHandle:
         """Insert one job and return its id (a JobHandle: an int that can wait for its result).
 
-        With `conn`, the job joins the caller's transaction: it exists (and
-        is visible to workers) only once that transaction commits. With a
+        With `conn` (a psycopg 3 connection, or a SQLAlchemy Connection or
+        Session on psycopg 3), the job joins the caller's transaction: it
+        exists (and is visible to workers) only once that transaction commits. With a
         `unique_key` (or a kind registered with `unique=`) held by a job still
         pending or running, nothing is inserted and that job's id is returned.
         """
         opts = enqueue.options(kind, self._spec(kind), **options)
         params = enqueue.insert_params(opts, args)  # bad args fail before a connection is taken
+        db: psycopg.Connection[Any] | None = enqueue.adapt(conn)
         if not self._enqueue_middleware:
-            return JobHandle(self._insert(params, conn), self)
-        if conn is not None:
-            enqueue.check_conn(conn, psycopg.Connection)
+            return JobHandle(self._insert(params, db), self)
+        if db is not None:
+            enqueue.check_conn(db, psycopg.Connection)
         call = _enqueue_call(opts, {} if args is None else args)
-        with self._chain_target(conn) as target:
+        with self._chain_target(db) as target:
 
             def insert() -> int:
                 return enqueue.insert(target, _with_meta(params, call))
 
             job_id = middleware.run_enqueue(self._enqueue_middleware, call, insert)
         if self._testing is not None:
-            self._testing.inserted(conn)
+            self._testing.inserted(db)
         return JobHandle(job_id, self)
 
     @contextlib.contextmanager
@@ -391,7 +402,7 @@ class App:
         kind: str,
         args_iterable: Iterable[dict[str, Any]],
         *,
-        conn: psycopg.Connection[Any] | None = None,
+        conn: Conn | None = None,
         **options: Unpack[BulkOptions],
     ) -> int:
         """Insert many jobs of one kind with one binary COPY; return the count inserted.
@@ -403,20 +414,21 @@ class App:
         repeated in the call) are skipped and not counted.
         """
         opts = enqueue.options(kind, self._spec(kind), **options)
-        if conn is not None:
-            enqueue.check_conn(conn, psycopg.Connection)
+        db: psycopg.Connection[Any] | None = enqueue.adapt(conn)
+        if db is not None:
+            enqueue.check_conn(db, psycopg.Connection)
         if not self._enqueue_middleware:
-            count = self._copy(opts, args_iterable, None, conn)
+            count = self._copy(opts, args_iterable, None, db)
         else:
             call = _enqueue_call(opts, None)
-            with self._chain_target(conn) as target:
+            with self._chain_target(db) as target:
 
                 def copy() -> int:
                     return enqueue.copy_many(target, opts, args_iterable, enqueue.dump_meta(call.meta))
 
                 count = middleware.run_enqueue(self._enqueue_middleware, call, copy)
         if self._testing is not None:
-            self._testing.inserted(conn)
+            self._testing.inserted(db)
         return count
 
     def _copy(
@@ -436,25 +448,31 @@ class App:
         kind: str,
         args: dict[str, Any] | None = None,
         *,
-        conn: psycopg.AsyncConnection[Any] | None = None,
+        conn: AsyncConn | None = None,
         **options: Unpack[EnqueueOptions],
     ) -> JobHandle:
-        """`enqueue` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs')."""
+        """`enqueue` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs'), or a
+        SQLAlchemy AsyncConnection or AsyncSession on psycopg 3."""
         opts = enqueue.options(kind, self._spec(kind), **options)
         params = enqueue.insert_params(opts, args)
+        db: psycopg.AsyncConnection[Any] | None = (
+            conn
+            if conn is None or isinstance(conn, psycopg.AsyncConnection)
+            else await enqueue.adapt_async(conn)
+        )
         if not self._enqueue_middleware_async:
-            return JobHandle(await self._insert_async(params, conn), self)
-        if conn is not None:
-            enqueue.check_conn(conn, psycopg.AsyncConnection)
+            return JobHandle(await self._insert_async(params, db), self)
+        if db is not None:
+            enqueue.check_conn(db, psycopg.AsyncConnection)
         call = _enqueue_call(opts, {} if args is None else args)
-        async with self._chain_target_async(conn) as target:
+        async with self._chain_target_async(db) as target:
 
             async def insert() -> int:
                 return await enqueue.insert_async(target, _with_meta(params, call))
 
             job_id = await middleware.run_enqueue_async(self._enqueue_middleware_async, call, insert)
         if self._testing is not None:
-            await self._testing.inserted_async(conn)
+            await self._testing.inserted_async(db)
         return JobHandle(job_id, self)
 
     async def _insert_async(self, params: InsertParams, conn: psycopg.AsyncConnection[Any] | None) -> int:
@@ -473,18 +491,24 @@ class App:
         kind: str,
         args_iterable: Iterable[dict[str, Any]],
         *,
-        conn: psycopg.AsyncConnection[Any] | None = None,
+        conn: AsyncConn | None = None,
         **options: Unpack[BulkOptions],
     ) -> int:
-        """`enqueue_many` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs')."""
+        """`enqueue_many` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs'), or a
+        SQLAlchemy AsyncConnection or AsyncSession on psycopg 3."""
         opts = enqueue.options(kind, self._spec(kind), **options)
-        if conn is not None:
-            enqueue.check_conn(conn, psycopg.AsyncConnection)
+        db: psycopg.AsyncConnection[Any] | None = (
+            conn
+            if conn is None or isinstance(conn, psycopg.AsyncConnection)
+            else await enqueue.adapt_async(conn)
+        )
+        if db is not None:
+            enqueue.check_conn(db, psycopg.AsyncConnection)
         if not self._enqueue_middleware_async:
-            count = await self._copy_async(opts, args_iterable, None, conn)
+            count = await self._copy_async(opts, args_iterable, None, db)
         else:
             call = _enqueue_call(opts, None)
-            async with self._chain_target_async(conn) as target:
+            async with self._chain_target_async(db) as target:
 
                 async def copy() -> int:
                     return await enqueue.copy_many_async(
@@ -493,7 +517,7 @@ class App:
 
                 count = await middleware.run_enqueue_async(self._enqueue_middleware_async, call, copy)
         if self._testing is not None:
-            await self._testing.inserted_async(conn)
+            await self._testing.inserted_async(db)
         return count
 
     async def _copy_async(
@@ -534,7 +558,7 @@ class App:
 
         return Testing(self, mode, dsn=dsn)
 
-    def cancel(self, job_id: int, *, conn: psycopg.Connection[Any] | None = None) -> str:
+    def cancel(self, job_id: int, *, conn: Conn | None = None) -> str:
         """Cancel a job; returns what became of it.
 
         A queued job (available, scheduled, retryable) is `cancelled` at once.
@@ -544,28 +568,33 @@ class App:
         state returned. Raises JobNotFound for an unknown id.
         """
         with schema.required():
-            if conn is not None:
-                enqueue.check_conn(conn, psycopg.Connection)
-                return control.cancel(conn, job_id)
+            db: psycopg.Connection[Any] | None = enqueue.adapt(conn)
+            if db is not None:
+                enqueue.check_conn(db, psycopg.Connection)
+                return control.cancel(db, job_id)
             with self.connection() as own:
                 return control.cancel(own, job_id)
 
-    def status(self, job_id: int, *, conn: psycopg.Connection[Any] | None = None) -> JobStatus:
+    def status(self, job_id: int, *, conn: Conn | None = None) -> JobStatus:
         """What job `job_id` is now, without waiting: from the jobs table, or from the kept results
         (a job enqueued with keep_result, after it ended). Raises JobNotFound when neither has it."""
-        if conn is not None:
-            enqueue.check_conn(conn, psycopg.Connection)
-            return results.status(conn, job_id)
+        db: psycopg.Connection[Any] | None = enqueue.adapt(conn)
+        if db is not None:
+            enqueue.check_conn(db, psycopg.Connection)
+            return results.status(db, job_id)
         with self.connection() as own:
             return results.status(own, job_id)
 
-    async def status_async(
-        self, job_id: int, *, conn: psycopg.AsyncConnection[Any] | None = None
-    ) -> JobStatus:
+    async def status_async(self, job_id: int, *, conn: AsyncConn | None = None) -> JobStatus:
         """`status` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs')."""
-        if conn is not None:
-            enqueue.check_conn(conn, psycopg.AsyncConnection)
-            return await results.status_async(conn, job_id)
+        db: psycopg.AsyncConnection[Any] | None = (
+            conn
+            if conn is None or isinstance(conn, psycopg.AsyncConnection)
+            else await enqueue.adapt_async(conn)
+        )
+        if db is not None:
+            enqueue.check_conn(db, psycopg.AsyncConnection)
+            return await results.status_async(db, job_id)
         async with self.connection_async() as own:
             return await results.status_async(own, job_id)
 
@@ -645,7 +674,7 @@ class Job(Generic[P, R]):
         self,
         app: App,
         spec: JobSpec,
-        conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any] | None = None,
+        conn: Conn | AsyncConn | None = None,
         **defaults: Unpack[BulkOptions],
     ) -> None:
         self._func: Callable[P, R] = spec.func
@@ -667,13 +696,15 @@ class Job(Generic[P, R]):
         enqueue.options(self.kind, self.spec, **merged)  # bad options fail here, not at enqueue
         return Job(self.app, self.spec, self._conn, **merged)
 
-    def using(self, conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> Job[P, R]:
+    def using(self, conn: Conn | AsyncConn) -> Job[P, R]:
         """A handle that enqueues in `conn`'s transaction: the jobs exist once it commits.
 
-        A `psycopg.AsyncConnection` serves the `_async` methods; the enqueue
-        checks the connection further, as it checks a `conn=`.
+        A `psycopg.AsyncConnection` (or a SQLAlchemy AsyncConnection or
+        AsyncSession) serves the `_async` methods; the enqueue checks the
+        connection further, as it checks a `conn=`.
         """
-        if not isinstance(conn, psycopg.Connection | psycopg.AsyncConnection):
+        sqlalchemy = enqueue.is_sqlalchemy(conn)
+        if not isinstance(conn, psycopg.Connection | psycopg.AsyncConnection) and not sqlalchemy:
             raise enqueue.foreign_conn(conn, "using() takes a psycopg 3 Connection or AsyncConnection")
         return Job(self.app, self.spec, conn, **self._defaults)
 
@@ -711,9 +742,7 @@ class Job(Generic[P, R]):
         conn = self._conn_for(named.pop("conn", None))
         return self.app.enqueue(self.kind, self._named(args, named), conn=conn, **self._defaults)
 
-    def enqueue_many(
-        self, args_iterable: Iterable[dict[str, Any]], *, conn: psycopg.Connection[Any] | None = None
-    ) -> int:
+    def enqueue_many(self, args_iterable: Iterable[dict[str, Any]], *, conn: Conn | None = None) -> int:
         """Enqueue one job per argument dict with one COPY; returns the count.
 
         `job.args(...)` builds a dict a type checker checks like a call.
@@ -726,7 +755,7 @@ class Job(Generic[P, R]):
         return await self.app.enqueue_async(self.kind, self._named(args, named), conn=conn, **self._defaults)
 
     async def enqueue_many_async(
-        self, args_iterable: Iterable[dict[str, Any]], *, conn: psycopg.AsyncConnection[Any] | None = None
+        self, args_iterable: Iterable[dict[str, Any]], *, conn: AsyncConn | None = None
     ) -> int:
         return await self.app.enqueue_many_async(
             self.kind, args_iterable, conn=self._conn_for(conn), **self._defaults

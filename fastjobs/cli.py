@@ -86,19 +86,7 @@ def _parser() -> argparse.ArgumentParser:
         help="PostgreSQL URL, or 'embedded' (default: FASTJOBS_DSN, DATABASE_URL; migrate, stats, jobs"
         " and bench fall back on the embedded PostgreSQL, warning)",
     )
-    parser.add_argument(
-        "--log-level",
-        type=str.upper,
-        choices=logs.LEVELS,
-        default="INFO",
-        help="the least severe messages shown on stderr (default %(default)s)",
-    )
-    parser.add_argument(
-        "--log-format",
-        choices=logs.FORMATS,
-        default="text",
-        help="stderr messages as text lines or one JSON object per line (default %(default)s)",
-    )
+    add_log_arguments(parser)
     commands = parser.add_subparsers(dest="command", required=True)
 
     migrate = commands.add_parser("migrate", help="create or upgrade the schema")
@@ -126,65 +114,7 @@ def _parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="run workers for the jobs of MODULE")
     run.add_argument("module", help="module holding a fastjobs.App, or module:attribute")
-    run.add_argument("--processes", type=int, default=1, help="worker processes (besides master and leader)")
-    run.add_argument(
-        "--queues",
-        help="queues and their concurrency, e.g. default:8,emails:2: async jobs at once, and sync jobs on"
-        " threads (default: every registered queue, 10 async jobs per process, sync ones one at a time)",
-    )
-    run.add_argument(
-        "--grace",
-        type=float,
-        default=worker.grace,
-        help="seconds to finish in-flight jobs on stop (default %(default)g)",
-    )
-    run.add_argument(
-        "--worker-timeout",
-        type=float,
-        help="kill a worker or leader whose process sent no heartbeat this long: hung holding the GIL,"
-        " or stopped (it beats every second, whatever length of job it runs;"
-        f" default {DEFAULT_WORKER_TIMEOUT:g}, at least 2)",
-    )
-    run.add_argument("--metrics-port", type=int, help="serve Prometheus text on this port")
-    run.add_argument(
-        "--leader-key",
-        type=_int64,
-        default=sql.LEADER_LOCK_KEY,
-        help="advisory lock key of the leader election (pick one your application does not use)",
-    )
-    run.add_argument(
-        "--leader-lease",
-        type=float,
-        default=DEFAULT_LEASE,
-        help="seconds a leader whose session fell silent (process stopped, host cut off) keeps the lock"
-        " before another takes over (default %(default)g, at least 3)",
-    )
-    run.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
-    run.add_argument(
-        "--host-id",
-        help="this host's name in worker ids and the cluster view of `fastjobs stats`"
-        " (default: $FASTJOBS_HOST_ID, else the host name)",
-    )
-    run.add_argument(
-        "--batch-max",
-        type=_positive_int,
-        default=worker.batch_max,
-        help="largest batch one claim takes (default %(default)d)",
-    )
-    run.add_argument("--keep-completed", action="store_true", help="keep completed jobs instead of deleting")
-    run.add_argument(
-        "--no-fast-lane",
-        dest="fast_lane",
-        action="store_false",
-        help="every job takes the state lane (claimed as 'running', then finished): two writes per job",
-    )
-    run.add_argument(
-        "--rescue-after",
-        type=float,
-        default=RescuerConfig().stale_after,
-        metavar="SECONDS",
-        help="rescue the running jobs of a worker silent this long (heartbeats every 2 s; at least 5)",
-    )
+    add_run_arguments(run)
 
     jobs = commands.add_parser("jobs", help="inspect and control single jobs")
     jobs_commands = jobs.add_subparsers(dest="jobs_command", required=True)
@@ -349,6 +279,87 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_log_arguments(parser: argparse.ArgumentParser) -> None:
+    """--log-level and --log-format, which `main` (and `manage.py fastjobs_run`) configure logging with."""
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=logs.LEVELS,
+        default="INFO",
+        help="the least severe messages shown on stderr (default %(default)s)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=logs.FORMATS,
+        default="text",
+        help="stderr messages as text lines or one JSON object per line (default %(default)s)",
+    )
+
+
+def add_run_arguments(run: argparse.ArgumentParser) -> None:
+    """The options of `fastjobs run` but its MODULE: `manage.py fastjobs_run` takes the same."""
+    worker = WorkerConfig()  # the defaults of the workers' settings
+    run.add_argument("--processes", type=int, default=1, help="worker processes (besides master and leader)")
+    run.add_argument(
+        "--queues",
+        help="queues and their concurrency, e.g. default:8,emails:2: async jobs at once, and sync jobs on"
+        " threads (default: every registered queue, 10 async jobs per process, sync ones one at a time)",
+    )
+    run.add_argument(
+        "--grace",
+        type=float,
+        default=worker.grace,
+        help="seconds to finish in-flight jobs on stop (default %(default)g)",
+    )
+    run.add_argument(
+        "--worker-timeout",
+        type=float,
+        help="kill a worker or leader whose process sent no heartbeat this long: hung holding the GIL,"
+        " or stopped (it beats every second, whatever length of job it runs;"
+        f" default {DEFAULT_WORKER_TIMEOUT:g}, at least 2)",
+    )
+    run.add_argument("--metrics-port", type=int, help="serve Prometheus text on this port")
+    run.add_argument(
+        "--leader-key",
+        type=_int64,
+        default=sql.LEADER_LOCK_KEY,
+        help="advisory lock key of the leader election (pick one your application does not use)",
+    )
+    run.add_argument(
+        "--leader-lease",
+        type=float,
+        default=DEFAULT_LEASE,
+        help="seconds a leader whose session fell silent (process stopped, host cut off) keeps the lock"
+        " before another takes over (default %(default)g, at least 3)",
+    )
+    run.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
+    run.add_argument(
+        "--host-id",
+        help="this host's name in worker ids and the cluster view of `fastjobs stats`"
+        " (default: $FASTJOBS_HOST_ID, else the host name)",
+    )
+    run.add_argument(
+        "--batch-max",
+        type=_positive_int,
+        default=worker.batch_max,
+        help="largest batch one claim takes (default %(default)d)",
+    )
+    run.add_argument("--keep-completed", action="store_true", help="keep completed jobs instead of deleting")
+    run.add_argument(
+        "--no-fast-lane",
+        dest="fast_lane",
+        action="store_false",
+        help="every job takes the state lane (claimed as 'running', then finished): two writes per job",
+    )
+    run.add_argument(
+        "--rescue-after",
+        type=float,
+        default=RescuerConfig().stale_after,
+        metavar="SECONDS",
+        help="rescue the running jobs of a worker silent this long (heartbeats every 2 s; at least 5)",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)  # --help writes to stdout too
@@ -368,21 +379,14 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args: argparse.Namespace) -> int:
     if FALLBACK:
         logger.warning(FALLBACK)
+    return guarded(lambda: _command(args))
+
+
+def guarded(command: Callable[[], int]) -> int:
+    """Run a command, its start-up failures logged and turned into exit codes (EXIT_BOOT_ERROR: do
+    not restart)."""
     try:
-        if args.command == "migrate":
-            return _migrate(args)
-        if args.command == "run":
-            return _run(args)
-        if args.command == "stats":
-            return _stats(args)
-        if args.command == "jobs":
-            return _jobs(args)
-        if args.command == "periodic":
-            return _periodic(args)
-        if args.command == "bench":
-            return _bench(args)
-        if args.command == "sql":
-            return _sql_show(args.name)
+        return command()
     except (ConfigurationError, DatabaseUnavailable, SchemaMissing) as exc:
         # Could not start (no or bad DSN, no database, no schema, no app): the code `run` exits
         # with too, which a supervisor takes for "do not restart".
@@ -391,6 +395,23 @@ def _main(args: argparse.Namespace) -> int:
     except (FastjobsError, ValueError) as exc:
         logger.error("%s", exc)
         return 1
+
+
+def _command(args: argparse.Namespace) -> int:
+    if args.command == "migrate":
+        return _migrate(args)
+    if args.command == "run":
+        return _run(args)
+    if args.command == "stats":
+        return _stats(args)
+    if args.command == "jobs":
+        return _jobs(args)
+    if args.command == "periodic":
+        return _periodic(args)
+    if args.command == "bench":
+        return _bench(args)
+    if args.command == "sql":
+        return _sql_show(args.name)
     return 2
 
 
@@ -428,8 +449,14 @@ def load_app(target: str, dsn: str | None = None) -> App:
 
 
 def _run(args: argparse.Namespace) -> int:
-    # The settings are checked before the application is imported.
-    host = host_id(args.host_id)
+    return run(args, lambda: load_app(args.module, args.dsn))
+
+
+def run(args: argparse.Namespace, load: Callable[[], App], queues: Iterable[str] = ()) -> int:
+    """`fastjobs run` with the options of add_run_arguments: its settings checked, then the App
+    loaded by `load`, then the master run until it stops. The workers serve `--queues`, else
+    every queue of a registered job and `queues`."""
+    host = host_id(args.host_id)  # the settings are checked before the application is imported
     worker = WorkerConfig(
         batch_max=args.batch_max,
         keep_completed=args.keep_completed,
@@ -439,8 +466,8 @@ def _run(args: argparse.Namespace) -> int:
     leader = LeaderConfig(
         lock_key=args.leader_key, rescuer=RescuerConfig.after(args.rescue_after), lease=args.leader_lease
     )
-    app = load_app(args.module, args.dsn)
-    registered = sorted({spec.queue for spec in app.jobs.values()})
+    app = load()
+    registered = sorted({spec.queue for spec in app.jobs.values()} | set(queues))
     queues = parse_queues(args.queues, registered, args.processes)
     metrics = (args.metrics_host, args.metrics_port) if args.metrics_port is not None else None
     master = Master(

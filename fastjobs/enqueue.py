@@ -188,8 +188,34 @@ def foreign_conn(conn: object, wanted: str) -> TypeError:
     return TypeError(
         f"{wanted} (psycopg2 and other drivers are not supported), not "
         f"{type(conn).__module__}.{type(conn).__qualname__}; pass the psycopg connection underneath "
-        "(Django: django.db.connection.connection; SQLAlchemy: connection.connection.driver_connection)"
+        "(Django: django.db.connection.connection), or a SQLAlchemy Connection or Session of a "
+        "postgresql+psycopg:// engine"
     )
+
+
+def is_sqlalchemy(conn: object) -> bool:
+    """Whether `conn` is a SQLAlchemy object (told by its module: importing sqlalchemy costs 100 ms)."""
+    return type(conn).__module__.startswith("sqlalchemy.")
+
+
+def adapt(conn: Any) -> Any:
+    """The psycopg connection a sync `conn=` stands for: itself, or the one under a SQLAlchemy
+    Connection or Session, in its transaction (fastjobs.contrib.sqlalchemy). Anything else is
+    returned as it is, for check_conn to refuse."""
+    if conn is None or isinstance(conn, psycopg.Connection) or not is_sqlalchemy(conn):
+        return conn
+    from .contrib import sqlalchemy  # the object is SQLAlchemy's: the library is installed
+
+    return sqlalchemy.driver_connection(conn)
+
+
+async def adapt_async(conn: Any) -> Any:
+    """`adapt` for the async methods: a SQLAlchemy AsyncConnection or AsyncSession."""
+    if conn is None or isinstance(conn, psycopg.AsyncConnection) or not is_sqlalchemy(conn):
+        return conn
+    from .contrib import sqlalchemy
+
+    return await sqlalchemy.driver_connection_async(conn)
 
 
 def conn_type_error(conn: object, expected: type[Any]) -> TypeError:

@@ -17,8 +17,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import orjson
 import psycopg
 from psycopg.rows import tuple_row
+from psycopg.types.json import set_json_loads
 
 from . import schema, sql
 from .errors import JobCancelled, JobFailed, JobNotFound
@@ -91,12 +93,20 @@ def _found(job_id: int, row: tuple[Any, ...] | None) -> _Found:
 def status(conn: psycopg.Connection[Any], job_id: int) -> JobStatus:
     """Job `job_id` as it is now (sql.job_status); JobNotFound when neither table has it."""
     with schema.required(), psycopg.RawCursor(conn, row_factory=tuple_row) as cur:
+        _json(cur)
         return _found(job_id, cur.execute(sql.job_status, (job_id,)).fetchone()).status
+
+
+def _json(cur: psycopg.RawCursor[Any] | psycopg.AsyncRawCursor[Any]) -> None:
+    """Decode json and jsonb on this cursor whatever the caller's connection does with them
+    (Django's loads jsonb as text, for its JSONField to decode)."""
+    set_json_loads(orjson.loads, cur)
 
 
 async def status_async(conn: psycopg.AsyncConnection[Any], job_id: int) -> JobStatus:
     with schema.required():
         async with psycopg.AsyncRawCursor(conn, row_factory=tuple_row) as cur:
+            _json(cur)
             await cur.execute(sql.job_status, (job_id,))
             return _found(job_id, await cur.fetchone()).status
 

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import resources
-from importlib.abc import Traversable
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
@@ -128,8 +128,12 @@ def migrate(
     retries: int = LOCK_RETRIES,
     directory: Path | Traversable | None = None,
     say: Callable[[str], None] = _say,
+    target: int | None = None,
 ) -> list[Migration]:
     """Apply the pending migrations step by step (see the module docstring); return those applied.
+
+    With `target`, only those up to that version: Django's migrations of
+    fastjobs.contrib.django each bring the schema to the version they name.
 
     The session-level advisory lock makes concurrent migrators queue up: the
     second one finds everything applied and does nothing. With `dsn`, a
@@ -138,7 +142,7 @@ def migrate(
     """
     if retries < 1 or not lock_timeout > 0:
         raise FastjobsError("migrate needs a positive lock timeout and at least one attempt")
-    pending_all = migrations(directory)
+    pending_all = [m for m in migrations(directory) if target is None or m.version <= target]
     if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
         # The caller's transaction is its own: nothing to do is fine, anything else is not.
         with psycopg.RawCursor(conn) as cur:

@@ -696,7 +696,7 @@ class Worker:
             careful_until = time.monotonic() + CAREFUL_FOR
             batch_min = loop.batch_min
             loop.batch_max, loop.overlap = 1, False
-            loop.batch_min = loop.size = 1
+            loop.batch_min = 1
         try:
             while not self._stop:
                 began = time.monotonic()

@@ -31,6 +31,15 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     ]
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Captured output as UTF-8 can carry it: hostile texts (a lone surrogate from a file name)
+    reach the logs, and pytest-xdist cannot send a report holding one from its workers."""
+    report.sections = [
+        (title, text.encode("utf-8", "backslashreplace").decode()) for title, text in report.sections
+    ]
+
+
 def _create_database(name: str, template: str | None = None) -> str:
     return databases.create(name, template)
 

@@ -615,9 +615,13 @@ def test_kill_9_random_workers_repeatedly(chaos: Chaos) -> None:
         chaos.wait_progress(0.09 * step, master)
         chaos.kill_workers(master, 2 if step in (4, 7) else 1)
     chaos.finish(master)
-    # A job killed on the state lane is the rescuer's; on the fast lane its master counts the crash.
+    # The jobs of a killed worker come back one of three ways: a job whose handler was running is the
+    # rescuer's (state lane) or counts its crash through the master (fast lane); the rest, claimed
+    # but not running (waiting their turn, or run with their outcome not yet written), are released
+    # uncounted. Which ways a run takes depends on where each kill lands, so any of them proves it.
     stderr = master.stderr()
-    assert "leader rescuer: retryable" in stderr or "on the fast lane: it counts a crash" in stderr
+    signs = ("leader rescuer: retryable", "on the fast lane: it counts a crash", "never started: released")
+    assert any(sign in stderr for sign in signs), stderr[-3000:]
 
 
 @pytest.mark.parametrize("chaos", [{"keep_completed": True}], indirect=True, ids=["keep-completed"])

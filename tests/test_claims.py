@@ -5,10 +5,13 @@ from __future__ import annotations
 import threading
 import time
 
+import psycopg
 from psycopg.types.json import Jsonb
 
 from fastjobs import App
 from fastjobs.abc import SIZE_DECAY
+from fastjobs.handlers import Executor
+from fastjobs.impl import core
 from fastjobs.worker import Worker, WorkerConfig
 
 from .helpers import OVERLAP, WorkerThread, batch_loop, by_state, handler_event, query, wait_for
@@ -52,7 +55,7 @@ def test_a_higher_priority_job_waits_about_one_batch_behind_slow_jobs(app: App, 
             time.sleep(0.05)
 
     slow.enqueue_many({"n": n} for n in range(150))
-    waits = []
+    before = []  # slow jobs started between each urgent job's enqueue and its start
     with WorkerThread(Worker(app, config=WorkerConfig(poll_interval=60.0, overlap=overlap))):
         assert wait_for(lambda: len(ran) >= 10)
         for k in range(5):
@@ -60,9 +63,10 @@ def test_a_higher_priority_job_waits_about_one_batch_behind_slow_jobs(app: App, 
             began = time.monotonic()
             app.enqueue("slow", {"n": 1000 + k}, priority=5)
             assert urgent_ran.wait(3.0)
-            waits.append(ran[1000 + k] - began)
-    # One batch is ~0.1 s; the batch running and the one claimed ahead come first.
-    assert max(waits) < 0.45, [round(w, 3) for w in waits]
+            before.append(sum(1 for n, at in list(ran.items()) if n < 1000 and began <= at < ran[1000 + k]))
+    # Counted in jobs, not seconds (a loaded machine stretches seconds): the batch running and the
+    # one claimed ahead come first, 2 jobs each, and a batch's size may grow to 4 on the way.
+    assert max(before) <= 8, before
 
 
 def test_an_empty_claim_does_not_shrink_the_next_claim_to_one_job(app: App) -> None:
@@ -75,10 +79,12 @@ def test_an_empty_claim_does_not_shrink_the_next_claim_to_one_job(app: App) -> N
     def burst(n: int) -> None:
         pass
 
-    with batch_loop(app, 1000, overlap=False) as loop:
-        loop.batch_min, loop.size = 1, 64
+    with psycopg.connect(app.dsn, autocommit=True) as conn:
+        loop = core.BatchLoop(conn, dict(app.jobs), Executor(), "w", ["default"], batch_min=64, overlap=False)
+        loop.prepare()
+        loop.batch_min = 1
         burst.enqueue_many({"n": n} for n in range(64))
-        assert loop.step() == 64
+        assert loop.step() == 64 and loop.size == 128
         assert loop.step() == 0  # found none: the size halves
         assert loop.size == 128 // SIZE_DECAY
         burst.enqueue_many({"n": n} for n in range(64))
@@ -86,3 +92,25 @@ def test_an_empty_claim_does_not_shrink_the_next_claim_to_one_job(app: App) -> N
         for _ in range(10):
             assert loop.step() == 0
         assert loop.size == 1
+
+
+def test_an_empty_queue_does_not_shrink_a_busy_ones_claims(app: App) -> None:
+    """A worker of two queues, one empty: the claims of the busy one double as they find full
+    batches. One size for all queues made each empty claim halve the busy queue's, which was then
+    claimed 1-2 jobs at a time, a round trip or two per job."""
+
+    @app.job(kind="busy", queue="busy")
+    def busy() -> None:
+        pass
+
+    busy.enqueue_many({} for _ in range(200))
+    sizes = []
+    with psycopg.connect(app.dsn, autocommit=True) as conn:
+        loop = core.BatchLoop(
+            conn, dict(app.jobs), Executor(), "w", ["idle", "busy"], batch_max=64, overlap=False
+        )
+        loop.prepare()
+        while ran := loop.step():
+            sizes.append(ran)
+    assert sum(sizes) == 200
+    assert sizes[:7] == [1, 2, 4, 8, 16, 32, 64], sizes

@@ -25,7 +25,7 @@ import pytest
 
 import fastjobs
 from fastjobs import App, Retry, Snooze, control, guard, stats
-from fastjobs.abc import BATCH_SECONDS
+from fastjobs.abc import BATCH_SECONDS, DEEP_CLAIM
 from fastjobs.handlers import Executor
 from fastjobs.impl import core
 from fastjobs.worker import Worker, WorkerConfig
@@ -442,6 +442,29 @@ def test_a_queue_the_workers_keep_up_with_leaves_the_fast_lane_until_a_claim_com
         assert loop.step() == 4 and loop.fast == 3  # a full claim, on the state lane...
         assert loop.step() == 4 and loop.fast == 7  # ...sends the next to the fast lane
         assert loop.step() == 1 and loop.fast == 8
+    assert by_state(dsn) == {}
+
+
+def test_a_full_claim_of_a_few_jobs_is_no_backlog(app: App, dsn: str) -> None:
+    """At a shallow queue the size decays towards batch_min, and a claim of 2 that finds 2 is full
+    with nothing behind it: only a full claim of DEEP_CLAIM jobs (or batch_max, when smaller) sends
+    the queue back to the fast lane. Before, 40% of the jobs at 1,000 jobs/s took the fast lane."""
+    app.job(kind="quick")(lambda: None)
+    with batch_loop(app, 100, fast_lane=True, overlap=False) as loop:
+        loop.batch_min = 1
+        warm(app, loop)
+        assert loop.step() == 0  # an empty fast claim: the state lane
+        while loop.size > 1:
+            assert loop.step() == 0  # each halves the size
+        sizes = []
+        while loop.size < DEEP_CLAIM:
+            sizes.append(loop.size)
+            app.enqueue_many("quick", ({} for _ in range(loop.size)))
+            assert loop.step() == sizes[-1] and loop.fast == 0  # full, of fewer than DEEP_CLAIM
+        assert sizes == [1, 2, 4, 8]
+        app.enqueue_many("quick", ({} for _ in range(DEEP_CLAIM + 3)))
+        assert loop.step() == DEEP_CLAIM and loop.fast == 0  # full of DEEP_CLAIM, on the state lane...
+        assert loop.step() == 3 and loop.fast == 3  # ...sends the next to the fast lane
     assert by_state(dsn) == {}
 
 

@@ -10,9 +10,10 @@ import types
 import pytest
 
 # The core's only dependencies are psycopg, orjson and setproctitle; the testing
-# kit and its pytest plugin load only in a test session, and typed arguments
-# handle msgspec and pydantic classes without importing either; the docs extra's
-# toolchain serves only `mkdocs`.
+# kit and its pytest plugin load only in a test session, fastjobs.contrib's
+# integrations only when imported, and typed arguments handle msgspec and
+# pydantic classes without importing either; the docs extra's toolchain serves
+# only `mkdocs`.
 OPTIONAL = (
     "opentelemetry",
     "sentry_sdk",
@@ -28,6 +29,16 @@ OPTIONAL = (
     "material",
     "mkdocstrings",
     "griffe",
+    # the Django and SQLAlchemy integrations, and the FastAPI example's stack: conn= recognises a
+    # SQLAlchemy connection by its class's module, without importing SQLAlchemy.
+    "django",
+    "asgiref",
+    "sqlalchemy",
+    "greenlet",
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "httpx",
 )
 
 

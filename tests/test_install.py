@@ -127,6 +127,10 @@ def test_mypy_checks_enqueue_calls_against_the_handler_of_an_installed_fastjobs(
         ).stdout.strip()
     )
     assert (site / "fastjobs" / "py.typed").is_file() and (site / "fastjobs" / "_core.pyi").is_file()
+    # The Django app's migrations and command are packages of their own (pyproject's list).
+    django_app = site / "fastjobs" / "contrib" / "django"
+    assert (django_app / "migrations" / "0001_schema.py").is_file()
+    assert (django_app / "management" / "commands" / "fastjobs_run.py").is_file()
     (site / "_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
 
     user = tmp_path / "user"

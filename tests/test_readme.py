@@ -44,7 +44,9 @@ BLOCKS = _blocks()
 # A block whose first line names a file (`# jobs.py`) is a file of a walk-through (the README's
 # quick start, the tutorial), run by its test with the walk-through's shell lines; a block that
 # defines tests is a test module of a user's suite, which pytest runs; every other Python block
-# is a script of its own.
+# is a script of its own. A `py` block is a fragment of a larger program (a Django project's
+# settings or views, an excerpt of examples/): shown, highlighted, and run where that program is
+# (tests/test_django.py, tests/test_fastapi.py), not here.
 FILE_NAME = re.compile(r"# (\w+\.py)\n")
 PYTEST = [(page, code) for page, lang, code in BLOCKS if lang == "python" and "\ndef test_" in code]
 PYTHON = [

@@ -25,6 +25,7 @@ from fastjobs.abc import BUCKETS, OUTCOMES, PICKUP, ROW, RUN, BatchLoop, Core
 from fastjobs.errors import FastjobsError, LoopError
 from fastjobs.handlers import Executor
 from fastjobs.stats import Labels
+from fastjobs.testing import databases
 
 from .helpers import query, wait_for
 
@@ -495,3 +496,117 @@ def test_the_slot_views_come_together_or_not_at_all(core: Core, app: App) -> Non
     refused = pytest.raises(ValueError, match="both or neither")
     with psycopg.connect(app.dsn, autocommit=True) as conn, refused:
         core.BatchLoop(conn, dict(app.jobs), Executor(), WORKER, ["default"], progress=progress)
+
+
+# The per-batch policy, scripted over many batches: what each step claimed, on which lane, and
+# the size it chose next, with the fast lane, full context and marks on. Claims after the mark
+# are kept for FULL_CLAIM_MAX_WAIT (full_claim_duty 1e-9), so which claims go from the front
+# depends on the script, not on the clock. Each entry: ("a"|"b", kind, jobs, priority) enqueues,
+# None steps once.
+POLICY: list[tuple[str, str, int, int] | None] = [
+    ("a", "quick", 1, 0),
+    None,  # the first batch of a queue: the state lane proves it quick
+    ("a", "quick", 3, 0),
+    None,  # the fast lane
+    None,  # an empty fast claim: the queue goes to the state lane
+    *[("a", "quick", 2, 0), None] * 4,  # short claims, full or not: no backlog
+    ("a", "quick", 40, 0),
+    None,
+    None,
+    None,
+    ("a", "quick", 5, 9),  # ahead of the mark: only a claim from the front finds them
+    None,
+    None,
+    None,
+    None,
+    None,
+    ("a", "boom", 3, 0),  # failures on the fast lane: written in its transaction
+    ("a", "quick", 30, 0),
+    None,
+    None,
+    ("b", "timed", 4, 0),  # a kind with timeout=: queue b never takes the fast lane
+    ("b", "quick_b", 20, 0),
+    *[None] * 10,  # the queues' turns, each with a size of its own
+]
+
+
+def _policy(core: Core, dsn: str) -> list[tuple[Any, ...]]:
+    app = App(dsn)
+    app.job("quick", queue="a")(lambda: None)
+    app.job("quick_b", queue="b")(lambda: None)
+    app.job("timed", queue="b", timeout=30)(lambda: None)
+
+    @app.job("boom", queue="a", max_attempts=1)
+    def boom() -> None:
+        raise ValueError("boom")
+
+    trace: list[tuple[Any, ...]] = []
+    executor = Executor()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        loop = core.BatchLoop(
+            conn,
+            dict(app.jobs),
+            executor,
+            WORKER,
+            ["a", "b"],
+            batch_min=1,
+            batch_max=24,
+            overlap=False,
+            full_claim_duty=1e-9,
+            full_context=True,
+            fast_lane=True,
+        )
+        loop.prepare()
+        try:
+            for entry in POLICY:
+                if entry is not None:
+                    queue, kind, n, priority = entry
+                    app.enqueue_many(kind, ({} for _ in range(n)), queue=queue, priority=priority)
+                    continue
+                fast = loop.fast
+                ran = loop.step()
+                trace.append((ran, loop.fast - fast, loop.size, loop.claimed, loop.completed, loop.failed))
+            loop.stopping = True
+            loop.finish()
+        finally:
+            executor.close()
+            app.close()
+    trace.append(
+        tuple(
+            sorted(
+                (row["queue"], row["state"], row["n"])
+                for row in query(
+                    dsn,
+                    "SELECT queue, state::text AS state, count(*) AS n FROM fastjobs_jobs_all GROUP BY 1, 2",
+                )
+            )
+        )
+    )
+    return trace
+
+
+def test_the_twins_decide_each_batch_alike(twin_dsns: tuple[str, str]) -> None:
+    """Queue turns, lanes, marks, sizes: the same script leaves the same trace step by step.
+    test_the_twins_leave_the_same_rows_and_counters compares one step per batch; this one the
+    decisions that span batches, where a tuning change to one twin alone shows.
+
+    A size is capped by the pace of its queue's last batch (BATCH_SECONDS), so a batch stretched
+    by a loaded machine changes the next sizes of one twin: the pair runs again, up to three
+    times, on fresh databases; a twin that decides otherwise differs every time."""
+    python, c = _policy(_core_py, twin_dsns[0]), _policy(_core, twin_dsns[1])
+    for _ in range(2):
+        if python == c:
+            break
+        fresh = [databases.create(template=databases.template()) for _ in TWINS]
+        try:
+            python, c = _policy(_core_py, fresh[0]), _policy(_core, fresh[1])
+        finally:
+            for dsn in fresh:
+                databases.drop(dsn)
+    for step, (ours, theirs) in enumerate(zip(python, c, strict=True)):
+        assert ours == theirs, (step, python, c)
+    # The script reaches what it is for: both lanes, and every job but the failed ones done.
+    assert sum(entry[1] for entry in python[:-1]) > 0
+    assert sum(entry[0] - entry[1] for entry in python[:-1]) > 0
+    # The jobs enqueued ahead of the mark wait for the claim from the front, due in 10 s.
+    assert python[-1] == (("a", "available", 5), ("a", "discarded", 3)), python
