@@ -255,6 +255,8 @@ def test_drain_in_the_testing_kit_makes_results_available(dsn: str) -> None:
         job_id = app.enqueue("add", {"a": 2, "b": 3})
         kit.drain()
         assert app.result(job_id) == 5
+    with app.testing("inline"):  # the job runs as its enqueue commits, through the same loop
+        assert app.enqueue("add", {"a": 3, "b": 4}).result(timeout=10) == 7
     app.close()
 
 
