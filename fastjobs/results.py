@@ -38,7 +38,7 @@ class JobStatus:
     `state` is one of fastjobs.JobState's values; `value` is the kept return
     value of a completed job (None otherwise); `errors` the attempts' error
     records as the jobs table stores them (at, attempt, error, traceback, and an
-    exception's class as `module.qualname`).
+    exception's class as `module.qualname`); `priority` the one it was enqueued with.
     """
 
     job_id: int
@@ -53,6 +53,7 @@ class JobStatus:
     finished_at: dt.datetime | None
     value: Any = None
     errors: list[dict[str, Any]] = field(default_factory=list)
+    priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +73,7 @@ def _found(job_id: int, row: tuple[Any, ...] | None) -> _Found:
             " (enqueued without keep_result), or its kept result expired and was removed"
         )
     (id_, kind, queue, state, attempt, max_attempts, args, created, attempted, finalized) = row[:10]
-    value, errors, keep_result, kept, expired = row[10:]
+    value, errors, keep_result, kept, expired, priority = row[10:]
     status = JobStatus(
         int(id_),
         kind,
@@ -86,6 +87,7 @@ def _found(job_id: int, row: tuple[Any, ...] | None) -> _Found:
         finalized,
         value if state == "completed" else None,
         list(errors or []),
+        int(priority),
     )
     return _Found(status, keep_result, bool(kept), bool(expired))
 

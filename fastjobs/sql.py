@@ -435,7 +435,7 @@ def _outcome_state(attempt: str) -> str:
 # (App.result) once, on RESULT_CHANNEL. A job without keep_result takes
 # neither branch: an empty CTE scan per statement.
 _RESULT_COLUMNS: Final = (
-    ("id", "queue", "kind", "args", "state", "value", "errors", "attempt", "max_attempts"),
+    ("id", "queue", "kind", "args", "priority", "state", "value", "errors", "attempt", "max_attempts"),
     ("created_at", "attempted_at", "finalized_at", "expires_at"),
 )
 
@@ -453,14 +453,14 @@ def _keep(*, completed: str | None, ended: str) -> str:
     expires = "clock_timestamp() + make_interval(secs => keep_result)"
     values = ""
     if completed is not None:
-        values = f"""SELECT id, queue, kind, args, 'completed', result, errors, attempt, max_attempts,
-       created_at, attempted_at, clock_timestamp(), {expires}
+        values = f"""SELECT id, queue, kind, args, priority, 'completed', result, errors, attempt,
+       max_attempts, created_at, attempted_at, clock_timestamp(), {expires}
   FROM {completed} WHERE keep_result IS NOT NULL
 UNION ALL
 """
     return f"""INSERT INTO fastjobs_results ({_result_columns()})
-{values}SELECT id, queue, kind, args, state, NULL, errors, attempt, max_attempts,
-       created_at, attempted_at, clock_timestamp(), {expires}
+{values}SELECT id, queue, kind, args, priority, state, NULL, errors, attempt,
+       max_attempts, created_at, attempted_at, clock_timestamp(), {expires}
   FROM {ended} WHERE keep_result IS NOT NULL AND state IN ('discarded', 'cancelled')
 ON CONFLICT (id) DO UPDATE
    SET ({_indent(_result_columns(skip="id"), 4)})
@@ -469,8 +469,8 @@ RETURNING id"""
 
 
 # What a statement that may end jobs returns of each for _keep to copy (its table aliased j).
-_ENDED: Final = """j.id, j.queue, j.state, j.keep_result, j.kind, j.args, j.attempt, j.max_attempts,
-j.created_at, j.attempted_at, j.errors"""
+_ENDED: Final = """j.id, j.queue, j.state, j.keep_result, j.kind, j.args, j.priority, j.attempt,
+j.max_attempts, j.created_at, j.attempted_at, j.errors"""
 
 
 def _ending(*, update: str, returned: str) -> str:
@@ -519,8 +519,8 @@ def _outcomes(*, keep: bool, fast: bool, results: bool) -> str:
     if results:
         later = ",\n                                              result jsonb"
         later_returned = (
-            f"j.id, j.keep_result, f.result, j.queue, j.kind, j.args, {attempt} AS attempt, j.max_attempts,"
-            f"\n              j.created_at, {attempted} AS attempted_at, j.errors"
+            f"j.id, j.keep_result, f.result, j.queue, j.kind, j.args, j.priority, {attempt} AS attempt,"
+            f"\n              j.max_attempts, j.created_at, {attempted} AS attempted_at, j.errors"
         )
         failed_returned = _indent(_ENDED, 14)
         kept = f"""
@@ -1194,20 +1194,20 @@ SELECT id, kind, queue, args, priority, state, run_at, attempt, max_attempts, er
 # outcome) or else from the jobs table: id, kind, queue, state (a job in
 # flight on the fast lane is running), attempt, max_attempts, args,
 # created_at, attempted_at, finalized_at, the value kept, errors, its
-# keep_result, whether the row is a kept one and whether it has expired (the
-# cleaner has yet to remove it). No row: no such job.
+# keep_result, whether the row is a kept one, whether it has expired (the
+# cleaner has yet to remove it) and its priority. No row: no such job.
 job_status: Final = f"""
 SELECT id, kind, queue, state, attempt, max_attempts, args, created_at, attempted_at, finalized_at,
-       value, errors, keep_result, source = 0, expired
+       value, errors, keep_result, source = 0, expired, priority
   FROM (SELECT id, kind, queue, state::text AS state, attempt, max_attempts, args, created_at,
                attempted_at, finalized_at, value, errors, NULL::int4 AS keep_result,
-               expires_at <= now() AS expired, 0 AS source
+               expires_at <= now() AS expired, 0 AS source, priority
           FROM fastjobs_results WHERE id = $1
         UNION ALL
         SELECT id, kind, queue,
                {_reported_state(15)},
                attempt, max_attempts, args, created_at, attempted_at,
-               finalized_at, NULL, errors, keep_result, false, 1
+               finalized_at, NULL, errors, keep_result, false, 1, priority
           FROM fastjobs_jobs_all WHERE id = $1) AS found
  ORDER BY source
  LIMIT 1"""
@@ -1215,8 +1215,8 @@ SELECT id, kind, queue, state, attempt, max_attempts, args, created_at, attempte
 
 # result_get: the kept outcome of job $1 (fastjobs_results), for `fastjobs jobs show`.
 result_get: Final = """
-SELECT id, queue, kind, state::text AS state, attempt, max_attempts, created_at, attempted_at,
-       finalized_at, expires_at, args, errors, value AS result
+SELECT id, queue, kind, priority, state::text AS state, attempt, max_attempts, created_at,
+       attempted_at, finalized_at, expires_at, args, errors, value AS result
   FROM fastjobs_results WHERE id = $1"""
 
 

@@ -20,6 +20,7 @@ CREATE TABLE IF NOT EXISTS fastjobs_results (
     queue        text           NOT NULL,
     kind         text           NOT NULL,
     args         jsonb          NOT NULL,
+    priority     smallint       NOT NULL,
     state        fastjobs_state NOT NULL,
     value        jsonb,
     errors       jsonb,

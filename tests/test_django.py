@@ -230,11 +230,12 @@ def test_takes_context_gets_the_task_result_and_attempt(backend):
 
 
 def test_priorities_are_django_s_and_run_higher_first(backend):
-    for priority in (-100, 0, 100, 50, -5):
-        record.using(priority=priority).enqueue(f"p{priority}")
+    results = [record.using(priority=priority).enqueue(f"p{priority}") for priority in (-100, 0, 100, 50, -5)]
     assert sorted(row[2] for row in _jobs(backend.dsn())) == [-100, -5, 0, 50, 100]
     with backend.testing() as kit:
         kit.drain()
+    # A result's task is the one enqueued, at its priority.
+    assert [record.get_result(result.id).task.priority for result in results] == [-100, 0, 100, 50, -5]
     assert list(Run.objects.order_by("id").values_list("name", flat=True)) == [
         "p100",
         "p50",

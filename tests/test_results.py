@@ -101,6 +101,22 @@ def test_a_value_is_kept_and_returned_and_jobs_without_keep_result_keep_nothing(
         app.result(plain[0])
 
 
+def test_the_status_keeps_the_priority_a_job_was_enqueued_with(app: App, dsn: str) -> None:
+    """Waiting, and once done among the kept results (what a Django task's result reports). On the
+    state lane: a fast claim after the mark takes the mark's priority only (both lanes copy the
+    priority by the same _keep, which the other tests run on both)."""
+    _register(app)
+    later = dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)
+    with _lane(app, "state"):
+        done = app.enqueue("add", {"a": 1, "b": 1}, priority=7)
+        failed = app.enqueue("boom", priority=-3)
+        waiting = app.enqueue("add", {"a": 0, "b": 0}, priority=5, run_at=later)
+        assert app.status(waiting).priority == 5
+    assert [app.status(job_id).priority for job_id in (done, failed)] == [7, -3]
+    kept = query(dsn, "SELECT priority FROM fastjobs_results ORDER BY id")
+    assert kept == [{"priority": 7}, {"priority": -3}]
+
+
 @LANES
 def test_a_value_that_cannot_be_stored_fails_the_attempt_and_is_retried(
     app: App, dsn: str, lane: str

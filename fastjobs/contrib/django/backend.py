@@ -312,8 +312,8 @@ class FastjobsBackend(BaseTaskBackend):  # type: ignore[misc]  # django has no t
         task = _task_for(self, status.kind)
         if task is None:
             raise TaskResultDoesNotExist(f"{result_id} is a fastjobs job of kind {status.kind!r}, not a task")
-        if status.queue != task.queue_name:
-            task = task.using(queue_name=status.queue)
+        if (status.queue, status.priority) != (task.queue_name, task.priority):
+            task = task.using(queue_name=status.queue, priority=status.priority)
         stored = status.args
         result = TaskResult(
             task=task,
