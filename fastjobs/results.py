@@ -69,8 +69,9 @@ class _Found:
 def _found(job_id: int, row: tuple[Any, ...] | None) -> _Found:
     if row is None:
         raise JobNotFound(
-            f"job {job_id} not found: no such job, or it finished and its outcome was not kept"
-            " (enqueued without keep_result), or its kept result expired and was removed"
+            f"job {job_id} not found: no such job, or the transaction that enqueued it has not"
+            " committed yet, or it finished and its outcome was not kept (enqueued without"
+            " keep_result), or its kept result expired and was removed"
         )
     (id_, kind, queue, state, attempt, max_attempts, args, created, attempted, finalized) = row[:10]
     value, errors, keep_result, kept, expired, priority = row[10:]
@@ -93,10 +94,20 @@ def _found(job_id: int, row: tuple[Any, ...] | None) -> _Found:
 
 
 def status(conn: psycopg.Connection[Any], job_id: int) -> JobStatus:
-    """Job `job_id` as it is now (sql.job_status); JobNotFound when neither table has it."""
+    """Job `job_id` as it is now (sql.job_status); JobNotFound when neither table has it, or its
+    kept outcome expired (the cleaner may not have removed it yet)."""
     with schema.required(), psycopg.RawCursor(conn, row_factory=tuple_row) as cur:
         _json(cur)
-        return _found(job_id, cur.execute(sql.job_status, (job_id,)).fetchone()).status
+        return _unexpired(_found(job_id, cur.execute(sql.job_status, (job_id,)).fetchone()))
+
+
+def _unexpired(found: _Found) -> JobStatus:
+    if found.expired:
+        raise JobNotFound(_EXPIRED.format(job_id=found.status.job_id))
+    return found.status
+
+
+_EXPIRED = "job {job_id}'s kept outcome expired (its keep_result ran out)"
 
 
 def _json(cur: psycopg.RawCursor[Any] | psycopg.AsyncRawCursor[Any]) -> None:
@@ -110,7 +121,7 @@ async def status_async(conn: psycopg.AsyncConnection[Any], job_id: int) -> JobSt
         async with psycopg.AsyncRawCursor(conn, row_factory=tuple_row) as cur:
             _json(cur)
             await cur.execute(sql.job_status, (job_id,))
-            return _found(job_id, await cur.fetchone()).status
+            return _unexpired(_found(job_id, await cur.fetchone()))
 
 
 def outcome(found: _Found) -> tuple[bool, Any]:
@@ -119,7 +130,7 @@ def outcome(found: _Found) -> tuple[bool, Any]:
     job = found.status
     job_id, state = job.job_id, job.state
     if found.expired:
-        raise JobNotFound(f"job {job_id}'s kept outcome expired (its keep_result ran out)")
+        raise JobNotFound(_EXPIRED.format(job_id=job_id))
     last = job.errors[-1].get("error") if job.errors and isinstance(job.errors[-1], dict) else None
     if state == "discarded":
         raise JobFailed(

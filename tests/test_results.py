@@ -264,6 +264,20 @@ def test_the_cleaner_expires_results_in_batches(app: App, dsn: str) -> None:
     assert not _results(dsn)
 
 
+def test_an_expired_result_is_gone_before_the_cleaner_removes_it(app: App, dsn: str) -> None:
+    """Past its keep_result, a kept outcome reads as gone to status() (Django's get_result) as to
+    result(), though its row waits for the cleaner's next pass."""
+    _register(app)
+    job_id = app.enqueue("add", {"a": 1, "b": 1})
+    _run(app, "state")
+    assert app.status(job_id).value == 2
+    query(dsn, "UPDATE fastjobs_results SET expires_at = now() - interval '1 second'")
+    for look in (app.status, app.result):
+        with pytest.raises(JobNotFound, match="expired"):
+            look(job_id)
+    assert len(_results(dsn)) == 1
+
+
 def test_drain_in_the_testing_kit_makes_results_available(dsn: str) -> None:
     app = App(dsn)
     _register(app)
