@@ -309,10 +309,15 @@ def unknown_kind(
     """
     modules = sorted({getattr(spec.func, "__module__", None) or "?" for spec in specs})
     where = f"the modules {', '.join(modules)}" if modules else "no module (it has no handlers)"
+    then = (
+        "It had no attempts left: discarded (give the kind max_attempts > 1 to ride out a rolling deploy)"
+        if attempt >= max_attempts
+        else "Retried meanwhile: a rolling deploy may bring the handler"
+    )
     reason = (
         f"no handler registered for job kind {kind!r}: this worker's handlers come from {where};"
         " register one with @app.job in a module the worker imports (the one `fastjobs run` names,"
-        " or one that module imports). Retried meanwhile: a rolling deploy may bring the handler"
+        f" or one that module imports). {then}"
     )
     outcome = _failure(None, job_id, attempt, max_attempts, reason)
     _say_outcome(outcome, kind)

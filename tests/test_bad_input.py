@@ -189,10 +189,14 @@ def test_unknown_kind_is_named_exactly_and_discarded_after_its_last_attempt(app:
     message = (
         f"no handler registered for job kind {kind!r}: this worker's handlers come from the modules"
         f" {__name__}; register one with @app.job in a module the worker imports (the one `fastjobs"
-        " run` names, or one that module imports). Retried meanwhile: a rolling deploy may bring the handler"
+        " run` names, or one that module imports). "
     )
-    assert (rows[retried]["state"], only_error(rows[retried])) == ("retryable", message)
-    assert (rows[last_attempt]["state"], only_error(rows[last_attempt])) == ("discarded", message)
+    retry = "Retried meanwhile: a rolling deploy may bring the handler"
+    last_word = (
+        "It had no attempts left: discarded (give the kind max_attempts > 1 to ride out a rolling deploy)"
+    )
+    assert (rows[retried]["state"], only_error(rows[retried])) == ("retryable", message + retry)
+    assert (rows[last_attempt]["state"], only_error(rows[last_attempt])) == ("discarded", message + last_word)
     assert rows[last_attempt]["finalized_at"] is not None
 
 
