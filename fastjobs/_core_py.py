@@ -380,15 +380,16 @@ class BatchLoop:
             else:
                 self._tx = True
         self._mark(res, n)
-        self._note_keeping(res, n)
+        rows = self._rows_of(res, n)
+        self._note_keeping(rows)
         self._deep[index] = n > 0
         if not n:
-            return []
+            return rows
         self._limit = limit
         self._full = n >= limit
         self.claimed += n
         self._resize(index, n)
-        return self._rows_of(res, n)
+        return rows
 
     def _commit(self, wake: bool = False) -> None:
         """Write the fast batch's outcomes in its transaction and commit it (releases are left as they were).
@@ -551,7 +552,7 @@ class BatchLoop:
         self.claimed += n
         if self._limit > 0:
             self._mark(res, n)
-            self._note_keeping(res, n)
+            self._note_keeping(rows)
             if n >= self._limit >= min(DEEP_CLAIM, self.batch_max):
                 self._deep[self._sent[0]] = True
             self._resize(self._sent[0], n)
@@ -588,9 +589,9 @@ class BatchLoop:
             )
         return rows
 
-    def _note_keeping(self, res: Any, n: int) -> None:
+    def _note_keeping(self, rows: list[Row]) -> None:
         """Count this claim in the window of KEEPING_CLAIMS: restarted when a job claimed keeps its result."""
-        if any(res.get_value(i, 7) is not None for i in range(n)):
+        if any(row[7] for row in rows):
             self._keeping = KEEPING_CLAIMS
         elif self._keeping:
             self._keeping -= 1

@@ -455,6 +455,7 @@ class App:
         SQLAlchemy AsyncConnection or AsyncSession on psycopg 3."""
         opts = enqueue.options(kind, self._spec(kind), **options)
         params = enqueue.insert_params(opts, args)
+        # adapt_async's own test, inline: the usual enqueue creates no coroutine for it.
         db: psycopg.AsyncConnection[Any] | None = (
             conn
             if conn is None or isinstance(conn, psycopg.AsyncConnection)
@@ -497,11 +498,7 @@ class App:
         """`enqueue_many` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs'), or a
         SQLAlchemy AsyncConnection or AsyncSession on psycopg 3."""
         opts = enqueue.options(kind, self._spec(kind), **options)
-        db: psycopg.AsyncConnection[Any] | None = (
-            conn
-            if conn is None or isinstance(conn, psycopg.AsyncConnection)
-            else await enqueue.adapt_async(conn)
-        )
+        db: psycopg.AsyncConnection[Any] | None = await enqueue.adapt_async(conn)
         if db is not None:
             enqueue.check_conn(db, psycopg.AsyncConnection)
         if not self._enqueue_middleware_async:
@@ -587,11 +584,7 @@ class App:
 
     async def status_async(self, job_id: int, *, conn: AsyncConn | None = None) -> JobStatus:
         """`status` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs')."""
-        db: psycopg.AsyncConnection[Any] | None = (
-            conn
-            if conn is None or isinstance(conn, psycopg.AsyncConnection)
-            else await enqueue.adapt_async(conn)
-        )
+        db: psycopg.AsyncConnection[Any] | None = await enqueue.adapt_async(conn)
         if db is not None:
             enqueue.check_conn(db, psycopg.AsyncConnection)
             return await results.status_async(db, job_id)
