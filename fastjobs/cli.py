@@ -75,7 +75,7 @@ def _age(text: str) -> dt.timedelta:
 
 
 # The states each of `fastjobs jobs retry|cancel|discard` acts on.
-_ACTS_ON = {"retry": control.RETRIABLE, "cancel": control.CANCELLABLE, "discard": control.DISCARDABLE}
+_ACTS_ON = control.ACTS_ON
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -185,6 +185,8 @@ def _parser() -> argparse.ArgumentParser:
         help="warn when one transaction has held back cleanup this long (default %(default)g)",
     )
 
+    add_web_arguments(commands.add_parser("web", help="serve the dashboard (the web extra)"))
+
     statements = commands.add_parser("sql", help="the SQL statements fastjobs sends")
     statements_commands = statements.add_subparsers(dest="sql_command", required=True)
     statements_show = statements_commands.add_parser(
@@ -277,6 +279,38 @@ def _parser() -> argparse.ArgumentParser:
         help="append one JSON line per measurement to PATH (default: no file is written)",
     )
     return parser
+
+
+def add_web_arguments(web: argparse.ArgumentParser) -> None:
+    """The options of `fastjobs web` (fastjobs.web.serve)."""
+    web.add_argument(
+        "module", nargs="?", help="module holding a fastjobs.App: its periodic jobs' schedules and its lanes"
+    )
+    web.add_argument("--host", default="127.0.0.1", help="address to serve (default %(default)s)")
+    web.add_argument("--port", type=int, default=8087, help="port to serve (default %(default)s)")
+    web.add_argument(
+        "--auth",
+        metavar="USER:PASSWORD",
+        help="require HTTP basic credentials (default: $FASTJOBS_WEB_AUTH; $FASTJOBS_WEB_TOKEN, when set,"
+        " is accepted as a bearer token); an address other than loopback needs one or the other",
+    )
+    web.add_argument("--read-only", action="store_true", help="hide and refuse every write")
+
+
+def _web(args: argparse.Namespace) -> int:
+    try:  # the web extra: imported by this command only
+        from . import web
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"fastjobs web needs the web extra: pip install 'fastjobs[web]' ({exc})"
+        ) from None
+    app = (
+        load_app(args.module, args.dsn) if args.module else App(database.resolve_dsn(args.dsn, fallback=True))
+    )
+    with database.connect(app.dsn, autocommit=True) as conn:
+        schema.check(conn)
+    web.serve(app, args.host, args.port, auth=args.auth, read_only=args.read_only)
+    return 0
 
 
 def add_log_arguments(parser: argparse.ArgumentParser) -> None:
@@ -412,6 +446,8 @@ def _command(args: argparse.Namespace) -> int:
         return _bench(args)
     if args.command == "sql":
         return _sql_show(args.name)
+    if args.command == "web":
+        return _web(args)
     return 2
 
 
@@ -614,13 +650,7 @@ def _act_on_filtered(conn: Any, args: argparse.Namespace) -> int:
     failed = 0
     for index, job_id in enumerate(ids, 1):
         try:
-            if command == "retry":
-                retried = control.retry(conn, job_id)
-                doc: dict[str, Any] = dataclasses.asdict(retried)
-                state = retried.state if retried.attempt is not None else f"left {retried.state}"
-            else:
-                state = {"cancel": control.cancel, "discard": control.discard}[command](conn, job_id)
-                doc = {"id": job_id, "state": state}
+            state, doc = control.act(conn, command, job_id)
         except (FastjobsError, ValueError) as exc:  # running now, finished meanwhile, a unique key held
             logger.warning("%s", exc)
             failed += 1

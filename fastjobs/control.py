@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from psycopg.abc import AdaptContext, Buffer
 from psycopg.adapt import Loader
 from psycopg.rows import dict_row, tuple_row
 from psycopg.types.datetime import TimestamptzLoader
+from psycopg.types.json import Jsonb
 
 from . import sql
 from .errors import FastjobsError, JobNotFound
@@ -37,7 +39,7 @@ class _LenientTimestamptzLoader(Loader):
             return bytes(data).decode()
 
 
-def _inspecting(conn: psycopg.Connection[Any]) -> psycopg.RawCursor[dict[str, Any]]:
+def inspecting(conn: psycopg.Connection[Any]) -> psycopg.RawCursor[dict[str, Any]]:
     """A cursor returning dicts whose timestamps may be text (see _LenientTimestamptzLoader)."""
     cur = psycopg.RawCursor(conn, row_factory=dict_row)
     cur.adapters.register_loader("timestamptz", _LenientTimestamptzLoader)
@@ -66,6 +68,9 @@ MOVED_RETRIES = 5
 CANCELLABLE = frozenset({"available", "scheduled", "retryable", "running"})
 RETRIABLE = frozenset({"discarded", "cancelled", "completed", "retryable", "scheduled"})
 DISCARDABLE = frozenset({"available", "scheduled", "retryable", "cancelled"})
+DELETABLE = frozenset({"available", "scheduled", "retryable", "completed", "discarded", "cancelled"})
+# The states each operation by filter acts on (`fastjobs jobs retry|cancel|discard`, the dashboard's).
+ACTS_ON = {"retry": RETRIABLE, "cancel": CANCELLABLE, "discard": DISCARDABLE, "delete": DELETABLE}
 
 
 def _moved(cur: psycopg.RawCursor[Any], job_id: int, acts_on: frozenset[str], tries: int) -> str | None:
@@ -151,7 +156,7 @@ def _unique_holder(
     conn: psycopg.Connection[Any], cur: psycopg.RawCursor[Any], job_id: int
 ) -> tuple[str | None, int | None]:
     """Job `job_id`'s unique key, and the id of the pending or running job holding it (None: no one)."""
-    with _inspecting(conn) as look:
+    with inspecting(conn) as look:
         job = look.execute(sql.job_get, (job_id,)).fetchone()
     key = None if job is None else job["unique_key"]
     holder = None if key is None else cur.execute(sql.job_get_unique, (key,)).fetchone()
@@ -178,11 +183,38 @@ def discard(conn: psycopg.Connection[Any], job_id: int) -> str:
     raise AssertionError("the last try raises")
 
 
+def delete(conn: psycopg.Connection[Any], job_id: int) -> str:
+    """A job that is not running is deleted, with its kept outcome; returns 'deleted'."""
+    with _cursor(conn) as cur:
+        for tries in range(1, MOVED_RETRIES + 1):
+            if cur.execute(sql.job_delete, (job_id,)).fetchone() is not None:
+                return "deleted"
+            state = _moved(cur, job_id, DELETABLE, tries)
+            if state is not None:
+                raise ValueError(f"job {job_id} is {state}: a running job cannot be deleted until it ends")
+    raise AssertionError("the last try raises")
+
+
+def act(conn: psycopg.Connection[Any], action: str, job_id: int) -> tuple[str, dict[str, Any]]:
+    """Operation `action` (a key of ACTS_ON) on job `job_id`, as one job of an operation by filter:
+    the job's state now ("left <state>" when a retry left it as it was) and what to report of it.
+
+    Raises what the single-job operation raises (FastjobsError, ValueError) when the job is running
+    now, finished meanwhile, or its unique key is held.
+    """
+    if action == "retry":
+        retried = retry(conn, job_id)
+        state = retried.state if retried.attempt is not None else f"left {retried.state}"
+        return state, dataclasses.asdict(retried)
+    state = {"cancel": cancel, "discard": discard, "delete": delete}[action](conn, job_id)
+    return state, {"id": job_id, "state": state}
+
+
 def show(conn: psycopg.Connection[Any], job_id: int) -> dict[str, Any]:
     """Every column of one job, and its kept outcome (`result`, `result_expires_at`) if it has one;
     a job only among the kept results (its row gone from the jobs table) is shown from there. A
     timestamp a datetime cannot hold comes as PostgreSQL's text."""
-    with _inspecting(conn) as cur:
+    with inspecting(conn) as cur:
         row = cur.execute(sql.job_get, (job_id,)).fetchone()
         kept = cur.execute(sql.result_get, (job_id,)).fetchone()
     if row is None and kept is None:
@@ -205,7 +237,7 @@ def list_jobs(
     limit: int = 50,
 ) -> list[dict[str, Any]]:
     """Jobs matching the filters, newest first; a run_at a datetime cannot hold comes as PostgreSQL's text."""
-    with _inspecting(conn) as cur:
+    with inspecting(conn) as cur:
         return cur.execute(sql.job_list, (queue, state, kind, limit)).fetchall()
 
 
@@ -220,8 +252,10 @@ def select(
     queue: str | None = None,
     kind: str | None = None,
     older_than: dt.timedelta | None = None,
+    args: Any = None,
 ) -> list[int]:
-    """Ids of the jobs in `states` matching the filters (created more than `older_than` ago), in id order.
+    """Ids of the jobs in `states` matching the filters (created more than `older_than` ago, their
+    args containing `args` as jsonb's @> does), in id order.
 
     Read in pages, then acted on one by one with `retry`, `cancel` or `discard`
     (their semantics, rotation-safe re-look included): the jobs acted on are
@@ -231,7 +265,8 @@ def select(
     with _cursor(conn) as cur:
         while True:
             after = found[-1] if found else 0
-            params = (sorted(states), queue, kind, older_than, after, SELECT_PAGE)
+            contains = None if args is None else Jsonb(args)
+            params = (sorted(states), queue, kind, older_than, after, SELECT_PAGE, contains)
             page = [int(row[0]) for row in cur.execute(sql.job_select_many, params)]
             found.extend(page)
             if len(page) < SELECT_PAGE:

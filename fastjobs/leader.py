@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg import sql as pgsql
 
-from . import database, enqueue, schema, sql
+from . import database, enqueue, samples, schema, sql
 from .cron import schedule
 from .errors import ConfigurationError, DatabaseUnavailable
 from .stats import (
@@ -841,6 +841,7 @@ class Leader:
             ("rescuer", config.rescuer.interval, lambda: rescue_once(conn, config=config.rescuer)),
             ("scheduler", config.scheduler.interval, lambda: schedule_once(conn, config=config.scheduler)),
             ("cleaner", config.cleaner.interval, lambda: clean_once(conn, config=config.cleaner)),
+            ("samples", samples.SamplesConfig().interval, lambda: samples.turn(conn)),
         ]
         if config.rotation.enabled:
             services.append(("rotator", config.rotation.interval, lambda: self.rotator.turn(conn)))

@@ -1040,14 +1040,26 @@ UPDATE fastjobs_jobs_all j SET state = 'discarded', finalized_at = now()
     returned="state::text",
 )
 
+# job_delete: a job that is not running is deleted now, with the outcome kept
+# of it (fastjobs_results); returns the state it was in.
+job_delete: Final = """
+WITH forgotten AS (
+    DELETE FROM fastjobs_results WHERE id = $1
+)
+DELETE FROM fastjobs_jobs_all
+ WHERE id = $1 AND state IN ('available', 'scheduled', 'retryable', 'completed', 'discarded', 'cancelled')
+RETURNING state::text"""
+
 # job_select_many: ids of the jobs in states $1 of queue $2 and kind $3 (NULL:
-# any) created more than $4 ago (NULL: any time), above id $5, in id order, up
-# to $6: the pages of `fastjobs jobs retry|cancel|discard --state/--queue/...`,
-# each id then acted on by job_retry, job_cancel or job_discard.
+# any) created more than $4 ago (NULL: any time) whose args contain $7 (jsonb
+# @>; NULL: any), above id $5, in id order, up to $6: the pages of `fastjobs
+# jobs retry|cancel|discard --state/--queue/...` and of the dashboard's bulk
+# actions, each id then acted on by job_retry, job_cancel, job_discard or job_delete.
 job_select_many: Final = """
 SELECT id FROM fastjobs_jobs_all
  WHERE state::text = ANY($1::text[]) AND ($2::text IS NULL OR queue = $2) AND ($3::text IS NULL OR kind = $3)
    AND ($4::interval IS NULL OR created_at < now() - $4::interval) AND id > $5
+   AND ($7::jsonb IS NULL OR args @> $7::jsonb)
  ORDER BY id
  LIMIT $6"""
 
@@ -1425,6 +1437,120 @@ metrics_session: Final = (
 # NOTIFY (so every enqueue) fails.
 notify_queue_usage: Final = "SELECT pg_notification_queue_usage()"
 
+
+_section("Dashboard")
+
+# The dashboard (fastjobs.web) reads the jobs table without scanning it
+# whole: a page answers in well under 200 ms with 10 million jobs
+# (bench/web_pages.py). Where an exact figure would scan, it shows an
+# estimate and says so.
+
+# sample_write: the leader's sample at $1 (fastjobs.samples): per queue ($2),
+# the outcomes the workers' heartbeats have counted so far, completed ($3) and
+# failed ($4: retried or discarded), summed over every registered worker.
+sample_write: Final = """
+INSERT INTO fastjobs_samples (at, queue, completed, failed)
+SELECT $1, s.queue, s.completed, s.failed
+  FROM unnest($2::text[], $3::int8[], $4::int8[]) AS s(queue, completed, failed)
+ON CONFLICT (at, queue) DO NOTHING"""
+
+# sample_prune: the samples taken before $1.
+sample_prune: Final = "DELETE FROM fastjobs_samples WHERE at < $1"
+
+# sample_list: the samples taken since $1, by queue and time, for the overview's charts.
+sample_list: Final = """
+SELECT at, queue, completed, failed FROM fastjobs_samples WHERE at >= $1 ORDER BY queue, at"""
+
+# jobs_estimate: the rows of the jobs table's partitions and of the kept
+# results, as the statistics collector counts them (inserts and deletes as
+# they happen, no scan): whether the overview counts exactly or estimates.
+jobs_estimate: Final = """
+SELECT coalesce(sum(n_live_tup) FILTER (WHERE relid <> 'fastjobs_results'::regclass), 0)::int8,
+       coalesce(sum(n_live_tup) FILTER (WHERE relid = 'fastjobs_results'::regclass), 0)::int8
+  FROM pg_stat_user_tables
+ WHERE relid IN (SELECT inhrelid FROM pg_inherits WHERE inhparent = 'fastjobs_jobs_all'::regclass)
+    OR relid = 'fastjobs_results'::regclass"""
+
+
+def _bounded_depth(state: str) -> str:
+    """Per queue, the jobs in `state` among the first $1 found, and the oldest of them (its time as
+    job_stats_by_queue ages it). The state is a literal so that its partial index can answer (a
+    state chosen by a parameter would have a generic plan scan every row for a rare one)."""
+    oldest = {"available": "run_at", "running": "attempted_at"}.get(state, "created_at")
+    return f"""SELECT '{state}'::text AS state, queue, count(*)::int8 AS count, min({oldest}) AS oldest
+  FROM (SELECT queue, {oldest} FROM fastjobs_jobs_all WHERE state = '{state}' LIMIT $1) AS found
+ GROUP BY queue"""
+
+
+# jobs_depth_bounded: per state and queue, the jobs counted up to $1 per
+# state (a state with fewer is counted exactly; one with more is estimated
+# from jobs_depth_sampled), and their oldest age in seconds. A job in flight
+# on the fast lane (under 0.1 s) counts as available here.
+jobs_depth_bounded: Final = f"""
+SELECT state, queue, count, CASE WHEN isfinite(oldest) THEN extract(epoch FROM now() - oldest)::float8 END
+  FROM ({_bounded_depth("available")}
+        UNION ALL
+        {_bounded_depth("scheduled")}
+        UNION ALL
+        {_bounded_depth("running")}
+        UNION ALL
+        {_bounded_depth("retryable")}
+        UNION ALL
+        {_bounded_depth("completed")}
+        UNION ALL
+        {_bounded_depth("discarded")}
+        UNION ALL
+        {_bounded_depth("cancelled")}) AS depths
+ ORDER BY queue, state"""
+
+# jobs_depth_sampled: per queue and state, the jobs of a sample of $1 percent
+# of the jobs table's pages (TABLESAMPLE SYSTEM), and the oldest age among
+# them: the estimate of the states with more jobs than jobs_depth_bounded counts.
+jobs_depth_sampled: Final = """
+SELECT queue, state::text, count(*)::int8,
+       extract(epoch FROM now() - min(CASE state WHEN 'available' THEN run_at
+                                                 WHEN 'running' THEN attempted_at
+                                                 ELSE created_at END))::float8
+  FROM fastjobs_jobs_all TABLESAMPLE SYSTEM ($1::float4)
+ GROUP BY queue, state"""
+
+# job_page: a page of the jobs list. The newest $2 jobs below id $1 are read
+# (the primary keys, newest first: a window, so that no filter makes a page
+# scan the table), and of them up to $7 that match queue $3, state $4 (as
+# reported: a job in flight on the fast lane is running), kind $5 and args
+# containing $6 (jsonb @>; NULL: any) are returned, newest first, each with
+# the lowest id and the count the window read. No match: one row of NULLs
+# but those two. The next page starts below the last job shown, or below
+# the window when it was read through.
+job_page: Final = f"""
+WITH recent AS (
+    SELECT id, queue, kind, args, priority, attempt, max_attempts, run_at, created_at,
+           {_reported_state(11)} AS state
+      FROM fastjobs_jobs_all
+     WHERE id < $1
+     ORDER BY id DESC
+     LIMIT $2
+), read AS (
+    SELECT min(id) AS low, count(*) AS n FROM recent
+)
+SELECT m.id, m.queue, m.kind, m.state, m.priority, m.attempt, m.max_attempts, m.run_at, m.created_at,
+       left(m.args::text, 200) AS args, read.low, read.n
+  FROM read
+  LEFT JOIN LATERAL (
+      SELECT * FROM recent
+       WHERE ($3::text IS NULL OR queue = $3) AND ($4::text IS NULL OR state = $4)
+         AND ($5::text IS NULL OR kind = $5) AND ($6::jsonb IS NULL OR args @> $6::jsonb)
+       ORDER BY id DESC
+       LIMIT $7
+  ) AS m ON true
+ ORDER BY m.id DESC"""
+
+# result_list: the newest kept results (fastjobs_results), up to $1, for the engine page.
+result_list: Final = """
+SELECT id, queue, kind, state::text AS state, finalized_at, expires_at
+  FROM fastjobs_results
+ ORDER BY id DESC
+ LIMIT $1"""
 
 _section("Testing kit")
 
