@@ -39,6 +39,12 @@ OPTIONAL = (
     "starlette",
     "uvicorn",
     "httpx",
+    # the dashboard (the web extra) and what its browser tests drive
+    "fastjobs.web",
+    "jinja2",
+    "multipart",
+    "python_multipart",
+    "playwright",
 )
 
 
@@ -69,6 +75,7 @@ PUBLIC = [
     "fastjobs.retry",
     "fastjobs.testing",
     "fastjobs.types",
+    "fastjobs.web",
     "fastjobs.worker",
 ]
 

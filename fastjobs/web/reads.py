@@ -40,6 +40,7 @@ class QueueRow:
     estimated: set[str] = field(default_factory=set)  # the states whose count is an estimate
     oldest_available: float | None = None
     oldest_estimated: bool = False
+    below: int = 0  # an estimated state the sample found none of has fewer than about this many
     completed: list[float] = field(default_factory=list)  # jobs completed per minute, oldest first
     failed: list[float] = field(default_factory=list)
 
@@ -75,7 +76,9 @@ def depths(conn: psycopg.Connection[Any], rows: int) -> tuple[dict[str, QueueRow
                 if d.state == "available":
                     q.oldest_available = d.oldest_seconds
             return queues, True
-        bounded = cur.execute(sql.jobs_depth_bounded, (BOUND,)).fetchall()
+        with conn.transaction():
+            cur.execute(sql.depth_by_index)
+            bounded = cur.execute(sql.jobs_depth_bounded, (BOUND,)).fetchall()
         per_state: dict[str, int] = {}
         for state, queue, count, oldest in bounded:
             per_state[state] = per_state.get(state, 0) + count
@@ -83,20 +86,28 @@ def depths(conn: psycopg.Connection[Any], rows: int) -> tuple[dict[str, QueueRow
             q.counts[state] = count
             if state == "available":
                 q.oldest_available = oldest
-        many = {state for state, n in per_state.items() if n >= BOUND}
+        many = {
+            state
+            for group in sql.DEPTH_GROUPS
+            if sum(per_state.get(state, 0) for state in group) >= BOUND
+            for state in group
+        }
         if many:
             percent = min(100.0, 100.0 * SAMPLE_ROWS / max(rows, 1))
             for q in queues.values():
                 for state in many:
                     q.counts.pop(state, None)
+                q.estimated |= many
             for queue, state, count, oldest in cur.execute(sql.jobs_depth_sampled, (percent,)):
                 if state not in many:
                     continue
-                q = queues.setdefault(queue, QueueRow(queue))
+                q = queues.setdefault(queue, QueueRow(queue, estimated=set(many)))
                 q.counts[state] = round(count * 100.0 / percent)
-                q.estimated.add(state)
                 if state == "available":
                     q.oldest_available, q.oldest_estimated = oldest, True
+            resolution = round(100.0 / percent)
+            for q in queues.values():
+                q.below = resolution
     return queues, False
 
 
