@@ -167,9 +167,8 @@ def main() -> None:
                 0
             ]  # type: ignore[index]
             count = conn.execute("SELECT count(*) FROM fastjobs_jobs_all").fetchone()[0]  # type: ignore[index]
-        print(
-            f"\n{count:,} jobs ({size}), fastjobs web on {conninfo_to_dict(dsn).get('host')}, load {os.getloadavg()[0]:.2f}\n"
-        )
+        host = conninfo_to_dict(dsn).get("host")
+        print(f"\n{count:,} jobs ({size}), PostgreSQL on {host}, load {os.getloadavg()[0]:.2f}\n")
         print("| page | median ms | max ms |")
         print("|---|---:|---:|")
         for name, median, worst in measure(dsn):
