@@ -43,10 +43,11 @@ statements, as `fastjobs sql show` does):
   Leader                     the leader's lock and keepalives, the scheduler
   Workers                    a worker's session, registration, heartbeat, sleep
   Maintenance                rescuer, releaser, cleaners (results too), periodic jobs
-  Operators                  cancel, retry, discard
+  Operators                  cancel, retry, discard, delete
   State reports (family)     job_state, job_get, job_list, job_stats_by_queue, testing_jobs_*, job_status
   Vacuum and rotation        slot 0's VACUUM, the rotating slots
   Monitoring                 MVCC horizon, table health, NOTIFY queue
+  Dashboard                  the leader's samples, the dashboard's bounded reads (fastjobs.web)
   Testing kit                fastjobs.testing's own statements
   Registry                   STATEMENTS, NOT_PREPARABLE, SECTIONS, FINISH*, LOCK
 """
@@ -1078,7 +1079,7 @@ _section("State reports")
 # A job in flight on the fast lane keeps its row 'available' for the < 0.1 s
 # its batch takes. Every read of a job's state for people and metrics
 # (job_state, job_get, job_list, job_stats_by_queue, testing_jobs_in_states,
-# job_status)
+# job_status, job_page)
 # reports such a job 'running', by this one test: an available row whose
 # xmax is a transaction in progress for the reading statement's snapshot is
 # locked by a live transaction, a fast batch (or, for a moment, a state-lane

@@ -693,6 +693,7 @@ REPORTS_STATE = [
     "job_stats_by_queue",
     "testing_jobs_in_states",
     "job_status",
+    "job_page",
 ]
 
 
