@@ -24,7 +24,7 @@ EXACT_BELOW = 200_000
 # Above it, each state is counted up to this many jobs (exact when it has fewer)...
 BOUND = 5_000
 # ... and the states with more are estimated from a sample of about this many rows.
-SAMPLE_ROWS = 30_000
+SAMPLE_ROWS = 10_000
 # The jobs list reads at most this many of the newest jobs below its cursor per page.
 WINDOW = 20_000
 PAGE = 50
