@@ -33,6 +33,7 @@ HOSTILE = [
     '"><img src=x onerror=alert(2)>',
     "' onmouseover='alert(3)",
     "\x1b[31mred\x07\u200b\ufeff",
+    "Ã©Ã¨ \ufffd\ufffd mojibake, and \\xff\\xfe as text",
     "é" * 3000,
 ]
 KIND = '<script>alert("kind")</script>'
@@ -89,6 +90,7 @@ def test_every_page_escapes_what_comes_from_jobs(dsn: str, tmp_path: Path) -> No
         assert "&#34;&gt;&lt;img src=x onerror=alert(2)&gt;" in job_page
         assert "\\x1b[31mred\\x07" in job_page  # control characters print as \xNN
         assert "é" * 3000 in job_page  # long text whole on the job's page
+        assert "Ã©Ã¨ \ufffd\ufffd mojibake, and \\xff\\xfe as text" in job_page  # as it is stored
         listing = client.get("/jobs").text
         assert "é" * 3000 not in listing  # and cut in the list
         assert "&lt;script&gt;alert(&#34;kind&#34;)&lt;/script&gt;" in listing

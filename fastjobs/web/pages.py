@@ -142,7 +142,7 @@ class Dashboard:
 
     def overview(self, request: Request) -> Response:
         with self.app.connection() as conn:
-            found = reads.overview(conn)
+            found = reads.overview(conn, self.app.dsn)
         return self.render(
             request, "overview.html", o=found, exact_below=reads.EXACT_BELOW, bound=reads.BOUND
         )

@@ -136,16 +136,23 @@ def _charts(conn: psycopg.Connection[Any], queues: dict[str, QueueRow]) -> list[
     return sorted(times)
 
 
-def overview(conn: psycopg.Connection[Any]) -> Overview:
+def overview(conn: psycopg.Connection[Any], dsn: str) -> Overview:
+    """The overview's figures, and the warnings `fastjobs stats` gives (the upkeep's from the masters
+    on this host)."""
     rows, results = estimate(conn)
     queues, exact = depths(conn, rows)
     times = _charts(conn, queues)
     hosts = stats.cluster(conn)
     health = stats.health(conn)
-    warnings = health.warnings()
+    warnings = health.warnings() + _upkeep_warnings(conn, dsn)
     if exact:  # job_kinds groups the whole table: only where that is cheap
         warnings += [u.warning() for u in stats.unhandled_kinds(control.kinds(conn), hosts)]
     return Overview(rows, results, exact, [queues[k] for k in sorted(queues)], hosts, health, warnings, times)
+
+
+def _upkeep_warnings(conn: psycopg.Connection[Any], dsn: str) -> list[str]:
+    found, _ = stats.live_masters(stats.database_identity(conn, dsn))
+    return stats.upkeep_warnings(p for m in found for p in m.processes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,8 +272,7 @@ class Engine:
 
 
 def engine(conn: psycopg.Connection[Any], dsn: str) -> Engine:
-    identity = stats.database_identity(conn, dsn)
-    found, _ = stats.live_masters(identity)
+    found, _ = stats.live_masters(stats.database_identity(conn, dsn))
     now = time.time()
     masters = [
         {
