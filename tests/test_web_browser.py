@@ -138,6 +138,8 @@ def _steps(page: Page, base: str, dsn: str, failed: int, shots: Path) -> None:
     assert kept == [{"state": "completed", "value": 10}]
     page.reload()
     expect(page.locator("#result")).to_have_text("10")
+    expect(page.locator("p.note", has_text="Only its kept outcome remains")).to_be_visible()
+    expect(page.locator("form[action$='/retry']")).to_have_count(0)  # nothing left to act on
     page.screenshot(path=shots / "4-job-retried.png", full_page=True)
 
     # bulk-cancel a filtered set: the scheduled jobs of queue bulk whose args contain batch 7
