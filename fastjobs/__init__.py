@@ -23,6 +23,7 @@ from .errors import (
 )
 from .handlers import JobContext, current_job
 from .middleware import Enqueue
+from .queues import QueueInfo
 from .results import JobHandle, JobStatus
 from .retry import default_backoff
 from .types import JobSpec, JobState
@@ -52,6 +53,7 @@ __all__ = [
     "JobStatus",
     "JobTimeout",
     "LoopError",
+    "QueueInfo",
     "Retry",
     "SchemaMissing",
     "SchemaTooNew",
