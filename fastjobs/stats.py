@@ -964,9 +964,10 @@ def prometheus(
     depths: list[QueueDepth] | None,
     health: Health | None = None,
     hosts: list[ClusterHost] | None = None,
+    paused: Sequence[str] = (),
 ) -> str:
-    """Prometheus text exposition of the counters (and queue depths, MVCC health and the cluster's
-    hosts when given)."""
+    """Prometheus text exposition of the counters (and queue depths with the `paused` queues, MVCC
+    health and the cluster's hosts when given)."""
     lines = []
     counters = (
         ("claimed", "jobs claimed"),
@@ -1034,6 +1035,10 @@ def prometheus(
             if q.oldest_seconds is not None:
                 labels = f'queue="{_escape(q.queue)}",state="{q.state}"'
                 lines.append(f"fastjobs_queue_oldest_seconds{{{labels}}} {q.oldest_seconds:.3f}")
+        lines.append("# HELP fastjobs_queue_paused 1 while the queue is paused (fastjobs queues pause)")
+        lines.append("# TYPE fastjobs_queue_paused gauge")
+        for name in sorted({q.queue for q in depths} | set(paused)):
+            lines.append(f'fastjobs_queue_paused{{queue="{_escape(name)}"}} {int(name in paused)}')
     lines.extend(kind_metrics(slots.kinds()))
     if health is not None:
         lines.extend(_health_metrics(health))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from typing import Any
 
 import psycopg
 import pytest
@@ -11,8 +12,11 @@ import pytest
 from fastjobs import App, QueueInfo
 from fastjobs.worker import Worker, WorkerConfig
 
+from . import procs
 from .helpers import WorkerThread, batch_loop, by_state, drain, query, wait_for, warm
 from .procs import cli
+from .test_metrics import metrics_port, scrape
+from .test_stats import samples
 
 
 def test_a_paused_queue_keeps_its_jobs_and_takes_enqueues_while_other_queues_run(app: App, dsn: str) -> None:
@@ -149,3 +153,30 @@ def test_a_bad_queue_name_is_refused_with_a_clear_error(app: App, dsn: str) -> N
     assert query(dsn, "SELECT count(*) AS n FROM fastjobs_queues") == [{"n": 0}]
     done = cli(dsn, "queues", "pause", "")
     assert done.returncode == 1 and "queue must be a non-empty string" in done.stderr
+
+
+def test_a_master_s_workers_leave_a_paused_queue_and_its_metrics_say_so(
+    masters: procs.Masters, app: App, db: psycopg.Connection[Any]
+) -> None:
+    app.pause("default")
+    app.enqueue_many("record", ({"n": n} for n in range(5)))
+    master = masters.start("--processes", "2", "--metrics-port", "0")
+    port = metrics_port(master)
+
+    def paused_gauge() -> dict[str, float] | None:
+        found = samples(scrape(port))
+        return found if 'fastjobs_queue_paused{queue="default"}' in found else None
+
+    found = procs.wait_for(paused_gauge, "a scrape that read the database", timeout=15)
+    assert found['fastjobs_queue_paused{queue="default"}'] == 1
+    assert found['fastjobs_queue_jobs{queue="default",state="available"}'] == 5
+    assert procs.runs(db) == {}
+    assert cli(app.dsn, "queues", "resume", "default").returncode == 0
+    procs.wait_for(lambda: len(procs.runs(db)) == 5 or None, "the resumed queue's jobs to run", timeout=15)
+    # Read 0 while the queue holds jobs; a queue without jobs or a pause has no series.
+    procs.wait_for(
+        lambda: samples(scrape(port)).get('fastjobs_queue_paused{queue="default"}', 0) == 0 or None,
+        "the gauge to read 0",
+        timeout=15,
+    )
+    assert master.stop() == 0, master.stderr()
