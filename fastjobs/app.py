@@ -65,6 +65,7 @@ class BulkOptions(TypedDict, total=False):
     delay: float | dt.timedelta | None  # seconds
     max_attempts: int | None
     keep_result: float | dt.timedelta | None  # seconds the outcome is kept (App.result)
+    wait_for_room: float | None  # seconds to wait while the queue is at its max_backlog (else QueueFull)
 
 
 class EnqueueOptions(BulkOptions, total=False):
@@ -91,6 +92,7 @@ class App:
         # Kinds enqueued here whose handlers run elsewhere: never run by this app's workers.
         self.declared: dict[str, JobSpec] = {}
         self._pool = _Pool()
+        self._backpressure = queues.Backpressure(self.connection, self.connection_async)
         self._async_pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[Any]] = (
             weakref.WeakKeyDictionary()
         )
@@ -351,6 +353,7 @@ class App:
         opts = enqueue.options(kind, self._spec(kind), **options)
         params = enqueue.insert_params(opts, args)  # bad args fail before a connection is taken
         db: psycopg.Connection[Any] | None = enqueue.adapt(conn)
+        self._backpressure.check(opts.queue, opts.wait_for_room, db)
         if not self._enqueue_middleware:
             return JobHandle(self._insert(params, db), self)
         if db is not None:
@@ -418,6 +421,7 @@ class App:
         db: psycopg.Connection[Any] | None = enqueue.adapt(conn)
         if db is not None:
             enqueue.check_conn(db, psycopg.Connection)
+        self._backpressure.check(opts.queue, opts.wait_for_room, db)
         if not self._enqueue_middleware:
             count = self._copy(opts, args_iterable, None, db)
         else:
@@ -462,6 +466,7 @@ class App:
             if conn is None or isinstance(conn, psycopg.AsyncConnection)
             else await enqueue.adapt_async(conn)
         )
+        await self._backpressure.check_async(opts.queue, opts.wait_for_room, db)
         if not self._enqueue_middleware_async:
             return JobHandle(await self._insert_async(params, db), self)
         if db is not None:
@@ -502,6 +507,7 @@ class App:
         db: psycopg.AsyncConnection[Any] | None = await enqueue.adapt_async(conn)
         if db is not None:
             enqueue.check_conn(db, psycopg.AsyncConnection)
+        await self._backpressure.check_async(opts.queue, opts.wait_for_room, db)
         if not self._enqueue_middleware_async:
             count = await self._copy_async(opts, args_iterable, None, db)
         else:
@@ -584,6 +590,17 @@ class App:
     def resume(self, queue: str, *, conn: Conn | None = None) -> bool:
         """Resume `queue` and wake its workers; False when it was not paused."""
         return self._on_queue(queues.resume, queue, conn)
+
+    def limit_queue(self, queue: str, *, max_backlog: int | None, conn: Conn | None = None) -> None:
+        """Hold producers back while `queue` has `max_backlog` jobs waiting (None: no limit).
+
+        Past it, an enqueue into the queue raises QueueFull, or waits up to
+        its `wait_for_room=` seconds for room. The backlog is the leader's
+        count, at most a second or two old: a burst can overshoot the limit by
+        what producers enqueue in that time. Stored in the database: it
+        applies to every producer and needs no restart. See fastjobs.queues.
+        """
+        self._on_queue(lambda db, name: queues.limit(db, name, max_backlog=max_backlog), queue, conn)
 
     def queues(self) -> list[QueueInfo]:
         """Every queue acted on or holding jobs: paused or not, its jobs waiting and running."""

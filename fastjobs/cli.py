@@ -170,6 +170,18 @@ def _parser() -> argparse.ArgumentParser:
         command = queues_commands.add_parser(name, help=help_text)
         command.add_argument("name", help="the queue")
         command.add_argument("--json", action="store_true")
+    limit = queues_commands.add_parser(
+        "limit", help="hold producers back (QueueFull, or a wait) while the queue has N jobs waiting"
+    )
+    limit.add_argument("name", help="the queue")
+    limit.add_argument(
+        "--max-backlog",
+        type=_backlog,
+        required=True,
+        metavar="N",
+        help="jobs waiting past which enqueues are held back (none: no limit)",
+    )
+    limit.add_argument("--json", action="store_true")
 
     periodic = commands.add_parser("periodic", help="the periodic (cron) jobs of MODULE")
     periodic_commands = periodic.add_subparsers(dest="periodic_command", required=True)
@@ -584,9 +596,15 @@ def _queues(args: argparse.Namespace) -> int:
         if name not in {q.name for q in queues.list_queues(conn)}:
             # Paused or resumed all the same: a queue may be paused before its first job.
             _no_such_names(conn, name, None)
-        if args.queues_command == "pause":
+        if args.queues_command == "limit":
+            queues.limit(conn, name, max_backlog=args.max_backlog)
+            doc: dict[str, Any] = {"queue": name, "max_backlog": args.max_backlog}
+            line = f"queue {name!r}: " + (
+                "no max_backlog" if args.max_backlog is None else f"max_backlog {args.max_backlog:,}"
+            )
+        elif args.queues_command == "pause":
             since = queues.pause(conn, name)
-            doc: dict[str, Any] = {"queue": name, "paused": True, "paused_at": since.isoformat()}
+            doc = {"queue": name, "paused": True, "paused_at": since.isoformat()}
             line = f"queue {name!r}: paused since {_when(since)}"
         else:
             was = queues.resume(conn, name)
@@ -594,6 +612,19 @@ def _queues(args: argparse.Namespace) -> int:
             line = f"queue {name!r}: " + ("resumed" if was else "was not paused")
     _echo(json.dumps(doc) if args.json else _safe(line))
     return 0
+
+
+def _backlog(text: str) -> int | None:
+    """An argparse type: a positive integer, or none."""
+    if text.lower() == "none":
+        return None
+    try:
+        value = int(text.replace("_", "").replace(",", ""))
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or none, not {text!r}")
+    return value
 
 
 def _close(name: str, known: Iterable[str]) -> str:
@@ -828,6 +859,8 @@ _QUEUES_COLUMNS: list[Column[queues.QueueInfo]] = [
     Column("state", lambda q: f"paused since {_when(q.paused_at)}" if q.paused_at else "running"),
     Column("waiting", lambda q: f"{q.waiting:,}", ">"),
     Column("running", lambda q: f"{q.running:,}", ">"),
+    Column("max_backlog", lambda q: "" if q.max_backlog is None else f"{q.max_backlog:,}", ">"),
+    Column("held back", lambda q: f"{q.held_back:,}", ">"),
 ]
 _QUEUE_COLUMNS: list[Column[stats.QueueDepth]] = [
     Column("queue", lambda d: _safe(d.queue)),
@@ -878,7 +911,7 @@ def _stats(args: argparse.Namespace) -> int:
     with database.connect(dsn, autocommit=True) as conn:
         schema.check(conn)
         depths = stats.queue_depths(conn)
-        paused = queues.paused(conn)
+        steered = queues.states(conn)
         health = stats.health(conn)
         identity = stats.database_identity(conn, dsn)
         hosts = stats.cluster(conn)
@@ -906,7 +939,8 @@ def _stats(args: argparse.Namespace) -> int:
         doc = {
             "database": identity,
             "queues": [dataclasses.asdict(d) for d in depths],
-            "paused_queues": {name: at.isoformat() for name, at in paused.items()},
+            "paused_queues": {q.name: q.paused_at.isoformat() for q in steered if q.paused_at},
+            "queue_limits": [dataclasses.asdict(q) for q in steered if q.max_backlog is not None],
             "masters": masters,
             "health": dataclasses.asdict(health),
             "warnings": warnings,
@@ -919,8 +953,21 @@ def _stats(args: argparse.Namespace) -> int:
         _table(_QUEUE_COLUMNS, depths)
     else:
         _echo("(no jobs)")
-    for name, at in paused.items():
-        _echo(_safe(f"paused: queue {name!r} since {_when(at)} (`fastjobs queues resume {name}`)"))
+    for q in steered:
+        if q.paused_at:
+            _echo(
+                _safe(
+                    f"paused: queue {q.name!r} since {_when(q.paused_at)} (`fastjobs queues resume {q.name}`)"
+                )
+            )
+        if q.max_backlog is not None:
+            counted = "not counted yet" if q.backlog is None else f"{q.backlog:,} counted"
+            full = (
+                ": FULL, enqueues held back" if q.backlog is not None and q.backlog >= q.max_backlog else ""
+            )
+            held = f"{q.held_back:,} held back so far"
+            line = f"max_backlog: queue {q.name!r} {q.max_backlog:,} ({counted}{full}; {held})"
+            _echo(_safe(line))
     now = time.time()
     for m in masters:
         other = "" if m["this_database"] else f" (ANOTHER DATABASE: {_safe(m['database'])})"

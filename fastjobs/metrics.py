@@ -54,7 +54,7 @@ STATEMENT_TIMEOUT = 2.0
 CONNECT_TIMEOUT = 2  # libpq's least
 # What a scrape reads of the database: queue depths, MVCC health, the hosts
 # (the leader's process only) and the paused queues.
-Reading = tuple[list[QueueDepth], Health, list[ClusterHost] | None, list[str]]
+Reading = tuple[list[QueueDepth], Health, list[ClusterHost] | None, list[queues.QueueState]]
 FRESH = 1.0  # a burst of scrapes within this many seconds costs one read of the database
 RETRY_AFTER = 2.0  # after a failed read, scrapes answer without the database this long
 READY_TIMEOUT = 30.0  # the master's wait for the first metrics process to listen
@@ -202,7 +202,7 @@ class DatabaseReader:
                 queue_depths(self.conn),
                 health(self.conn),
                 cluster(self.conn) if hosts else None,
-                list(queues.paused(self.conn)),
+                queues.states(self.conn),
             )
         except (FastjobsError, psycopg.Error) as exc:
             slow = isinstance(exc, psycopg.errors.QueryCanceled | psycopg.errors.LockNotAvailable)

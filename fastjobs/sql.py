@@ -43,7 +43,7 @@ statements, as `fastjobs sql show` does):
   Leader                     the leader's lock and keepalives, the scheduler
   Workers                    a worker's session, registration, heartbeat, sleep
   Maintenance                rescuer, releaser, cleaners (results too), periodic jobs
-  Operators                  cancel, retry, discard, pause and resume queues
+  Operators                  cancel, retry, discard; queues paused, resumed, limited
   State reports (family)     job_state, job_get, job_list, job_stats_by_queue, testing_jobs_*, job_status
   Vacuum and rotation        slot 0's VACUUM, the rotating slots
   Monitoring                 MVCC horizon, table health, NOTIFY queue
@@ -1076,24 +1076,68 @@ UPDATE fastjobs_queues SET paused_at = NULL, updated_at = now()
  WHERE name = $1 AND paused_at IS NOT NULL
 RETURNING pg_notify('fastjobs', name)"""
 
+# queue_limit: set (or with NULL remove) queue $1's max_backlog $2; its
+# backlog is counted from the leader's next turn.
+queue_limit: Final = """
+INSERT INTO fastjobs_queues AS q (name, max_backlog) VALUES ($1, $2)
+    ON CONFLICT (name) DO UPDATE
+   SET max_backlog = $2, backlog = NULL, backlog_at = NULL, updated_at = now()"""
+
 # queue_list: every queue fastjobs knows of (acted on by an operator, or
-# holding jobs) with when it was paused (NULL: running) and its jobs waiting
-# (available, scheduled, retryable) and running.
+# holding jobs) with when it was paused (NULL: running), its jobs waiting
+# (available, scheduled, retryable) and running, its max_backlog and the
+# enqueues held back by it.
 queue_list: Final = """
-SELECT name, max(paused_at), coalesce(sum(waiting), 0)::int8, coalesce(sum(running), 0)::int8
-  FROM (SELECT name, paused_at, NULL::int8 AS waiting, NULL::int8 AS running FROM fastjobs_queues
+SELECT name, max(paused_at), coalesce(sum(waiting), 0)::int8, coalesce(sum(running), 0)::int8,
+       max(max_backlog), coalesce(max(held_back), 0)
+  FROM (SELECT name, paused_at, NULL::int8 AS waiting, NULL::int8 AS running, max_backlog, held_back
+          FROM fastjobs_queues
         UNION ALL
         SELECT queue, NULL,
                count(*) FILTER (WHERE state IN ('available', 'scheduled', 'retryable')),
-               count(*) FILTER (WHERE state = 'running')
+               count(*) FILTER (WHERE state = 'running'), NULL, NULL
           FROM fastjobs_jobs_all
          WHERE state IN ('available', 'scheduled', 'retryable', 'running')
          GROUP BY queue) AS known
  GROUP BY name
  ORDER BY name"""
 
-# queue_paused: the paused queues, for `fastjobs stats` and the metrics.
-queue_paused: Final = "SELECT name, paused_at FROM fastjobs_queues WHERE paused_at IS NOT NULL ORDER BY name"
+# queue_states: the queues an operator acted on: when paused (NULL:
+# running), their max_backlog, last backlog count and enqueues held back, for
+# `fastjobs stats` and the metrics.
+queue_states: Final = """
+SELECT name, paused_at, max_backlog, backlog, held_back FROM fastjobs_queues ORDER BY name"""
+
+# queue_full: the queues whose backlog the leader found at their max_backlog
+# in the last $1 seconds (a count older than that, say with no leader, holds
+# no producer back), with that count and the limit; what producers read, at
+# most once a second each.
+queue_full: Final = """
+SELECT name, backlog, max_backlog FROM fastjobs_queues
+ WHERE backlog >= max_backlog AND backlog_at > now() - $1 * interval '1 second'"""
+
+# queue_held_back: add $2 to the enqueues queue $1 held back (a producer's
+# count since its last report).
+queue_held_back: Final = """
+UPDATE fastjobs_queues SET held_back = held_back + $2 WHERE name = $1"""
+
+# queue_count_backlogs: the leader counts the backlog (available, scheduled,
+# retryable jobs) of each queue with a max_backlog, up to the limit (a count
+# past it says no more), so the count costs at most the limit's index
+# entries; the number of queues counted.
+queue_count_backlogs: Final = """
+WITH counted AS (
+    SELECT q.name,
+           (SELECT count(*)
+              FROM (SELECT 1 FROM fastjobs_jobs_all j
+                     WHERE j.queue = q.name AND j.state IN ('available', 'scheduled', 'retryable')
+                     LIMIT q.max_backlog) AS upto) AS backlog
+      FROM fastjobs_queues q
+     WHERE q.max_backlog IS NOT NULL
+)
+UPDATE fastjobs_queues q SET backlog = counted.backlog, backlog_at = now()
+  FROM counted
+ WHERE q.name = counted.name"""
 
 
 _section("State reports")
