@@ -961,12 +961,14 @@ def _stats(args: argparse.Namespace) -> int:
                 )
             )
         if q.max_backlog is not None:
-            counted = "not counted yet" if q.backlog is None else f"{q.backlog:,} counted"
-            full = (
-                ": FULL, enqueues held back" if q.backlog is not None and q.backlog >= q.max_backlog else ""
-            )
+            if q.backlog is None:
+                counted = "not counted yet"
+            elif q.backlog >= q.max_backlog:  # counted up to the limit
+                counted = f"at least {q.backlog:,} waiting: FULL, enqueues held back"
+            else:
+                counted = f"{q.backlog:,} waiting"
             held = f"{q.held_back:,} held back so far"
-            line = f"max_backlog: queue {q.name!r} {q.max_backlog:,} ({counted}{full}; {held})"
+            line = f"max_backlog: queue {q.name!r} {q.max_backlog:,} ({counted}; {held})"
             _echo(_safe(line))
     now = time.time()
     for m in masters:

@@ -137,7 +137,8 @@ class Backpressure:
     `check(queue, wait)` returns at once unless `queue` is full; then it
     waits up to `wait` seconds for room, looking again every WAIT_STEP, and
     raises QueueFull if none came. The enqueues held back are counted and
-    added to the queue's held_back at the next read.
+    added to the queue's held_back at the next read, or at once when the
+    producer gives up.
     """
 
     def __init__(
@@ -164,9 +165,15 @@ class Backpressure:
             return
         with self._lock:
             self._held[queue] += 1
-        for step in _steps(queue, wait, lambda: self._full):
-            time.sleep(step)
-            self._refresh(conn, force=True)
+        try:
+            for step in _steps(queue, wait, lambda: self._full):
+                time.sleep(step)
+                self._refresh(conn, force=True)
+        except QueueFull:
+            self._refresh(
+                conn, force=True
+            )  # reports the count: a producer that gives up may never read again
+            raise
 
     async def check_async(
         self, queue: str, wait: float | None, conn: psycopg.AsyncConnection[Any] | None = None
@@ -178,9 +185,13 @@ class Backpressure:
             return
         with self._lock:
             self._held[queue] += 1
-        for step in _steps(queue, wait, lambda: self._full):
-            await asyncio.sleep(step)
+        try:
+            for step in _steps(queue, wait, lambda: self._full):
+                await asyncio.sleep(step)
+                await self._refresh_async(conn)
+        except QueueFull:
             await self._refresh_async(conn)
+            raise
 
     def _refresh(self, caller: psycopg.Connection[Any] | None, force: bool) -> None:
         with self._lock:

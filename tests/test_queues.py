@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
+import time
 from typing import Any
 
 import psycopg
 import pytest
 
-from fastjobs import App, QueueInfo
+from fastjobs import App, QueueFull, QueueInfo, queues
 from fastjobs.worker import Worker, WorkerConfig
 
 from . import procs
@@ -117,8 +119,8 @@ def test_pause_and_resume_from_the_command_line_and_what_stats_says(app: App, ds
     listed = cli(dsn, "queues", "list")
     assert listed.returncode == 0, listed.stderr
     header, row = listed.stdout.splitlines()
-    assert header.split() == ["queue", "state", "waiting", "running"]
-    assert row.split()[:3] == ["emails", "paused", "since"] and row.split()[-2:] == ["3", "0"]
+    assert header.split() == ["queue", "state", "waiting", "running", "max_backlog", "held", "back"]
+    assert row.split()[:3] == ["emails", "paused", "since"] and row.split()[-3:] == ["3", "0", "0"]
     listed_json = json.loads(cli(dsn, "queues", "list", "--json").stdout)
     assert [(q["name"], q["waiting"], q["paused_at"] is not None) for q in listed_json] == [
         ("emails", 3, True)
@@ -179,4 +181,115 @@ def test_a_master_s_workers_leave_a_paused_queue_and_its_metrics_say_so(
         "the gauge to read 0",
         timeout=15,
     )
+    assert master.stop() == 0, master.stderr()
+
+
+def _count(dsn: str) -> None:
+    """What the leader does every second: count the limited queues' backlogs."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        queues.count_backlogs(conn)
+
+
+def test_a_full_queue_holds_producers_back_with_queue_full_and_counts_them(app: App, dsn: str) -> None:
+    app.limit_queue("small", max_backlog=3)
+    app.enqueue_many("k", ({} for _ in range(3)), queue="small")
+    _count(dsn)
+    producer = App(dsn)  # reads the full queues afresh
+    try:
+        with pytest.raises(QueueFull, match="queue 'small' is full: 3 jobs waiting, its max_backlog is 3"):
+            producer.enqueue("k", queue="small")
+        with pytest.raises(QueueFull):
+            producer.enqueue_many("k", ({} for _ in range(2)), queue="small")
+        with pytest.raises(QueueFull):
+            asyncio.run(producer.enqueue_async("k", queue="small"))
+        with psycopg.connect(dsn) as conn, pytest.raises(QueueFull):
+            producer.enqueue("k", queue="small", conn=conn)
+        producer.enqueue("k", queue="other")  # other queues take jobs
+        began = time.monotonic()
+        with pytest.raises(QueueFull, match=r"after waiting 0\.5s for room"):
+            producer.enqueue("k", queue="small", wait_for_room=0.5)  # its reads report the count
+        assert time.monotonic() - began >= 0.5
+    finally:
+        producer.close()
+    assert by_state(dsn) == {"available": 4}
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        (small,) = [q for q in queues.states(conn) if q.name == "small"]
+    assert small.held_back >= 4 and small.backlog == 3 and small.max_backlog == 3
+    # A count the leader made long ago (no leader now) holds nobody back.
+    query(dsn, "UPDATE fastjobs_queues SET backlog_at = now() - interval '1 hour'")
+    fresh = App(dsn)
+    try:
+        fresh.enqueue("k", queue="small")
+    finally:
+        fresh.close()
+    app.limit_queue("small", max_backlog=None)
+    _count(dsn)
+    assert [q.max_backlog for q in app.queues() if q.name == "small"] == [None]
+
+
+def test_a_producer_waiting_for_room_enqueues_once_the_backlog_drops(app: App, dsn: str) -> None:
+    app.job(kind="k", queue="small")(lambda: None)
+    app.limit_queue("small", max_backlog=2)
+    app.enqueue_many("k", ({} for _ in range(2)))
+    _count(dsn)
+    producer = App(dsn)
+    done: list[int] = []
+    waiting = threading.Thread(
+        target=lambda: done.append(producer.enqueue("k", queue="small", wait_for_room=30))
+    )
+    try:
+        waiting.start()
+        assert not wait_for(lambda: bool(done), 0.5)  # held back
+        drain(app, ["small"])
+        _count(dsn)
+        waiting.join(10)
+        assert done, "the producer never got room"
+    finally:
+        producer.close()
+    assert by_state(dsn) == {"available": 1}
+
+
+def test_bad_limits_and_waits_are_refused_with_a_clear_error(app: App, dsn: str) -> None:
+    for bad in (0, -1, True, 1.5, "3"):
+        with pytest.raises(ValueError, match="max_backlog must be a positive integer or None"):
+            app.limit_queue("q", max_backlog=bad)  # type: ignore[arg-type]
+    for wait in (-1, float("inf"), "1", True):
+        with pytest.raises(ValueError, match="wait_for_room must be seconds"):
+            app.enqueue("k", wait_for_room=wait)  # type: ignore[arg-type]
+    assert by_state(dsn) == {} and app.queues() == []
+    done = cli(dsn, "queues", "limit", "q", "--max-backlog", "0")
+    assert done.returncode == 2 and "expected a positive integer or none, not '0'" in done.stderr
+
+
+def test_the_leader_counts_a_limited_backlog_and_stats_and_metrics_show_it(
+    masters: procs.Masters, app: App, db: psycopg.Connection[Any]
+) -> None:
+    """Jobs of a queue no worker serves pile up; the leader's count fills the queue for producers."""
+    assert cli(app.dsn, "queues", "limit", "held", "--max-backlog", "3").returncode == 0
+    app.enqueue_many("record", ({"n": n} for n in range(5)), queue="held")
+    master = masters.start("--processes", "1", "--queues", "default", "--metrics-port", "0")
+    port = metrics_port(master)
+
+    def refused() -> bool:
+        producer = App(app.dsn)
+        try:
+            producer.enqueue("record", {"n": 9}, queue="held")
+            return False
+        except QueueFull:
+            return True
+        finally:
+            producer.close()
+
+    procs.wait_for(refused, "the leader's count to fill the queue", timeout=15)
+
+    def held_back() -> dict[str, float] | None:
+        found = samples(scrape(port))
+        return found if found.get('fastjobs_queue_held_back_total{queue="held"}') else None
+
+    found = procs.wait_for(held_back, "the held-back count in the metrics", timeout=15)
+    assert found['fastjobs_queue_max_backlog{queue="held"}'] == 3
+    report = cli(app.dsn, "stats").stdout
+    assert "max_backlog: queue 'held' 3 (at least 3 waiting: FULL, enqueues held back;" in report
+    listed = cli(app.dsn, "queues", "list").stdout.splitlines()
+    assert listed[0].split() == ["queue", "state", "waiting", "running", "max_backlog", "held", "back"]
     assert master.stop() == 0, master.stderr()
