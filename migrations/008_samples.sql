@@ -1,4 +1,4 @@
--- 007_samples: the leader's periodic samples of throughput, for the dashboard's charts.
+-- 008_samples: the leader's periodic samples of throughput, for the dashboard's charts.
 --
 -- Every SamplesConfig.interval the leader writes one row per queue: the
 -- outcomes the workers' heartbeats have counted so far (completed, and
