@@ -121,6 +121,7 @@ def measure(dsn: str, repeat: int = 11) -> list[tuple[str, float, float]]:
                 ("jobs, page in the middle", f"/jobs?before={top // 2}"),
                 ("job, a failed one", f"/jobs/{failed}"),
                 ("bulk confirm", "/jobs/bulk?state=discarded&action=retry"),
+                ("queues", "/queues"),
                 ("periodic", "/periodic"),
                 ("engine", "/engine"),
             ]

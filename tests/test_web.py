@@ -375,3 +375,45 @@ def test_asgi_app_mounted_in_an_application_answers_under_its_path(dsn: str, tmp
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def _queue(dsn: str, name: str) -> dict[str, Any] | None:
+    rows = query(dsn, "SELECT paused_at, max_backlog FROM fastjobs_queues WHERE name = %s", (name,))
+    return rows[0] if rows else None
+
+
+def test_queues_are_paused_resumed_and_limited_as_the_command_line_does(app: App, dsn: str, tmp_path: Path):
+    app.declare("mail.send", queue="mail")
+    app.enqueue("mail.send", {"to": 1}, delay=3600)
+    with web(dsn, tmp_path) as base, _client(base) as client:
+        page = client.get("/queues").text
+        assert "mail" in page and "running" in page
+        token = _csrf(client, "/queues")
+        assert client.post("/queues", data={"action": "pause", "queue": "mail"}).status_code == 403
+        assert _queue(dsn, "mail") is None
+        paused = client.post("/queues", data={"action": "pause", "queue": "mail", "csrf": token})
+        assert paused.status_code == 303
+        assert _queue(dsn, "mail")["paused_at"] is not None  # type: ignore[index]
+        assert "queue mail: paused since" in client.get(paused.headers["location"]).text
+        assert 'class="badge paused"' in client.get("/").text
+        limited = client.post(
+            "/queues", data={"action": "limit", "queue": "mail", "max_backlog": "500", "csrf": token}
+        )
+        assert limited.status_code == 303 and _queue(dsn, "mail")["max_backlog"] == 500  # type: ignore[index]
+        for bad in ("-1", "0", "1e3", "9" * 30):
+            refused = client.post(
+                "/queues", data={"action": "limit", "queue": "mail", "max_backlog": bad, "csrf": token}
+            )
+            assert refused.status_code == 400 and "max_backlog" in refused.text
+        assert _queue(dsn, "mail")["max_backlog"] == 500  # type: ignore[index]
+        client.post("/queues", data={"action": "limit", "queue": "mail", "max_backlog": "", "csrf": token})
+        assert _queue(dsn, "mail")["max_backlog"] is None  # type: ignore[index]
+        resumed = client.post("/queues", data={"action": "resume", "queue": "mail", "csrf": token})
+        assert resumed.status_code == 303 and _queue(dsn, "mail")["paused_at"] is None  # type: ignore[index]
+        bad_queue = client.post("/queues", data={"action": "pause", "queue": "q" * 200, "csrf": token})
+        assert bad_queue.status_code == 400 and "at most 128 characters" in bad_queue.text
+    with web(dsn, tmp_path, "--read-only") as base, _client(base) as client:
+        assert 'method="post"' not in client.get("/queues").text
+        token = _csrf_cookie(client)
+        refused = client.post("/queues", data={"action": "pause", "queue": "mail", "csrf": token})
+        assert refused.status_code == 403 and _queue(dsn, "mail")["paused_at"] is None  # type: ignore[index]

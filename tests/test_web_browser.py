@@ -64,7 +64,7 @@ def _rows(dsn: str, statement: str, *params: Any) -> list[dict[str, Any]]:
     return query(dsn, statement, params or None)
 
 
-def test_an_operator_finds_a_failed_job_retries_it_and_cancels_a_filtered_set(
+def test_an_operator_finds_a_failed_job_retries_it_cancels_a_filtered_set_and_pauses_a_queue(
     browser: Browser, dsn: str, tmp_path: Path, shots: Path
 ) -> None:
     (tmp_path / "webjobs.py").write_text(textwrap.dedent(JOBS))
@@ -165,6 +165,20 @@ def _steps(page: Page, base: str, dsn: str, failed: int, shots: Path) -> None:
         {"batch": "8", "state": "scheduled", "n": 5},
     ]
 
+    # pause a queue: the database has it paused, and the overview says so
+    page.click("nav >> text=Queues")
+    row = page.locator("table.queues tr", has=page.locator("a", has_text="bulk"))
+    row.locator("button[value=pause]").click()
+    expect(page.locator("#done")).to_contain_text("queue bulk: paused since")
+    paused = _rows(dsn, "SELECT paused_at IS NOT NULL AS paused FROM fastjobs_queues WHERE name = 'bulk'")
+    assert paused == [{"paused": True}]
+    expect(row.locator(".queue-state")).to_contain_text("paused since")
+    page.screenshot(path=shots / "6-queue-paused.png", full_page=True)
+    page.goto(base + "/")
+    expect(
+        page.locator("table.queues tr", has=page.locator("a", has_text="bulk")).locator(".badge")
+    ).to_have_text("paused")
+
     # the other pages render, and refresh in place (htmx swapped #live without a reload)
     page.goto(base + "/periodic")
     expect(page.locator("h1")).to_have_text("Periodic jobs")
@@ -173,5 +187,5 @@ def _steps(page: Page, base: str, dsn: str, failed: int, shots: Path) -> None:
     expect(page.locator("table td", has_text="fast").first).to_be_visible()
     page.evaluate("document.getElementById('live').dataset.mark = 'before'")
     wait_for(lambda: page.evaluate("document.getElementById('live').dataset.mark") is None, "a refresh", 15)
-    page.screenshot(path=shots / "6-engine.png", full_page=True)
+    page.screenshot(path=shots / "7-engine.png", full_page=True)
     assert errors == []

@@ -13,12 +13,14 @@ import orjson
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from .. import control, logs
+from .. import queues as fastjobs_queues
 from ..errors import JobNotFound
 from . import reads
 from .bulk import Operations
@@ -132,6 +134,7 @@ class Dashboard:
             Route("/jobs/{job_id:int}/{action:str}", self.job_action, methods=["POST"]),
             Route("/operations/{operation_id:int}", self.operation),
             Route("/operations/{operation_id:int}/stop", self.operation_stop, methods=["POST"]),
+            Route("/queues", self.queues, methods=["GET", "POST"]),
             Route("/periodic", self.periodic),
             Route("/engine", self.engine),
             Route("/favicon.ico", lambda request: Response(status_code=204)),
@@ -199,6 +202,59 @@ class Dashboard:
                 request, "error.html", status=404, message="no such operation (the server restarted?)"
             )
         return self.render(request, "operation.html", op=op)
+
+    async def queues(self, request: Request) -> Response:
+        """GET: every queue with its flow control; POST: pause, resume or limit one (fastjobs.queues,
+        as `fastjobs queues pause|resume|limit`)."""
+        if request.method == "POST":
+            fields = await self._form(request)
+            if isinstance(fields, Response):
+                return fields
+            done = await run_in_threadpool(self._steer, fields)
+            if isinstance(done, str):
+                return self.render(request, "error.html", status=400, message=done)
+            base = request.scope.get("root_path", "")
+            return RedirectResponse(f"{base}/queues?{urlencode({'done': done[0]})}", status_code=303)
+        return await run_in_threadpool(self._queues_page, request)
+
+    def _queues_page(self, request: Request) -> Response:
+        with self.app.connection() as conn:
+            rows, _ = reads.estimate(conn)
+            found, exact = reads.queue_rows(conn, rows)
+        for spec in self.app.jobs.values():  # registered queues without jobs yet
+            found.setdefault(spec.queue, reads.QueueRow(spec.queue))
+        return self.render(
+            request,
+            "queues.html",
+            queues=[found[k] for k in sorted(found)],
+            exact=exact,
+            done=request.query_params.get("done"),
+        )
+
+    def _steer(self, fields: dict[str, str]) -> tuple[str] | str:
+        """One queue operation of the posted form: what it did, or what is wrong with the form."""
+        action, queue = fields.get("action", ""), fields.get("queue", "")
+        try:
+            with self.app.connection() as conn:
+                if action == "pause":
+                    since = fastjobs_queues.pause(conn, queue)
+                    done = f"queue {queue}: paused since {_when(since)}"
+                elif action == "resume":
+                    was = fastjobs_queues.resume(conn, queue)
+                    done = f"queue {queue}: resumed" if was else f"queue {queue}: was not paused"
+                elif action == "limit":
+                    text = fields.get("max_backlog", "").strip()
+                    if text and not (text.isascii() and text.isdigit() and len(text) < 19):
+                        return f"max_backlog is a positive whole number (empty: no limit), not {text!r}"
+                    limit = int(text) if text else None
+                    fastjobs_queues.limit(conn, queue, max_backlog=limit)
+                    done = f"queue {queue}: " + (f"max_backlog {limit:,}" if limit else "no limit")
+                else:
+                    return f"no queue operation {action!r}: pause, resume or limit"
+        except ValueError as exc:
+            return str(exc)
+        logger.info("dashboard: %s", done)
+        return (done,)
 
     def periodic(self, request: Request) -> Response:
         with self.app.connection() as conn:

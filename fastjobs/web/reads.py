@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from .. import control, sql, stats
+from .. import control, queues, sql, stats
 from ..leader import PeriodicStatus, periodic_status
 from ..types import JobState
 
@@ -41,6 +41,10 @@ class QueueRow:
     oldest_available: float | None = None
     oldest_estimated: bool = False
     below: int = 0  # an estimated state the sample found none of has fewer than about this many
+    paused_at: dt.datetime | None = None  # flow control (fastjobs.queues): paused since
+    max_backlog: int | None = None
+    backlog: int | None = None  # the leader's last count, up to max_backlog
+    held_back: int = 0
     completed: list[float] = field(default_factory=list)  # jobs completed per minute, oldest first
     failed: list[float] = field(default_factory=list)
 
@@ -136,11 +140,26 @@ def _charts(conn: psycopg.Connection[Any], queues: dict[str, QueueRow]) -> list[
     return sorted(times)
 
 
+def queue_rows(conn: psycopg.Connection[Any], rows: int) -> tuple[dict[str, QueueRow], bool]:
+    """Every queue holding jobs or acted on (paused, limited): its depths (see `depths`) and its flow
+    control, from fastjobs.queues."""
+    found, exact = depths(conn, rows)
+    for state in queues.states(conn):
+        q = found.setdefault(state.name, QueueRow(state.name))
+        q.paused_at, q.max_backlog, q.backlog, q.held_back = (
+            state.paused_at,
+            state.max_backlog,
+            state.backlog,
+            state.held_back,
+        )
+    return found, exact
+
+
 def overview(conn: psycopg.Connection[Any], dsn: str) -> Overview:
     """The overview's figures, and the warnings `fastjobs stats` gives (the upkeep's from the masters
     on this host)."""
     rows, results = estimate(conn)
-    queues, exact = depths(conn, rows)
+    queues, exact = queue_rows(conn, rows)
     times = _charts(conn, queues)
     hosts = stats.cluster(conn)
     health = stats.health(conn)
