@@ -417,3 +417,21 @@ def test_queues_are_paused_resumed_and_limited_as_the_command_line_does(app: App
         token = _csrf_cookie(client)
         refused = client.post("/queues", data={"action": "pause", "queue": "mail", "csrf": token})
         assert refused.status_code == 403 and _queue(dsn, "mail")["paused_at"] is None  # type: ignore[index]
+
+
+def test_the_engine_page_gives_each_queue_its_lane_and_why(dsn: str) -> None:
+    app = App(dsn)
+
+    @app.job(queue="quick")
+    def quick() -> None: ...
+
+    @app.job(queue="slow", timeout=2.5)
+    def bounded() -> None: ...
+
+    @app.job(queue="slow")
+    async def waits() -> None: ...
+
+    found = {lane.queue: lane for lane in reads.lanes(app)}
+    assert found["quick"].lane == "fast" and "every kind is sync" in found["quick"].why
+    assert found["slow"].lane == "state"
+    assert found["slow"].why == f"{bounded.kind} is timeout=2.5, {waits.kind} is async"

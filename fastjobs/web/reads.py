@@ -12,6 +12,7 @@ from psycopg.types.json import Jsonb
 
 from .. import control, queues, sql, stats
 from ..leader import PeriodicStatus, periodic_status
+from ..planner import fast_queues
 from ..types import JobState
 
 if TYPE_CHECKING:
@@ -254,28 +255,25 @@ class Lane:
 
 
 def lanes(app: App) -> list[Lane]:
-    """Each registered queue's lane by the rule both hot loops apply (fastjobs._core_py: _fast_queues):
-    fast when every kind on it is sync without a timeout; each worker then takes it per batch."""
-    by_queue: dict[str, list[Any]] = {}
-    for spec in app.jobs.values():
-        by_queue.setdefault(spec.queue, []).append(spec)
+    """Each registered queue's lane by the hot loops' own rule (planner.fast_queues), and why; each
+    worker then takes the fast lane per batch (a backlog, batches run quickly)."""
+    names = sorted({spec.queue for spec in app.jobs.values()})
+    allowed = fast_queues(app.jobs, names, fast_lane=True, keep_completed=False)
     found = []
-    for queue in sorted(by_queue):
-        slow = [s for s in by_queue[queue] if s.is_async or s.timeout is not None]
-        if slow:
-            reasons = ", ".join(
-                f"{s.kind} is {'async' if s.is_async else 'timeout=' + str(s.timeout)}" for s in slow
+    for queue, fast in zip(names, allowed, strict=True):
+        if fast:
+            why = (
+                "every kind is sync without a timeout: a backlog takes it once a batch ran in under 0.05 s"
+                " (not with --keep-completed, --no-fast-lane or threads for the queue)"
             )
-            found.append(Lane(queue, "state", reasons))
         else:
-            found.append(
-                Lane(
-                    queue,
-                    "fast",
-                    "every kind is sync without a timeout: a backlog takes the fast lane once a batch ran in"
-                    " under 0.05 s (not with --keep-completed, --no-fast-lane or threads for the queue)",
-                )
+            slow = [
+                s for s in app.jobs.values() if s.queue == queue and (s.is_async or s.timeout is not None)
+            ]
+            why = ", ".join(
+                f"{s.kind} is {'async' if s.is_async else f'timeout={s.timeout:g}'}" for s in slow
             )
+        found.append(Lane(queue, "fast" if fast else "state", why))
     return found
 
 
