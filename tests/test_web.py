@@ -108,6 +108,9 @@ def test_the_dsn_is_never_shown(dsn: str, tmp_path: Path) -> None:
         bodies = [client.get(p).text for p in ("/", "/jobs", "/jobs/12345", "/engine", "/periodic")]
     assert all("s3cr3t" not in body for body in bodies)
     assert "no job with id 12345" in bodies[2]
+    with web(dsn, tmp_path) as base, _client(base) as client:
+        assert client.get(f"/jobs/{2**70}").status_code == 404  # past bigint: no job, not an error
+        assert client.get("/jobs?before=99999999999999999999999").status_code == 200
 
 
 def test_a_write_needs_the_csrf_token_of_its_browser(app: App, dsn: str, tmp_path: Path) -> None:

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
+# A job id past this is no job's (the ids are bigint).
+BIGINT_MAX = 2**63 - 1
 # Auto-refresh of the pages that show live figures (htmx polls the page, swaps its #live part).
 REFRESH = "5s"
 
@@ -189,6 +191,8 @@ class Dashboard:
     def job(self, request: Request) -> Response:
         job_id = request.path_params["job_id"]
         try:
+            if job_id > BIGINT_MAX:
+                raise JobNotFound(f"no job with id {job_id}")
             with self.app.connection() as conn:
                 found = reads.job(conn, job_id)
         except JobNotFound as exc:
@@ -295,9 +299,15 @@ class Dashboard:
         if action not in control.ACTS_ON:
             return self.render(request, "error.html", status=404, message=f"no operation {action!r}")
         base = request.scope.get("root_path", "")
-        try:
+
+        def act() -> tuple[str, dict[str, Any]]:
+            if job_id > BIGINT_MAX:
+                raise JobNotFound(f"no job with id {job_id}")
             with self.app.connection() as conn:
-                state, doc = control.act(conn, action, job_id)
+                return control.act(conn, action, job_id)
+
+        try:
+            state, doc = await run_in_threadpool(act)
         except JobNotFound as exc:
             return self.render(request, "error.html", status=404, message=str(exc))
         except ValueError as exc:
