@@ -27,7 +27,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import tuple_row
 
-from . import sql
+from . import schema, sql
 from .enqueue import check_queue
 from .errors import ConfigurationError, QueueFull
 
@@ -197,13 +197,17 @@ class Backpressure:
         with self._lock:
             if not force and time.monotonic() - self._read_at < REFRESH:
                 return  # another thread read meanwhile
-            try:
-                with self._connection() as own:
-                    self._read(own)
-            except ConfigurationError:
-                if caller is None:
-                    raise
-                self._read(caller)
+            with schema.required():
+                try:
+                    with self._connection() as own:
+                        self._read(own)
+                except ConfigurationError:
+                    if caller is None:
+                        raise
+                    with (
+                        caller.transaction()
+                    ):  # a savepoint: a failed read leaves the caller's transaction be
+                        self._read(caller)
 
     def _read(self, conn: psycopg.Connection[Any]) -> None:
         """Read the full queues, and report the enqueues held back since the last read (under the lock)."""
@@ -216,13 +220,15 @@ class Backpressure:
         self._read_at = time.monotonic()
 
     async def _refresh_async(self, caller: psycopg.AsyncConnection[Any] | None) -> None:
-        try:
-            async with self._connection_async() as own:
-                await self._read_async(own)
-        except ConfigurationError:
-            if caller is None:
-                raise
-            await self._read_async(caller)
+        with schema.required():
+            try:
+                async with self._connection_async() as own:
+                    await self._read_async(own)
+            except ConfigurationError:
+                if caller is None:
+                    raise
+                async with caller.transaction():
+                    await self._read_async(caller)
 
     async def _read_async(self, conn: psycopg.AsyncConnection[Any]) -> None:
         async with psycopg.AsyncRawCursor(conn, row_factory=tuple_row) as cur:
