@@ -171,13 +171,20 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("name", help="the queue")
         command.add_argument("--json", action="store_true")
     limit = queues_commands.add_parser(
-        "limit", help="hold producers back (QueueFull, or a wait) while the queue has N jobs waiting"
+        "limit", help="limit the queue's jobs running at once, or hold producers back past a backlog"
     )
     limit.add_argument("name", help="the queue")
     limit.add_argument(
+        "--concurrency",
+        type=_backlog,
+        default=queues.UNCHANGED,
+        metavar="N",
+        help="at most N of its jobs running at once, cluster-wide (none: no limit)",
+    )
+    limit.add_argument(
         "--max-backlog",
         type=_backlog,
-        required=True,
+        default=queues.UNCHANGED,
         metavar="N",
         help="jobs waiting past which enqueues are held back (none: no limit)",
     )
@@ -633,11 +640,16 @@ def _queues(args: argparse.Namespace) -> int:
             # Paused or resumed all the same: a queue may be paused before its first job.
             _no_such_names(conn, name, None)
         if args.queues_command == "limit":
-            queues.limit(conn, name, max_backlog=args.max_backlog)
-            doc: dict[str, Any] = {"queue": name, "max_backlog": args.max_backlog}
-            line = f"queue {name!r}: " + (
-                "no max_backlog" if args.max_backlog is None else f"max_backlog {args.max_backlog:,}"
+            queues.limit(conn, name, concurrency=args.concurrency, max_backlog=args.max_backlog)
+            doc: dict[str, Any] = {
+                field: value
+                for field, value in (("concurrency", args.concurrency), ("max_backlog", args.max_backlog))
+                if value is not queues.UNCHANGED
+            }
+            line = f"queue {name!r}: " + ", ".join(
+                f"no {field}" if value is None else f"{field} {value:,}" for field, value in doc.items()
             )
+            doc["queue"] = name
         elif args.queues_command == "pause":
             since = queues.pause(conn, name)
             doc = {"queue": name, "paused": True, "paused_at": since.isoformat()}
@@ -889,6 +901,7 @@ _QUEUES_COLUMNS: list[Column[queues.QueueInfo]] = [
     Column("state", lambda q: f"paused since {_when(q.paused_at)}" if q.paused_at else "running"),
     Column("waiting", lambda q: f"{q.waiting:,}", ">"),
     Column("running", lambda q: f"{q.running:,}", ">"),
+    Column("concurrency", lambda q: "" if q.concurrency is None else f"{q.concurrency:,}", ">"),
     Column("max_backlog", lambda q: "" if q.max_backlog is None else f"{q.max_backlog:,}", ">"),
     Column("held back", lambda q: f"{q.held_back:,}", ">"),
 ]
@@ -990,6 +1003,8 @@ def _stats(args: argparse.Namespace) -> int:
                     f"paused: queue {q.name!r} since {_when(q.paused_at)} (`fastjobs queues resume {q.name}`)"
                 )
             )
+        if q.concurrency is not None:
+            _echo(_safe(f"concurrency: queue {q.name!r} runs at most {q.concurrency:,} jobs at once"))
         if q.max_backlog is not None:
             if q.backlog is None:
                 counted = "not counted yet"

@@ -27,7 +27,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import tuple_row
 
-from . import sql
+from . import schema, sql
 from .enqueue import check_queue
 from .errors import ConfigurationError, QueueFull
 
@@ -62,6 +62,7 @@ class QueueInfo:
     paused_at: dt.datetime | None  # None: running
     waiting: int  # available, scheduled or retryable
     running: int  # on the state lane (a fast-lane batch's jobs stay 'available' until it commits)
+    concurrency: int | None = None  # at most this many of its jobs run at once, cluster-wide
     max_backlog: int | None = None  # enqueues are held back while this many jobs wait
     held_back: int = 0  # enqueues held back by max_backlog so far (reported once a second)
 
@@ -97,15 +98,46 @@ def list_queues(conn: psycopg.Connection[Any]) -> list[QueueInfo]:
         return [QueueInfo(*row) for row in cur.execute(sql.queue_list)]
 
 
-def limit(conn: psycopg.Connection[Any], queue: str, *, max_backlog: int | None) -> None:
-    """Set queue `queue`'s max_backlog (None: no limit); effective at the leader's next count."""
+class _Unchanged:
+    def __repr__(self) -> str:
+        return "UNCHANGED"
+
+
+UNCHANGED: Any = _Unchanged()  # a limit left as it is
+
+
+def limit(
+    conn: psycopg.Connection[Any],
+    queue: str,
+    *,
+    concurrency: int | None = UNCHANGED,
+    max_backlog: int | None = UNCHANGED,
+) -> None:
+    """Set queue `queue`'s limits (None: none; UNCHANGED, the default: as it is).
+
+    `concurrency`: at most this many of its jobs running at once, cluster-wide,
+    from the next claim; `max_backlog`: producers held back while this many
+    wait, from the leader's next count.
+    """
     check_queue(queue)
-    if max_backlog is not None and (
-        isinstance(max_backlog, bool) or not isinstance(max_backlog, int) or max_backlog < 1
-    ):
-        raise ValueError(f"max_backlog must be a positive integer or None, not {max_backlog!r}")
+    for name, value in (("concurrency", concurrency), ("max_backlog", max_backlog)):
+        if (
+            value is not UNCHANGED
+            and value is not None
+            and (isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**31)
+        ):
+            raise ValueError(f"{name} must be a positive integer or None, not {value!r}")
+    if concurrency is UNCHANGED and max_backlog is UNCHANGED:
+        raise ValueError("give concurrency=, max_backlog= or both")
+    params = (
+        queue,
+        None if concurrency is UNCHANGED else concurrency,
+        concurrency is not UNCHANGED,
+        None if max_backlog is UNCHANGED else max_backlog,
+        max_backlog is not UNCHANGED,
+    )
     with _cursor(conn) as cur:
-        cur.execute(sql.queue_limit, (queue, max_backlog))
+        cur.execute(sql.queue_limit, params)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +146,7 @@ class QueueState:
 
     name: str
     paused_at: dt.datetime | None
+    concurrency: int | None
     max_backlog: int | None
     backlog: int | None  # counted up to max_backlog
     held_back: int
@@ -197,13 +230,17 @@ class Backpressure:
         with self._lock:
             if not force and time.monotonic() - self._read_at < REFRESH:
                 return  # another thread read meanwhile
-            try:
-                with self._connection() as own:
-                    self._read(own)
-            except ConfigurationError:
-                if caller is None:
-                    raise
-                self._read(caller)
+            with schema.required():
+                try:
+                    with self._connection() as own:
+                        self._read(own)
+                except ConfigurationError:
+                    if caller is None:
+                        raise
+                    with (
+                        caller.transaction()
+                    ):  # a savepoint: a failed read leaves the caller's transaction be
+                        self._read(caller)
 
     def _read(self, conn: psycopg.Connection[Any]) -> None:
         """Read the full queues, and report the enqueues held back since the last read (under the lock)."""
@@ -216,13 +253,15 @@ class Backpressure:
         self._read_at = time.monotonic()
 
     async def _refresh_async(self, caller: psycopg.AsyncConnection[Any] | None) -> None:
-        try:
-            async with self._connection_async() as own:
-                await self._read_async(own)
-        except ConfigurationError:
-            if caller is None:
-                raise
-            await self._read_async(caller)
+        with schema.required():
+            try:
+                async with self._connection_async() as own:
+                    await self._read_async(own)
+            except ConfigurationError:
+                if caller is None:
+                    raise
+                async with caller.transaction():
+                    await self._read_async(caller)
 
     async def _read_async(self, conn: psycopg.AsyncConnection[Any]) -> None:
         async with psycopg.AsyncRawCursor(conn, row_factory=tuple_row) as cur:

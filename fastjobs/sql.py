@@ -319,18 +319,27 @@ class _Choice:
 
     after: bool = False  # from the mark on: the priority and run_at where the last claim ended
 
-    def where(self, *, queue: str, limit: str, first: int) -> str:
-        """Up to `limit` available jobs of `queue` due now, in claim order, skipping rows others hold,
-        none while the queue is paused (one lookup per statement: its parameter is the statement's);
-        this choice's parameters are $`first` and on."""
+    def where(self, *, queue: str, limit: str, first: int, fast: bool = False) -> str:
+        """Up to `limit` available jobs of `queue` due now, in claim order, skipping rows others hold;
+        none while the queue is paused; with a concurrency limit, no more than fastjobs_room allows
+        on the state lane (`fast`: none, since a job in flight there is not counted as running).
+        Each test is one lookup per statement (a one-time filter: its parameter is the
+        statement's). This choice's parameters are $`first` and on."""
         after = ""
         if self.after:
             after = (
                 f" AND priority = ${first}\n   AND run_at >= timestamptz '2000-01-01 00:00:00+00'"
                 f" + (${first + 1}::int8 - {CLAIM_MARK_MARGIN}) * interval '1 microsecond'"
             )
+        limited = f"SELECT FROM fastjobs_queues WHERE name = {queue} AND concurrency IS NOT NULL"
+        if fast:
+            stopped = "(paused_at IS NOT NULL OR concurrency IS NOT NULL)"
+        else:
+            stopped = "paused_at IS NOT NULL"
+            room = f"fastjobs_room({queue}, {limit})"
+            limit = f"CASE WHEN EXISTS ({limited})\n            THEN {room} ELSE {limit} END"
         return f""" WHERE state = 'available' AND queue = {queue} AND run_at <= now(){after}
-   AND NOT EXISTS (SELECT FROM fastjobs_queues WHERE name = {queue} AND paused_at IS NOT NULL)
+   AND NOT EXISTS (SELECT FROM fastjobs_queues WHERE name = {queue} AND {stopped})
  ORDER BY priority DESC, run_at, id
  LIMIT {limit}
    FOR UPDATE SKIP LOCKED"""
@@ -360,7 +369,7 @@ def _lock(*, choice: _Choice, context: bool) -> str:
     return f"""
 SELECT {_returned(context=context, attempt=f"({_next_attempt('')})::smallint")}
   FROM fastjobs_jobs_all
-{choice.where(queue="$1", limit="$2", first=3)}"""
+{choice.where(queue="$1", limit="$2", first=3, fast=True)}"""
 
 
 # job_claim_many: take up to $2 available jobs of queue $1 for worker $3, in
@@ -1089,26 +1098,32 @@ UPDATE fastjobs_queues SET paused_at = NULL, updated_at = now()
  WHERE name = $1 AND paused_at IS NOT NULL
 RETURNING pg_notify('fastjobs', name)"""
 
-# queue_limit: set (or with NULL remove) queue $1's max_backlog $2; its
-# backlog is counted from the leader's next turn.
+# queue_limit: set queue $1's concurrency to $2 when $3, and its max_backlog
+# to $4 when $5 (NULL: no limit), leaving the other as it was; a new
+# max_backlog is counted from the leader's next turn.
 queue_limit: Final = """
-INSERT INTO fastjobs_queues AS q (name, max_backlog) VALUES ($1, $2)
+INSERT INTO fastjobs_queues AS q (name, concurrency, max_backlog) VALUES ($1, $2, $4)
     ON CONFLICT (name) DO UPDATE
-   SET max_backlog = $2, backlog = NULL, backlog_at = NULL, updated_at = now()"""
+   SET concurrency = CASE WHEN $3 THEN $2 ELSE q.concurrency END,
+       max_backlog = CASE WHEN $5 THEN $4 ELSE q.max_backlog END,
+       backlog = CASE WHEN $5 THEN NULL ELSE q.backlog END,
+       backlog_at = CASE WHEN $5 THEN NULL ELSE q.backlog_at END,
+       updated_at = now()"""
 
 # queue_list: every queue fastjobs knows of (acted on by an operator, or
 # holding jobs) with when it was paused (NULL: running), its jobs waiting
-# (available, scheduled, retryable) and running, its max_backlog and the
-# enqueues held back by it.
+# (available, scheduled, retryable) and running, its concurrency and
+# max_backlog, and the enqueues held back by it.
 queue_list: Final = """
 SELECT name, max(paused_at), coalesce(sum(waiting), 0)::int8, coalesce(sum(running), 0)::int8,
-       max(max_backlog), coalesce(max(held_back), 0)
-  FROM (SELECT name, paused_at, NULL::int8 AS waiting, NULL::int8 AS running, max_backlog, held_back
+       max(concurrency), max(max_backlog), coalesce(max(held_back), 0)
+  FROM (SELECT name, paused_at, NULL::int8 AS waiting, NULL::int8 AS running, concurrency, max_backlog,
+               held_back
           FROM fastjobs_queues
         UNION ALL
         SELECT queue, NULL,
                count(*) FILTER (WHERE state IN ('available', 'scheduled', 'retryable')),
-               count(*) FILTER (WHERE state = 'running'), NULL, NULL
+               count(*) FILTER (WHERE state = 'running'), NULL, NULL, NULL
           FROM fastjobs_jobs_all
          WHERE state IN ('available', 'scheduled', 'retryable', 'running')
          GROUP BY queue) AS known
@@ -1116,10 +1131,10 @@ SELECT name, max(paused_at), coalesce(sum(waiting), 0)::int8, coalesce(sum(runni
  ORDER BY name"""
 
 # queue_states: the queues an operator acted on: when paused (NULL:
-# running), their max_backlog, last backlog count and enqueues held back, for
-# `fastjobs stats` and the metrics.
+# running), their concurrency, max_backlog, last backlog count and enqueues
+# held back, for `fastjobs stats` and the metrics.
 queue_states: Final = """
-SELECT name, paused_at, max_backlog, backlog, held_back FROM fastjobs_queues ORDER BY name"""
+SELECT name, paused_at, concurrency, max_backlog, backlog, held_back FROM fastjobs_queues ORDER BY name"""
 
 # queue_full: the queues whose backlog the leader found at their max_backlog
 # in the last $1 seconds (a count older than that, say with no leader, holds
