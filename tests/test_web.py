@@ -17,6 +17,7 @@ import sys
 import textwrap
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import httpx
 import psycopg
@@ -381,7 +382,9 @@ def test_asgi_app_mounted_in_an_application_answers_under_its_path(dsn: str, tmp
 
 
 def _queue(dsn: str, name: str) -> dict[str, Any] | None:
-    rows = query(dsn, "SELECT paused_at, max_backlog FROM fastjobs_queues WHERE name = %s", (name,))
+    rows = query(
+        dsn, "SELECT paused_at, concurrency, max_backlog FROM fastjobs_queues WHERE name = %s", (name,)
+    )
     return rows[0] if rows else None
 
 
@@ -400,17 +403,26 @@ def test_queues_are_paused_resumed_and_limited_as_the_command_line_does(app: App
         assert "queue mail: paused since" in client.get(paused.headers["location"]).text
         assert 'class="badge paused"' in client.get("/").text
         limited = client.post(
-            "/queues", data={"action": "limit", "queue": "mail", "max_backlog": "500", "csrf": token}
+            "/queues",
+            data={
+                "action": "limit",
+                "queue": "mail",
+                "concurrency": "3",
+                "max_backlog": "500",
+                "csrf": token,
+            },
         )
-        assert limited.status_code == 303 and _queue(dsn, "mail")["max_backlog"] == 500  # type: ignore[index]
-        for bad in ("-1", "0", "1e3", "9" * 30):
+        assert limited.status_code == 303
+        assert _queue(dsn, "mail") == {"paused_at": mock.ANY, "concurrency": 3, "max_backlog": 500}
+        assert "queue mail: concurrency 3, max_backlog 500" in client.get(limited.headers["location"]).text
+        for bad in ("-1", "0", "1e3", "9" * 30, str(2**31)):
             refused = client.post(
                 "/queues", data={"action": "limit", "queue": "mail", "max_backlog": bad, "csrf": token}
             )
             assert refused.status_code == 400 and "max_backlog" in refused.text
         assert _queue(dsn, "mail")["max_backlog"] == 500  # type: ignore[index]
-        client.post("/queues", data={"action": "limit", "queue": "mail", "max_backlog": "", "csrf": token})
-        assert _queue(dsn, "mail")["max_backlog"] is None  # type: ignore[index]
+        client.post("/queues", data={"action": "limit", "queue": "mail", "csrf": token})  # both empty: none
+        assert _queue(dsn, "mail") == {"paused_at": mock.ANY, "concurrency": None, "max_backlog": None}
         resumed = client.post("/queues", data={"action": "resume", "queue": "mail", "csrf": token})
         assert resumed.status_code == 303 and _queue(dsn, "mail")["paused_at"] is None  # type: ignore[index]
         bad_queue = client.post("/queues", data={"action": "pause", "queue": "q" * 200, "csrf": token})

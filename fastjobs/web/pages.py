@@ -247,12 +247,16 @@ class Dashboard:
                     was = fastjobs_queues.resume(conn, queue)
                     done = f"queue {queue}: resumed" if was else f"queue {queue}: was not paused"
                 elif action == "limit":
-                    text = fields.get("max_backlog", "").strip()
-                    if text and not (text.isascii() and text.isdigit() and len(text) < 19):
-                        return f"max_backlog is a positive whole number (empty: no limit), not {text!r}"
-                    limit = int(text) if text else None
-                    fastjobs_queues.limit(conn, queue, max_backlog=limit)
-                    done = f"queue {queue}: " + (f"max_backlog {limit:,}" if limit else "no limit")
+                    limits: dict[str, int | None] = {}
+                    for name in ("concurrency", "max_backlog"):
+                        text = fields.get(name, "").strip()
+                        if text and not (text.isascii() and text.isdigit() and len(text) < 19):
+                            return f"{name} is a positive whole number (empty: no limit), not {text!r}"
+                        limits[name] = int(text) if text else None
+                    fastjobs_queues.limit(conn, queue, **limits)
+                    done = f"queue {queue}: " + ", ".join(
+                        f"{name} {value:,}" if value else f"no {name}" for name, value in limits.items()
+                    )
                 else:
                     return f"no queue operation {action!r}: pause, resume or limit"
         except ValueError as exc:
