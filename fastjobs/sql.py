@@ -318,10 +318,12 @@ class _Choice:
 
     after: bool = False  # from the mark on: the priority and run_at where the last claim ended
 
-    def where(self, *, queue: str, limit: str, first: int, fast: bool = False) -> str:
+    def where(self, *, queue: str, limit: str, first: int, fast: bool = False, ending: str = "") -> str:
         """Up to `limit` available jobs of `queue` due now, in claim order, skipping rows others hold;
         none while the queue is paused; with a concurrency limit, no more than fastjobs_room allows
-        on the state lane (`fast`: none, since a job in flight there is not counted as running).
+        on the state lane (`fast`: none, since a job in flight there is not counted as running),
+        whose count leaves out the jobs a finish statement ends (`ending`: its worker, completed ids
+        and outcome records, which the count cannot see: they are this statement's own writes).
         Each test is one lookup per statement (a one-time filter: its parameter is the
         statement's). This choice's parameters are $`first` and on."""
         after = ""
@@ -335,7 +337,7 @@ class _Choice:
             stopped = "(paused_at IS NOT NULL OR concurrency IS NOT NULL)"
         else:
             stopped = "paused_at IS NOT NULL"
-            room = f"fastjobs_room({queue}, {limit})"
+            room = f"fastjobs_room({queue}, {limit}{ending})"
             limit = f"CASE WHEN EXISTS ({limited})\n            THEN {room} ELSE {limit} END"
         return f""" WHERE state = 'available' AND queue = {queue} AND run_at <= now(){after}
    AND NOT EXISTS (SELECT FROM fastjobs_queues WHERE name = {queue} AND {stopped})
@@ -348,7 +350,9 @@ _FROM_THE_FRONT: Final = _Choice()
 _AFTER_THE_MARK: Final = _Choice(after=True)
 
 
-def _claim(*, queue: str, limit: str, worker: str, choice: _Choice, first: int, context: bool) -> str:
+def _claim(
+    *, queue: str, limit: str, worker: str, choice: _Choice, first: int, context: bool, ending: str = ""
+) -> str:
     """The state lane's claim: the jobs `choice` takes become running for `worker`, their attempt
     counted. The ids go through ARRAY(...): joined as a subquery instead, a large batch makes the
     planner hash-join it against a Seq Scan of the whole table."""
@@ -357,7 +361,7 @@ def _claim(*, queue: str, limit: str, worker: str, choice: _Choice, first: int, 
        attempted_at = now(), attempted_by = {worker}
  WHERE j.id = ANY(ARRAY(
            SELECT id FROM fastjobs_jobs_all
-           {_indent(choice.where(queue=queue, limit=limit, first=first), 11)}))
+           {_indent(choice.where(queue=queue, limit=limit, first=first, ending=ending), 11)}))
 RETURNING {_returned(context=context, row="j")}"""
 
 
@@ -581,7 +585,9 @@ def _finish_claim(*, keep: bool, choice: _Choice, context: bool, results: bool =
     state in args; each of those branches runs only when its count of applied rows falls short (a
     one-time filter: nothing to do in the usual batch). Claimed rows come first: an Append runs its
     branches in order."""
-    claim = _claim(queue="$3", limit="$4", worker="$5", choice=choice, first=6, context=context)
+    claim = _claim(
+        queue="$3", limit="$4", worker="$5", choice=choice, first=6, context=context, ending=", $5, $1, $2"
+    )
     width = len(_CLAIMED) + (len(_CONTEXT) if context else 0)
     rest = ", NULL" * (width - 4)  # the columns after id, kind, args and attempt
     notify = f"\nUNION ALL\nSELECT {', '.join(['NULL'] * width)}\n{_NOTIFY_KEPT}" if results else ""

@@ -28,7 +28,12 @@ CREATE TABLE IF NOT EXISTS fastjobs_queues (
 -- running. The queue's row stays locked until the claim's transaction ends,
 -- so claims of one limited queue take turns; VOLATILE, the count runs on a
 -- snapshot taken after that lock, so it sees every claim committed before.
-CREATE OR REPLACE FUNCTION fastjobs_room(q text, asked bigint) RETURNS bigint
+-- A finish statement that claims passes its worker and the outcomes it
+-- writes (its completed ids, its outcome records): the count cannot see
+-- that statement's own writes, and leaves those jobs out.
+CREATE OR REPLACE FUNCTION fastjobs_room(
+    q text, asked bigint, worker text DEFAULT NULL, done bigint[] DEFAULT '{}', outcomes jsonb DEFAULT '[]'
+) RETURNS bigint
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     most integer;
@@ -38,7 +43,11 @@ BEGIN
     IF most IS NULL THEN
         RETURN asked;
     END IF;
-    SELECT count(*) INTO running FROM fastjobs_jobs_all WHERE queue = q AND state = 'running';
+    SELECT count(*) INTO running
+      FROM fastjobs_jobs_all
+     WHERE queue = q AND state = 'running'
+       AND NOT (attempted_by = worker
+                AND (id = ANY(done) OR id IN (SELECT (o->>'id')::bigint FROM jsonb_array_elements(outcomes) o)));
     RETURN greatest(0, least(asked, most - running));
 END
 $$;
