@@ -597,6 +597,7 @@ class App:
         *,
         concurrency: int | None = queues.UNCHANGED,
         max_backlog: int | None = queues.UNCHANGED,
+        rate_limit: str | None = queues.UNCHANGED,
         conn: Conn | None = None,
     ) -> None:
         """Set `queue`'s limits, stored in the database: every worker and producer, no restart.
@@ -605,6 +606,10 @@ class App:
         cluster (from the next claim; the queue takes the state lane). None
         removes a limit; a limit not given stays as it is.
 
+        `rate_limit`: at most N of its jobs start per period, across the
+        cluster: "200/s", "1000/min", "50/h" (a token bucket holding one
+        second's worth: a burst after a quiet spell is at most that).
+
         `max_backlog`: hold producers back while this many of its jobs wait:
         an enqueue into the queue raises QueueFull, or waits up to its
         `wait_for_room=` seconds for room. The backlog is the leader's count,
@@ -612,7 +617,9 @@ class App:
         what producers enqueue in that time. See fastjobs.queues.
         """
         self._on_queue(
-            lambda db, name: queues.limit(db, name, concurrency=concurrency, max_backlog=max_backlog),
+            lambda db, name: queues.limit(
+                db, name, concurrency=concurrency, max_backlog=max_backlog, rate_limit=rate_limit
+            ),
             queue,
             conn,
         )

@@ -182,6 +182,13 @@ def _parser() -> argparse.ArgumentParser:
         help="at most N of its jobs running at once, cluster-wide (none: no limit)",
     )
     limit.add_argument(
+        "--rate-limit",
+        type=_rate,
+        default=queues.UNCHANGED,
+        metavar="N/PERIOD",
+        help="at most N of its jobs started per period, cluster-wide: 200/s, 1000/min, 50/h (none: no limit)",
+    )
+    limit.add_argument(
         "--max-backlog",
         type=_backlog,
         default=queues.UNCHANGED,
@@ -640,14 +647,24 @@ def _queues(args: argparse.Namespace) -> int:
             # Paused or resumed all the same: a queue may be paused before its first job.
             _no_such_names(conn, name, None)
         if args.queues_command == "limit":
-            queues.limit(conn, name, concurrency=args.concurrency, max_backlog=args.max_backlog)
-            doc: dict[str, Any] = {
-                field: value
-                for field, value in (("concurrency", args.concurrency), ("max_backlog", args.max_backlog))
-                if value is not queues.UNCHANGED
+            limits = {
+                "concurrency": args.concurrency,
+                "rate_limit": args.rate_limit,
+                "max_backlog": args.max_backlog,
             }
+            doc: dict[str, Any] = {
+                field: value for field, value in limits.items() if value is not queues.UNCHANGED
+            }
+            if not doc:
+                raise ValueError("give --concurrency, --rate-limit, --max-backlog or several")
+            queues.limit(conn, name, **doc)
             line = f"queue {name!r}: " + ", ".join(
-                f"no {field}" if value is None else f"{field} {value:,}" for field, value in doc.items()
+                f"no {field}"
+                if value is None
+                else f"{field} {value:,}"
+                if isinstance(value, int)
+                else f"{field} {value}"
+                for field, value in doc.items()
             )
             doc["queue"] = name
         elif args.queues_command == "pause":
@@ -660,6 +677,17 @@ def _queues(args: argparse.Namespace) -> int:
             line = f"queue {name!r}: " + ("resumed" if was else "was not paused")
     _echo(json.dumps(doc) if args.json else _safe(line))
     return 0
+
+
+def _rate(text: str) -> str | None:
+    """An argparse type: a rate limit (N/PERIOD), or none."""
+    if text.lower() == "none":
+        return None
+    try:
+        queues.per_second(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _backlog(text: str) -> int | None:
@@ -902,6 +930,7 @@ _QUEUES_COLUMNS: list[Column[queues.QueueInfo]] = [
     Column("waiting", lambda q: f"{q.waiting:,}", ">"),
     Column("running", lambda q: f"{q.running:,}", ">"),
     Column("concurrency", lambda q: "" if q.concurrency is None else f"{q.concurrency:,}", ">"),
+    Column("rate_limit", lambda q: q.rate_limit or "", ">"),
     Column("max_backlog", lambda q: "" if q.max_backlog is None else f"{q.max_backlog:,}", ">"),
     Column("held back", lambda q: f"{q.held_back:,}", ">"),
 ]
@@ -1005,6 +1034,8 @@ def _stats(args: argparse.Namespace) -> int:
             )
         if q.concurrency is not None:
             _echo(_safe(f"concurrency: queue {q.name!r} runs at most {q.concurrency:,} jobs at once"))
+        if q.rate_limit is not None:
+            _echo(_safe(f"rate limit: queue {q.name!r} starts at most {q.rate_limit} jobs"))
         if q.max_backlog is not None:
             if q.backlog is None:
                 counted = "not counted yet"
