@@ -382,9 +382,8 @@ def test_asgi_app_mounted_in_an_application_answers_under_its_path(dsn: str, tmp
 
 
 def _queue(dsn: str, name: str) -> dict[str, Any] | None:
-    rows = query(
-        dsn, "SELECT paused_at, concurrency, max_backlog FROM fastjobs_queues WHERE name = %s", (name,)
-    )
+    statement = "SELECT paused_at, concurrency, rate_limit, max_backlog FROM fastjobs_queues WHERE name = %s"
+    rows = query(dsn, statement, (name,))
     return rows[0] if rows else None
 
 
@@ -408,21 +407,37 @@ def test_queues_are_paused_resumed_and_limited_as_the_command_line_does(app: App
                 "action": "limit",
                 "queue": "mail",
                 "concurrency": "3",
+                "rate_limit": "200/min",
                 "max_backlog": "500",
                 "csrf": token,
             },
         )
-        assert limited.status_code == 303
-        assert _queue(dsn, "mail") == {"paused_at": mock.ANY, "concurrency": 3, "max_backlog": 500}
-        assert "queue mail: concurrency 3, max_backlog 500" in client.get(limited.headers["location"]).text
+        assert limited.status_code == 303, limited.text
+        assert _queue(dsn, "mail") == {
+            **{"paused_at": mock.ANY, "concurrency": 3},
+            **{"rate_limit": "200/min", "max_backlog": 500},
+        }
+        said = client.get(limited.headers["location"]).text
+        assert "queue mail: concurrency 3, rate_limit 200/min, max_backlog 500" in said
         for bad in ("-1", "0", "1e3", "9" * 30, str(2**31)):
             refused = client.post(
                 "/queues", data={"action": "limit", "queue": "mail", "max_backlog": bad, "csrf": token}
             )
             assert refused.status_code == 400 and "max_backlog" in refused.text
         assert _queue(dsn, "mail")["max_backlog"] == 500  # type: ignore[index]
-        client.post("/queues", data={"action": "limit", "queue": "mail", "csrf": token})  # both empty: none
-        assert _queue(dsn, "mail") == {"paused_at": mock.ANY, "concurrency": None, "max_backlog": None}
+        client.post("/queues", data={"action": "limit", "queue": "mail", "csrf": token})  # all empty: none
+        assert _queue(dsn, "mail") == {
+            **{"paused_at": mock.ANY, "concurrency": None},
+            **{"rate_limit": None, "max_backlog": None},
+        }
+        bad_rate = client.post(
+            "/queues", data={"action": "limit", "queue": "mail", "rate_limit": "<b>fast</b>", "csrf": token}
+        )
+        assert bad_rate.status_code == 400 and "&lt;b&gt;fast&lt;/b&gt;" in bad_rate.text
+        bad_rate = client.post(
+            "/queues", data={"action": "limit", "queue": "mail", "rate_limit": "<b>fast</b>", "csrf": token}
+        )
+        assert bad_rate.status_code == 400 and "&lt;b&gt;fast&lt;/b&gt;" in bad_rate.text
         resumed = client.post("/queues", data={"action": "resume", "queue": "mail", "csrf": token})
         assert resumed.status_code == 303 and _queue(dsn, "mail")["paused_at"] is None  # type: ignore[index]
         bad_queue = client.post("/queues", data={"action": "pause", "queue": "q" * 200, "csrf": token})

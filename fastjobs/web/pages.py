@@ -247,15 +247,28 @@ class Dashboard:
                     was = fastjobs_queues.resume(conn, queue)
                     done = f"queue {queue}: resumed" if was else f"queue {queue}: was not paused"
                 elif action == "limit":
-                    limits: dict[str, int | None] = {}
+                    counts: dict[str, int | None] = {}
                     for name in ("concurrency", "max_backlog"):
                         text = fields.get(name, "").strip()
                         if text and not (text.isascii() and text.isdigit() and len(text) < 19):
                             return f"{name} is a positive whole number (empty: no limit), not {text!r}"
-                        limits[name] = int(text) if text else None
-                    fastjobs_queues.limit(conn, queue, **limits)
+                        counts[name] = int(text) if text else None
+                    rate = fields.get("rate_limit", "").strip() or None
+                    fastjobs_queues.limit(
+                        conn,
+                        queue,
+                        concurrency=counts["concurrency"],
+                        max_backlog=counts["max_backlog"],
+                        rate_limit=rate,
+                    )
+                    limits = {"concurrency": counts["concurrency"], "rate_limit": rate, **counts}
                     done = f"queue {queue}: " + ", ".join(
-                        f"{name} {value:,}" if value else f"no {name}" for name, value in limits.items()
+                        f"{name} {value:,}"
+                        if isinstance(value, int)
+                        else f"{name} {value}"
+                        if value
+                        else f"no {name}"
+                        for name, value in limits.items()
                     )
                 else:
                     return f"no queue operation {action!r}: pause, resume or limit"

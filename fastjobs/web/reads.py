@@ -44,6 +44,7 @@ class QueueRow:
     below: int = 0  # an estimated state the sample found none of has fewer than about this many
     paused_at: dt.datetime | None = None  # flow control (fastjobs.queues): paused since
     concurrency: int | None = None  # its jobs running at once, cluster-wide, at most
+    rate_limit: str | None = None  # its jobs started per period, cluster-wide, at most: "200/s"
     max_backlog: int | None = None
     backlog: int | None = None  # the leader's last count, up to max_backlog
     held_back: int = 0
@@ -148,9 +149,10 @@ def queue_rows(conn: psycopg.Connection[Any], rows: int) -> tuple[dict[str, Queu
     found, exact = depths(conn, rows)
     for state in queues.states(conn):
         q = found.setdefault(state.name, QueueRow(state.name))
-        q.paused_at, q.concurrency, q.max_backlog, q.backlog, q.held_back = (
+        q.paused_at, q.concurrency, q.rate_limit, q.max_backlog, q.backlog, q.held_back = (
             state.paused_at,
             state.concurrency,
+            state.rate_limit,
             state.max_backlog,
             state.backlog,
             state.held_back,
