@@ -732,10 +732,14 @@ def sweep_stale() -> list[Path]:
     return removed
 
 
-def live_masters(identity: str | None = None) -> tuple[list[MasterFile], list[Skipped]]:
+def live_masters(
+    identity: str | None = None, remove_stale: bool = True
+) -> tuple[list[MasterFile], list[Skipped]]:
     """The live masters on this host (of the database `identity` only, when given), and the files skipped.
 
-    A stale file of this user is removed on the way (its Skipped says so).
+    A stale file of this user is removed on the way (its Skipped says so), unless not `remove_stale`
+    (the dashboard, which reads every few seconds and reports no skipped file, leaves that to
+    `fastjobs stats`).
     """
     found, skipped = [], []
     for path in _stats_files():
@@ -743,7 +747,7 @@ def live_masters(identity: str | None = None) -> tuple[list[MasterFile], list[Sk
         if item is None:
             continue
         if isinstance(item, Skipped):
-            if item.stale and item.ours:
+            if item.stale and item.ours and remove_stale:
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
             skipped.append(item)

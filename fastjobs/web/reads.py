@@ -175,7 +175,7 @@ def overview(conn: psycopg.Connection[Any], dsn: str) -> Overview:
 
 
 def _upkeep_warnings(conn: psycopg.Connection[Any], dsn: str) -> list[str]:
-    found, _ = stats.live_masters(stats.database_identity(conn, dsn))
+    found, _ = stats.live_masters(stats.database_identity(conn, dsn), remove_stale=False)
     return stats.upkeep_warnings(p for m in found for p in m.processes)
 
 
@@ -293,7 +293,7 @@ class Engine:
 
 
 def engine(conn: psycopg.Connection[Any], dsn: str) -> Engine:
-    found, _ = stats.live_masters(stats.database_identity(conn, dsn))
+    found, _ = stats.live_masters(stats.database_identity(conn, dsn), remove_stale=False)
     now = time.time()
     masters = [
         {
