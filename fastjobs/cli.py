@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from . import control, database, logs, schema, sql, stats
+from . import control, database, logs, report, schema, scoreboard, sql, stats
 from .abc import OUTCOMES
 from .app import App
 from .children import EXIT_BOOT_ERROR
@@ -25,7 +25,7 @@ from .errors import ConfigurationError, DatabaseUnavailable, FastjobsError, Sche
 from .impl import FALLBACK, IMPLEMENTATION
 from .leader import DEFAULT_LEASE, LeaderConfig, RescuerConfig, periodic_status
 from .master import DEFAULT_WORKER_TIMEOUT, Master, parse_queues, threaded_queues
-from .stats import HORIZON_WARNING
+from .report import HORIZON_WARNING
 from .types import JobSpec, JobState
 from .worker import WorkerConfig, host_id
 
@@ -565,7 +565,7 @@ def _no_such_names(conn: Any, queue: str | None, kind: str | None) -> None:
     serve and handle (their heartbeats).
     """
     rows = control.kinds(conn)
-    workers = [w for h in stats.cluster(conn) for w in h.workers if not w.stale]
+    workers = [w for h in report.cluster(conn) for w in h.workers if not w.stale]
     queues = {q for q, _, _ in rows} | {q for w in workers for q in w.queues}
     kinds = {k for _, k, _ in rows} | {k for w in workers for k in w.counters.get("handles", [])}
     if queue is not None and queue not in queues:
@@ -779,7 +779,7 @@ _PERIODIC_COLUMNS: list[Column[Any]] = [
     Column("last tick (UTC)", _last_tick),
     Column("next tick (UTC)", lambda p: _minute(p.next_tick)),
 ]
-_QUEUE_COLUMNS: list[Column[stats.QueueDepth]] = [
+_QUEUE_COLUMNS: list[Column[report.QueueDepth]] = [
     Column("queue", lambda d: _safe(d.queue)),
     Column("state", lambda d: d.state),
     Column("jobs", lambda d: f"{d.count:,}", ">"),
@@ -802,8 +802,8 @@ def _process_columns(now: float) -> list[Column[dict[str, Any]]]:
     ]
 
 
-def _table_columns(now: float) -> list[Column[stats.TableHealth]]:
-    def vacuumed(t: stats.TableHealth) -> str:
+def _table_columns(now: float) -> list[Column[report.TableHealth]]:
+    def vacuumed(t: report.TableHealth) -> str:
         last = max((v for v in (t.last_vacuum, t.last_autovacuum) if v is not None), default=None)
         when = "never" if last is None else f"{now - last:,.0f}s ago"
         return f"{when} ({t.autovacuums:,} autovacuums)"
@@ -827,13 +827,13 @@ def _stats(args: argparse.Namespace) -> int:
     dsn = database.resolve_dsn(args.dsn, fallback=True)
     with database.connect(dsn, autocommit=True) as conn:
         schema.check(conn)
-        depths = stats.queue_depths(conn)
-        health = stats.health(conn)
-        identity = stats.database_identity(conn, dsn)
-        hosts = stats.cluster(conn)
-        unhandled = stats.unhandled_kinds(control.kinds(conn), hosts)
+        depths = report.queue_depths(conn)
+        health = report.health(conn)
+        identity = scoreboard.database_identity(conn, dsn)
+        hosts = report.cluster(conn)
+        unhandled = report.unhandled_kinds(control.kinds(conn), hosts)
     warnings = health.warnings(args.horizon_warning) + [u.warning() for u in unhandled]
-    found, skipped = stats.live_masters(None if args.all_masters else identity)
+    found, skipped = scoreboard.live_masters(None if args.all_masters else identity)
     for skip in skipped:
         removed = " (removed)" if skip.stale and skip.ours else ""
         logger.warning("skipped %s: %s%s", skip.path, skip.reason, removed)
@@ -850,7 +850,7 @@ def _stats(args: argparse.Namespace) -> int:
         }
         for m in found
     ]
-    warnings += stats.upkeep_warnings(p for m in found if m.database == identity for p in m.processes)
+    warnings += report.upkeep_warnings(p for m in found if m.database == identity for p in m.processes)
     if args.json:
         doc = {
             "database": identity,
@@ -898,7 +898,7 @@ _KIND_COLUMNS: list[Column[dict[str, Any]]] = [
     Column("run", lambda k: _mean(k["run_seconds"]), ">"),
     Column("pickup", lambda k: _mean(k["pickup_seconds"]), ">"),
 ]
-_HOST_COLUMNS: list[Column[stats.ClusterHost]] = [
+_HOST_COLUMNS: list[Column[report.ClusterHost]] = [
     Column("host", lambda h: _safe(h.host)),
     Column("workers", lambda h: str(len(h.workers)), ">"),
     Column("stale", lambda h: str(h.stale), ">"),
@@ -908,7 +908,7 @@ _HOST_COLUMNS: list[Column[stats.ClusterHost]] = [
     Column("beat", lambda h: f"{h.heartbeat_age:.1f}s", ">"),
     Column("queues", lambda h: _safe(",".join(h.queues))),
 ]
-_CLUSTER_WORKER_COLUMNS: list[Column[stats.ClusterWorker]] = [
+_CLUSTER_WORKER_COLUMNS: list[Column[report.ClusterWorker]] = [
     Column("worker", lambda w: _safe(w.id)),
     Column("pid", lambda w: str(w.pid), ">"),
     Column("jobs/s", lambda w: f"{w.rate:,.0f}", ">"),
@@ -924,7 +924,7 @@ def _print_kinds(kinds: list[dict[str, Any]]) -> None:
         _table(_KIND_COLUMNS, kinds)
 
 
-def _print_cluster(hosts: list[stats.ClusterHost]) -> None:
+def _print_cluster(hosts: list[report.ClusterHost]) -> None:
     """Every host's workers against this database, from their heartbeats (stale ones flagged)."""
     _echo(f"\ncluster: {len(hosts)} host(s) with workers registered in this database")
     if not hosts:
@@ -942,7 +942,7 @@ def _listener(p: dict[str, Any], now: float) -> str:
     return f"{state}, {p['listener_reconnects']} reconnects"
 
 
-def _print_health(health: stats.Health, now: float) -> None:
+def _print_health(health: report.Health, now: float) -> None:
     _echo("\nMVCC health")
     h = health.horizon
     if h is None:

@@ -27,17 +27,14 @@ from psycopg import sql as pgsql
 from . import database, enqueue, schema, sql
 from .cron import schedule
 from .errors import ConfigurationError, DatabaseUnavailable
+from .report import HORIZON_WARNING, ROTATION_PROBLEMS, Horizon, health
 from .stats import (
-    HORIZON_WARNING,
     ROTATION_DEFERRED,
     ROTATION_FAILED,
     ROTATION_GAVE_WAY,
     ROTATION_OK,
     ROTATION_PRIVILEGES,
-    ROTATION_PROBLEMS,
-    Horizon,
     Slot,
-    health,
 )
 from .types import JobSpec
 

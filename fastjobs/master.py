@@ -32,7 +32,8 @@ from .impl import IMPLEMENTATION
 from .leader import Leader, LeaderConfig
 from .logs import job_fields, plural
 from .metrics import MetricsProcess
-from .stats import LEADER, WORKER, Labels, Slot, Slots, database_identity
+from .scoreboard import Labels, Slots, database_identity
+from .stats import LEADER, WORKER, Slot
 from .types import DEFAULT_QUEUE
 from .worker import Supervision, Worker, WorkerConfig, host_id, make_worker_id
 

@@ -42,7 +42,10 @@ import psycopg
 from . import database, sql
 from .children import EXIT_BOOT_ERROR, EXIT_CRASH, Backoff, die_with, fork, how_it_ended
 from .errors import FastjobsError
-from .stats import LEADER, ClusterHost, Health, QueueDepth, Slots, cluster, health, prometheus, queue_depths
+from .exposition import prometheus
+from .report import ClusterHost, Health, QueueDepth, cluster, health, queue_depths
+from .scoreboard import Slots
+from .stats import LEADER
 
 logger = logging.getLogger(__name__)
 

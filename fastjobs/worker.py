@@ -26,7 +26,8 @@ from .app import App
 from .errors import ConfigurationError, DatabaseUnavailable, LoopError
 from .handlers import Executor
 from .impl import core
-from .stats import Labels, Slot, worker_counters
+from .scoreboard import Labels
+from .stats import Slot, worker_counters
 from .types import DEFAULT_QUEUE
 
 __all__ = [

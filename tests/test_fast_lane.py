@@ -24,7 +24,7 @@ import psycopg
 import pytest
 
 import fastjobs
-from fastjobs import App, Retry, Snooze, control, guard, stats
+from fastjobs import App, Retry, Snooze, control, guard, report
 from fastjobs.abc import BATCH_SECONDS, DEEP_CLAIM
 from fastjobs.handlers import Executor
 from fastjobs.impl import core
@@ -121,7 +121,7 @@ def _states(conn: psycopg.Connection[Any], **filters: Any) -> dict[int, str]:
 
 def _depths(conn: psycopg.Connection[Any]) -> dict[str, tuple[int, float | None]]:
     """What `fastjobs stats` and the metrics report for the default queue, by state."""
-    return {d.state: (d.count, d.oldest_seconds) for d in stats.queue_depths(conn) if d.queue == "default"}
+    return {d.state: (d.count, d.oldest_seconds) for d in report.queue_depths(conn) if d.queue == "default"}
 
 
 def test_a_job_in_flight_reads_running_in_jobs_list_and_stats(app: App, dsn: str) -> None:

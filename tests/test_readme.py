@@ -291,7 +291,7 @@ def test_the_cluster_views_sample_output_is_what_fastjobs_stats_prints(
 ) -> None:
     """The `fastjobs stats` cluster sample, printed from the hosts it shows."""
     from fastjobs import cli
-    from fastjobs.stats import ClusterHost, ClusterWorker
+    from fastjobs.report import ClusterHost, ClusterWorker
 
     [sample] = [code for _, lang, code in BLOCKS if lang == "text" and code.startswith("cluster: ")]
 

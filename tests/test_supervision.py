@@ -23,7 +23,8 @@ import pytest
 
 from fastjobs import App
 from fastjobs.leader import HEARTBEAT_INTERVAL
-from fastjobs.stats import WORKER, Labels, Slots
+from fastjobs.scoreboard import Labels, Slots
+from fastjobs.stats import WORKER
 
 from . import procs
 from .procs import count, runs, wait_for

@@ -24,7 +24,7 @@ from fastjobs import App, Cancel, Retry, Snooze, _core_py, current_job
 from fastjobs.abc import BUCKETS, OUTCOMES, PICKUP, ROW, RUN, BatchLoop, Core
 from fastjobs.errors import FastjobsError, LoopError
 from fastjobs.handlers import Executor
-from fastjobs.stats import Labels
+from fastjobs.scoreboard import Labels
 from fastjobs.testing import databases
 
 from .helpers import query, wait_for

@@ -21,6 +21,7 @@ from psycopg.conninfo import make_conninfo
 
 from fastjobs import App
 from fastjobs.abc import BATCH_SECONDS, GUARD_TICK
+from fastjobs.exposition import prometheus
 from fastjobs.leader import (
     SLOTS,
     Leader,
@@ -30,17 +31,10 @@ from fastjobs.leader import (
     SchedulerConfig,
     rotate_once,
 )
+from fastjobs.report import upkeep_warnings
+from fastjobs.scoreboard import Slots, database_identity
 from fastjobs.sql import LEADER_LOCK_KEY
-from fastjobs.stats import (
-    LEADER,
-    ROTATION_DEFERRED,
-    ROTATION_OK,
-    ROTATION_PRIVILEGES,
-    Slots,
-    database_identity,
-    prometheus,
-    upkeep_warnings,
-)
+from fastjobs.stats import LEADER, ROTATION_DEFERRED, ROTATION_OK, ROTATION_PRIVILEGES
 from fastjobs.worker import Worker, WorkerConfig
 
 from . import procs

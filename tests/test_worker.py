@@ -18,7 +18,8 @@ from psycopg.types.json import Jsonb
 import fastjobs.worker
 from fastjobs import App, ConfigurationError
 from fastjobs.cli import _parser
-from fastjobs.stats import WORKER, Slots
+from fastjobs.scoreboard import Slots
+from fastjobs.stats import WORKER
 from fastjobs.worker import Listener, Worker, WorkerConfig
 
 from .helpers import (

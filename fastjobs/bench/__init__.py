@@ -35,7 +35,7 @@ from ..impl import IMPLEMENTATION, core
 from ..leader import CleanerConfig, clean_once
 from ..logs import plural
 from ..master import DEFAULT_CONCURRENCY, Master
-from ..stats import Slots, find
+from ..scoreboard import Slots, find
 from ..worker import Worker, WorkerConfig
 from . import queries
 
