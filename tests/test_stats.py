@@ -452,7 +452,7 @@ def stats_of(*user):
 result = stats_of()
 # Another user's view of the same files (what `fastjobs stats` reads, without its database part).
 listing = (
-    "import json; from fastjobs import stats; found, skipped = scoreboard.live_masters();"
+    "import json; from fastjobs import scoreboard; found, skipped = scoreboard.live_masters();"
     "print(json.dumps([[str(m.path) for m in found], [[str(s.path), s.reason] for s in skipped]]))"
 )
 nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", listing]
