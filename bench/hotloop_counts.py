@@ -16,7 +16,7 @@ import time
 import psycopg
 
 from fastjobs import App, schema, scoreboard, stats
-from fastjobs.handlers import Executor
+from fastjobs.executor import Executor
 from fastjobs.impl import IMPLEMENTATION, core
 
 

@@ -4,6 +4,7 @@ import logging as _logging
 from types import ModuleType as _ModuleType
 
 from .app import App, Job
+from .context import JobContext, current_job
 from .errors import (
     Cancel,
     ConfigurationError,
@@ -21,7 +22,6 @@ from .errors import (
     Snooze,
     UnknownKind,
 )
-from .handlers import JobContext, current_job
 from .middleware import Enqueue
 from .results import JobHandle, JobStatus
 from .retry import default_backoff

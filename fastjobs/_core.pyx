@@ -21,7 +21,8 @@ import threading
 
 import orjson
 
-from fastjobs import guard, handlers, sql, stats
+from fastjobs import guard, sql, stats
+from fastjobs import outcomes as handlers
 from fastjobs.abc import (BATCH_SECONDS, BUCKETS_NS, COMPLETED, DEEP_CLAIM, FAST_LANE_DEMOTE,
                           FULL_CLAIM_DUTY, FULL_CLAIM_MAX_WAIT, HAND_BACK_AFTER, KEEPING_CLAIMS,
                           INT64_MAX, MARK_RUN_AT_MAX, MARK_RUN_AT_MIN, OBSERVED_MAX_NS, PG_EPOCH_US,

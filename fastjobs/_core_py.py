@@ -14,7 +14,8 @@ import orjson
 import psycopg
 from psycopg import pq
 
-from . import guard, handlers, sql, stats
+from . import guard, sql, stats
+from . import outcomes as handlers
 from .abc import (
     BATCH_SECONDS,
     COMPLETED,
@@ -34,7 +35,7 @@ from .abc import (
 )
 from .args import dump_args as dump_args
 from .errors import LoopError
-from .handlers import Executor
+from .executor import Executor
 from .stats import RUNNING_JOB, RUNNING_SUSPECT, RUNNING_WRITING
 from .types import JobSpec, Outcome
 

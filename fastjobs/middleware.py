@@ -26,8 +26,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .context import JobContext, _async_job, _thread
 from .errors import FastjobsError
-from .handlers import JobContext, _async_job, _thread
 from .types import JobSpec
 
 __all__ = [

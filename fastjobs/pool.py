@@ -24,11 +24,15 @@ import queue
 import signal
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from .context import JobContext, bind
 from .errors import JobTimeout
-from .handlers import Executor, JobContext, SlowJob, bind, cancelled, release
+from .outcomes import SlowJob, cancelled, release
 from .types import Outcome
+
+if TYPE_CHECKING:
+    from .executor import Executor
 
 logger = logging.getLogger(__name__)
 

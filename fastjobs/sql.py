@@ -390,7 +390,7 @@ _section("Finishes")
 # completed_later: the same for the 'completed' outcomes of $2 (jobs
 #   completed at an attempt other than the first);
 # failed: the other outcomes of $2 recorded. $2 is a JSON array of the
-#   records fastjobs.handlers writes (fastjobs.types.Outcome: id, attempt,
+#   records fastjobs.outcomes writes (fastjobs.types.Outcome: id, attempt,
 #   state, delay in seconds or null to keep run_at, uncount 1 to give the
 #   attempt back, error to append or null); the state a record ends its job
 #   in is _outcome_state's. Its times (run_at, so a delay counts from then;

@@ -33,9 +33,10 @@ import orjson
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from . import database, enqueue, handlers, leader, schema, sql
+from . import database, enqueue, leader, schema, sql
+from .context import JobContext, _async_job, _thread
 from .errors import FastjobsError
-from .handlers import Executor, JobContext
+from .executor import Executor
 from .impl import core
 from .types import ArgsSchema, JobState
 
@@ -299,7 +300,7 @@ class Testing:
         ran = 0
         executor = Executor()
         executor.worker = WORKER_ID
-        saved = (getattr(handlers._thread, "job", None), getattr(handlers._thread, "executor", None))
+        saved = (getattr(_thread, "job", None), getattr(_thread, "executor", None))
         # The queues of kinds handled elsewhere alone (app.declare): the app's workers never serve them.
         app = self.app
         elsewhere = {s.queue for s in app.declared.values()} - {s.queue for s in app.jobs.values()}
@@ -347,7 +348,7 @@ class Testing:
         finally:
             self._draining = False
             executor.close()
-            handlers._thread.job, handlers._thread.executor = saved
+            _thread.job, _thread.executor = saved
         return Drained(**totals)
 
     def run_job(self, job: Job[..., Any] | str, /, **args: Any) -> Any:
@@ -365,12 +366,12 @@ class Testing:
         context = JobContext(_RUN_JOB_ID, spec.kind, 1)
         if spec.is_async:
             return _off_the_event_loop(lambda: asyncio.run(_with_context(context, spec.target, decoded)))
-        saved = getattr(handlers._thread, "job", None)
-        handlers._thread.job = context
+        saved = getattr(_thread, "job", None)
+        _thread.job = context
         try:
             return spec.target(**decoded)
         finally:
-            handlers._thread.job = saved
+            _thread.job = saved
 
     async def run_job_async(self, job: Job[..., Any] | str, /, **args: Any) -> Any:
         """`run_job` on the running event loop (an async handler's resources may be bound to it)."""
@@ -594,7 +595,7 @@ def _off_the_event_loop(call: Callable[[], T]) -> T:
 
 
 async def _with_context(context: JobContext, target: Callable[..., Any], args: dict[str, Any]) -> Any:
-    handlers._async_job.set(context)  # this coroutine's task's context only
+    _async_job.set(context)  # this coroutine's task's context only
     return await target(**args)
 
 

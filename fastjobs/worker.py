@@ -24,7 +24,7 @@ from . import database, leader, schema, sql
 from .abc import BatchLoop
 from .app import App
 from .errors import ConfigurationError, DatabaseUnavailable, LoopError
-from .handlers import Executor
+from .executor import Executor
 from .impl import core
 from .scoreboard import Labels
 from .stats import Slot, worker_counters

@@ -22,7 +22,7 @@ import pytest
 
 from fastjobs import App, control, leader
 from fastjobs.abc import HAND_BACK_AFTER
-from fastjobs.handlers import Executor
+from fastjobs.executor import Executor
 
 from . import procs
 from .helpers import batch_loop, by_state, notifications, query, warm

@@ -26,7 +26,7 @@ import pytest
 import fastjobs
 from fastjobs import App, Retry, Snooze, control, guard, report
 from fastjobs.abc import BATCH_SECONDS, DEEP_CLAIM
-from fastjobs.handlers import Executor
+from fastjobs.executor import Executor
 from fastjobs.impl import core
 from fastjobs.worker import Worker, WorkerConfig
 
@@ -473,7 +473,7 @@ def test_an_outcome_postgresql_rejects_rolls_the_batch_back_to_the_state_lane(
 ) -> None:
     """The batch's jobs run again (at least once) on the state lane, which isolates the bad outcome:
     nothing is lost, the others complete, the bad job gets fastjobs's own failure record."""
-    monkeypatch.setattr(fastjobs.handlers, "clean", lambda text: text)
+    monkeypatch.setattr(fastjobs.outcomes, "clean", lambda text: text)
     runs: dict[int, int] = {}
 
     @app.job(kind="nul")

@@ -22,7 +22,7 @@ import pytest
 from fastjobs import App, _core, _core_py, report, scoreboard
 from fastjobs.abc import BUCKETS, COMPLETED, INT64_MAX, OUTCOMES, PICKUP_SUM, ROW
 from fastjobs.children import EXIT_BOOT_ERROR
-from fastjobs.handlers import Executor
+from fastjobs.executor import Executor
 
 from . import procs
 from .procs import count, wait_for

@@ -18,7 +18,7 @@ from psycopg.rows import dict_row
 import fastjobs
 from fastjobs import App, JobCancelled, JobFailed, JobNotFound, JobStatus, abc, leader
 from fastjobs.cli import main
-from fastjobs.handlers import Executor
+from fastjobs.executor import Executor
 from fastjobs.impl import core
 from tests.helpers import batch_loop, drain, query, warm
 

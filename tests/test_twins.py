@@ -23,7 +23,7 @@ import pytest
 from fastjobs import App, Cancel, Retry, Snooze, _core_py, current_job
 from fastjobs.abc import BUCKETS, OUTCOMES, PICKUP, ROW, RUN, BatchLoop, Core
 from fastjobs.errors import FastjobsError, LoopError
-from fastjobs.handlers import Executor
+from fastjobs.executor import Executor
 from fastjobs.scoreboard import Labels
 from fastjobs.testing import databases
 

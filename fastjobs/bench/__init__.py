@@ -29,8 +29,8 @@ from psycopg.conninfo import make_conninfo
 
 from .. import database, enqueue, schema, sql
 from ..app import App
+from ..context import current_job
 from ..errors import FastjobsError
-from ..handlers import current_job
 from ..impl import IMPLEMENTATION, core
 from ..leader import CleanerConfig, clean_once
 from ..logs import plural
