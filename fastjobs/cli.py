@@ -23,7 +23,8 @@ from .app import App
 from .children import EXIT_BOOT_ERROR
 from .errors import ConfigurationError, DatabaseUnavailable, FastjobsError, SchemaMissing
 from .impl import FALLBACK, IMPLEMENTATION
-from .leader import DEFAULT_LEASE, LeaderConfig, RescuerConfig, periodic_status
+from .leader import DEFAULT_LEASE, LeaderConfig
+from .maintenance import RescuerConfig, periodic_status
 from .master import DEFAULT_WORKER_TIMEOUT, Master, parse_queues, threaded_queues
 from .report import HORIZON_WARNING
 from .types import JobSpec, JobState

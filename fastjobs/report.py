@@ -63,7 +63,7 @@ def upkeep_warnings(processes: Iterable[dict[str, float]]) -> list[str]:
     return lines
 
 
-# A worker heartbeats every leader.HEARTBEAT_INTERVAL (2 s): three missed and
+# A worker heartbeats every maintenance.HEARTBEAT_INTERVAL (2 s): three missed and
 # the cluster view calls it stale (the rescuer waits for --rescue-after, 15 s).
 STALE_AFTER = 6.0
 

@@ -1237,7 +1237,7 @@ jobs_dead_rows: Final = "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid 
 # had stalls of 0.1-3 s (bench/RESULTS.md, latency under load).
 vacuum_jobs: Final = "VACUUM (SKIP_LOCKED, TRUNCATE false) fastjobs_jobs"
 
-# The rotation (fastjobs.leader.rotate_once): inserts through the parent go
+# The rotation (fastjobs.maintenance.rotate_once): inserts through the parent go
 # to the slot fastjobs_slot names; every `interval` the leader empties the
 # oldest rotating slot, the one after the current, and makes it current. The
 # slot's table is named in slot_lock and slot_truncate ({partition}:

@@ -84,7 +84,7 @@ SLOW_CAPACITY_MAX = 10_000
 ROLES = {1: "worker", 2: "leader"}
 WORKER, LEADER = 1, 2
 
-# Why a rotation try did not rotate (fastjobs.leader.Rotator.problem, the
+# Why a rotation try did not rotate (fastjobs.maintenance.Rotator.problem, the
 # leader slot's rotation_problem): its name, and what the operator should do.
 ROTATION_OK, ROTATION_PRIVILEGES, ROTATION_DEFERRED, ROTATION_GAVE_WAY, ROTATION_FAILED = range(5)
 

@@ -33,7 +33,7 @@ import orjson
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from . import database, enqueue, leader, schema, sql
+from . import database, enqueue, maintenance, schema, sql
 from .context import JobContext, _async_job, _thread
 from .errors import FastjobsError
 from .executor import Executor
@@ -316,7 +316,7 @@ class Testing:
                             (shift,) = cur.execute(sql.testing_shift_due, (now, queues)).fetchone() or (None,)
                             if shift is not None:  # the clock moved to the next job: less of it is left
                                 now -= dt.timedelta(seconds=shift)
-                        leader.schedule_once(conn)
+                        maintenance.schedule_once(conn)
                         due = [row[0] for row in cur.execute(sql.testing_queues_due, (queues,))]
                         if queues is None:
                             due = [queue for queue in due if queue not in elsewhere]

@@ -20,7 +20,8 @@ import orjson
 import psycopg
 from setproctitle import setproctitle
 
-from . import database, leader, schema, sql
+from . import database, schema, sql
+from . import maintenance as leader
 from .abc import BatchLoop
 from .app import App
 from .errors import ConfigurationError, DatabaseUnavailable, LoopError

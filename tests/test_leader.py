@@ -29,10 +29,9 @@ from psycopg import sql as pgsql
 
 from fastjobs import App, control
 from fastjobs.errors import ConfigurationError
-from fastjobs.leader import (
+from fastjobs.leader import Leader, LeaderConfig
+from fastjobs.maintenance import (
     CleanerConfig,
-    Leader,
-    LeaderConfig,
     RescuerConfig,
     SchedulerConfig,
     VacuumConfig,

@@ -17,7 +17,7 @@ import pytest
 from fastjobs import App, Cancel, Enqueue, JobContext, Retry, Snooze, _core, _core_py, current_job
 from fastjobs.errors import FastjobsError
 from fastjobs.executor import Executor
-from fastjobs.leader import periodic_once
+from fastjobs.maintenance import periodic_once
 
 from . import procs
 from .helpers import drain, jobs, query

@@ -22,7 +22,7 @@ import psycopg
 import pytest
 
 from fastjobs import App
-from fastjobs.leader import HEARTBEAT_INTERVAL
+from fastjobs.maintenance import HEARTBEAT_INTERVAL
 from fastjobs.scoreboard import Labels, Slots
 from fastjobs.stats import WORKER
 

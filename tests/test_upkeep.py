@@ -22,15 +22,8 @@ from psycopg.conninfo import make_conninfo
 from fastjobs import App
 from fastjobs.abc import BATCH_SECONDS, GUARD_TICK
 from fastjobs.exposition import prometheus
-from fastjobs.leader import (
-    SLOTS,
-    Leader,
-    LeaderConfig,
-    RotationConfig,
-    Rotator,
-    SchedulerConfig,
-    rotate_once,
-)
+from fastjobs.leader import Leader, LeaderConfig
+from fastjobs.maintenance import SLOTS, RotationConfig, Rotator, SchedulerConfig, rotate_once
 from fastjobs.report import upkeep_warnings
 from fastjobs.scoreboard import Slots, database_identity
 from fastjobs.sql import LEADER_LOCK_KEY

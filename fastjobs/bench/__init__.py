@@ -32,8 +32,8 @@ from ..app import App
 from ..context import current_job
 from ..errors import FastjobsError
 from ..impl import IMPLEMENTATION, core
-from ..leader import CleanerConfig, clean_once
 from ..logs import plural
+from ..maintenance import CleanerConfig, clean_once
 from ..master import DEFAULT_CONCURRENCY, Master
 from ..scoreboard import Slots, find
 from ..worker import Worker, WorkerConfig
