@@ -131,7 +131,8 @@ from fastjobs import (
     sql,
 )
 from fastjobs.children import EXIT_BOOT_ERROR
-from fastjobs.cli import _parser, main
+from fastjobs.cli import main
+from fastjobs.cli.command import _parser
 from fastjobs.testing import Drained
 
 from . import procs

@@ -17,7 +17,7 @@ from psycopg.types.json import Jsonb
 
 import fastjobs.worker
 from fastjobs import App, ConfigurationError
-from fastjobs.cli import _parser
+from fastjobs.cli.command import _parser
 from fastjobs.scoreboard import Slots
 from fastjobs.stats import WORKER
 from fastjobs.worker import Listener, Worker, WorkerConfig
