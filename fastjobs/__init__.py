@@ -3,7 +3,7 @@
 import logging as _logging
 from types import ModuleType as _ModuleType
 
-from .app import App, Job
+from .app import App
 from .context import JobContext, current_job
 from .errors import (
     Cancel,
@@ -22,6 +22,7 @@ from .errors import (
     Snooze,
     UnknownKind,
 )
+from .job import Job
 from .middleware import Enqueue
 from .results import JobHandle, JobStatus
 from .retry import default_backoff

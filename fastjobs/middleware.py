@@ -26,7 +26,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import enqueue
 from .context import JobContext, _async_job, _thread
+from .enqueue import InsertParams, Options
 from .errors import FastjobsError
 from .types import JobSpec
 
@@ -153,3 +155,23 @@ def _inserted(chain: Sequence[EnqueueMiddleware], enqueue: Enqueue, done: list[i
             f" no {enqueue.kind!r} job was enqueued (raise to refuse an enqueue)"
         )
     return done[0]
+
+
+def call_of(opts: Options, args: dict[str, Any] | None) -> Enqueue:
+    """What enqueue middleware sees of a call: `args` for one job, None for many."""
+    return Enqueue(
+        opts.kind,
+        opts.queue,
+        opts.priority,
+        opts.max_attempts,
+        opts.run_at,
+        opts.delay,
+        many=args is None,
+        args=args,
+    )
+
+
+def with_meta(params: InsertParams, call: Enqueue) -> InsertParams:
+    """sql.job_insert's parameters with the meta the middleware gave."""
+    meta = enqueue.dump_meta(call.meta)
+    return params if meta is None else params._replace(meta=meta.decode())

@@ -41,7 +41,8 @@ from .impl import core
 from .types import ArgsSchema, JobState
 
 if TYPE_CHECKING:
-    from .app import App, Job
+    from .app import App
+    from .job import Job
 
 __all__ = [
     "Databases",
