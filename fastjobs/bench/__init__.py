@@ -34,8 +34,9 @@ from ..errors import FastjobsError
 from ..impl import IMPLEMENTATION, core
 from ..logs import plural
 from ..maintenance import CleanerConfig, clean_once
-from ..master import DEFAULT_CONCURRENCY, Master
+from ..master import Master
 from ..scoreboard import Slots, find
+from ..sharding import DEFAULT_CONCURRENCY
 from ..worker import Worker, WorkerConfig
 from . import queries
 

@@ -14,7 +14,8 @@ from ..children import EXIT_BOOT_ERROR
 from ..errors import ConfigurationError
 from ..leader import LeaderConfig
 from ..maintenance import RescuerConfig
-from ..master import Master, parse_queues, threaded_queues
+from ..master import Master
+from ..sharding import parse_queues, threaded_queues
 from ..worker import WorkerConfig, host_id
 
 logger = logging.getLogger("fastjobs.cli")
