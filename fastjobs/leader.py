@@ -30,8 +30,6 @@ from .maintenance import (
     RotationConfig,
     Rotator,
     SchedulerConfig,
-    VacuumConfig,
-    Vacuumer,
     clean_once,
     describe,
     periodic_once,
@@ -39,6 +37,7 @@ from .maintenance import (
     schedule_once,
 )
 from .stats import Slot
+from .vacuum import VacuumConfig, Vacuumer
 
 if TYPE_CHECKING:
     from .app import App

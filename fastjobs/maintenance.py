@@ -1,4 +1,4 @@
-"""The maintenance services: scheduler, rescuer, cleaner, periodic jobs, rotation and vacuum.
+"""The maintenance services: scheduler, rescuer, cleaner, periodic jobs and the rotation.
 
 Every service has one shape: a frozen config with defaults, and a
 `*_once(conn, now, config)` that works in LIMIT-sized batches until a batch
@@ -6,27 +6,25 @@ comes back short and returns its counts (the rotation needs no clock; the
 periodic service is given the cron jobs' specs). The leader runs them all; a
 standalone Worker (no master, so no leader) runs the scheduler itself when
 idle, and the rotation when the leader's lock is free, both safe
-concurrently (SKIP LOCKED; the rotation's own lock).
+concurrently (SKIP LOCKED; the rotation's own lock). The leader's VACUUM,
+which needs a thread of its own, is fastjobs.vacuum.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import logging
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import sql as pgsql
 
-from . import database, enqueue, sql
+from . import enqueue, sql
 from .cron import schedule
-from .errors import ConfigurationError, DatabaseUnavailable
-from .report import HORIZON_WARNING, ROTATION_PROBLEMS, Horizon, health
+from .errors import ConfigurationError
+from .report import ROTATION_PROBLEMS
 from .stats import (
     ROTATION_DEFERRED,
     ROTATION_FAILED,
@@ -104,34 +102,6 @@ class CleanerConfig:
     def rest(self, spent: float) -> float:
         """Seconds to rest after a turn that took `spent` (its whole budget: more is due)."""
         return spent * (1.0 - self.duty) / self.duty
-
-
-@dataclass(frozen=True, slots=True)
-class VacuumConfig:
-    """The jobs table is vacuumed by the leader as soon as dead rows pile up.
-
-    Every job leaves two dead row versions (its claim and its completion):
-    at 30k jobs/s, 60k a second. Autovacuum visits a database once a minute
-    at best (autovacuum_naptime), and never where it is off; meanwhile the
-    table grows by ~10 MB/s and the claim index fills with entries of claimed
-    jobs. The leader runs VACUUM on a connection of its own (it may take
-    seconds; the other services keep their pace) whenever `threshold` dead
-    rows are counted, resting between runs so it vacuums at most `duty` of
-    the time: a transaction holding the horizon back makes every VACUUM long
-    and useless until it ends.
-    """
-
-    enabled: bool = True
-    threshold: int = 20_000
-    interval: float = 1.0
-    duty: float = 0.5
-    # The leader's log also says when one snapshot has held cleanup back this
-    # long (checked every `horizon_interval` seconds), as `fastjobs stats` does.
-    horizon_warning: float = HORIZON_WARNING
-    horizon_interval: float = 30.0
-
-    def rest(self, spent: float) -> float:
-        return max(self.interval, spent * (1.0 - self.duty) / self.duty)
 
 
 @dataclass(frozen=True, slots=True)
@@ -559,97 +529,6 @@ def _db_now(conn: psycopg.Connection[Any]) -> dt.datetime:
         row = cur.execute(sql.db_now).fetchone()
     assert row is not None
     return row[0]  # type: ignore[no-any-return]
-
-
-class Vacuumer:
-    """VACUUM of the jobs table, from a thread of the leader, while it leads (see VacuumConfig)."""
-
-    def __init__(self, dsn: str, config: VacuumConfig, leading: Callable[[], bool]) -> None:
-        self.dsn = dsn
-        self.config = config
-        self.leading = leading
-        self.runs = 0
-        self.held_back: Horizon | None = None  # the snapshot that made the last VACUUM futile
-        self._conn: psycopg.Connection[Any] | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="fastjobs-vacuum", daemon=True)
-
-    def start(self) -> None:
-        if self.config.enabled:
-            self._thread.start()
-
-    def stop(self) -> None:
-        """Stop, cancelling a VACUUM under way (it may have minutes to go; the next leader redoes it)."""
-        self._stop.set()
-        conn = self._conn
-        if conn is not None:
-            with contextlib.suppress(psycopg.Error):
-                conn.cancel_safe()
-        if self._thread.is_alive():
-            self._thread.join()
-
-    def _run(self) -> None:
-        wait = self.config.interval
-        next_horizon = 0.0
-        try:
-            while not self._stop.wait(wait):
-                wait = self.config.interval
-                if not self.leading():
-                    continue
-                try:
-                    if self._conn is None or self._conn.closed:
-                        self._conn = database.connect(self.dsn, autocommit=True)
-                    if time.monotonic() >= next_horizon:
-                        next_horizon = time.monotonic() + self.config.horizon_interval
-                        for line in health(self._conn).warnings(self.config.horizon_warning):
-                            logger.warning("leader: %s", line)
-                    wait = self.vacuum_once(self._conn)
-                except (psycopg.Error, DatabaseUnavailable) as exc:
-                    if not self._stop.is_set():
-                        logger.warning("leader vacuum: %s", exc)
-                    if self._conn is not None:
-                        self._conn.close()
-                    self._conn = None
-        finally:
-            if self._conn is not None:
-                self._conn.close()
-
-    def vacuum_once(self, conn: psycopg.Connection[Any]) -> float:
-        """VACUUM the jobs table if enough rows are dead; the seconds to wait before looking again.
-
-        A VACUUM that left most dead rows in place was held back by the
-        oldest snapshot; while that same snapshot stays open, another would
-        scan the whole (growing) table for nothing, taking CPU from the drain.
-        """
-        with psycopg.RawCursor(conn) as cur:
-            row = cur.execute(sql.jobs_dead_rows).fetchone()
-            if row is None or row[0] < self.config.threshold:
-                return self.config.interval
-            holder = cur.execute(sql.mvcc_horizon).fetchone()
-            horizon = Horizon(*holder) if holder else None
-            if self.held_back is not None and _same_snapshot(self.held_back, horizon):
-                return self.config.interval
-            began = time.monotonic()
-            cur.execute(sql.vacuum_jobs)
-            spent = time.monotonic() - began
-            after = cur.execute(sql.jobs_dead_rows).fetchone()
-        self.runs += 1
-        futile = after is not None and after[0] >= FUTILE_VACUUM * row[0]
-        self.held_back = horizon if futile else None
-        return self.config.rest(spent)
-
-
-# A VACUUM that leaves this share of the dead rows in place was held back.
-FUTILE_VACUUM = 0.5
-
-
-def _same_snapshot(before: Horizon, now: Horizon | None) -> bool:
-    """Whether `now` is the snapshot `before` still open (same holder, open at least as long)."""
-    return (
-        now is not None
-        and (now.source, now.ident) == (before.source, before.ident)
-        and (now.seconds or 0.0) >= (before.seconds or 0.0)
-    )
 
 
 def describe(result: Any) -> str:

@@ -34,13 +34,12 @@ from fastjobs.maintenance import (
     CleanerConfig,
     RescuerConfig,
     SchedulerConfig,
-    VacuumConfig,
-    Vacuumer,
     clean_once,
     rescue_once,
     schedule_once,
 )
 from fastjobs.sql import LEADER_LOCK_KEY, NOTIFY_CHANNEL
+from fastjobs.vacuum import VacuumConfig, Vacuumer
 
 from . import procs
 from .helpers import query
