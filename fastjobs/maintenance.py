@@ -34,6 +34,19 @@ from .stats import (
 )
 from .types import JobSpec
 
+__all__ = [
+    "CleanerConfig",
+    "PeriodicConfig",
+    "RescuerConfig",
+    "RotationConfig",
+    "SchedulerConfig",
+    "clean_once",
+    "periodic_once",
+    "rescue_once",
+    "rotate_once",
+    "schedule_once",
+]
+
 logger = logging.getLogger("fastjobs.leader")  # the name users filter on: the services run in the leader
 
 if TYPE_CHECKING:

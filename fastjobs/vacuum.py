@@ -16,6 +16,8 @@ from . import database, sql
 from .errors import DatabaseUnavailable
 from .report import HORIZON_WARNING, Horizon, health
 
+__all__ = ["VacuumConfig"]
+
 logger = logging.getLogger("fastjobs.leader")  # the name users filter on: the vacuum runs in the leader
 
 
