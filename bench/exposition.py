@@ -21,10 +21,10 @@ from fastjobs.abc import BUCKETS, OUTCOMES, ROW
 KINDS, QUEUES, WORKERS = 20, 4, 8
 
 
-def filled() -> scoreboard.Slots:
+def filled() -> scoreboard.Scoreboard:
     queues = [f"queue{q}" for q in range(QUEUES)]
     labels = scoreboard.Labels([f"kind{k}" for k in range(KINDS)], [queues] * WORKERS + [[]])
-    slots = scoreboard.Slots.create(WORKERS + 1, "bench", 0, labels)
+    slots = scoreboard.Scoreboard.create(WORKERS + 1, "bench", 0, labels)
     rng = random.Random(1)
     for i in range(WORKERS):
         slot = slots[i]
@@ -37,7 +37,7 @@ def filled() -> scoreboard.Slots:
 class KindCollector:
     """What a prometheus_client custom collector over the same shared memory would be."""
 
-    def __init__(self, slots: scoreboard.Slots) -> None:
+    def __init__(self, slots: scoreboard.Scoreboard) -> None:
         self.slots = slots
 
     def collect(self) -> Iterator[Any]:

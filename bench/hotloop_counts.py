@@ -23,7 +23,7 @@ from fastjobs.impl import IMPLEMENTATION, core
 def drain(app: App, counts: bool, jobs: int) -> float:
     app.enqueue_many("noop", ({"n": i} for i in range(jobs)))
     labels = scoreboard.Labels(list(app.jobs), [["default"]])
-    slots = scoreboard.Slots.create(1, "bench", 0, labels)
+    slots = scoreboard.Scoreboard.create(1, "bench", 0, labels)
     slot = slots[0]
     slot.claim(stats.WORKER, 0)
     conn = psycopg.connect(app.dsn, autocommit=True)

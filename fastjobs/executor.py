@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 class Executor:
     """The slow path of one worker: async handlers, timeouts, their outcomes, and cancellation.
 
-    `cancel` is called from the worker's control thread: it marks the job
+    `cancel` is called from the worker's heartbeat thread: it marks the job
     (the hot loop checks `cancelled` before starting a job and after it ran)
     and cancels an async job's task on the event loop.
 
@@ -57,11 +57,11 @@ class Executor:
         # The slow jobs of the batch running that keep their result (keep_result):
         # their outcome carries the value (`kept`). Filled by the hot loop.
         self.keeping: set[int] = set()
-        # The worker's slot (stats.SlowJobs): the jobs whose handlers run now,
+        # The worker's card (stats.SlowJobs): the jobs whose handlers run now,
         # which alone count a crash if the worker dies.
         self.running: Any = None
         # Set by the thread pool when a job's thread outlived its timeout inside a C call: the
-        # worker's control thread then stops beating its slot, so the master replaces it.
+        # worker's heartbeat thread then stops beating its card, so the master replaces it.
         self.hung = False
         self._tasks: dict[int, asyncio.Task[Any]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -276,7 +276,7 @@ class Executor:
                     return
                 if self.stopping:
                     # A graceful stop: the running jobs finish, those still
-                    # waiting for a slot go back (uncounted) instead of starting,
+                    # waiting their turn go back (uncounted) instead of starting,
                     # so a large batch cannot outlast the grace period.
                     failures.append(release(job_id))
                     return

@@ -1,4 +1,4 @@
-"""The Prometheus text exposition of the slots, queue depths, MVCC health and the cluster's hosts."""
+"""The Prometheus text exposition of the cards, queue depths, MVCC health and the cluster's hosts."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from .abc import (
     OUTCOMES,
 )
 from .report import ROTATION_PROBLEMS, STALE_AFTER, ClusterHost, Health, QueueDepth
-from .scoreboard import Histogram, KindCounts, Slots
-from .stats import LEADER, ROLES, WORKER, Slot
+from .scoreboard import Histogram, KindCounts, Scoreboard
+from .stats import LEADER, ROLES, WORKER, Card
 
 
 def prometheus(
-    slots: Slots,
+    board: Scoreboard,
     depths: list[QueueDepth] | None,
     health: Health | None = None,
     hosts: list[ClusterHost] | None = None,
@@ -32,7 +32,7 @@ def prometheus(
     )
     live = [
         (f'role="{ROLES.get(int(d["role"]), "?")}",index="{int(d["index"])}"', d)
-        for d in map(Slot.as_dict, slots)
+        for d in map(Card.as_dict, board)
         if d["role"]
     ]
     now = time.time()
@@ -89,7 +89,7 @@ def prometheus(
             if q.oldest_seconds is not None:
                 labels = f'queue="{_escape(q.queue)}",state="{q.state}"'
                 lines.append(f"fastjobs_queue_oldest_seconds{{{labels}}} {q.oldest_seconds:.3f}")
-    lines.extend(kind_metrics(slots.kinds()))
+    lines.extend(kind_metrics(board.kinds()))
     if health is not None:
         lines.extend(_health_metrics(health))
     if hosts is not None:

@@ -36,7 +36,7 @@ from .maintenance import (
     rescue_once,
     schedule_once,
 )
-from .stats import Slot
+from .stats import Card
 from .vacuum import VacuumConfig, Vacuumer
 
 if TYPE_CHECKING:
@@ -117,10 +117,10 @@ class Leader:
     connection of its own, stands still while the lease is not renewed).
     """
 
-    def __init__(self, app: App, config: LeaderConfig = LeaderConfig(), slot: Slot | None = None) -> None:
+    def __init__(self, app: App, config: LeaderConfig = LeaderConfig(), card: Card | None = None) -> None:
         self.app = app
         self.config = config
-        self.slot = slot
+        self.card = card
         self.leading = False
         self.periodic = [spec for spec in app.jobs.values() if spec.cron]
         self._due: dict[str, float] = {}
@@ -160,9 +160,9 @@ class Leader:
                         self._step_down()
                         conn.close()
                         conn = None
-                if self.slot is not None:
-                    self.slot.beat()
-                    self.slot["leading"] = 1.0 if self._leading_within_lease() else 0.0
+                if self.card is not None:
+                    self.card.beat()
+                    self.card["leading"] = 1.0 if self._leading_within_lease() else 0.0
                 wait = self._next_due() if self.leading else self.config.retry_interval
                 # At most a second between beats, whatever the intervals: the
                 # master's watchdog reads them.
@@ -282,12 +282,12 @@ class Leader:
         )
 
     def _record(self) -> None:
-        """The services' health into the leader's slot, for `fastjobs stats` and the metrics."""
-        if self.slot is not None:
-            self.slot["rotation_problem"] = self.rotator.problem
-            self.slot["rotated_at"] = self.rotator.rotated_at
-            self.slot["services_failing"] = len(self._failing)
-            self.slot["service_failures"] = sum(self.failures.values())
+        """The services' health into the leader's card, for `fastjobs stats` and the metrics."""
+        if self.card is not None:
+            self.card["rotation_problem"] = self.rotator.problem
+            self.card["rotated_at"] = self.rotator.rotated_at
+            self.card["services_failing"] = len(self._failing)
+            self.card["service_failures"] = sum(self.failures.values())
 
     def _try_lock(self, conn: psycopg.Connection[Any], wait: float = 0.0) -> bool:
         """Take the lock if it is free; keep trying for `wait` seconds (a terminated holder exits soon)."""

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from .app import App
 
 
-# A worker's control thread heartbeats this often; the rescuer treats a
+# A worker's heartbeat thread beats this often; the rescuer treats a
 # worker silent for RescuerConfig.stale_after (15 s, at least MIN_STALE_AFTER) as dead.
 HEARTBEAT_INTERVAL = 2.0
 MIN_STALE_AFTER = 2.5 * HEARTBEAT_INTERVAL

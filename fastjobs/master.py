@@ -31,12 +31,12 @@ from .impl import IMPLEMENTATION
 from .leader import Leader, LeaderConfig
 from .logs import job_fields, plural
 from .metrics import MetricsProcess
-from .scoreboard import Labels, Slots, database_identity
+from .scoreboard import Labels, Scoreboard, database_identity
 from .sharding import shard
-from .stats import LEADER, WORKER, Slot
+from .stats import LEADER, WORKER, Card
 from .worker import Supervision, Worker, WorkerConfig, host_id, make_worker_id
 
-# A child whose slot has not been beaten this long is hung or stopped (it
+# A child whose card has not been beaten this long is hung or stopped (it
 # beats every second, whatever length of job it runs): killed and replaced.
 DEFAULT_WORKER_TIMEOUT = 60.0
 # A second SIGTERM/SIGINT this soon after the first is the same stop (a
@@ -105,7 +105,7 @@ class Master:
         self.metrics = metrics
         self.leader_config = leader or LeaderConfig()
         self.children = [Child(i, WORKER) for i in range(processes)] + [Child(processes, LEADER)]
-        self.slots: Slots | None = None
+        self.board: Scoreboard | None = None
         self._metrics: MetricsProcess | None = None
         self.stopping = False
         self.deadline = 0.0
@@ -129,11 +129,11 @@ class Master:
         except (ConfigurationError, DatabaseUnavailable, SchemaMissing) as exc:
             logger.error("%s", exc)
             return EXIT_BOOT_ERROR
-        # Each slot can record as many running slow jobs as a worker's concurrency.
+        # Each card can record as many running slow jobs as a worker's concurrency.
         capacity = max((sum(share.values()) for share in self.plan), default=1)
         # The names of each worker's rows of counts per (queue, kind): its queues in the order it serves them.
         labels = Labels(list(self.app.jobs), [sorted(share) for share in self.plan] + [[]])
-        self.slots = Slots.create(len(self.children), identity, capacity, labels)
+        self.board = Scoreboard.create(len(self.children), identity, capacity, labels)
         try:
             self._install_signals()
             self._print_plan()
@@ -167,7 +167,7 @@ class Master:
                 signal.signal(sig, signal.SIG_IGN)
             if self._metrics is not None:
                 self._metrics.stop()
-            self.slots.close(unlink=True)
+            self.board.close(unlink=True)
         return self.exit_code
 
     @staticmethod
@@ -254,7 +254,7 @@ class Master:
     def _exited(self, child: Child, status: int) -> None:
         code = os.waitstatus_to_exitcode(status)
         name = self._name(child)
-        assert self.slots is not None
+        assert self.board is not None
         if child.role == WORKER and code not in (EXIT_OK, EXIT_BOOT_ERROR):
             self._blame(child, name)
         child.pid = 0
@@ -272,7 +272,7 @@ class Master:
         child.restart_at = time.monotonic() + delay
 
     def _blame(self, child: Child, name: str) -> None:
-        """Decide from its slot which of a dead worker's jobs count a crash, and release the rest.
+        """Decide from its card which of a dead worker's jobs count a crash, and release the rest.
 
         Only the jobs whose handler was running count a crash (the rescuer
         charges them); the others go back now, uncounted. A worker can also
@@ -287,18 +287,18 @@ class Master:
         worker whose session died (terminated, a failover) clears that record
         before it exits (Worker.run).
         """
-        assert self.slots is not None
-        running, writing = self.slots[child.index].crash_report()
+        assert self.board is not None
+        running, writing = self.board[child.index].crash_report()
         if running is None:
             logger.warning(
-                "%s ran more slow jobs than its slot records: its jobs are left to the"
+                "%s ran more slow jobs than its card records: its jobs are left to the"
                 " rescuer (each counts a crash)",
                 name,
                 extra=job_fields(None, worker=child.worker_id),
             )
             return
         if not running and writing == 1:
-            suspect = self.slots[child.index].suspect()
+            suspect = self.board[child.index].suspect()
             running = [suspect]
             logger.warning(
                 "%s died writing the outcome of job %s: it counts a crash",
@@ -396,19 +396,19 @@ class Master:
     def _watchdog(self, now: float) -> None:
         """Kill a child whose process stopped beating: hung holding the GIL, stopped, deadlocked.
 
-        A worker's control thread beats its slot every second whatever its
+        A worker's heartbeat thread beats its card every second whatever its
         handlers do, so a job of any length runs undisturbed while its
         process is alive (a handler that runs too long is its `timeout=`'s
         business); only a process whose threads cannot run at all falls
         silent. The leader beats from its loop. The killed worker's jobs stay
         'running' for the rescuer; the reap restarts it.
         """
-        assert self.slots is not None
+        assert self.board is not None
         for child in self.children:
             if not child.pid or child.killed:
                 continue
-            slot = self.slots[child.index]
-            progress = slot["progress"] + slot["heartbeat"]
+            card = self.board[child.index]
+            progress = card["progress"] + card["heartbeat"]
             if progress != child.seen_progress:
                 child.seen_progress = progress
                 child.last_progress = now
@@ -433,7 +433,7 @@ class Master:
     # --- children -------------------------------------------------------------------------
 
     def _spawn(self, child: Child) -> None:
-        assert self.slots is not None
+        assert self.board is not None
         # The worker's identity: a token chosen here, before the fork, so the
         # master knows the exact id whose jobs to release if it dies.
         token = secrets.token_hex(8)
@@ -447,16 +447,16 @@ class Master:
 
     def _forked(self, child: Child, token: str) -> int:
         """The child's side of _spawn."""
-        assert self.slots is not None
+        assert self.board is not None
         try:
             for sig in _STOP_SIGNALS:
                 signal.signal(sig, signal.SIG_DFL)
             die_with(self.pid, signal.SIGTERM)  # not unsupervised: the pending SIGTERM waits for the unblock
             os.close(self._wake_r)
             os.close(self._wake_w)
-            slot = self.slots[child.index]
-            slot.claim(child.role, child.index)
-            return self._child_main(child, slot, make_worker_id(token, os.getpid(), self.host))
+            card = self.board[child.index]
+            card.claim(child.role, child.index)
+            return self._child_main(child, card, make_worker_id(token, os.getpid(), self.host))
         except (ConfigurationError, SchemaMissing) as exc:
             logger.error("%s: %s", self._name(child), exc)
             return EXIT_BOOT_ERROR
@@ -464,12 +464,12 @@ class Master:
             logger.exception("%s (pid %d) crashed", self._name(child), os.getpid())
             return EXIT_CRASH
 
-    def _child_main(self, child: Child, slot: Slot, worker_id: str) -> int:
+    def _child_main(self, child: Child, card: Card, worker_id: str) -> int:
         from setproctitle import setproctitle
 
         if child.role == LEADER:
             setproctitle("fastjobs: leader")
-            leader = Leader(self.app, self.leader_config, slot=slot)
+            leader = Leader(self.app, self.leader_config, card=card)
             leader.install_signals()
             signal.signal(signal.SIGQUIT, lambda signum, frame: leader.stop())  # the master's "stop now"
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
@@ -492,7 +492,7 @@ class Master:
             ),
             worker_id=worker_id,
             supervision=Supervision(
-                parent=self.pid, slot=slot, title=title, careful=child.careful, host=self.host
+                parent=self.pid, slot=card, title=title, careful=child.careful, host=self.host
             ),
         )
         worker.install_signals()
@@ -544,19 +544,19 @@ class Master:
                 )
 
     def _titles(self, now: float) -> None:
-        """Write each worker's rate to its slot once a second, and the master's title."""
-        assert self.slots is not None
+        """Write each worker's rate to its card once a second, and the master's title."""
+        assert self.board is not None
         last = self._rates.get(-1)
         if last is not None and now - last[0] < 1.0:
             return
         total = 0.0
         for child in self.children:
-            slot = self.slots[child.index]
-            done = slot["completed"] + slot["failed"]
+            card = self.board[child.index]
+            done = card["completed"] + card["failed"]
             before = self._rates.get(child.index)
             rate = (done - before[1]) / (now - before[0]) if before and now > before[0] else 0.0
             self._rates[child.index] = (now, done)
-            slot["rate"] = max(rate, 0.0)
+            card["rate"] = max(rate, 0.0)
             total += max(rate, 0.0)
         self._rates[-1] = (now, 0.0)
         from setproctitle import setproctitle
@@ -566,10 +566,10 @@ class Master:
 
     def _start_metrics(self) -> None:
         """Fork the metrics process before any worker; FastjobsError if it cannot listen."""
-        assert self.metrics is not None and self.slots is not None
+        assert self.metrics is not None and self.board is not None
         host, port = self.metrics
         self._metrics = MetricsProcess(
-            host, port, self.slots, self.app.dsn, close_in_child=(self._wake_r, self._wake_w)
+            host, port, self.board, self.app.dsn, close_in_child=(self._wake_r, self._wake_w)
         )
         self._metrics.start()
         logger.info("metrics on %s", self._metrics.url)

@@ -1,7 +1,7 @@
-"""The stats file: one slot (fastjobs.stats) per process in shared memory, and the names of their rows.
+"""The stats file: one card (fastjobs.stats) per process in shared memory, and the names of their rows.
 
-The master maps one file in /dev/shm before forking: a header, the slots,
-then the names of the slots' (queue, kind) rows (JSON). `fastjobs stats` on
+The master maps one file in /dev/shm before forking: a header, the cards,
+then the names of the cards' (queue, kind) rows (JSON). `fastjobs stats` on
 the same host finds the files of the live masters of its database and reads
 them.
 
@@ -42,15 +42,15 @@ from .abc import (
     ROW,
     RUN_SUM,
 )
-from .stats import FIELDS, SLOT, SLOW_CAPACITY_MAX, WORKER, Slot, slot_size
+from .stats import CARD_FLOATS, FIELDS, SLOW_CAPACITY_MAX, WORKER, Card, card_size
 
 MAGIC = 0x66_6A_73_74  # "fjst"
 VERSION = 7
-# magic, version, slots, master pid, started, slow-job capacity per slot, rows of
-# (queue, kind) counts per slot, token, database identity (sql.database_identity)
+# magic, version, cards, master pid, started, slow-job capacity per card, rows of
+# (queue, kind) counts per card, token, database identity (sql.database_identity)
 HEADER = struct.Struct("<IIIIdII16s128s")
-_LABELS = struct.Struct("<I")  # after the slots: the length of the labels' JSON
-MAX_SLOTS = 4096  # a bigger file is not one of ours
+_LABELS = struct.Struct("<I")  # after the cards: the length of the labels' JSON
+MAX_CARDS = 4096  # a bigger file is not one of ours
 MAX_ROWS = 65_536
 MAX_LABELS = 16 << 20
 
@@ -90,8 +90,8 @@ os.register_at_fork(after_in_child=_close_held_locks)
 
 @dataclass(frozen=True, slots=True)
 class Labels:
-    """The names of a slot's (queue, kind) rows: the kinds every worker of the master knows (in
-    `App.runnable()` order), and each slot's queues (in the order its worker serves them; none for
+    """The names of a card's (queue, kind) rows: the kinds every worker of the master knows (in
+    `App.runnable()` order), and each card's queues (in the order its worker serves them; none for
     the leader). Row q * stride + k counts kind k of queue q; the last of a queue's is OTHER."""
 
     kinds: list[str] = field(default_factory=list)
@@ -106,7 +106,7 @@ class Labels:
         return max((len(q) for q in self.queues), default=0) * self.stride
 
     def names(self, index: int) -> Iterator[tuple[int, str, str]]:
-        """(row offset in int64 cells, queue, kind) of slot `index`'s rows."""
+        """(row offset in int64 cells, queue, kind) of card `index`'s rows."""
         kinds = [*self.kinds[:MAX_KINDS], OTHER]
         queues = self.queues[index] if index < len(self.queues) else []
         for q, queue in enumerate(queues):
@@ -118,7 +118,7 @@ class Labels:
 OTHER = "(other)"
 
 
-class Slots:
+class Scoreboard:
     """The shared mapping: created by the master, inherited by its children, read by `fastjobs stats`."""
 
     def __init__(
@@ -137,14 +137,16 @@ class Slots:
         self.capacity = capacity
         self.labels = labels or Labels()
         self.rows = self.labels.rows
-        self._slot_size = slot_size(capacity, self.rows)
+        self._card_size = card_size(capacity, self.rows)
         self._values: Any = memoryview(mapping)
 
     @classmethod
-    def create(cls, count: int, identity: str = "", capacity: int = 0, labels: Labels | None = None) -> Slots:
-        """A new file of `count` slots for this process (the master), locked while it lives.
+    def create(
+        cls, count: int, identity: str = "", capacity: int = 0, labels: Labels | None = None
+    ) -> Scoreboard:
+        """A new file of `count` cards for this process (the master), locked while it lives.
 
-        Each slot records up to `capacity` slow jobs running (a worker's concurrency, capped),
+        Each card records up to `capacity` slow jobs running (a worker's concurrency, capped),
         and its worker's counts per (queue, kind) named by `labels`.
         """
         sweep_stale()
@@ -155,7 +157,7 @@ class Slots:
         names = json.dumps({"kinds": labels.kinds, "queues": labels.queues}).encode()
         token = secrets.token_hex(8)
         path = shm_dir() / f"fastjobs-{os.getpid()}-{token}.stats"
-        end = HEADER.size + count * slot_size(capacity, labels.rows)
+        end = HEADER.size + count * card_size(capacity, labels.rows)
         size = end + _LABELS.size + len(names)
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(path, flags, 0o600)
@@ -197,34 +199,34 @@ class Slots:
         return cls(path, mapping, count, capacity, fd, labels)
 
     @classmethod
-    def open(cls, path: Path) -> Slots | None:
+    def open(cls, path: Path) -> Scoreboard | None:
         """Map a live master's file read-only (a benchmark reads its own master's); None if it is not one."""
         found = read_master(path)
         if not isinstance(found, MasterFile):
             return None
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            size = HEADER.size + found.slots * slot_size(found.capacity, found.labels.rows)
+            size = HEADER.size + found.cards * card_size(found.capacity, found.labels.rows)
             mapping = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
         finally:
             os.close(fd)
-        return cls(path, mapping, found.slots, found.capacity, labels=found.labels)
+        return cls(path, mapping, found.cards, found.capacity, labels=found.labels)
 
-    def __getitem__(self, index: int) -> Slot:
-        base = HEADER.size + index * self._slot_size
-        floats = base + SLOT * 8
-        counts = base + self._slot_size - self.rows * ROW * 8
-        return Slot(
+    def __getitem__(self, index: int) -> Card:
+        base = HEADER.size + index * self._card_size
+        floats = base + CARD_FLOATS * 8
+        counts = base + self._card_size - self.rows * ROW * 8
+        return Card(
             self._values[base:floats].cast("d"),
             self._values[floats:counts].cast("q"),
-            self._values[counts : base + self._slot_size].cast("q"),
+            self._values[counts : base + self._card_size].cast("q"),
         )
 
     def kinds(self) -> list[KindCounts]:
-        """The workers' counts per (queue, kind), summed over the slots (rows never used left out)."""
+        """The workers' counts per (queue, kind), summed over the cards (rows never used left out)."""
         return kind_counts(self.labels, ((i, self[i].counts) for i in range(self.count)))
 
-    def __iter__(self) -> Iterator[Slot]:
+    def __iter__(self) -> Iterator[Card]:
         return (self[i] for i in range(self.count))
 
     @property
@@ -252,9 +254,9 @@ class MasterFile:
     master_pid: int  # in the master's own PID namespace
     started: float
     database: str
-    slots: int
-    capacity: int  # slow jobs each slot records
-    processes: list[dict[str, float]]  # the slots in use
+    cards: int
+    capacity: int  # slow jobs each card records
+    processes: list[dict[str, float]]  # the cards in use
     labels: Labels = field(default_factory=Labels)
     kinds: list[KindCounts] = field(default_factory=list)  # summed over its workers
 
@@ -302,11 +304,11 @@ def _histogram(cells: Sequence[int], at: int) -> Histogram:
     return Histogram(running, cells[at] / 1e9, cumulative)
 
 
-def kind_counts(labels: Labels, slots: Iterable[tuple[int, Sequence[int] | None]]) -> list[KindCounts]:
-    """Sum the rows of the (slot index, its int64 cells) given by (queue, kind); the rows never used
+def kind_counts(labels: Labels, cards: Iterable[tuple[int, Sequence[int] | None]]) -> list[KindCounts]:
+    """Sum the rows of the (card index, its int64 cells) given by (queue, kind); the rows never used
     are left out."""
     totals: dict[tuple[str, str], list[int]] = {}
-    for index, cells in slots:
+    for index, cells in cards:
         if cells is None or not len(cells):
             continue
         values = cells.tolist() if isinstance(cells, memoryview) else cells
@@ -365,8 +367,8 @@ def read_master(path: Path) -> MasterFile | Skipped | None:
                 f"written by another version of fastjobs (stats format {version}; this one reads {VERSION})",
                 ours=ours,
             )
-        end = HEADER.size + count * slot_size(capacity, rows)
-        if count > MAX_SLOTS or capacity > SLOW_CAPACITY_MAX or rows > MAX_ROWS or len(data) < end + 4:
+        end = HEADER.size + count * card_size(capacity, rows)
+        if count > MAX_CARDS or capacity > SLOW_CAPACITY_MAX or rows > MAX_ROWS or len(data) < end + 4:
             return Skipped(path, "truncated", ours=ours)
         (length,) = _LABELS.unpack_from(data, end)
         if length > MAX_LABELS or len(data) != end + _LABELS.size + length:
@@ -377,7 +379,7 @@ def read_master(path: Path) -> MasterFile | Skipped | None:
         except (ValueError, TypeError, KeyError):
             return Skipped(path, "its names of kinds and queues are not readable", ours=ours)
         if labels.rows != rows:
-            return Skipped(path, "its names of kinds and queues do not match its slots", ours=ours)
+            return Skipped(path, "its names of kinds and queues do not match its cards", ours=ours)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -386,9 +388,9 @@ def read_master(path: Path) -> MasterFile | Skipped | None:
             return Skipped(path, "its master is gone", stale=True, ours=ours)
     finally:
         os.close(fd)
-    step = slot_size(capacity, rows)
+    step = card_size(capacity, rows)
     processes = [
-        dict(zip(FIELDS, struct.unpack_from(f"<{SLOT}d", data, HEADER.size + i * step), strict=True))
+        dict(zip(FIELDS, struct.unpack_from(f"<{CARD_FLOATS}d", data, HEADER.size + i * step), strict=True))
         for i in range(count)
     ]
     counts_at = step - rows * ROW * 8

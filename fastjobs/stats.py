@@ -1,13 +1,13 @@
-"""A process's slot in the stats file: its counters, the jobs it holds, its counts per (queue, kind).
+"""A process's card in the stats file: its counters, the jobs it holds, its counts per (queue, kind).
 
-A process writes only its own slot, after each batch, with plain stores: no
+A process writes only its own card, after each batch, with plain stores: no
 lock, no syscall (a torn read costs the master one slightly wrong sample,
-never a wrong total). A slot is float64 counters (FIELDS), then int64 fields
+never a wrong total). A card is float64 counters (FIELDS), then int64 fields
 that say which jobs a worker holds in what stage: the master reads them after
-the worker died to give back exactly what never started (`Slot.crash_report`;
+the worker died to give back exactly what never started (`Card.crash_report`;
 docs/internals.md, crash accounting), then the worker's counts per (queue,
 kind) (fastjobs.abc.ROW: outcomes, run-time and pickup-latency histograms),
-bumped by the hot loop per job. fastjobs.scoreboard lays the slots out in the
+bumped by the hot loop per job. fastjobs.scoreboard lays the cards out in the
 file.
 """
 
@@ -42,7 +42,7 @@ FIELDS = (
     "retried",
     "discarded",
     "busy",  # seconds spent in batches that ran jobs
-    "heartbeat",  # time.time() of the last loop turn or control-thread beat (each second while alive)
+    "heartbeat",  # time.time() of the last loop turn or heartbeat-thread beat (each second while alive)
     "started",
     "rate",  # completed jobs/s over the last second, written by the master
     "progress",  # jobs started, bumped by the hot loop per job (the watchdog's signal)
@@ -60,7 +60,7 @@ INTEGER_FIELDS = frozenset(
     {"pid", "role", "index", "claimed", "completed", "failed", "retried", "discarded", "progress"}
     | {"listening", "listener_reconnects", "rotation_problem", "services_failing", "service_failures"}
 )
-SLOT = len(FIELDS)
+CARD_FLOATS = len(FIELDS)
 F = {name: i for i, name in enumerate(FIELDS)}
 _CLAIMED, _COMPLETED, _FAILED, _RETRIED, _DISCARDED, _BUSY, _HEARTBEAT = (
     F[name] for name in ("claimed", "completed", "failed", "retried", "discarded", "busy", "heartbeat")
@@ -77,19 +77,19 @@ INT_FIELDS = (
     "overflow",  # slow jobs running that found no free entry below
 )
 _JOB, _WRITING, _SUSPECT, _OVERFLOW = range(len(INT_FIELDS))
-# The hot loop's view of them (Slot.running_view): the same offsets, by name.
+# The hot loop's view of them (Card.running_view): the same offsets, by name.
 RUNNING_JOB, RUNNING_WRITING, RUNNING_SUSPECT = _JOB, _WRITING, _SUSPECT
-# The most slow jobs a slot records (a worker's concurrency, capped).
+# The most slow jobs a card records (a worker's concurrency, capped).
 SLOW_CAPACITY_MAX = 10_000
 ROLES = {1: "worker", 2: "leader"}
 WORKER, LEADER = 1, 2
 
 # Why a rotation try did not rotate (fastjobs.maintenance.Rotator.problem, the
-# leader slot's rotation_problem): its name, and what the operator should do.
+# leader card's rotation_problem): its name, and what the operator should do.
 ROTATION_OK, ROTATION_PRIVILEGES, ROTATION_DEFERRED, ROTATION_GAVE_WAY, ROTATION_FAILED = range(5)
 
 
-class Slot:
+class Card:
     """One process's counters (a window of float64) and its jobs in hand (int64) in the shared mapping."""
 
     def __init__(self, view: Any, ints: Any, counts: Any = None) -> None:
@@ -104,8 +104,8 @@ class Slot:
         self.view[F[name]] = value
 
     def claim(self, role: int, index: int) -> None:
-        """Take this slot for the calling process, zeroing its counters."""
-        for i in range(SLOT):
+        """Take this card for the calling process, zeroing its counters."""
+        for i in range(CARD_FLOATS):
             self.view[i] = 0.0
         for i in range(len(self.ints)):
             self.ints[i] = 0
@@ -117,7 +117,7 @@ class Slot:
         self.view[F["started"]] = self.view[F["heartbeat"]] = time.time()
 
     def record(self, loop: BatchLoop, busy: float) -> None:
-        """Copy a BatchLoop's counters into the slot (after each batch)."""
+        """Copy a BatchLoop's counters into the card (after each batch)."""
         view = self.view
         view[_CLAIMED] = loop.claimed
         view[_COMPLETED] = loop.completed
@@ -144,7 +144,7 @@ class Slot:
         return self.counts if self.counts is not None and len(self.counts) else None
 
     def crash_report(self) -> tuple[list[int] | None, int]:
-        """After the worker died: (the jobs it was running, or None if the slot could not record them
+        """After the worker died: (the jobs it was running, or None if the card could not record them
         all; how many failed jobs' outcomes it was writing)."""
         ints = self.ints
         if ints[_OVERFLOW]:
@@ -181,7 +181,7 @@ class Slot:
 
 
 class SlowJobs:
-    """The slow jobs (async, with a timeout, or on threads) whose handlers run now, in the worker's slot.
+    """The slow jobs (async, with a timeout, or on threads) whose handlers run now, in the worker's card.
 
     The executor adds a job just before its handler starts and removes it
     when the handler returns: if the worker dies, exactly these count a
@@ -198,7 +198,7 @@ class SlowJobs:
         self._over: set[int] = set()
         # Each slow job's run time in ns (from add to discard), which the hot
         # loop takes for its run-time histogram (count_slow); only `timed`:
-        # a slot without counts has no histogram, and nothing would take them.
+        # a card without counts has no histogram, and nothing would take them.
         self._timed = timed
         self._began: dict[int, int] = {}
         self.took: dict[int, int] = {}
@@ -277,16 +277,16 @@ def count_slow(
             observe(counts, row + RUN_SUM, ns)
 
 
-def slot_size(capacity: int, rows: int = 0) -> int:
-    """Bytes of one slot: its float64 counters, its int64 fields, `capacity` slow jobs and `rows` rows."""
-    return (SLOT + len(INT_FIELDS) + capacity + rows * ROW) * 8
+def card_size(capacity: int, rows: int = 0) -> int:
+    """Bytes of one card: its float64 counters, its int64 fields, `capacity` slow jobs and `rows` rows."""
+    return (CARD_FLOATS + len(INT_FIELDS) + capacity + rows * ROW) * 8
 
 
-def worker_counters(slot: Slot, names: list[tuple[int, str, str]], rate: float) -> dict[str, Any]:
+def worker_counters(card: Card, names: list[tuple[int, str, str]], rate: float) -> dict[str, Any]:
     """What a worker's heartbeat carries into fastjobs_workers.counters: its totals, its rate (jobs
     finished per second since its last heartbeat), and per (queue, kind) row used its outcomes."""
-    d = slot.as_dict()
-    cells = slot.counts.tolist() if slot.counts is not None else []
+    d = card.as_dict()
+    cells = card.counts.tolist() if card.counts is not None else []
     kinds = [
         [queue, kind, *cells[at : at + len(OUTCOMES)]]
         for at, queue, kind in names

@@ -28,7 +28,8 @@ from .errors import ConfigurationError, DatabaseUnavailable, LoopError
 from .executor import Executor
 from .impl import core
 from .scoreboard import Labels
-from .stats import Slot, worker_counters
+from .stats import Card as Slot
+from .stats import worker_counters
 from .types import DEFAULT_QUEUE
 
 __all__ = [

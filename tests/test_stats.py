@@ -22,7 +22,7 @@ import psycopg
 import pytest
 
 from fastjobs import App, exposition, report, sql, stats
-from fastjobs.scoreboard import Slots, shm_dir
+from fastjobs.scoreboard import Scoreboard, shm_dir
 from fastjobs.stats import LEADER, WORKER
 
 from . import procs
@@ -431,7 +431,7 @@ os.mkfifo(shm / "fastjobs-4-fifo.stats")
 os.mkdir(shm / "fastjobs-5-dir.stats")
 # A complete file anyone may read, held by a live "master" (this script), of no database.
 readable = shm / "fastjobs-6-readable.stats"
-readable.write_bytes(valid_header.ljust(scoreboard.HEADER.size + 3 * stats.SLOT * 8, b"\\0"))
+readable.write_bytes(valid_header.ljust(scoreboard.HEADER.size + 3 * stats.CARD_FLOATS * 8, b"\\0"))
 readable.chmod(0o644)
 held = os.open(readable, os.O_RDONLY)
 fcntl.flock(held, fcntl.LOCK_EX)
@@ -502,7 +502,7 @@ def test_truncated_and_foreign_files_in_dev_shm_are_skipped_with_a_note(tmp_path
 
 
 def test_the_stats_file_is_new_owner_only_and_never_opened_through_a_planted_link(tmp_path: Path) -> None:
-    slots = Slots.create(1)
+    slots = Scoreboard.create(1)
     try:
         info = os.stat(slots.path)
         assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.geteuid()
@@ -518,7 +518,7 @@ def test_the_stats_file_is_new_owner_only_and_never_opened_through_a_planted_lin
         try:
             os.read(ready_r, 1)
             secrets.token_hex = lambda nbytes=None: "deadbeefdeadbeef"
-            Slots.create(2)
+            Scoreboard.create(2)
             code = 0
         except FileExistsError:
             code = 7
@@ -584,7 +584,7 @@ def test_the_leaders_vacuums_are_exported_when_autovacuum_is_off(db: psycopg.Con
         return found if jobs.last_vacuum is not None else None
 
     found_health = wait_for(vacuumed, "the VACUUM in the statistics")
-    slots = Slots.create(1)
+    slots = Scoreboard.create(1)
     try:
         text = exposition.prometheus(slots, report.queue_depths(db), found_health)
     finally:

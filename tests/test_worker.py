@@ -18,7 +18,7 @@ from psycopg.types.json import Jsonb
 import fastjobs.worker
 from fastjobs import App, ConfigurationError
 from fastjobs.cli.command import _parser
-from fastjobs.scoreboard import Slots
+from fastjobs.scoreboard import Scoreboard
 from fastjobs.stats import WORKER
 from fastjobs.worker import Listener, Worker, WorkerConfig
 
@@ -621,7 +621,7 @@ def test_listener_check_on_a_healthy_connection(app: App, listener):
 
 def test_the_listener_writes_each_change_of_its_state_to_the_slot(app: App, dsn):
     """What `fastjobs stats` shows: written when it changes, not when the worker next sleeps."""
-    slots = Slots.create(1)
+    slots = Scoreboard.create(1)
     slot = slots[0]
     slot.claim(WORKER, 0)
     made = Listener(dsn, ["default"], slot=slot)

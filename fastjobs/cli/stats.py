@@ -25,7 +25,7 @@ _QUEUE_COLUMNS: list[Column[report.QueueDepth]] = [
 
 
 def _process_columns(now: float) -> list[Column[dict[str, Any]]]:
-    """The columns of a master's processes (a slot's fields, as `_process_json` gives them)."""
+    """The columns of a master's processes (a card's fields, as `_process_json` gives them)."""
     return [
         Column("process", lambda p: f"{stats.ROLES.get(p['role'], '?')} {p['index'] + 1}"),
         Column("pid", lambda p: str(p["pid"]), ">"),
@@ -56,7 +56,7 @@ def _table_columns(now: float) -> list[Column[report.TableHealth]]:
 
 
 def _process_json(p: dict[str, float]) -> dict[str, Any]:
-    """A slot's fields for people and machines: counts and pids as integers, times as floats."""
+    """A card's fields for people and machines: counts and pids as integers, times as floats."""
     return {name: int(value) if name in stats.INTEGER_FIELDS else value for name, value in p.items()}
 
 
