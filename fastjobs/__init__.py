@@ -24,6 +24,7 @@ from .errors import (
 )
 from .job import Job
 from .middleware import Enqueue
+from .queues import QueueInfo
 from .results import JobHandle, JobStatus
 from .retry import default_backoff
 from .types import JobSpec, JobState
@@ -53,6 +54,7 @@ __all__ = [
     "JobStatus",
     "JobTimeout",
     "LoopError",
+    "QueueInfo",
     "Retry",
     "SchemaMissing",
     "SchemaTooNew",

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, Unpack, overload
 
 import psycopg
 
-from . import control, database, enqueue, middleware, results, schema, typed
+from . import control, database, enqueue, middleware, queues, results, schema, typed
 from .connections import IdleAsyncConnections, IdleConnections
 from .cron import Cron
 from .enqueue import (
@@ -25,6 +25,7 @@ from .enqueue import (
 from .errors import UnknownKind
 from .job import AsyncConn, BulkOptions, Conn, EnqueueOptions, Job, P, R, close_kinds, spec_of
 from .middleware import EnqueueMiddleware, JobMiddleware
+from .queues import QueueInfo
 from .results import JobHandle, JobStatus
 from .retry import RetryPolicy
 from .types import DEFAULT_MAX_ATTEMPTS, DEFAULT_PRIORITY, DEFAULT_QUEUE, JobSpec
@@ -520,6 +521,32 @@ class App:
                 return control.cancel(db, job_id)
             with self.connection() as own:
                 return control.cancel(own, job_id)
+
+    def pause(self, queue: str, *, conn: Conn | None = None) -> dt.datetime:
+        """Pause `queue`: every worker stops taking its jobs (those started finish), enqueues go on.
+
+        Effective when the transaction commits (on `conn=`, the caller's);
+        returns since when it is paused. See fastjobs.queues.
+        """
+        return self._on_queue(queues.pause, queue, conn)
+
+    def resume(self, queue: str, *, conn: Conn | None = None) -> bool:
+        """Resume `queue` and wake its workers; False when it was not paused."""
+        return self._on_queue(queues.resume, queue, conn)
+
+    def queues(self) -> list[QueueInfo]:
+        """Every queue acted on or holding jobs: paused or not, its jobs waiting and running."""
+        with schema.required(), self.connection() as own:
+            return queues.list_queues(own)
+
+    def _on_queue(self, act: Callable[[psycopg.Connection[Any], str], R], queue: str, conn: Conn | None) -> R:
+        with schema.required():
+            db: psycopg.Connection[Any] | None = enqueue.adapt(conn)
+            if db is not None:
+                enqueue.check_conn(db, psycopg.Connection)
+                return act(db, queue)
+            with self.connection() as own:
+                return act(own, queue)
 
     def status(self, job_id: int, *, conn: Conn | None = None) -> JobStatus:
         """What job `job_id` is now, without waiting: from the jobs table, or from the kept results

@@ -43,7 +43,7 @@ statements, as `fastjobs sql show` does):
   Leader                     the leader's lock and keepalives, the scheduler
   Workers                    a worker's session, registration, heartbeat, sleep
   Maintenance                rescuer, releaser, cleaners (results too), periodic jobs
-  Operators                  cancel, retry, discard
+  Operators                  cancel, retry, discard, pause and resume queues
   State reports (family)     job_state, job_get, job_list, job_stats_by_queue, testing_jobs_*, job_status
   Vacuum and rotation        slot 0's VACUUM, the rotating slots
   Monitoring                 MVCC horizon, table health, NOTIFY queue
@@ -319,7 +319,8 @@ class _Choice:
     after: bool = False  # from the mark on: the priority and run_at where the last claim ended
 
     def where(self, *, queue: str, limit: str, first: int) -> str:
-        """Up to `limit` available jobs of `queue` due now, in claim order, skipping rows others hold;
+        """Up to `limit` available jobs of `queue` due now, in claim order, skipping rows others hold,
+        none while the queue is paused (one lookup per statement: its parameter is the statement's);
         this choice's parameters are $`first` and on."""
         after = ""
         if self.after:
@@ -328,6 +329,7 @@ class _Choice:
                 f" + (${first + 1}::int8 - {CLAIM_MARK_MARGIN}) * interval '1 microsecond'"
             )
         return f""" WHERE state = 'available' AND queue = {queue} AND run_at <= now(){after}
+   AND NOT EXISTS (SELECT FROM fastjobs_queues WHERE name = {queue} AND paused_at IS NOT NULL)
  ORDER BY priority DESC, run_at, id
  LIMIT {limit}
    FOR UPDATE SKIP LOCKED"""
@@ -1059,6 +1061,39 @@ SELECT queue, kind, count(*) FILTER (WHERE state IN ('available', 'scheduled', '
   FROM fastjobs_jobs_all
  GROUP BY queue, kind
  ORDER BY queue, kind"""
+
+# queue_pause: pause queue $1 (a claim takes none of its jobs from the
+# statement after this commits); when it was paused, already or now.
+queue_pause: Final = """
+INSERT INTO fastjobs_queues AS q (name, paused_at) VALUES ($1, now())
+    ON CONFLICT (name) DO UPDATE SET paused_at = coalesce(q.paused_at, now()), updated_at = now()
+RETURNING paused_at"""
+
+# queue_resume: resume queue $1 and wake the workers sleeping on it (at
+# commit); a row comes back only when it was paused.
+queue_resume: Final = """
+UPDATE fastjobs_queues SET paused_at = NULL, updated_at = now()
+ WHERE name = $1 AND paused_at IS NOT NULL
+RETURNING pg_notify('fastjobs', name)"""
+
+# queue_list: every queue fastjobs knows of (acted on by an operator, or
+# holding jobs) with when it was paused (NULL: running) and its jobs waiting
+# (available, scheduled, retryable) and running.
+queue_list: Final = """
+SELECT name, max(paused_at), coalesce(sum(waiting), 0)::int8, coalesce(sum(running), 0)::int8
+  FROM (SELECT name, paused_at, NULL::int8 AS waiting, NULL::int8 AS running FROM fastjobs_queues
+        UNION ALL
+        SELECT queue, NULL,
+               count(*) FILTER (WHERE state IN ('available', 'scheduled', 'retryable')),
+               count(*) FILTER (WHERE state = 'running')
+          FROM fastjobs_jobs_all
+         WHERE state IN ('available', 'scheduled', 'retryable', 'running')
+         GROUP BY queue) AS known
+ GROUP BY name
+ ORDER BY name"""
+
+# queue_paused: the paused queues, for `fastjobs stats` and the metrics.
+queue_paused: Final = "SELECT name, paused_at FROM fastjobs_queues WHERE paused_at IS NOT NULL ORDER BY name"
 
 
 _section("State reports")

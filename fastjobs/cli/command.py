@@ -22,6 +22,7 @@ from ..report import HORIZON_WARNING
 from ..types import JobState
 from ..worker import WorkerConfig
 from .jobs import ACTS_ON, jobs_command, periodic_command
+from .queues import queues_command
 from .run import run_command
 from .stats import stats_command
 from .tools import bench_command, migrate_command, sql_show_command
@@ -150,6 +151,19 @@ def _parser() -> argparse.ArgumentParser:
             "--yes", action="store_true", help="with the filters: no confirmation prompt (for scripts)"
         )
         command.add_argument("--json", action="store_true", help="one JSON object per job and line")
+
+    queues_parser = commands.add_parser("queues", help="list queues; pause and resume one")
+    queues_commands = queues_parser.add_subparsers(dest="queues_command", required=True)
+    queues_commands.add_parser("list", help="queues, paused or not, with their jobs").add_argument(
+        "--json", action="store_true"
+    )
+    for name, help_text in (
+        ("pause", "stop every worker taking the queue's jobs (those started finish); enqueues go on"),
+        ("resume", "let workers take the queue's jobs again, waking them"),
+    ):
+        command = queues_commands.add_parser(name, help=help_text)
+        command.add_argument("name", help="the queue")
+        command.add_argument("--json", action="store_true")
 
     periodic = commands.add_parser("periodic", help="the periodic (cron) jobs of MODULE")
     periodic_commands = periodic.add_subparsers(dest="periodic_command", required=True)
@@ -401,6 +415,8 @@ def _command(args: argparse.Namespace) -> int:
         return jobs_command(args)
     if args.command == "periodic":
         return periodic_command(args)
+    if args.command == "queues":
+        return queues_command(args)
     if args.command == "bench":
         return bench_command(args)
     if args.command == "sql":

@@ -43,7 +43,7 @@ def jobs_command(args: argparse.Namespace) -> int:
             if more:
                 logger.info("the newest %d shown, and there are more: --limit N for more", args.limit)
             elif not rows and (args.kind or args.queue):
-                _no_such_names(conn, args.queue, args.kind)
+                no_such_names(conn, args.queue, args.kind)
             return 0
         if command == "show":
             job = control.show(conn, args.id)
@@ -96,7 +96,7 @@ def did_you_mean(name: str, known: Iterable[str]) -> str:
     return f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
 
 
-def _no_such_names(conn: Any, queue: str | None, kind: str | None) -> None:
+def no_such_names(conn: Any, queue: str | None, kind: str | None) -> None:
     """After a listing came back empty: warn about a --queue or --kind that names nothing known.
 
     Known are the queues and kinds of the jobs table and those live workers
@@ -147,7 +147,7 @@ def _act_on_filtered(conn: Any, args: argparse.Namespace) -> int:
     if not ids:
         logger.info("no job matches (%s): nothing to %s", what, command)
         if args.queue or args.kind:
-            _no_such_names(conn, args.queue, args.kind)
+            no_such_names(conn, args.queue, args.kind)
         return 0
     if not args.yes and not _confirm(f"{command} {logs.plural(len(ids), 'job')} ({what})? [y/N] "):
         logger.info("nothing done")

@@ -10,9 +10,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .. import control, database, report, schema, scoreboard, stats
+from .. import control, database, queues, report, schema, scoreboard, stats
 from ..abc import OUTCOMES
-from .table import Column, echo, safe, size, table
+from .table import Column, echo, safe, size, table, when
 
 logger = logging.getLogger("fastjobs.cli")
 
@@ -65,6 +65,7 @@ def stats_command(args: argparse.Namespace) -> int:
     with database.connect(dsn, autocommit=True) as conn:
         schema.check(conn)
         depths = report.queue_depths(conn)
+        paused = queues.paused(conn)
         health = report.health(conn)
         identity = scoreboard.database_identity(conn, dsn)
         hosts = report.cluster(conn)
@@ -92,6 +93,7 @@ def stats_command(args: argparse.Namespace) -> int:
         doc = {
             "database": identity,
             "queues": [dataclasses.asdict(d) for d in depths],
+            "paused_queues": {name: at.isoformat() for name, at in paused.items()},
             "masters": masters,
             "health": dataclasses.asdict(health),
             "warnings": warnings,
@@ -104,6 +106,8 @@ def stats_command(args: argparse.Namespace) -> int:
         table(_QUEUE_COLUMNS, depths)
     else:
         echo("(no jobs)")
+    for name, at in paused.items():
+        echo(safe(f"paused: queue {name!r} since {when(at)} (`fastjobs queues resume {name}`)"))
     now = time.time()
     for m in masters:
         other = "" if m["this_database"] else f" (ANOTHER DATABASE: {safe(m['database'])})"
