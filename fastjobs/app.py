@@ -305,7 +305,7 @@ class App:
         if db is not None:
             enqueue.check_conn(db, psycopg.Connection)
         call = middleware.call_of(opts, {} if args is None else args)
-        with self._chain_target(db) as target:
+        with middleware.chain_target(db, self.connection) as target:
 
             def insert() -> int:
                 return enqueue.insert(target, middleware.with_meta(params, call))
@@ -314,27 +314,6 @@ class App:
         if self._testing is not None:
             self._testing.inserted(db)
         return JobHandle(job_id, self)
-
-    @contextlib.contextmanager
-    def _chain_target(self, conn: psycopg.Connection[Any] | None) -> Iterator[psycopg.Connection[Any]]:
-        """Where an enqueue behind middleware inserts: the caller's connection, or one of fastjobs'
-        own in a transaction around the whole chain, so that a middleware raising after
-        call_next() (or calling it twice) leaves nothing inserted, as raising promises."""
-        if conn is not None:
-            yield conn
-            return
-        with self.connection() as own, own.transaction():
-            yield own
-
-    @contextlib.asynccontextmanager
-    async def _chain_target_async(
-        self, conn: psycopg.AsyncConnection[Any] | None
-    ) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
-        if conn is not None:
-            yield conn
-            return
-        async with self.connection_async() as own, own.transaction():
-            yield own
 
     def _insert(self, params: InsertParams, conn: psycopg.Connection[Any] | None) -> int:
         if conn is not None:
@@ -364,14 +343,12 @@ class App:
         repeated in the call) are skipped and not counted.
         """
         opts = enqueue.options(kind, self._spec(kind), **options)
-        db: psycopg.Connection[Any] | None = enqueue.adapt(conn)
-        if db is not None:
-            enqueue.check_conn(db, psycopg.Connection)
+        db = self._adapted(conn)
         if not self._enqueue_middleware:
             count = self._copy(opts, args_iterable, None, db)
         else:
             call = middleware.call_of(opts, None)
-            with self._chain_target(db) as target:
+            with middleware.chain_target(db, self.connection) as target:
 
                 def copy() -> int:
                     return enqueue.copy_many(target, opts, args_iterable, enqueue.dump_meta(call.meta))
@@ -388,10 +365,8 @@ class App:
         meta: bytes | None,
         conn: psycopg.Connection[Any] | None,
     ) -> int:
-        if conn is not None:
-            return enqueue.copy_many(conn, opts, rows, meta)
-        with self.connection() as own:
-            return enqueue.copy_many(own, opts, rows, meta)
+        with self._on(conn) as db:
+            return enqueue.copy_many(db, opts, rows, meta)
 
     async def enqueue_async(
         self,
@@ -416,7 +391,7 @@ class App:
         if db is not None:
             enqueue.check_conn(db, psycopg.AsyncConnection)
         call = middleware.call_of(opts, {} if args is None else args)
-        async with self._chain_target_async(db) as target:
+        async with middleware.chain_target_async(db, self.connection_async) as target:
 
             async def insert() -> int:
                 return await enqueue.insert_async(target, middleware.with_meta(params, call))
@@ -455,7 +430,7 @@ class App:
             count = await self._copy_async(opts, args_iterable, None, db)
         else:
             call = middleware.call_of(opts, None)
-            async with self._chain_target_async(db) as target:
+            async with middleware.chain_target_async(db, self.connection_async) as target:
 
                 async def copy() -> int:
                     return await enqueue.copy_many_async(
@@ -514,13 +489,8 @@ class App:
         ("cancelling" is returned). A finished job is left alone and its
         state returned. Raises JobNotFound for an unknown id.
         """
-        with schema.required():
-            db: psycopg.Connection[Any] | None = enqueue.adapt(conn)
-            if db is not None:
-                enqueue.check_conn(db, psycopg.Connection)
-                return control.cancel(db, job_id)
-            with self.connection() as own:
-                return control.cancel(own, job_id)
+        with schema.required(), self._on(self._adapted(conn)) as db:
+            return control.cancel(db, job_id)
 
     def pause(self, queue: str, *, conn: Conn | None = None) -> dt.datetime:
         """Pause `queue`: every worker stops taking its jobs (those started finish), enqueues go on.
@@ -528,35 +498,24 @@ class App:
         Effective when the transaction commits (on `conn=`, the caller's);
         returns since when it is paused. See fastjobs.queues.
         """
-        return self._on_queue(queues.pause, queue, conn)
+        with schema.required(), self._on(self._adapted(conn)) as db:
+            return queues.pause(db, queue)
 
     def resume(self, queue: str, *, conn: Conn | None = None) -> bool:
         """Resume `queue` and wake its workers; False when it was not paused."""
-        return self._on_queue(queues.resume, queue, conn)
+        with schema.required(), self._on(self._adapted(conn)) as db:
+            return queues.resume(db, queue)
 
     def queues(self) -> list[QueueInfo]:
         """Every queue acted on or holding jobs: paused or not, its jobs waiting and running."""
         with schema.required(), self.connection() as own:
             return queues.list_queues(own)
 
-    def _on_queue(self, act: Callable[[psycopg.Connection[Any], str], R], queue: str, conn: Conn | None) -> R:
-        with schema.required():
-            db: psycopg.Connection[Any] | None = enqueue.adapt(conn)
-            if db is not None:
-                enqueue.check_conn(db, psycopg.Connection)
-                return act(db, queue)
-            with self.connection() as own:
-                return act(own, queue)
-
     def status(self, job_id: int, *, conn: Conn | None = None) -> JobStatus:
         """What job `job_id` is now, without waiting: from the jobs table, or from the kept results
         (a job enqueued with keep_result, after it ended). Raises JobNotFound when neither has it."""
-        db: psycopg.Connection[Any] | None = enqueue.adapt(conn)
-        if db is not None:
-            enqueue.check_conn(db, psycopg.Connection)
+        with self._on(self._adapted(conn)) as db:
             return results.status(db, job_id)
-        with self.connection() as own:
-            return results.status(own, job_id)
 
     async def status_async(self, job_id: int, *, conn: AsyncConn | None = None) -> JobStatus:
         """`status` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs')."""
@@ -584,6 +543,23 @@ class App:
         """`result` in an event loop, on one of fastjobs' async connections."""
         async with self.connection_async() as own:
             return await results.wait_async(own, job_id, timeout)
+
+    @staticmethod
+    def _adapted(conn: Conn | None) -> psycopg.Connection[Any] | None:
+        """The caller's connection (psycopg's, or SQLAlchemy's unwrapped), checked; None without one."""
+        db: psycopg.Connection[Any] | None = enqueue.adapt(conn)
+        if db is not None:
+            enqueue.check_conn(db, psycopg.Connection)
+        return db
+
+    @contextlib.contextmanager
+    def _on(self, conn: psycopg.Connection[Any] | None) -> Iterator[psycopg.Connection[Any]]:
+        """`conn`, else one of the app's own connections."""
+        if conn is not None:
+            yield conn
+        else:
+            with self.connection() as own:
+                yield own
 
     @contextlib.contextmanager
     def connection(self) -> Iterator[psycopg.Connection[Any]]:

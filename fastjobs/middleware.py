@@ -19,12 +19,16 @@ methods, `async def` ones the async methods.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import inspect
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
+
+import psycopg
 
 from . import enqueue
 from .context import JobContext, _async_job, _thread
@@ -175,3 +179,31 @@ def with_meta(params: InsertParams, call: Enqueue) -> InsertParams:
     """sql.job_insert's parameters with the meta the middleware gave."""
     meta = enqueue.dump_meta(call.meta)
     return params if meta is None else params._replace(meta=meta.decode())
+
+
+@contextlib.contextmanager
+def chain_target(
+    conn: psycopg.Connection[Any] | None,
+    connection: Callable[[], AbstractContextManager[psycopg.Connection[Any]]],
+) -> Iterator[psycopg.Connection[Any]]:
+    """Where an enqueue behind middleware inserts: the caller's connection, or one of `connection()`
+    in a transaction around the whole chain, so that a middleware raising after call_next() (or
+    calling it twice) leaves nothing inserted, as raising promises."""
+    if conn is not None:
+        yield conn
+        return
+    with connection() as own, own.transaction():
+        yield own
+
+
+@contextlib.asynccontextmanager
+async def chain_target_async(
+    conn: psycopg.AsyncConnection[Any] | None,
+    connection: Callable[[], AbstractAsyncContextManager[psycopg.AsyncConnection[Any]]],
+) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    """`chain_target` for the async enqueues."""
+    if conn is not None:
+        yield conn
+        return
+    async with connection() as own, own.transaction():
+        yield own
