@@ -266,9 +266,7 @@ class Leader:
         """A service's turn raised: logged with why and counted; the other services run on.
 
         One failing service (a privilege revoked, a bad row, a bug) must not
-        take the others with it: the rotator once died on TRUNCATE at every
-        turn, restarting the leader for ever, and the periodic service after
-        it never ran.
+        take the others with it, nor restart the leader at every turn.
         """
         self.failures[name] = self.failures.get(name, 0) + 1
         self._failing.add(name)

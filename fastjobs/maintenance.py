@@ -99,9 +99,8 @@ class CleanerConfig:
 
     A backlog (a million finished jobs, say) is deleted in turns of at most
     `budget` seconds, and the leader rests between turns so the cleaner
-    takes no more than `duty` of the time: deleting flat out on a 2-core
-    machine slows a concurrent drain to 0.6 x (measured); at 10% it stays
-    within the 10% the cleaner may cost.
+    takes no more than `duty` of the time: deleting flat out would slow a
+    concurrent drain by a third on a 2-core machine (bench/RESULTS.md, Cleaner).
     """
 
     completed_retention: float = 24 * 3600.0
@@ -119,56 +118,25 @@ class CleanerConfig:
 
 @dataclass(frozen=True, slots=True)
 class RotationConfig:
-    """The rotating slots of fastjobs_jobs_all are emptied by TRUNCATE, one every `interval` seconds.
+    """The rotation: the oldest rotating slot emptied by TRUNCATE and made current, every `interval`.
 
-    VACUUM can remove no dead row that an open snapshot may still see; TRUNCATE
-    frees a table's storage whatever the snapshots. Jobs due now go to the
-    current one of SLOTS rotating slots (migrations/005_rotation.sql); every
-    `interval` the leader empties the oldest, the one after the current, and
-    makes it current, so a job's dead rows live at most SLOTS x `interval`
-    seconds, and a claim never walks index entries older than that. The
-    rotation waits at most `lock_timeout` for its lock, then gives way and
-    tries again `retry` seconds later, doubling while it keeps giving way (up
-    to `interval`), and warns after a minute without a rotation: enqueues never wait for it (an insert
-    locks only the current slot), claims and finishes at most that long plus
-    the time the lock is held (tens of ms: the copy, the truncation and its
-    commit).
-
-    A slot still holding more than `max_move` available rows (a backlog) is
-    not copied under the lock: while it drains, oldest first, the rotation
-    waits. It waits at most `patience` seconds: a backlog that outlasts it (a
-    queue nobody serves) would stop every slot's cleanup for good. Then each
-    try moves the slot's available rows to slot 0, the vacuumed one, by row
-    locks in statements of SETTLE_BATCH (never under the slot's lock: claims
-    and enqueues go on, skipping the rows being moved), for at most
-    `evacuate_budget` seconds, until the slot holds no more than `max_move`
-    and rotates as usual. So the rotating slots' storage stays bounded by the
-    backlog plus `patience` seconds of traffic; the backlog moves once and
-    costs VACUUM afterwards, as before 005. Measured (PostgreSQL 15, 2
-    shared cores): 50,000 unserved rows behind 30,000 dead ones moved in
-    0.9-1.2 s (10-20 ms a statement), then the rotation held its lock 12-28
-    ms (bench/RESULTS.md, Upkeep).
-
-    A rotation stalls every claim for the time its lock is queued and held
-    (~10 ms: TRUNCATE rebuilds and syncs each index of the slot), and
-    under light load that stall is most of a job's p99 pickup latency
-    (bench/RESULTS.md, issue 22 §5). So a turn rotates only while the four
-    rotating slots take at least `worth` bytes (tables and indexes), or
-    while it works off a backlog: the slots' storage stays bounded by
-    `worth` plus what one `interval` brings (the mass of a burst is emptied
-    in a few turns after it), and a queue running 1,000 jobs/s rotates
-    about every 30 s instead of every 2 s; a busy one (tens of thousands of
-    jobs/s) still every `interval`. 0 rotates every `interval`. A Rotator
-    that finds the slot moved since its last turn (another in-process
-    Worker rotated) waits a whole `interval`: N in-process Workers rotate
-    as often as one leader, not N times as often.
+    Why it exists and what it costs: docs/internals.md, rotation. It waits at
+    most `lock_timeout` for its lock, then gives way and tries again `retry`
+    seconds later, doubling while it keeps giving way (up to `interval`). A
+    slot holding more than `max_move` available rows (a backlog) is not
+    copied under the lock; after `patience` seconds of that, its available
+    rows move to slot 0 by row locks, for at most `evacuate_budget` seconds a
+    try. A turn rotates only while the rotating slots take at least `worth`
+    bytes, or while it works off a backlog (0: every `interval`). A Rotator
+    that finds the slot moved since its last turn (another in-process Worker
+    rotated) waits a whole `interval`: N in-process Workers rotate as often
+    as one leader.
     """
 
     # Off, nothing cleans the rotating slots (autovacuum is off on them): for tests and tools only.
     enabled: bool = True
     interval: float = 2.0
-    # Longer than a fast-lane batch's transaction lives (test_upkeep pins it):
-    # 0.05 s mostly gave way.
+    # Longer than a fast-lane batch's transaction lives, or it mostly gives way (test_upkeep pins it).
     lock_timeout: float = 0.15
     retry: float = 0.2
     max_move: int = 10_000

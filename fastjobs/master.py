@@ -272,7 +272,8 @@ class Master:
         child.restart_at = time.monotonic() + delay
 
     def _blame(self, child: Child, name: str) -> None:
-        """Decide from its card which of a dead worker's jobs count a crash, and release the rest.
+        """Decide from its card which of a dead worker's jobs count a crash, and release the rest
+        (docs/internals.md, crash accounting).
 
         Only the jobs whose handler was running count a crash (the rescuer
         charges them); the others go back now, uncounted. A worker can also

@@ -23,17 +23,17 @@ logger = logging.getLogger("fastjobs.leader")  # the name users filter on: the v
 
 @dataclass(frozen=True, slots=True)
 class VacuumConfig:
-    """The jobs table is vacuumed by the leader as soon as dead rows pile up.
+    """Slot 0, fastjobs_jobs, is vacuumed by the leader as soon as `threshold` dead rows pile up.
 
-    Every job leaves two dead row versions (its claim and its completion):
-    at 30k jobs/s, 60k a second. Autovacuum visits a database once a minute
-    at best (autovacuum_naptime), and never where it is off; meanwhile the
-    table grows by ~10 MB/s and the claim index fills with entries of claimed
-    jobs. The leader runs VACUUM on a connection of its own (it may take
-    seconds; the other services keep their pace) whenever `threshold` dead
-    rows are counted, resting between runs so it vacuums at most `duty` of
-    the time: a transaction holding the horizon back makes every VACUUM long
-    and useless until it ends.
+    Slot 0 keeps what must outlive the rotation (unique-key and scheduled
+    jobs, and the rows the rotation settles there: retryable, finished, a
+    moved backlog); every update of them leaves a dead row version, and
+    autovacuum visits a database once a minute at best, never where it is
+    off. The rotating slots are truncated instead (RotationConfig). The
+    leader runs VACUUM on a connection of its own (it may take seconds; the
+    other services keep their pace), resting between runs so it vacuums at
+    most `duty` of the time: a transaction holding the horizon back makes
+    every VACUUM long and useless until it ends.
     """
 
     enabled: bool = True

@@ -228,7 +228,7 @@ def _parser() -> argparse.ArgumentParser:
         "--latency-write",
         action="store_true",
         help="latency: each handler also writes one row through its own connection (autocommit, default"
-        " durability), as an application's job does (issue 22's measurement)",
+        " durability), as an application's job does",
     )
     only = run_bench.add_mutually_exclusive_group()
     only.add_argument("--enqueue-only", action="store_true", help="only enqueue_many against COPY")
