@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime as dt
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar, Unpack, overload
 
 import psycopg
 
-from . import control, database, enqueue, middleware, queues, results, schema, typed
-from .connections import IdleAsyncConnections, IdleConnections
+from . import control, enqueue, middleware, queues, results, schema, typed
+from .connections import Connected
 from .cron import Cron
 from .enqueue import (
     InsertParams,
@@ -36,7 +35,7 @@ if TYPE_CHECKING:
 M = TypeVar("M", bound=Callable[..., Any])
 
 
-class App:
+class App(Connected):
     """A set of registered jobs and the database they live in.
 
     The DSN is resolved on first use: `dsn` > FASTJOBS_DSN > DATABASE_URL;
@@ -51,38 +50,17 @@ class App:
     """
 
     def __init__(self, dsn: str | None = None) -> None:
-        self._dsn = dsn
+        super().__init__(dsn)
         self.jobs: dict[str, JobSpec] = {}
         # Kinds enqueued here whose handlers run elsewhere: never run by this app's workers.
         self.declared: dict[str, JobSpec] = {}
-        self._pool = IdleConnections()
-        self._async_pool = IdleAsyncConnections()
+        self._backpressure = queues.Backpressure(self.connection, self.connection_async)
         # The testing kit in inline mode (fastjobs.testing): told of each enqueue.
         self._testing: Testing | None = None
         self._middleware: list[JobMiddleware] = []
         # Enqueue middleware of the sync enqueue methods, and of the async ones.
         self._enqueue_middleware: list[EnqueueMiddleware] = []
         self._enqueue_middleware_async: list[EnqueueMiddleware] = []
-
-    @property
-    def dsn(self) -> str:
-        if self._dsn is None or self._dsn == database.EMBEDDED:
-            self._dsn = database.resolve_dsn(self._dsn)
-        return self._dsn
-
-    def configure(self, *, dsn: str) -> None:
-        """Point the app at another database (`fastjobs --dsn` does, after importing the app).
-
-        `dsn` takes the place of the one given to the constructor or
-        resolved from the environment. Idle pooled connections to the
-        previous database are closed, and those in use at the time are closed
-        when given back: nothing enqueued from here on goes there. A Worker
-        reads the DSN when it starts: configure before running workers.
-        """
-        if not isinstance(dsn, str) or not dsn:
-            raise ValueError(f"dsn must be a non-empty string, not {dsn!r}")
-        self.close()
-        self._dsn = dsn
 
     @overload
     def job(self, kind: Callable[P, R], /) -> Job[P, R]: ...
@@ -300,6 +278,7 @@ class App:
         opts = enqueue.options(kind, self._spec(kind), **options)
         params = enqueue.insert_params(opts, args)  # bad args fail before a connection is taken
         db: psycopg.Connection[Any] | None = enqueue.adapt(conn)
+        self._backpressure.check(opts.queue, opts.wait_for_room, db)
         if not self._enqueue_middleware:
             return JobHandle(self._insert(params, db), self)
         if db is not None:
@@ -344,6 +323,7 @@ class App:
         """
         opts = enqueue.options(kind, self._spec(kind), **options)
         db = self._adapted(conn)
+        self._backpressure.check(opts.queue, opts.wait_for_room, db)
         if not self._enqueue_middleware:
             count = self._copy(opts, args_iterable, None, db)
         else:
@@ -386,6 +366,7 @@ class App:
             if conn is None or isinstance(conn, psycopg.AsyncConnection)
             else await enqueue.adapt_async(conn)
         )
+        await self._backpressure.check_async(opts.queue, opts.wait_for_room, db)
         if not self._enqueue_middleware_async:
             return JobHandle(await self._insert_async(params, db), self)
         if db is not None:
@@ -426,6 +407,7 @@ class App:
         db: psycopg.AsyncConnection[Any] | None = await enqueue.adapt_async(conn)
         if db is not None:
             enqueue.check_conn(db, psycopg.AsyncConnection)
+        await self._backpressure.check_async(opts.queue, opts.wait_for_room, db)
         if not self._enqueue_middleware_async:
             count = await self._copy_async(opts, args_iterable, None, db)
         else:
@@ -506,6 +488,29 @@ class App:
         with schema.required(), self._on(self._adapted(conn)) as db:
             return queues.resume(db, queue)
 
+    def limit_queue(
+        self,
+        queue: str,
+        *,
+        concurrency: int | None = queues.UNCHANGED,
+        max_backlog: int | None = queues.UNCHANGED,
+        conn: Conn | None = None,
+    ) -> None:
+        """Set `queue`'s limits, stored in the database: every worker and producer, no restart.
+
+        `concurrency`: at most this many of its jobs run at once across the
+        cluster (from the next claim; the queue takes the state lane). None
+        removes a limit; a limit not given stays as it is.
+
+        `max_backlog`: hold producers back while this many of its jobs wait:
+        an enqueue into the queue raises QueueFull, or waits up to its
+        `wait_for_room=` seconds for room. The backlog is the leader's count,
+        at most a second or two old, so a burst can overshoot the limit by
+        what producers enqueue in that time. See fastjobs.queues.
+        """
+        with schema.required(), self._on(self._adapted(conn)) as db:
+            queues.limit(db, queue, concurrency=concurrency, max_backlog=max_backlog)
+
     def queues(self) -> list[QueueInfo]:
         """Every queue acted on or holding jobs: paused or not, its jobs waiting and running."""
         with schema.required(), self.connection() as own:
@@ -543,47 +548,3 @@ class App:
         """`result` in an event loop, on one of fastjobs' async connections."""
         async with self.connection_async() as own:
             return await results.wait_async(own, job_id, timeout)
-
-    @staticmethod
-    def _adapted(conn: Conn | None) -> psycopg.Connection[Any] | None:
-        """The caller's connection (psycopg's, or SQLAlchemy's unwrapped), checked; None without one."""
-        db: psycopg.Connection[Any] | None = enqueue.adapt(conn)
-        if db is not None:
-            enqueue.check_conn(db, psycopg.Connection)
-        return db
-
-    @contextlib.contextmanager
-    def _on(self, conn: psycopg.Connection[Any] | None) -> Iterator[psycopg.Connection[Any]]:
-        """`conn`, else one of the app's own connections."""
-        if conn is not None:
-            yield conn
-        else:
-            with self.connection() as own:
-                yield own
-
-    @contextlib.contextmanager
-    def connection(self) -> Iterator[psycopg.Connection[Any]]:
-        """An autocommit connection of fastjobs' own pool, opened lazily."""
-        with self._pool.connection(self.dsn) as conn:
-            yield conn
-
-    @contextlib.asynccontextmanager
-    async def connection_async(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
-        """An autocommit async connection, pooled per event loop."""
-        dsn = self.dsn
-        async with self._async_pool.connection(dsn, keep=lambda: dsn == self._dsn) as conn:
-            yield conn
-
-    def close(self) -> None:
-        """Close the pooled connections (a forked child drops its parent's without closing).
-
-        Idle async connections are closed at the libpq level, which needs no
-        event loop; `aclose` closes them the regular way.
-        """
-        self._pool.close()
-        self._async_pool.close()
-
-    async def aclose(self) -> None:
-        """Close the pooled connections, the async ones of the running loop through their loop."""
-        await self._async_pool.aclose()
-        self.close()

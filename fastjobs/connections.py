@@ -1,4 +1,4 @@
-"""The App's few idle connections, for enqueues made without `conn=`."""
+"""The database side of an App: its DSN, and its own connections for the calls made without `conn=`."""
 
 from __future__ import annotations
 
@@ -9,11 +9,14 @@ import select
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from . import database
+from . import database, enqueue
+
+if TYPE_CHECKING:
+    from .job import Conn
 
 
 def finish(idle: list[Any]) -> None:
@@ -135,3 +138,77 @@ class IdleAsyncConnections:
         idle = self._by_loop.pop(asyncio.get_running_loop(), [])
         while idle:
             await idle.pop().close()
+
+
+class Connected:
+    """The database side of an App: its DSN, resolved on first use, and its own connections (a few
+    idle ones, sync and per event loop) for the calls made without `conn=`."""
+
+    def __init__(self, dsn: str | None = None) -> None:
+        self._dsn = dsn
+        self._pool = IdleConnections()
+        self._async_pool = IdleAsyncConnections()
+
+    @property
+    def dsn(self) -> str:
+        if self._dsn is None or self._dsn == database.EMBEDDED:
+            self._dsn = database.resolve_dsn(self._dsn)
+        return self._dsn
+
+    def configure(self, *, dsn: str) -> None:
+        """Point the app at another database (`fastjobs --dsn` does, after importing the app).
+
+        `dsn` takes the place of the one given to the constructor or
+        resolved from the environment. Idle pooled connections to the
+        previous database are closed, and those in use at the time are closed
+        when given back: nothing enqueued from here on goes there. A Worker
+        reads the DSN when it starts: configure before running workers.
+        """
+        if not isinstance(dsn, str) or not dsn:
+            raise ValueError(f"dsn must be a non-empty string, not {dsn!r}")
+        self.close()
+        self._dsn = dsn
+
+    @staticmethod
+    def _adapted(conn: Conn | None) -> psycopg.Connection[Any] | None:
+        """The caller's connection (psycopg's, or SQLAlchemy's unwrapped), checked; None without one."""
+        db: psycopg.Connection[Any] | None = enqueue.adapt(conn)
+        if db is not None:
+            enqueue.check_conn(db, psycopg.Connection)
+        return db
+
+    @contextlib.contextmanager
+    def _on(self, conn: psycopg.Connection[Any] | None) -> Iterator[psycopg.Connection[Any]]:
+        """`conn`, else one of the app's own connections."""
+        if conn is not None:
+            yield conn
+        else:
+            with self.connection() as own:
+                yield own
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """An autocommit connection of fastjobs' own pool, opened lazily."""
+        with self._pool.connection(self.dsn) as conn:
+            yield conn
+
+    @contextlib.asynccontextmanager
+    async def connection_async(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """An autocommit async connection, pooled per event loop."""
+        dsn = self.dsn
+        async with self._async_pool.connection(dsn, keep=lambda: dsn == self._dsn) as conn:
+            yield conn
+
+    def close(self) -> None:
+        """Close the pooled connections (a forked child drops its parent's without closing).
+
+        Idle async connections are closed at the libpq level, which needs no
+        event loop; `aclose` closes them the regular way.
+        """
+        self._pool.close()
+        self._async_pool.close()
+
+    async def aclose(self) -> None:
+        """Close the pooled connections, the async ones of the running loop through their loop."""
+        await self._async_pool.aclose()
+        self.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from .abc import (
     BUCKETS,
@@ -13,15 +14,19 @@ from .report import ROTATION_PROBLEMS, STALE_AFTER, ClusterHost, Health, QueueDe
 from .scoreboard import Histogram, KindCounts, Scoreboard
 from .stats import LEADER, ROLES, WORKER, Card
 
+if TYPE_CHECKING:
+    from .queues import QueueState
+
 
 def prometheus(
     board: Scoreboard,
     depths: list[QueueDepth] | None,
     health: Health | None = None,
     hosts: list[ClusterHost] | None = None,
+    steered: Sequence[QueueState] = (),
 ) -> str:
-    """Prometheus text exposition of the counters (and queue depths, MVCC health and the cluster's
-    hosts when given)."""
+    """Prometheus text exposition of the counters (and queue depths with the queues an operator
+    `steered`, MVCC health and the cluster's hosts when given)."""
     lines = []
     counters = (
         ("claimed", "jobs claimed"),
@@ -89,6 +94,33 @@ def prometheus(
             if q.oldest_seconds is not None:
                 labels = f'queue="{_escape(q.queue)}",state="{q.state}"'
                 lines.append(f"fastjobs_queue_oldest_seconds{{{labels}}} {q.oldest_seconds:.3f}")
+        paused = {q.name for q in steered if q.paused_at}
+        lines.append("# HELP fastjobs_queue_paused 1 while the queue is paused (fastjobs queues pause)")
+        lines.append("# TYPE fastjobs_queue_paused gauge")
+        for name in sorted({q.queue for q in depths} | paused):
+            lines.append(f'fastjobs_queue_paused{{queue="{_escape(name)}"}} {int(name in paused)}')
+        lines.append(
+            "# HELP fastjobs_queue_concurrency the most jobs of the queue running at once, cluster-wide"
+        )
+        lines.append("# TYPE fastjobs_queue_concurrency gauge")
+        lines.extend(
+            f'fastjobs_queue_concurrency{{queue="{_escape(q.name)}"}} {q.concurrency}'
+            for q in steered
+            if q.concurrency is not None
+        )
+        limited = [q for q in steered if q.max_backlog is not None]
+        lines.append("# HELP fastjobs_queue_max_backlog the backlog past which enqueues are held back")
+        lines.append("# TYPE fastjobs_queue_max_backlog gauge")
+        lines.extend(
+            f'fastjobs_queue_max_backlog{{queue="{_escape(q.name)}"}} {q.max_backlog}' for q in limited
+        )
+        lines.append("# HELP fastjobs_queue_held_back_total enqueues held back by the queue's max_backlog")
+        lines.append("# TYPE fastjobs_queue_held_back_total counter")
+        lines.extend(
+            f'fastjobs_queue_held_back_total{{queue="{_escape(q.name)}"}} {q.held_back}'
+            for q in steered
+            if q.max_backlog is not None or q.held_back
+        )
     lines.extend(kind_metrics(board.kinds()))
     if health is not None:
         lines.extend(_health_metrics(health))

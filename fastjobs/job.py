@@ -46,6 +46,7 @@ class BulkOptions(TypedDict, total=False):
     delay: float | dt.timedelta | None  # seconds
     max_attempts: int | None
     keep_result: float | dt.timedelta | None  # seconds the outcome is kept (App.result)
+    wait_for_room: float | None  # seconds to wait while the queue is at its max_backlog (else QueueFull)
 
 
 class EnqueueOptions(BulkOptions, total=False):

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from . import database, schema, sql
+from . import database, queues, schema, sql
 from .errors import ConfigurationError, DatabaseUnavailable
 from .maintenance import (
     CleanerConfig,
@@ -225,6 +225,8 @@ class Leader:
         ]
         if config.rotation.enabled:
             services.append(("rotator", config.rotation.interval, lambda: self.rotator.turn(conn)))
+        # The backlogs of queues with a max_backlog, for their producers (fastjobs.queues).
+        services.append(("backlogs", queues.COUNT_INTERVAL, lambda: queues.count_backlogs(conn) and None))
         if self.periodic:
             services.append(
                 (
@@ -251,6 +253,8 @@ class Leader:
                 self._record()
             self._renewed = time.monotonic()
             spent = time.monotonic() - now
+            if name == "backlogs":  # counts bounded by the limits, at most 10% of the leader's time
+                self._due[name] = time.monotonic() + max(queues.COUNT_INTERVAL, spent * 9)
             if name == "cleaner" and spent >= config.cleaner.budget:
                 self._due[name] = time.monotonic() + config.cleaner.rest(spent)  # a backlog: paced
             if name == "rotator":

@@ -43,7 +43,7 @@ statements, as `fastjobs sql show` does):
   Leader                     the leader's lock and keepalives, the scheduler
   Workers                    a worker's session, registration, heartbeat, sleep
   Maintenance                rescuer, releaser, cleaners (results too), periodic jobs
-  Operators                  cancel, retry, discard, pause and resume queues
+  Operators                  cancel, retry, discard; queues paused, resumed, limited
   State reports (family)     job_state, job_get, job_list, job_stats_by_queue, testing_jobs_*, job_status
   Vacuum and rotation        slot 0's VACUUM, the rotating slots
   Monitoring                 MVCC horizon, table health, NOTIFY queue
@@ -318,18 +318,29 @@ class _Choice:
 
     after: bool = False  # from the mark on: the priority and run_at where the last claim ended
 
-    def where(self, *, queue: str, limit: str, first: int) -> str:
-        """Up to `limit` available jobs of `queue` due now, in claim order, skipping rows others hold,
-        none while the queue is paused (one lookup per statement: its parameter is the statement's);
-        this choice's parameters are $`first` and on."""
+    def where(self, *, queue: str, limit: str, first: int, fast: bool = False, ending: str = "") -> str:
+        """Up to `limit` available jobs of `queue` due now, in claim order, skipping rows others hold;
+        none while the queue is paused; with a concurrency limit, no more than fastjobs_room allows
+        on the state lane (`fast`: none, since a job in flight there is not counted as running),
+        whose count leaves out the jobs a finish statement ends (`ending`: its worker, completed ids
+        and outcome records, which the count cannot see: they are this statement's own writes).
+        Each test is one lookup per statement (a one-time filter: its parameter is the
+        statement's). This choice's parameters are $`first` and on."""
         after = ""
         if self.after:
             after = (
                 f" AND priority = ${first}\n   AND run_at >= timestamptz '2000-01-01 00:00:00+00'"
                 f" + (${first + 1}::int8 - {CLAIM_MARK_MARGIN}) * interval '1 microsecond'"
             )
+        limited = f"SELECT FROM fastjobs_queues WHERE name = {queue} AND concurrency IS NOT NULL"
+        if fast:
+            stopped = "(paused_at IS NOT NULL OR concurrency IS NOT NULL)"
+        else:
+            stopped = "paused_at IS NOT NULL"
+            room = f"fastjobs_room({queue}, {limit}{ending})"
+            limit = f"CASE WHEN EXISTS ({limited})\n            THEN {room} ELSE {limit} END"
         return f""" WHERE state = 'available' AND queue = {queue} AND run_at <= now(){after}
-   AND NOT EXISTS (SELECT FROM fastjobs_queues WHERE name = {queue} AND paused_at IS NOT NULL)
+   AND NOT EXISTS (SELECT FROM fastjobs_queues WHERE name = {queue} AND {stopped})
  ORDER BY priority DESC, run_at, id
  LIMIT {limit}
    FOR UPDATE SKIP LOCKED"""
@@ -339,7 +350,9 @@ _FROM_THE_FRONT: Final = _Choice()
 _AFTER_THE_MARK: Final = _Choice(after=True)
 
 
-def _claim(*, queue: str, limit: str, worker: str, choice: _Choice, first: int, context: bool) -> str:
+def _claim(
+    *, queue: str, limit: str, worker: str, choice: _Choice, first: int, context: bool, ending: str = ""
+) -> str:
     """The state lane's claim: the jobs `choice` takes become running for `worker`, their attempt
     counted. The ids go through ARRAY(...): joined as a subquery instead, a large batch makes the
     planner hash-join it against a Seq Scan of the whole table."""
@@ -348,7 +361,7 @@ def _claim(*, queue: str, limit: str, worker: str, choice: _Choice, first: int, 
        attempted_at = now(), attempted_by = {worker}
  WHERE j.id = ANY(ARRAY(
            SELECT id FROM fastjobs_jobs_all
-           {_indent(choice.where(queue=queue, limit=limit, first=first), 11)}))
+           {_indent(choice.where(queue=queue, limit=limit, first=first, ending=ending), 11)}))
 RETURNING {_returned(context=context, row="j")}"""
 
 
@@ -359,7 +372,7 @@ def _lock(*, choice: _Choice, context: bool) -> str:
     return f"""
 SELECT {_returned(context=context, attempt=f"({_next_attempt('')})::smallint")}
   FROM fastjobs_jobs_all
-{choice.where(queue="$1", limit="$2", first=3)}"""
+{choice.where(queue="$1", limit="$2", first=3, fast=True)}"""
 
 
 # job_claim_many: take up to $2 available jobs of queue $1 for worker $3, in
@@ -572,7 +585,9 @@ def _finish_claim(*, keep: bool, choice: _Choice, context: bool, results: bool =
     state in args; each of those branches runs only when its count of applied rows falls short (a
     one-time filter: nothing to do in the usual batch). Claimed rows come first: an Append runs its
     branches in order."""
-    claim = _claim(queue="$3", limit="$4", worker="$5", choice=choice, first=6, context=context)
+    claim = _claim(
+        queue="$3", limit="$4", worker="$5", choice=choice, first=6, context=context, ending=", $5, $1, $2"
+    )
     width = len(_CLAIMED) + (len(_CONTEXT) if context else 0)
     rest = ", NULL" * (width - 4)  # the columns after id, kind, args and attempt
     notify = f"\nUNION ALL\nSELECT {', '.join(['NULL'] * width)}\n{_NOTIFY_KEPT}" if results else ""
@@ -1076,24 +1091,74 @@ UPDATE fastjobs_queues SET paused_at = NULL, updated_at = now()
  WHERE name = $1 AND paused_at IS NOT NULL
 RETURNING pg_notify('fastjobs', name)"""
 
+# queue_limit: set queue $1's concurrency to $2 when $3, and its max_backlog
+# to $4 when $5 (NULL: no limit), leaving the other as it was; a new
+# max_backlog is counted from the leader's next turn.
+queue_limit: Final = """
+INSERT INTO fastjobs_queues AS q (name, concurrency, max_backlog) VALUES ($1, $2, $4)
+    ON CONFLICT (name) DO UPDATE
+   SET concurrency = CASE WHEN $3 THEN $2 ELSE q.concurrency END,
+       max_backlog = CASE WHEN $5 THEN $4 ELSE q.max_backlog END,
+       backlog = CASE WHEN $5 THEN NULL ELSE q.backlog END,
+       backlog_at = CASE WHEN $5 THEN NULL ELSE q.backlog_at END,
+       updated_at = now()"""
+
 # queue_list: every queue fastjobs knows of (acted on by an operator, or
-# holding jobs) with when it was paused (NULL: running) and its jobs waiting
-# (available, scheduled, retryable) and running.
+# holding jobs) with when it was paused (NULL: running), its jobs waiting
+# (available, scheduled, retryable) and running, its concurrency and
+# max_backlog, and the enqueues held back by it.
 queue_list: Final = """
-SELECT name, max(paused_at), coalesce(sum(waiting), 0)::int8, coalesce(sum(running), 0)::int8
-  FROM (SELECT name, paused_at, NULL::int8 AS waiting, NULL::int8 AS running FROM fastjobs_queues
+SELECT name, max(paused_at), coalesce(sum(waiting), 0)::int8, coalesce(sum(running), 0)::int8,
+       max(concurrency), max(max_backlog), coalesce(max(held_back), 0)
+  FROM (SELECT name, paused_at, NULL::int8 AS waiting, NULL::int8 AS running, concurrency, max_backlog,
+               held_back
+          FROM fastjobs_queues
         UNION ALL
         SELECT queue, NULL,
                count(*) FILTER (WHERE state IN ('available', 'scheduled', 'retryable')),
-               count(*) FILTER (WHERE state = 'running')
+               count(*) FILTER (WHERE state = 'running'), NULL, NULL, NULL
           FROM fastjobs_jobs_all
          WHERE state IN ('available', 'scheduled', 'retryable', 'running')
          GROUP BY queue) AS known
  GROUP BY name
  ORDER BY name"""
 
-# queue_paused: the paused queues, for `fastjobs stats` and the metrics.
-queue_paused: Final = "SELECT name, paused_at FROM fastjobs_queues WHERE paused_at IS NOT NULL ORDER BY name"
+# queue_states: the queues an operator acted on: when paused (NULL:
+# running), their concurrency, max_backlog, last backlog count and enqueues
+# held back, for `fastjobs stats` and the metrics.
+queue_states: Final = """
+SELECT name, paused_at, concurrency, max_backlog, backlog, held_back FROM fastjobs_queues ORDER BY name"""
+
+# queue_full: the queues whose backlog the leader found at their max_backlog
+# in the last $1 seconds (a count older than that, say with no leader, holds
+# no producer back), with that count and the limit; what producers read, at
+# most once a second each.
+queue_full: Final = """
+SELECT name, backlog, max_backlog FROM fastjobs_queues
+ WHERE backlog >= max_backlog AND backlog_at > now() - $1 * interval '1 second'"""
+
+# queue_held_back: add $2 to the enqueues queue $1 held back (a producer's
+# count since its last report).
+queue_held_back: Final = """
+UPDATE fastjobs_queues SET held_back = held_back + $2 WHERE name = $1"""
+
+# queue_count_backlogs: the leader counts the backlog (available, scheduled,
+# retryable jobs) of each queue with a max_backlog, up to the limit (a count
+# past it says no more), so the count costs at most the limit's index
+# entries; the number of queues counted.
+queue_count_backlogs: Final = """
+WITH counted AS (
+    SELECT q.name,
+           (SELECT count(*)
+              FROM (SELECT 1 FROM fastjobs_jobs_all j
+                     WHERE j.queue = q.name AND j.state IN ('available', 'scheduled', 'retryable')
+                     LIMIT q.max_backlog) AS upto) AS backlog
+      FROM fastjobs_queues q
+     WHERE q.max_backlog IS NOT NULL
+)
+UPDATE fastjobs_queues q SET backlog = counted.backlog, backlog_at = now()
+  FROM counted
+ WHERE q.name = counted.name"""
 
 
 _section("State reports")

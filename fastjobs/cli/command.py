@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from .. import logs, schema, sql
+from .. import logs, queues, schema, sql
 from ..children import EXIT_BOOT_ERROR
 from ..errors import ConfigurationError, DatabaseUnavailable, FastjobsError, SchemaMissing
 from ..impl import FALLBACK
@@ -22,7 +22,7 @@ from ..report import HORIZON_WARNING
 from ..types import JobState
 from ..worker import WorkerConfig
 from .jobs import ACTS_ON, jobs_command, periodic_command
-from .queues import queues_command
+from .queues import backlog, queues_command
 from .run import run_command
 from .stats import stats_command
 from .tools import bench_command, migrate_command, sql_show_command
@@ -164,6 +164,25 @@ def _parser() -> argparse.ArgumentParser:
         command = queues_commands.add_parser(name, help=help_text)
         command.add_argument("name", help="the queue")
         command.add_argument("--json", action="store_true")
+    limit = queues_commands.add_parser(
+        "limit", help="limit the queue's jobs running at once, or hold producers back past a backlog"
+    )
+    limit.add_argument("name", help="the queue")
+    limit.add_argument(
+        "--concurrency",
+        type=backlog,
+        default=queues.UNCHANGED,
+        metavar="N",
+        help="at most N of its jobs running at once, cluster-wide (none: no limit)",
+    )
+    limit.add_argument(
+        "--max-backlog",
+        type=backlog,
+        default=queues.UNCHANGED,
+        metavar="N",
+        help="jobs waiting past which enqueues are held back (none: no limit)",
+    )
+    limit.add_argument("--json", action="store_true")
 
     periodic = commands.add_parser("periodic", help="the periodic (cron) jobs of MODULE")
     periodic_commands = periodic.add_subparsers(dest="periodic_command", required=True)

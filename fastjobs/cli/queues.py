@@ -16,6 +16,9 @@ _QUEUES_COLUMNS: list[Column[queues.QueueInfo]] = [
     Column("state", lambda q: f"paused since {when(q.paused_at)}" if q.paused_at else "running"),
     Column("waiting", lambda q: f"{q.waiting:,}", ">"),
     Column("running", lambda q: f"{q.running:,}", ">"),
+    Column("concurrency", lambda q: "" if q.concurrency is None else f"{q.concurrency:,}", ">"),
+    Column("max_backlog", lambda q: "" if q.max_backlog is None else f"{q.max_backlog:,}", ">"),
+    Column("held back", lambda q: f"{q.held_back:,}", ">"),
 ]
 
 
@@ -36,9 +39,20 @@ def queues_command(args: argparse.Namespace) -> int:
         if name not in {q.name for q in queues.list_queues(conn)}:
             # Paused or resumed all the same: a queue may be paused before its first job.
             no_such_names(conn, name, None)
-        if args.queues_command == "pause":
+        if args.queues_command == "limit":
+            queues.limit(conn, name, concurrency=args.concurrency, max_backlog=args.max_backlog)
+            doc: dict[str, Any] = {
+                field: value
+                for field, value in (("concurrency", args.concurrency), ("max_backlog", args.max_backlog))
+                if value is not queues.UNCHANGED
+            }
+            line = f"queue {name!r}: " + ", ".join(
+                f"no {field}" if value is None else f"{field} {value:,}" for field, value in doc.items()
+            )
+            doc["queue"] = name
+        elif args.queues_command == "pause":
             since = queues.pause(conn, name)
-            doc: dict[str, Any] = {"queue": name, "paused": True, "paused_at": since.isoformat()}
+            doc = {"queue": name, "paused": True, "paused_at": since.isoformat()}
             line = f"queue {name!r}: paused since {when(since)}"
         else:
             was = queues.resume(conn, name)
@@ -46,3 +60,16 @@ def queues_command(args: argparse.Namespace) -> int:
             line = f"queue {name!r}: " + ("resumed" if was else "was not paused")
     echo(json.dumps(doc) if args.json else safe(line))
     return 0
+
+
+def backlog(text: str) -> int | None:
+    """An argparse type: a positive integer, or none."""
+    if text.lower() == "none":
+        return None
+    try:
+        value = int(text.replace("_", "").replace(",", ""))
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or none, not {text!r}")
+    return value

@@ -65,7 +65,7 @@ def stats_command(args: argparse.Namespace) -> int:
     with database.connect(dsn, autocommit=True) as conn:
         schema.check(conn)
         depths = report.queue_depths(conn)
-        paused = queues.paused(conn)
+        steered = queues.states(conn)
         health = report.health(conn)
         identity = scoreboard.database_identity(conn, dsn)
         hosts = report.cluster(conn)
@@ -93,7 +93,8 @@ def stats_command(args: argparse.Namespace) -> int:
         doc = {
             "database": identity,
             "queues": [dataclasses.asdict(d) for d in depths],
-            "paused_queues": {name: at.isoformat() for name, at in paused.items()},
+            "paused_queues": {q.name: q.paused_at.isoformat() for q in steered if q.paused_at},
+            "queue_limits": [dataclasses.asdict(q) for q in steered if q.max_backlog is not None],
             "masters": masters,
             "health": dataclasses.asdict(health),
             "warnings": warnings,
@@ -106,8 +107,25 @@ def stats_command(args: argparse.Namespace) -> int:
         table(_QUEUE_COLUMNS, depths)
     else:
         echo("(no jobs)")
-    for name, at in paused.items():
-        echo(safe(f"paused: queue {name!r} since {when(at)} (`fastjobs queues resume {name}`)"))
+    for q in steered:
+        if q.paused_at:
+            echo(
+                safe(
+                    f"paused: queue {q.name!r} since {when(q.paused_at)} (`fastjobs queues resume {q.name}`)"
+                )
+            )
+        if q.concurrency is not None:
+            echo(safe(f"concurrency: queue {q.name!r} runs at most {q.concurrency:,} jobs at once"))
+        if q.max_backlog is not None:
+            if q.backlog is None:
+                counted = "not counted yet"
+            elif q.backlog >= q.max_backlog:  # counted up to the limit
+                counted = f"at least {q.backlog:,} waiting: FULL, enqueues held back"
+            else:
+                counted = f"{q.backlog:,} waiting"
+            held = f"{q.held_back:,} held back so far"
+            line = f"max_backlog: queue {q.name!r} {q.max_backlog:,} ({counted}; {held})"
+            echo(safe(line))
     now = time.time()
     for m in masters:
         other = "" if m["this_database"] else f" (ANOTHER DATABASE: {safe(m['database'])})"
