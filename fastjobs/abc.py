@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import psycopg
 
     from .executor import Executor
+    from .planner import Planner
     from .types import JobSpec
 
 # What one batch should take at most, judged by the last batch's pace.
@@ -127,6 +128,10 @@ class BatchLoop(Protocol):
     batch_max: int
     overlap: bool  # send the next claim before the handlers run (from a deep queue)
     stopping: bool  # set from a signal handler: claim no more, give back what was not started
+
+    @property
+    def planner(self) -> Planner:
+        """The per-batch decisions (fastjobs.planner); the worker's heartbeat sets its `limited`."""
 
     @property
     def size(self) -> int:

@@ -494,6 +494,7 @@ class App(Connected):
         *,
         concurrency: int | None = queues.UNCHANGED,
         max_backlog: int | None = queues.UNCHANGED,
+        rate_limit: str | None = queues.UNCHANGED,
         conn: Conn | None = None,
     ) -> None:
         """Set `queue`'s limits, stored in the database: every worker and producer, no restart.
@@ -502,6 +503,10 @@ class App(Connected):
         cluster (from the next claim; the queue takes the state lane). None
         removes a limit; a limit not given stays as it is.
 
+        `rate_limit`: at most N of its jobs start per period, across the
+        cluster: "200/s", "1000/min", "50/h" (a token bucket holding one
+        second's worth: a burst after a quiet spell is at most that).
+
         `max_backlog`: hold producers back while this many of its jobs wait:
         an enqueue into the queue raises QueueFull, or waits up to its
         `wait_for_room=` seconds for room. The backlog is the leader's count,
@@ -509,7 +514,7 @@ class App(Connected):
         what producers enqueue in that time. See fastjobs.queues.
         """
         with schema.required(), self._on(self._adapted(conn)) as db:
-            queues.limit(db, queue, concurrency=concurrency, max_backlog=max_backlog)
+            queues.limit(db, queue, concurrency=concurrency, max_backlog=max_backlog, rate_limit=rate_limit)
 
     def queues(self) -> list[QueueInfo]:
         """Every queue acted on or holding jobs: paused or not, its jobs waiting and running."""

@@ -63,6 +63,7 @@ class QueueInfo:
     waiting: int  # available, scheduled or retryable
     running: int  # on the state lane (a fast-lane batch's jobs stay 'available' until it commits)
     concurrency: int | None = None  # at most this many of its jobs run at once, cluster-wide
+    rate_limit: str | None = None  # at most this many of its jobs start per period ("200/s"), cluster-wide
     max_backlog: int | None = None  # enqueues are held back while this many jobs wait
     held_back: int = 0  # enqueues held back by max_backlog so far (reported once a second)
 
@@ -112,12 +113,14 @@ def limit(
     *,
     concurrency: int | None = UNCHANGED,
     max_backlog: int | None = UNCHANGED,
+    rate_limit: str | None = UNCHANGED,
 ) -> None:
     """Set queue `queue`'s limits (None: none; UNCHANGED, the default: as it is).
 
     `concurrency`: at most this many of its jobs running at once, cluster-wide,
-    from the next claim; `max_backlog`: producers held back while this many
-    wait, from the leader's next count.
+    from the next claim; `rate_limit`: at most N of its jobs started per
+    period ("200/s", "1000/min", "50/h"), cluster-wide; `max_backlog`:
+    producers held back while this many wait, from the leader's next count.
     """
     check_queue(queue)
     for name, value in (("concurrency", concurrency), ("max_backlog", max_backlog)):
@@ -127,17 +130,40 @@ def limit(
             and (isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**31)
         ):
             raise ValueError(f"{name} must be a positive integer or None, not {value!r}")
-    if concurrency is UNCHANGED and max_backlog is UNCHANGED:
-        raise ValueError("give concurrency=, max_backlog= or both")
+    if concurrency is UNCHANGED and max_backlog is UNCHANGED and rate_limit is UNCHANGED:
+        raise ValueError("give concurrency=, rate_limit=, max_backlog= or several")
+    rate = None if rate_limit is UNCHANGED or rate_limit is None else per_second(rate_limit)
     params = (
         queue,
         None if concurrency is UNCHANGED else concurrency,
         concurrency is not UNCHANGED,
         None if max_backlog is UNCHANGED else max_backlog,
         max_backlog is not UNCHANGED,
+        None if rate_limit is UNCHANGED else rate_limit,
+        rate,
+        rate_limit is not UNCHANGED,
     )
     with _cursor(conn) as cur:
         cur.execute(sql.queue_limit, params)
+
+
+_PERIODS = {"s": 1, "sec": 1, "second": 1, "m": 60, "min": 60, "minute": 60, "h": 3600, "hour": 3600}
+
+
+def per_second(rate_limit: str) -> float:
+    """A rate limit ("200/s", "1000/min", "50/hour") in jobs per second; ValueError saying the form."""
+    count, _, period = rate_limit.partition("/") if isinstance(rate_limit, str) else ("", "", "")
+    seconds = _PERIODS.get(period.strip().lower())
+    try:
+        n = int(count.strip().replace("_", ""))
+    except ValueError:
+        n = 0
+    if seconds is None or n < 1:
+        raise ValueError(
+            f"rate_limit must read N/PERIOD with N a positive integer and PERIOD s, min or h"
+            f" (200/s, 1000/min), not {rate_limit!r}"
+        )
+    return n / seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +173,7 @@ class QueueState:
     name: str
     paused_at: dt.datetime | None
     concurrency: int | None
+    rate_limit: str | None
     max_backlog: int | None
     backlog: int | None  # counted up to max_backlog
     held_back: int

@@ -320,8 +320,8 @@ class _Choice:
 
     def where(self, *, queue: str, limit: str, first: int, fast: bool = False, ending: str = "") -> str:
         """Up to `limit` available jobs of `queue` due now, in claim order, skipping rows others hold;
-        none while the queue is paused; with a concurrency limit, no more than fastjobs_room allows
-        on the state lane (`fast`: none, since a job in flight there is not counted as running),
+        none while the queue is paused; with a concurrency or rate limit, no more than fastjobs_room
+        allows on the state lane (`fast`: none, since a job in flight there is not counted as running),
         whose count leaves out the jobs a finish statement ends (`ending`: its worker, completed ids
         and outcome records, which the count cannot see: they are this statement's own writes).
         Each test is one lookup per statement (a one-time filter: its parameter is the
@@ -332,9 +332,10 @@ class _Choice:
                 f" AND priority = ${first}\n   AND run_at >= timestamptz '2000-01-01 00:00:00+00'"
                 f" + (${first + 1}::int8 - {CLAIM_MARK_MARGIN}) * interval '1 microsecond'"
             )
-        limited = f"SELECT FROM fastjobs_queues WHERE name = {queue} AND concurrency IS NOT NULL"
+        limits = "concurrency IS NOT NULL OR rate IS NOT NULL"
+        limited = f"SELECT FROM fastjobs_queues WHERE name = {queue} AND ({limits})"
         if fast:
-            stopped = "(paused_at IS NOT NULL OR concurrency IS NOT NULL)"
+            stopped = f"(paused_at IS NOT NULL OR {limits})"
         else:
             stopped = "paused_at IS NOT NULL"
             room = f"fastjobs_room({queue}, {limit}{ending})"
@@ -1091,16 +1092,22 @@ UPDATE fastjobs_queues SET paused_at = NULL, updated_at = now()
  WHERE name = $1 AND paused_at IS NOT NULL
 RETURNING pg_notify('fastjobs', name)"""
 
-# queue_limit: set queue $1's concurrency to $2 when $3, and its max_backlog
-# to $4 when $5 (NULL: no limit), leaving the other as it was; a new
-# max_backlog is counted from the leader's next turn.
+# queue_limit: set queue $1's concurrency to $2 when $3, its max_backlog to
+# $4 when $5, and its rate limit to $6 ("200/s") at $7 jobs a second when $8
+# (NULL: no limit), leaving the others as they were. A new max_backlog is
+# counted from the leader's next turn; a new rate starts with a full bucket.
 queue_limit: Final = """
-INSERT INTO fastjobs_queues AS q (name, concurrency, max_backlog) VALUES ($1, $2, $4)
+INSERT INTO fastjobs_queues AS q (name, concurrency, max_backlog, rate_limit, rate, tokens)
+VALUES ($1, $2, $4, $6, $7::float8, coalesce(greatest($7::float8, 1.0), 0.0))
     ON CONFLICT (name) DO UPDATE
    SET concurrency = CASE WHEN $3 THEN $2 ELSE q.concurrency END,
        max_backlog = CASE WHEN $5 THEN $4 ELSE q.max_backlog END,
        backlog = CASE WHEN $5 THEN NULL ELSE q.backlog END,
        backlog_at = CASE WHEN $5 THEN NULL ELSE q.backlog_at END,
+       rate_limit = CASE WHEN $8 THEN $6 ELSE q.rate_limit END,
+       rate = CASE WHEN $8 THEN $7 ELSE q.rate END,
+       tokens = CASE WHEN $8 THEN coalesce(greatest($7::float8, 1.0), 0.0) ELSE q.tokens END,
+       refilled_at = CASE WHEN $8 THEN now() ELSE q.refilled_at END,
        updated_at = now()"""
 
 # queue_list: every queue fastjobs knows of (acted on by an operator, or
@@ -1109,14 +1116,14 @@ INSERT INTO fastjobs_queues AS q (name, concurrency, max_backlog) VALUES ($1, $2
 # max_backlog, and the enqueues held back by it.
 queue_list: Final = """
 SELECT name, max(paused_at), coalesce(sum(waiting), 0)::int8, coalesce(sum(running), 0)::int8,
-       max(concurrency), max(max_backlog), coalesce(max(held_back), 0)
-  FROM (SELECT name, paused_at, NULL::int8 AS waiting, NULL::int8 AS running, concurrency, max_backlog,
-               held_back
+       max(concurrency), max(rate_limit), max(max_backlog), coalesce(max(held_back), 0)
+  FROM (SELECT name, paused_at, NULL::int8 AS waiting, NULL::int8 AS running, concurrency, rate_limit,
+               max_backlog, held_back
           FROM fastjobs_queues
         UNION ALL
         SELECT queue, NULL,
                count(*) FILTER (WHERE state IN ('available', 'scheduled', 'retryable')),
-               count(*) FILTER (WHERE state = 'running'), NULL, NULL, NULL
+               count(*) FILTER (WHERE state = 'running'), NULL, NULL, NULL, NULL
           FROM fastjobs_jobs_all
          WHERE state IN ('available', 'scheduled', 'retryable', 'running')
          GROUP BY queue) AS known
@@ -1124,10 +1131,16 @@ SELECT name, max(paused_at), coalesce(sum(waiting), 0)::int8, coalesce(sum(runni
  ORDER BY name"""
 
 # queue_states: the queues an operator acted on: when paused (NULL:
-# running), their concurrency, max_backlog, last backlog count and enqueues
+# running), their concurrency, rate limit, max_backlog, last backlog count and enqueues
 # held back, for `fastjobs stats` and the metrics.
 queue_states: Final = """
-SELECT name, paused_at, concurrency, max_backlog, backlog, held_back FROM fastjobs_queues ORDER BY name"""
+SELECT name, paused_at, concurrency, rate_limit, max_backlog, backlog, held_back
+  FROM fastjobs_queues
+ ORDER BY name"""
+
+# queue_limited: the queues with a concurrency limit, which a worker's
+# heartbeat reads so its loop claims them a wave at a time (fastjobs.planner).
+queue_limited: Final = "SELECT name FROM fastjobs_queues WHERE concurrency IS NOT NULL"
 
 # queue_full: the queues whose backlog the leader found at their max_backlog
 # in the last $1 seconds (a count older than that, say with no leader, holds

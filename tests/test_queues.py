@@ -125,6 +125,7 @@ def test_pause_and_resume_from_the_command_line_and_what_stats_says(app: App, ds
         "waiting",
         "running",
         "concurrency",
+        "rate_limit",
         "max_backlog",
         "held",
         "back",
@@ -265,7 +266,7 @@ def test_bad_limits_and_waits_are_refused_with_a_clear_error(app: App, dsn: str)
             app.limit_queue("q", max_backlog=bad)
         with pytest.raises(ValueError, match="concurrency must be a positive integer or None"):
             app.limit_queue("q", concurrency=bad)
-    with pytest.raises(ValueError, match="give concurrency=, max_backlog= or both"):
+    with pytest.raises(ValueError, match="give concurrency=, rate_limit=, max_backlog= or several"):
         app.limit_queue("q")
     for wait in (-1, float("inf"), "1", True):
         with pytest.raises(ValueError, match="wait_for_room must be seconds"):
@@ -305,7 +306,7 @@ def test_the_leader_counts_a_limited_backlog_and_stats_and_metrics_show_it(
     report = cli(app.dsn, "stats").stdout
     assert "max_backlog: queue 'held' 3 (at least 3 waiting: FULL, enqueues held back;" in report
     listed = cli(app.dsn, "queues", "list").stdout.splitlines()
-    assert listed[0].split()[4:] == ["concurrency", "max_backlog", "held", "back"]
+    assert listed[0].split()[4:] == ["concurrency", "rate_limit", "max_backlog", "held", "back"]
     assert master.stop() == 0, master.stderr()
 
 
@@ -366,3 +367,45 @@ def test_a_limited_queue_s_claims_take_the_room_left_on_the_state_lane(
         assert loop.fast == 0
     assert by_state(dsn) == {}
     assert [q.concurrency for q in app.queues()] == [None]
+
+
+def test_a_rate_limited_queue_starts_at_most_its_rate_from_a_bucket_of_one_second(app: App, dsn: str) -> None:
+    app.job(kind="k")(lambda n: None)
+    app.enqueue_many("k", ({"n": n} for n in range(40)))
+    app.limit_queue("default", rate_limit="10/s")
+    with batch_loop(app, 100, fast_lane=True, overlap=False) as loop:
+        began = time.monotonic()
+        assert loop.step() == 10  # a full bucket: one second's worth
+        ran = 10
+        while ran < 40:
+            ran += loop.step()
+            assert ran <= 10 + 10 * (time.monotonic() - began) + 1  # never ahead of the rate
+        assert time.monotonic() - began >= 2.9  # 30 more at 10 a second
+        loop.finish()
+        assert loop.fast == 0
+    assert [q.rate_limit for q in app.queues()] == ["10/s"]
+    for bad in ("10", "10/day", "0/s", "x/s", "-1/min"):
+        with pytest.raises(ValueError, match="rate_limit must read N/PERIOD"):
+            app.limit_queue("default", rate_limit=bad)
+    done = cli(dsn, "queues", "limit", "default", "--rate-limit", "5/fortnight")
+    assert done.returncode == 2 and "rate_limit must read N/PERIOD" in done.stderr
+    done = cli(dsn, "queues", "limit", "default", "--rate-limit", "none", "--json")
+    assert json.loads(done.stdout) == {"rate_limit": None, "queue": "default"}
+
+
+def test_a_rate_limit_holds_across_worker_processes(
+    masters: procs.Masters, app: App, db: psycopg.Connection[Any]
+) -> None:
+    """Four processes, 20 jobs a second: the jobs' start times never run ahead of the bucket."""
+    app.limit_queue("paced", rate_limit="20/s")
+    app.enqueue_many("record", ({"n": n} for n in range(80)), queue="paced")
+    master = masters.start("--processes", "4", "--queues", "paced")
+    procs.wait_for(lambda: len(procs.runs(db)) == 80 or None, "every job to run", timeout=60)
+    assert master.stop() == 0, master.stderr()
+    times = [row[0] for row in db.execute("SELECT extract(epoch FROM at) FROM runs ORDER BY at")]
+    first = float(times[0])
+    for i, at in enumerate(times):
+        # The bucket held 20 at the start and refills 20 a second from its first claim, up to 0.1 s
+        # before the first job started (a claim's jobs start late, never early).
+        assert i + 1 <= 20 + 20 * (float(at) - first + 0.1) + 1, (i, float(at) - first)
+    assert float(times[-1]) - first >= 2.5  # 60 beyond the first second's 20, at 20 a second

@@ -22,7 +22,7 @@ from ..report import HORIZON_WARNING
 from ..types import JobState
 from ..worker import WorkerConfig
 from .jobs import ACTS_ON, jobs_command, periodic_command
-from .queues import backlog, queues_command
+from .queues import backlog, queues_command, rate
 from .run import run_command
 from .stats import stats_command
 from .tools import bench_command, migrate_command, sql_show_command
@@ -174,6 +174,13 @@ def _parser() -> argparse.ArgumentParser:
         default=queues.UNCHANGED,
         metavar="N",
         help="at most N of its jobs running at once, cluster-wide (none: no limit)",
+    )
+    limit.add_argument(
+        "--rate-limit",
+        type=rate,
+        default=queues.UNCHANGED,
+        metavar="N/PERIOD",
+        help="at most N of its jobs started per period, cluster-wide: 200/s, 1000/min, 50/h (none: no limit)",
     )
     limit.add_argument(
         "--max-backlog",

@@ -17,6 +17,7 @@ _QUEUES_COLUMNS: list[Column[queues.QueueInfo]] = [
     Column("waiting", lambda q: f"{q.waiting:,}", ">"),
     Column("running", lambda q: f"{q.running:,}", ">"),
     Column("concurrency", lambda q: "" if q.concurrency is None else f"{q.concurrency:,}", ">"),
+    Column("rate_limit", lambda q: q.rate_limit or "", ">"),
     Column("max_backlog", lambda q: "" if q.max_backlog is None else f"{q.max_backlog:,}", ">"),
     Column("held back", lambda q: f"{q.held_back:,}", ">"),
 ]
@@ -40,14 +41,24 @@ def queues_command(args: argparse.Namespace) -> int:
             # Paused or resumed all the same: a queue may be paused before its first job.
             no_such_names(conn, name, None)
         if args.queues_command == "limit":
-            queues.limit(conn, name, concurrency=args.concurrency, max_backlog=args.max_backlog)
-            doc: dict[str, Any] = {
-                field: value
-                for field, value in (("concurrency", args.concurrency), ("max_backlog", args.max_backlog))
-                if value is not queues.UNCHANGED
+            limits = {
+                "concurrency": args.concurrency,
+                "rate_limit": args.rate_limit,
+                "max_backlog": args.max_backlog,
             }
+            doc: dict[str, Any] = {
+                field: value for field, value in limits.items() if value is not queues.UNCHANGED
+            }
+            if not doc:
+                raise ValueError("give --concurrency, --rate-limit, --max-backlog or several")
+            queues.limit(conn, name, **doc)
             line = f"queue {name!r}: " + ", ".join(
-                f"no {field}" if value is None else f"{field} {value:,}" for field, value in doc.items()
+                f"no {field}"
+                if value is None
+                else f"{field} {value:,}"
+                if isinstance(value, int)
+                else f"{field} {value}"
+                for field, value in doc.items()
             )
             doc["queue"] = name
         elif args.queues_command == "pause":
@@ -60,6 +71,17 @@ def queues_command(args: argparse.Namespace) -> int:
             line = f"queue {name!r}: " + ("resumed" if was else "was not paused")
     echo(json.dumps(doc) if args.json else safe(line))
     return 0
+
+
+def rate(text: str) -> str | None:
+    """An argparse type: a rate limit (N/PERIOD), or none."""
+    if text.lower() == "none":
+        return None
+    try:
+        queues.per_second(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def backlog(text: str) -> int | None:

@@ -116,6 +116,8 @@ def stats_command(args: argparse.Namespace) -> int:
             )
         if q.concurrency is not None:
             echo(safe(f"concurrency: queue {q.name!r} runs at most {q.concurrency:,} jobs at once"))
+        if q.rate_limit is not None:
+            echo(safe(f"rate limit: queue {q.name!r} starts at most {q.rate_limit} jobs"))
         if q.max_backlog is not None:
             if q.backlog is None:
                 counted = "not counted yet"
