@@ -46,8 +46,6 @@ def fastjobs_dsn() -> Iterator[str]:
 @pytest.fixture
 def fastjobs_app(request: pytest.FixtureRequest) -> App:
     """The App under test: the `fastjobs_app` ini option names it; a conftest may override this fixture."""
-    from fastjobs.testing import load_app
-
     target = request.config.getini("fastjobs_app")
     if not target:
         raise pytest.UsageError(
@@ -66,3 +64,20 @@ def fastjobs_testing(
     mode: Any = marker.kwargs.get("mode", marker.args[0] if marker.args else "manual") if marker else "manual"
     with fastjobs_app.testing(mode, dsn=fastjobs_dsn) as kit:
         yield kit
+
+
+def load_app(target: str) -> App:
+    """The App named by `"package.module:attribute"` (the `fastjobs_app` ini option's form)."""
+    import importlib
+
+    from fastjobs.app import App
+
+    module_name, _, attribute = target.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"name the App as 'package.module:attribute', not {target!r}")
+    value: Any = importlib.import_module(module_name)
+    for part in attribute.split("."):
+        value = getattr(value, part)
+    if not isinstance(value, App):
+        raise TypeError(f"{target} is a {type(value).__name__}, not a fastjobs.App")
+    return value

@@ -15,16 +15,16 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
-from fastjobs import stats
+from fastjobs import exposition, scoreboard, stats
 from fastjobs.abc import BUCKETS, OUTCOMES, ROW
 
 KINDS, QUEUES, WORKERS = 20, 4, 8
 
 
-def filled() -> stats.Slots:
+def filled() -> scoreboard.Scoreboard:
     queues = [f"queue{q}" for q in range(QUEUES)]
-    labels = stats.Labels([f"kind{k}" for k in range(KINDS)], [queues] * WORKERS + [[]])
-    slots = stats.Slots.create(WORKERS + 1, "bench", 0, labels)
+    labels = scoreboard.Labels([f"kind{k}" for k in range(KINDS)], [queues] * WORKERS + [[]])
+    slots = scoreboard.Scoreboard.create(WORKERS + 1, "bench", 0, labels)
     rng = random.Random(1)
     for i in range(WORKERS):
         slot = slots[i]
@@ -37,7 +37,7 @@ def filled() -> stats.Slots:
 class KindCollector:
     """What a prometheus_client custom collector over the same shared memory would be."""
 
-    def __init__(self, slots: stats.Slots) -> None:
+    def __init__(self, slots: scoreboard.Scoreboard) -> None:
         self.slots = slots
 
     def collect(self) -> Iterator[Any]:
@@ -72,10 +72,10 @@ def main() -> None:
     try:
         registry = CollectorRegistry()
         registry.register(KindCollector(slots))  # type: ignore[arg-type]
-        ours = "\n".join(stats.kind_metrics(slots.kinds()))
+        ours = "\n".join(exposition.kind_metrics(slots.kinds()))
         theirs = generate_latest(registry).decode()
         read = best(slots.kinds)
-        hand = best(lambda: "\n".join(stats.kind_metrics(slots.kinds())))
+        hand = best(lambda: "\n".join(exposition.kind_metrics(slots.kinds())))
         client = best(lambda: generate_latest(registry))
         print(f"{KINDS} kinds x {QUEUES} queues over {WORKERS} workers: {len(slots.kinds())} series groups")
         print(f"read and sum the shared memory:        {read * 1000:7.2f} ms")

@@ -15,15 +15,15 @@ import time
 
 import psycopg
 
-from fastjobs import App, schema, stats
-from fastjobs.handlers import Executor
+from fastjobs import App, schema, scoreboard, stats
+from fastjobs.executor import Executor
 from fastjobs.impl import IMPLEMENTATION, core
 
 
 def drain(app: App, counts: bool, jobs: int) -> float:
     app.enqueue_many("noop", ({"n": i} for i in range(jobs)))
-    labels = stats.Labels(list(app.jobs), [["default"]])
-    slots = stats.Slots.create(1, "bench", 0, labels)
+    labels = scoreboard.Labels(list(app.jobs), [["default"]])
+    slots = scoreboard.Scoreboard.create(1, "bench", 0, labels)
     slot = slots[0]
     slot.claim(stats.WORKER, 0)
     conn = psycopg.connect(app.dsn, autocommit=True)

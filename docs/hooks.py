@@ -28,9 +28,9 @@ def on_files(files: Files, config: Any) -> Files:
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
     if CLI_MARKER not in markdown:
         return markdown
-    from fastjobs import cli
+    from fastjobs.cli import command
 
-    return markdown.replace(CLI_MARKER, "\n".join(_render(cli._parser(), level=2)))
+    return markdown.replace(CLI_MARKER, "\n".join(_render(command._parser(), level=2)))
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> list[tuple[str, argparse.ArgumentParser]]:

@@ -3,7 +3,8 @@
 import logging as _logging
 from types import ModuleType as _ModuleType
 
-from .app import App, Job
+from .app import App
+from .context import JobContext, current_job
 from .errors import (
     Cancel,
     ConfigurationError,
@@ -22,7 +23,7 @@ from .errors import (
     Snooze,
     UnknownKind,
 )
-from .handlers import JobContext, current_job
+from .job import Job
 from .middleware import Enqueue
 from .queues import QueueInfo
 from .results import JobHandle, JobStatus

@@ -4,7 +4,7 @@ from typing import Any
 
 import psycopg
 
-from .handlers import Executor
+from .executor import Executor
 from .planner import Planner
 from .types import JobSpec
 

@@ -21,7 +21,8 @@ import threading
 
 import orjson
 
-from fastjobs import guard, handlers, sql, stats
+from fastjobs import guard, sql, stats
+from fastjobs import outcomes as handlers
 from fastjobs.abc import (BUCKETS_NS, COMPLETED, FULL_CLAIM_DUTY, HAND_BACK_AFTER, INT64_MAX,
                           OBSERVED_MAX_NS, PG_EPOCH_US, PICKUP_SUM, ROW, RUN_SUM)
 from fastjobs.args import dump_args as _dump_args_checked

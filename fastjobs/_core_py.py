@@ -14,11 +14,12 @@ import orjson
 import psycopg
 from psycopg import pq
 
-from . import guard, handlers, sql, stats
+from . import guard, sql, stats
+from . import outcomes as handlers
 from .abc import COMPLETED, FULL_CLAIM_DUTY, HAND_BACK_AFTER, PG_EPOCH_US, PICKUP_SUM, ROW, RUN_SUM
 from .args import dump_args as dump_args
 from .errors import LoopError
-from .handlers import Executor
+from .executor import Executor
 from .planner import Planner, fast_queues, widths
 from .stats import RUNNING_JOB, RUNNING_SUSPECT, RUNNING_WRITING
 from .types import JobSpec, Outcome

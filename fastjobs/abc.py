@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import psycopg
 
-    from .handlers import Executor
+    from .executor import Executor
     from .planner import Planner
     from .types import JobSpec
 

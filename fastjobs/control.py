@@ -59,7 +59,7 @@ def _state(cur: psycopg.RawCursor[Any], job_id: int) -> str:
 
 
 # The rotation moves a job's row to another slot (delete and insert, in one
-# transaction: fastjobs.leader.rotate_once). A statement that waited for the
+# transaction: fastjobs.maintenance.rotate_once). A statement that waited for the
 # row's lock then finds it deleted and acts on nothing, though the job is
 # still there, in a state it acts on: it looks again by id, this many times
 # (a row moves at most once per rotation, every couple of seconds).

@@ -1,58 +1,48 @@
-"""The leader: one process per cluster, elected by an advisory lock, that runs maintenance.
+"""The leader: one process per cluster, elected by an advisory lock, that runs the maintenance services.
 
-Every service has one shape: a config with defaults and a `*_once(conn, now)`
-that works in LIMIT-sized batches until a batch comes back short. For now the
-service is the scheduler; a standalone Worker (no master, so no leader) runs
-it itself when idle, which is safe concurrently (SKIP LOCKED).
+The services themselves (fastjobs.maintenance) take a connection and a
+clock; the leader gives them its lock-holding connection at each one's
+interval, counts the turns that fail, and runs the vacuum on a thread of
+its own.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import logging
 import os
 import random
 import select
 import signal
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from psycopg import sql as pgsql
 
-from . import database, enqueue, queues, samples, schema, sql
-from .cron import schedule
+from . import database, queues, samples, schema, sql
 from .errors import ConfigurationError, DatabaseUnavailable
-from .stats import (
-    HORIZON_WARNING,
-    ROTATION_DEFERRED,
-    ROTATION_FAILED,
-    ROTATION_GAVE_WAY,
-    ROTATION_OK,
-    ROTATION_PRIVILEGES,
-    ROTATION_PROBLEMS,
-    Horizon,
-    Slot,
-    health,
+from .maintenance import (
+    CleanerConfig,
+    PeriodicConfig,
+    RescuerConfig,
+    RotationConfig,
+    Rotator,
+    SchedulerConfig,
+    clean_once,
+    describe,
+    periodic_once,
+    rescue_once,
+    schedule_once,
 )
-from .types import JobSpec
+from .stats import Card
+from .vacuum import VacuumConfig, Vacuumer
 
 if TYPE_CHECKING:
     from .app import App
 
-__all__ = [
-    "CleanerConfig",
-    "LeaderConfig",
-    "PeriodicConfig",
-    "RescuerConfig",
-    "RotationConfig",
-    "SchedulerConfig",
-    "VacuumConfig",
-]
+__all__ = ["Leader", "LeaderConfig"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,524 +71,6 @@ LEADER_APPLICATION = "fastjobs leader"
 DEFAULT_LEASE = 10.0
 MIN_LEASE = 3.0
 
-# A worker's control thread heartbeats this often; the rescuer treats a
-# worker silent for RescuerConfig.stale_after (15 s, at least MIN_STALE_AFTER) as dead.
-HEARTBEAT_INTERVAL = 2.0
-MIN_STALE_AFTER = 2.5 * HEARTBEAT_INTERVAL
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    """Scheduled and retryable jobs become available when due."""
-
-    batch: int = 10_000
-    interval: float = 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class RescuerConfig:
-    """Running jobs of dead workers go back to retryable.
-
-    A worker heartbeats every 2 s from a thread of its own, so 15 s of
-    silence means its process is gone (or frozen, and the master's watchdog
-    replaces it). `max_crashes` deaths of its worker quarantine a job.
-    """
-
-    stale_after: float = 15.0
-    max_crashes: int = 3
-    batch: int = 1_000
-    interval: float = 5.0
-
-    @classmethod
-    def after(cls, stale_after: float) -> RescuerConfig:
-        """Rescue after `stale_after` seconds of silence, looking three times as often (at most every 5 s)."""
-        if not stale_after >= MIN_STALE_AFTER:
-            raise ConfigurationError(
-                f"the rescue delay must be at least {MIN_STALE_AFTER:g} s (workers heartbeat every"
-                f" {HEARTBEAT_INTERVAL:g} s), not {stale_after:g}"
-            )
-        return cls(stale_after=stale_after, interval=min(cls().interval, stale_after / 3))
-
-
-@dataclass(frozen=True, slots=True)
-class CleanerConfig:
-    """Finished jobs are deleted after their retention, in batches; kept results (fastjobs_results)
-    once they expire (each row carries its own expiry, its job's keep_result); silent workers' rows pruned.
-
-    A backlog (a million finished jobs, say) is deleted in turns of at most
-    `budget` seconds, and the leader rests between turns so the cleaner
-    takes no more than `duty` of the time: deleting flat out on a 2-core
-    machine slows a concurrent drain to 0.6 x (measured); at 10% it stays
-    within the 10% the cleaner may cost.
-    """
-
-    completed_retention: float = 24 * 3600.0
-    discarded_retention: float = 7 * 24 * 3600.0
-    worker_retention: float = 3600.0
-    batch: int = 5_000
-    interval: float = 30.0
-    budget: float = 0.5
-    duty: float = 0.1
-
-    def rest(self, spent: float) -> float:
-        """Seconds to rest after a turn that took `spent` (its whole budget: more is due)."""
-        return spent * (1.0 - self.duty) / self.duty
-
-
-@dataclass(frozen=True, slots=True)
-class VacuumConfig:
-    """The jobs table is vacuumed by the leader as soon as dead rows pile up.
-
-    Every job leaves two dead row versions (its claim and its completion):
-    at 30k jobs/s, 60k a second. Autovacuum visits a database once a minute
-    at best (autovacuum_naptime), and never where it is off; meanwhile the
-    table grows by ~10 MB/s and the claim index fills with entries of claimed
-    jobs. The leader runs VACUUM on a connection of its own (it may take
-    seconds; the other services keep their pace) whenever `threshold` dead
-    rows are counted, resting between runs so it vacuums at most `duty` of
-    the time: a transaction holding the horizon back makes every VACUUM long
-    and useless until it ends.
-    """
-
-    enabled: bool = True
-    threshold: int = 20_000
-    interval: float = 1.0
-    duty: float = 0.5
-    # The leader's log also says when one snapshot has held cleanup back this
-    # long (checked every `horizon_interval` seconds), as `fastjobs stats` does.
-    horizon_warning: float = HORIZON_WARNING
-    horizon_interval: float = 30.0
-
-    def rest(self, spent: float) -> float:
-        return max(self.interval, spent * (1.0 - self.duty) / self.duty)
-
-
-@dataclass(frozen=True, slots=True)
-class RotationConfig:
-    """The rotating slots of fastjobs_jobs_all are emptied by TRUNCATE, one every `interval` seconds.
-
-    VACUUM can remove no dead row that an open snapshot may still see; TRUNCATE
-    frees a table's storage whatever the snapshots. Jobs due now go to the
-    current one of SLOTS rotating slots (migrations/005_rotation.sql); every
-    `interval` the leader empties the oldest, the one after the current, and
-    makes it current, so a job's dead rows live at most SLOTS x `interval`
-    seconds, and a claim never walks index entries older than that. The
-    rotation waits at most `lock_timeout` for its lock, then gives way and
-    tries again `retry` seconds later, doubling while it keeps giving way (up
-    to `interval`), and warns after a minute without a rotation: enqueues never wait for it (an insert
-    locks only the current slot), claims and finishes at most that long plus
-    the time the lock is held (tens of ms: the copy, the truncation and its
-    commit).
-
-    A slot still holding more than `max_move` available rows (a backlog) is
-    not copied under the lock: while it drains, oldest first, the rotation
-    waits. It waits at most `patience` seconds: a backlog that outlasts it (a
-    queue nobody serves) would stop every slot's cleanup for good. Then each
-    try moves the slot's available rows to slot 0, the vacuumed one, by row
-    locks in statements of SETTLE_BATCH (never under the slot's lock: claims
-    and enqueues go on, skipping the rows being moved), for at most
-    `evacuate_budget` seconds, until the slot holds no more than `max_move`
-    and rotates as usual. So the rotating slots' storage stays bounded by the
-    backlog plus `patience` seconds of traffic; the backlog moves once and
-    costs VACUUM afterwards, as before 005. Measured (PostgreSQL 15, 2
-    shared cores): 50,000 unserved rows behind 30,000 dead ones moved in
-    0.9-1.2 s (10-20 ms a statement), then the rotation held its lock 12-28
-    ms (bench/RESULTS.md, Upkeep).
-
-    A rotation stalls every claim for the time its lock is queued and held
-    (~10 ms: TRUNCATE rebuilds and syncs each index of the slot), and
-    under light load that stall is most of a job's p99 pickup latency
-    (bench/RESULTS.md, issue 22 §5). So a turn rotates only while the four
-    rotating slots take at least `worth` bytes (tables and indexes), or
-    while it works off a backlog: the slots' storage stays bounded by
-    `worth` plus what one `interval` brings (the mass of a burst is emptied
-    in a few turns after it), and a queue running 1,000 jobs/s rotates
-    about every 30 s instead of every 2 s; a busy one (tens of thousands of
-    jobs/s) still every `interval`. 0 rotates every `interval`. A Rotator
-    that finds the slot moved since its last turn (another in-process
-    Worker rotated) waits a whole `interval`: N in-process Workers rotate
-    as often as one leader, not N times as often.
-    """
-
-    # Off, nothing cleans the rotating slots (autovacuum is off on them): for tests and tools only.
-    enabled: bool = True
-    interval: float = 2.0
-    # Longer than a fast-lane batch's transaction lives (test_upkeep pins it):
-    # 0.05 s mostly gave way.
-    lock_timeout: float = 0.15
-    retry: float = 0.2
-    max_move: int = 10_000
-    patience: float = 20.0
-    evacuate_budget: float = 1.0
-    worth: int = 32 * 1024 * 1024
-
-
-# Settled rows (finished, retryable, scheduled) leave the oldest slot for
-# slot 0 by row locks before each try, this many a statement, at most this
-# many statements a try.
-SETTLE_BATCH = 1_000
-SETTLE_BATCHES = 100
-
-# A rotator that has not rotated for this long (seconds) logs a warning, once per as long.
-ROTATION_LATE = 60.0
-
-# The rotating slots, 1..SLOTS (slot 0 is fastjobs_jobs, the durable one).
-SLOTS = 4
-
-
-def rotate_once(
-    conn: psycopg.Connection[Any], config: RotationConfig = RotationConfig(), evacuate: bool = False
-) -> dict[str, int]:
-    """Empty the oldest rotating slot and make it the current one (see RotationConfig).
-
-    Counts: `rotated` 1 and the rows `moved` out of it; or `gave way` 1 (its
-    lock was not granted within lock_timeout) or `deferred` 1 (it still
-    holds more than max_move rows): then nothing changed, try again later.
-    `settled`: finished, retryable and scheduled rows moved to slot 0 first.
-    With `evacuate` (the backlog outlasted config.patience), a slot holding
-    more than max_move rows first has its available ones moved to slot 0 by
-    row locks, for at most config.evacuate_budget seconds: `evacuated`.
-    """
-    with psycopg.RawCursor(conn) as cur:
-        row = cur.execute(sql.slot_current).fetchone()
-        assert row is not None
-        current = row[0]
-        oldest = current % SLOTS + 1
-        settled = _move_out(cur, sql.slot_settle, oldest, SETTLE_BATCHES * SETTLE_BATCH, float("inf"))
-        counts = {"settled": settled}
-        if _holds_more(cur, oldest, config.max_move):
-            if not evacuate:
-                return {"deferred": 1, **counts}
-            counts["evacuated"] = _move_out(cur, sql.slot_evacuate, oldest, None, config.evacuate_budget)
-            if _holds_more(cur, oldest, config.max_move):
-                return {"deferred": 1, **counts}
-        partition = pgsql.Identifier(f"fastjobs_jobs_{oldest}")
-        try:
-            with conn.transaction():
-                cur.execute(sql.slot_lock_timeout, (f"{max(1, int(config.lock_timeout * 1000))}ms",))
-                cur.execute(pgsql.SQL(sql.slot_lock).format(partition=partition))
-                moved = cur.execute(sql.slot_move, (oldest, current)).rowcount
-                cur.execute(pgsql.SQL(sql.slot_truncate).format(partition=partition))
-        except psycopg.errors.LockNotAvailable:
-            return {"gave way": 1, **counts}
-        # After the commit: setval is not transactional, and a slot must be empty before it is current.
-        cur.execute(sql.slot_advance, (oldest,))
-    return {"rotated": 1, "moved": moved, **counts}
-
-
-def _move_out(cur: psycopg.RawCursor[Any], statement: str, slot: int, most: int | None, budget: float) -> int:
-    """Run a moving statement in batches of SETTLE_BATCH until one comes back short, `most` rows
-    are moved or `budget` seconds are spent; the rows moved."""
-    began = time.monotonic()
-    moved = 0
-    while most is None or moved < most:
-        done = cur.execute(statement, (slot, SETTLE_BATCH)).rowcount
-        moved += done
-        if done < SETTLE_BATCH or time.monotonic() - began >= budget:
-            break
-    return moved
-
-
-def _holds_more(cur: psycopg.RawCursor[Any], slot: int, most: int) -> bool:
-    row = cur.execute(sql.slot_rows, (slot, most + 1)).fetchone()
-    return row is not None and row[0] > most
-
-
-# How often a rotator that lacks privileges checks them again (seconds).
-PRIVILEGE_RECHECK = 30.0
-
-
-class Rotator:
-    """The rotation's pace and health, for whichever process rotates: the leader, or an in-process
-    Worker that found the leader's lock free (no `fastjobs run` serves the database).
-
-    `turn` tries once and says when to try next: after `interval`, sooner
-    after giving way (doubling from `retry`), and not before PRIVILEGE_RECHECK
-    when the role lacks the privileges (checked before the first try: a clear
-    error naming the GRANTs instead of a failure every turn). A slot that
-    deferred longer than `patience` is evacuated (rotate_once). `problem` is
-    why the last try did not rotate (ROTATION_OK when it did), `rotated_at`
-    the time.time() of the last rotation (0: none yet).
-    """
-
-    def __init__(self, config: RotationConfig, who: str = "leader") -> None:
-        self.config = config
-        self.who = who
-        self.problem = ROTATION_OK
-        self.rotated_at = 0.0
-        self.misses = 0  # tries since the last rotation
-        self._since = time.monotonic()  # of the last rotation, or since it started trying
-        self._warned = 0.0
-        self._deferred_since: float | None = None
-        self._privileges_at: float | None = None  # when the privileges were last found lacking
-        self._checked = False
-        self._told = False  # the missing privileges were logged as an error
-        self._slot: int | None = None  # the current slot after this rotator's last turn
-
-    def turn(self, conn: psycopg.Connection[Any]) -> tuple[dict[str, int], float]:
-        """One try: its counts (rotate_once's, or `unable` 1 without the privileges) and the seconds
-        until the next. Errors other than a broken connection are counted as a failed try, then raised."""
-        now = time.monotonic()
-        config = self.config
-        if self._privileges_at is not None and now - self._privileges_at < PRIVILEGE_RECHECK:
-            return {"unable": 1}, PRIVILEGE_RECHECK - (now - self._privileges_at)
-        if not self._checked:
-            if not self._check(conn):
-                self._privileges_at = now
-                self._missed(ROTATION_PRIVILEGES, {"unable": 1})
-                return {"unable": 1}, PRIVILEGE_RECHECK
-            self._checked = True
-            self._privileges_at = None
-        evacuate = self._deferred_since is not None and now - self._deferred_since >= config.patience
-        try:
-            if config.worth > 0 and self._deferred_since is None:
-                idle = self._idle(conn)
-                if idle is not None:
-                    return idle, config.interval
-            result = rotate_once(conn, config, evacuate=evacuate)
-        except psycopg.errors.InsufficientPrivilege:
-            self._checked = False  # revoked meanwhile: say which, at the next turn
-            self._missed(ROTATION_FAILED, {"failed": 1})
-            raise
-        except psycopg.Error:
-            self._missed(ROTATION_FAILED, {"failed": 1})
-            raise
-        if result.get("rotated"):
-            self.problem = ROTATION_OK
-            self.misses = 0
-            self._since = time.monotonic()
-            self.rotated_at = time.time()
-            self._deferred_since = None
-            if self._slot is not None:  # rotate_once made the oldest slot, the one after, current
-                self._slot = self._slot % SLOTS + 1
-            level = logging.INFO if result.get("evacuated") else logging.DEBUG  # else routine, every 2 s
-            logger.log(level, "%s rotator: %s", self.who, _describe(result))
-            return result, config.interval
-        if result.get("deferred"):
-            if self._deferred_since is None:
-                self._deferred_since = now
-            self._missed(ROTATION_DEFERRED, result)
-            return result, config.interval
-        self._missed(ROTATION_GAVE_WAY, result)
-        return result, min(config.interval, config.retry * 2 ** (self.misses - 1))
-
-    def _idle(self, conn: psycopg.Connection[Any]) -> dict[str, int] | None:
-        """This turn's counts when it need not rotate (the slots take less than config.worth bytes, or
-        another rotator moved the slot since this one's last turn), None when it should. Not rotating
-        then is no problem: the rotation is up to date."""
-        with psycopg.RawCursor(conn) as cur:
-            row = cur.execute(sql.slot_usage).fetchone()
-        assert row is not None
-        current, used = row
-        moved = self._slot is not None and current != self._slot
-        self._slot = current
-        if not moved and used >= self.config.worth:
-            return None
-        self.problem = ROTATION_OK
-        self.misses = 0
-        self._since = time.monotonic()
-        return {"idle": 1}
-
-    def _check(self, conn: psycopg.Connection[Any]) -> bool:
-        """Whether this role may rotate; logs the GRANTs it lacks, as an error, when not."""
-        with psycopg.RawCursor(conn) as cur:
-            row = cur.execute(sql.slot_privileges).fetchone()
-        assert row is not None
-        lacking, role = row
-        if not lacking:
-            return True
-        grants = "; ".join(f"GRANT {clause} TO {role}" for clause in lacking)
-        # An error once; while it lasts, the late-rotation warning repeats it every ROTATION_LATE.
-        logger.log(
-            logging.WARNING if self._told else logging.ERROR,
-            "%s rotator: role %s may not empty the rotating slots, which nothing else cleans (their"
-            " dead rows grow without bound); the other maintenance goes on. As the tables' owner,"
-            " run: %s",
-            self.who,
-            role,
-            grants,
-        )
-        self._told = True
-        return False
-
-    def _missed(self, problem: int, result: dict[str, int]) -> None:
-        """A try that did not rotate: a warning once the rotation has been late for ROTATION_LATE."""
-        self.problem = problem
-        self.misses += 1
-        now = time.monotonic()
-        if now - self._since >= ROTATION_LATE and now - self._warned >= ROTATION_LATE:
-            self._warned = now
-            name, hint = ROTATION_PROBLEMS[problem]
-            logger.warning(
-                "%s rotator: no slot rotated for %.0f s (%d tries, the last %s: %s); the rotating slots"
-                " grow until one does: %s",
-                self.who,
-                now - self._since,
-                self.misses,
-                name,
-                _describe(result),
-                hint,
-            )
-
-
-@dataclass(frozen=True, slots=True)
-class PeriodicConfig:
-    """Cron jobs are enqueued by the leader, once per tick cluster-wide."""
-
-    interval: float = 1.0
-
-
-def schedule_once(
-    conn: psycopg.Connection[Any], now: dt.datetime | None = None, config: SchedulerConfig = SchedulerConfig()
-) -> dict[str, int]:
-    """Make due scheduled and retryable jobs available; returns the count per queue."""
-    counts: dict[str, int] = {}
-    with psycopg.RawCursor(conn) as cur:
-        while True:
-            rows = cur.execute(sql.job_schedule_many, (config.batch, now)).fetchall()
-            moved = 0
-            for queue, count, _ in rows:
-                counts[queue] = counts.get(queue, 0) + count
-                moved += count
-            if moved < config.batch:
-                return counts
-
-
-def rescue_once(
-    conn: psycopg.Connection[Any], now: dt.datetime | None = None, config: RescuerConfig = RescuerConfig()
-) -> dict[str, int]:
-    """Return running jobs of dead workers; counts by new state (retryable, discarded)."""
-    now = now or _db_now(conn)
-    counts: dict[str, int] = {}
-    with psycopg.RawCursor(conn) as cur:
-        while True:
-            rows = cur.execute(
-                sql.job_rescue_many, (config.stale_after, now, config.max_crashes, config.batch)
-            ).fetchall()
-            for _, state in rows:
-                counts[state] = counts.get(state, 0) + 1
-            if len(rows) < config.batch:
-                return counts
-
-
-def clean_once(
-    conn: psycopg.Connection[Any], now: dt.datetime | None = None, config: CleanerConfig = CleanerConfig()
-) -> dict[str, int]:
-    """Delete finished jobs past their retention, expired results, and prune silent workers; counts of each.
-
-    Works in batches until one comes back short or `config.budget` seconds
-    are spent (then the caller comes back after `config.rest`).
-    """
-    now = now or _db_now(conn)
-    counts = {"completed": 0, "discarded": 0, "results": 0, "workers": 0}
-    passes = (
-        ("completed", sql.job_clean_completed_many, config.completed_retention),
-        ("discarded", sql.job_clean_discarded_many, config.discarded_retention),
-        ("results", sql.result_clean_many, 0.0),  # expires_at is the row's own
-    )
-    began = time.monotonic()
-    with psycopg.RawCursor(conn) as cur:
-        for name, statement, retention in passes:
-            before = now - dt.timedelta(seconds=retention)
-            while time.monotonic() - began < config.budget:
-                deleted = cur.execute(statement, (before, config.batch)).rowcount
-                counts[name] += deleted
-                if deleted < config.batch:
-                    break
-        before = now - dt.timedelta(seconds=config.worker_retention)
-        counts["workers"] = cur.execute(sql.worker_prune_many, (before,)).rowcount
-    return counts
-
-
-# A tick this old or younger is on time: it runs even for a kind no leader has seen before.
-PERIODIC_ON_TIME = dt.timedelta(minutes=1)
-
-
-def periodic_once(
-    conn: psycopg.Connection[Any],
-    specs: list[JobSpec],
-    now: dt.datetime | None = None,
-    app: App | None = None,
-) -> list[tuple[str, dt.datetime]]:
-    """Enqueue each cron job whose latest tick no leader has enqueued yet; returns (kind, tick).
-
-    The tick is recorded in fastjobs_periodic in the same transaction as the
-    enqueue, so a tick is enqueued exactly once across the cluster and across
-    leader changes. The missed-tick rule (docs/guides/periodic.md): ticks missed
-    while no leader ran are caught up with one job, for the most recent of
-    them, never a burst. A kind no leader has seen before starts at its next
-    tick, as cron, River and Oban do: a tick under a minute old runs; an older
-    one is not run, and not recorded as if it had been (the moment the kind
-    was first seen is, so a tick missed from then on is caught up). With `app`, the enqueue goes through
-    its enqueue middleware.
-    """
-    now = now or _db_now(conn)
-    done = []
-    for spec in specs:
-        assert spec.cron is not None
-        tick = schedule(spec.cron, spec.tz).latest(now)
-        if tick is None:
-            continue
-        on_time = now - tick <= PERIODIC_ON_TIME
-        first = tick if on_time else first_seen(now)
-        with conn.transaction(), psycopg.RawCursor(conn) as cur:
-            taken = cur.execute(sql.periodic_advance, (spec.kind, tick, first)).fetchone()
-            if taken is None or (taken[0] and not on_time):
-                continue
-            key = f"periodic:{spec.kind}:{tick.isoformat()}"
-            if app is not None:
-                app.enqueue(spec.kind, {}, conn=conn, unique_key=key)
-            else:
-                enqueue.insert(
-                    conn, enqueue.insert_params(enqueue.options(spec.kind, spec, unique_key=key), {})
-                )
-        done.append((spec.kind, tick))
-    return done
-
-
-def first_seen(now: dt.datetime) -> dt.datetime:
-    """What fastjobs_periodic records for a kind first seen at `now`: never a whole minute (a tick)."""
-    return now if now.second or now.microsecond else now + dt.timedelta(microseconds=1)
-
-
-@dataclass(frozen=True, slots=True)
-class PeriodicStatus:
-    """A periodic job as `fastjobs periodic list` shows it."""
-
-    kind: str
-    queue: str
-    schedule: str
-    last_tick: dt.datetime | None  # the last tick enqueued (None: none yet)
-    first_seen: dt.datetime | None  # with no tick enqueued yet: when a leader first saw the kind
-    next_tick: dt.datetime | None  # None: the schedule has no tick within 8 years
-
-
-def periodic_status(
-    conn: psycopg.Connection[Any], specs: list[JobSpec], now: dt.datetime | None = None
-) -> list[PeriodicStatus]:
-    """The periodic jobs `specs`, with what fastjobs_periodic records of each, by kind."""
-    now = now or _db_now(conn)
-    with psycopg.RawCursor(conn) as cur:
-        recorded: dict[str, dt.datetime] = dict(cur.execute(sql.periodic_list).fetchall())
-    found = []
-    for spec in sorted(specs, key=lambda s: s.kind):
-        assert spec.cron is not None
-        last = recorded.get(spec.kind)
-        last = None if last is None else last.astimezone(dt.UTC)  # cron's time, whatever the session's
-        # A whole minute is a tick; anything else the moment the kind was first seen (see first_seen).
-        seen = last if last is not None and (last.second or last.microsecond) else None
-        tick = None if seen is not None else last
-        cron = schedule(spec.cron, spec.tz)
-        found.append(PeriodicStatus(spec.kind, spec.queue, cron.describe(), tick, seen, cron.next(now)))
-    return found
-
-
-def _db_now(conn: psycopg.Connection[Any]) -> dt.datetime:
-    with psycopg.RawCursor(conn) as cur:
-        row = cur.execute(sql.db_now).fetchone()
-    assert row is not None
-    return row[0]  # type: ignore[no-any-return]
-
 
 @dataclass(frozen=True, slots=True)
 class LeaderConfig:
@@ -625,97 +97,6 @@ class LeaderConfig:
             )
 
 
-class Vacuumer:
-    """VACUUM of the jobs table, from a thread of the leader, while it leads (see VacuumConfig)."""
-
-    def __init__(self, dsn: str, config: VacuumConfig, leading: Callable[[], bool]) -> None:
-        self.dsn = dsn
-        self.config = config
-        self.leading = leading
-        self.runs = 0
-        self.held_back: Horizon | None = None  # the snapshot that made the last VACUUM futile
-        self._conn: psycopg.Connection[Any] | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="fastjobs-vacuum", daemon=True)
-
-    def start(self) -> None:
-        if self.config.enabled:
-            self._thread.start()
-
-    def stop(self) -> None:
-        """Stop, cancelling a VACUUM under way (it may have minutes to go; the next leader redoes it)."""
-        self._stop.set()
-        conn = self._conn
-        if conn is not None:
-            with contextlib.suppress(psycopg.Error):
-                conn.cancel_safe()
-        if self._thread.is_alive():
-            self._thread.join()
-
-    def _run(self) -> None:
-        wait = self.config.interval
-        next_horizon = 0.0
-        try:
-            while not self._stop.wait(wait):
-                wait = self.config.interval
-                if not self.leading():
-                    continue
-                try:
-                    if self._conn is None or self._conn.closed:
-                        self._conn = database.connect(self.dsn, autocommit=True)
-                    if time.monotonic() >= next_horizon:
-                        next_horizon = time.monotonic() + self.config.horizon_interval
-                        for line in health(self._conn).warnings(self.config.horizon_warning):
-                            logger.warning("leader: %s", line)
-                    wait = self.vacuum_once(self._conn)
-                except (psycopg.Error, DatabaseUnavailable) as exc:
-                    if not self._stop.is_set():
-                        logger.warning("leader vacuum: %s", exc)
-                    if self._conn is not None:
-                        self._conn.close()
-                    self._conn = None
-        finally:
-            if self._conn is not None:
-                self._conn.close()
-
-    def vacuum_once(self, conn: psycopg.Connection[Any]) -> float:
-        """VACUUM the jobs table if enough rows are dead; the seconds to wait before looking again.
-
-        A VACUUM that left most dead rows in place was held back by the
-        oldest snapshot; while that same snapshot stays open, another would
-        scan the whole (growing) table for nothing, taking CPU from the drain.
-        """
-        with psycopg.RawCursor(conn) as cur:
-            row = cur.execute(sql.jobs_dead_rows).fetchone()
-            if row is None or row[0] < self.config.threshold:
-                return self.config.interval
-            holder = cur.execute(sql.mvcc_horizon).fetchone()
-            horizon = Horizon(*holder) if holder else None
-            if self.held_back is not None and _same_snapshot(self.held_back, horizon):
-                return self.config.interval
-            began = time.monotonic()
-            cur.execute(sql.vacuum_jobs)
-            spent = time.monotonic() - began
-            after = cur.execute(sql.jobs_dead_rows).fetchone()
-        self.runs += 1
-        futile = after is not None and after[0] >= FUTILE_VACUUM * row[0]
-        self.held_back = horizon if futile else None
-        return self.config.rest(spent)
-
-
-# A VACUUM that leaves this share of the dead rows in place was held back.
-FUTILE_VACUUM = 0.5
-
-
-def _same_snapshot(before: Horizon, now: Horizon | None) -> bool:
-    """Whether `now` is the snapshot `before` still open (same holder, open at least as long)."""
-    return (
-        now is not None
-        and (now.source, now.ident) == (before.source, before.ident)
-        and (now.seconds or 0.0) >= (before.seconds or 0.0)
-    )
-
-
 class Leader:
     """The one maintenance process of a cluster, elected by a session-level advisory lock.
 
@@ -736,10 +117,10 @@ class Leader:
     connection of its own, stands still while the lease is not renewed).
     """
 
-    def __init__(self, app: App, config: LeaderConfig = LeaderConfig(), slot: Slot | None = None) -> None:
+    def __init__(self, app: App, config: LeaderConfig = LeaderConfig(), card: Card | None = None) -> None:
         self.app = app
         self.config = config
-        self.slot = slot
+        self.card = card
         self.leading = False
         self.periodic = [spec for spec in app.jobs.values() if spec.cron]
         self._due: dict[str, float] = {}
@@ -779,9 +160,9 @@ class Leader:
                         self._step_down()
                         conn.close()
                         conn = None
-                if self.slot is not None:
-                    self.slot.beat()
-                    self.slot["leading"] = 1.0 if self._leading_within_lease() else 0.0
+                if self.card is not None:
+                    self.card.beat()
+                    self.card["leading"] = 1.0 if self._leading_within_lease() else 0.0
                 wait = self._next_due() if self.leading else self.config.retry_interval
                 # At most a second between beats, whatever the intervals: the
                 # master's watchdog reads them.
@@ -884,15 +265,13 @@ class Leader:
             if result and (not isinstance(result, dict) or any(result.values())):
                 # Rescued jobs are trouble (their workers died or fell silent); the rest is routine.
                 level = logging.WARNING if name == "rescuer" else logging.INFO
-                logger.log(level, "leader %s: %s", name, _describe(result))
+                logger.log(level, "leader %s: %s", name, describe(result))
 
     def _failed(self, name: str, exc: Exception) -> None:
         """A service's turn raised: logged with why and counted; the other services run on.
 
         One failing service (a privilege revoked, a bad row, a bug) must not
-        take the others with it: the rotator once died on TRUNCATE at every
-        turn, restarting the leader for ever, and the periodic service after
-        it never ran.
+        take the others with it, nor restart the leader at every turn.
         """
         self.failures[name] = self.failures.get(name, 0) + 1
         self._failing.add(name)
@@ -906,12 +285,12 @@ class Leader:
         )
 
     def _record(self) -> None:
-        """The services' health into the leader's slot, for `fastjobs stats` and the metrics."""
-        if self.slot is not None:
-            self.slot["rotation_problem"] = self.rotator.problem
-            self.slot["rotated_at"] = self.rotator.rotated_at
-            self.slot["services_failing"] = len(self._failing)
-            self.slot["service_failures"] = sum(self.failures.values())
+        """The services' health into the leader's card, for `fastjobs stats` and the metrics."""
+        if self.card is not None:
+            self.card["rotation_problem"] = self.rotator.problem
+            self.card["rotated_at"] = self.rotator.rotated_at
+            self.card["services_failing"] = len(self._failing)
+            self.card["service_failures"] = sum(self.failures.values())
 
     def _try_lock(self, conn: psycopg.Connection[Any], wait: float = 0.0) -> bool:
         """Take the lock if it is free; keep trying for `wait` seconds (a terminated holder exits soon)."""
@@ -950,9 +329,3 @@ class Leader:
                 lease,
             )
         return bool(rows)
-
-
-def _describe(result: Any) -> str:
-    if isinstance(result, dict):
-        return ", ".join(f"{k} {v}" for k, v in result.items() if v)
-    return ", ".join(f"{kind} at {tick:%Y-%m-%d %H:%M}" for kind, tick in result)

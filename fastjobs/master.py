@@ -12,7 +12,6 @@ held is given back by a releaser, a short-lived child it forks (see _release).
 from __future__ import annotations
 
 import contextlib
-import difflib
 import logging
 import os
 import secrets
@@ -32,15 +31,12 @@ from .impl import IMPLEMENTATION
 from .leader import Leader, LeaderConfig
 from .logs import job_fields, plural
 from .metrics import MetricsProcess
-from .stats import LEADER, WORKER, Labels, Slot, Slots, database_identity
-from .types import DEFAULT_QUEUE
+from .scoreboard import Labels, Scoreboard, database_identity
+from .sharding import shard
+from .stats import LEADER, WORKER, Card
 from .worker import Supervision, Worker, WorkerConfig, host_id, make_worker_id
 
-# A queue named without `:n` gets this much concurrency per worker process
-# (its async jobs in flight at once; its sync jobs run one at a time per
-# worker: threads are asked for, with `:n`, since they need thread-safe handlers).
-DEFAULT_CONCURRENCY = 10
-# A child whose slot has not been beaten this long is hung or stopped (it
+# A child whose card has not been beaten this long is hung or stopped (it
 # beats every second, whatever length of job it runs): killed and replaced.
 DEFAULT_WORKER_TIMEOUT = 60.0
 # A second SIGTERM/SIGINT this soon after the first is the same stop (a
@@ -56,74 +52,6 @@ RELEASE_TIMEOUT = 10
 logger = logging.getLogger(__name__)
 
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGCHLD}
-
-
-def parse_queues(spec: str | None, registered: list[str], processes: int) -> dict[str, int]:
-    """`default:8,emails:2` -> {queue: concurrency}; a bare name gets DEFAULT_CONCURRENCY per process."""
-    if not spec:
-        return {q: processes * DEFAULT_CONCURRENCY for q in (registered or [DEFAULT_QUEUE])}
-    queues: dict[str, int] = {}
-    for part in spec.split(","):
-        name, _, count = part.strip().partition(":")
-        if not name:
-            raise ConfigurationError(f"--queues: empty queue name in {spec!r}")
-        if name in queues:
-            raise ConfigurationError(f"--queues: queue {name!r} is named twice in {spec!r}")
-        count = count.strip()
-        if count:
-            if not count.isdigit() or int(count) < 1:
-                raise ConfigurationError(
-                    f"--queues: concurrency of {name!r} must be a positive integer, not {count!r}"
-                    " (queues are separated by commas: default:8,emails:2)"
-                )
-            queues[name] = int(count)
-        else:
-            queues[name] = processes * DEFAULT_CONCURRENCY
-    unregistered = sorted(queues.keys() - set(registered)) if registered else []
-    for name in unregistered:
-        # Served all the same (a job may be enqueued with options(queue=...)), but a typo
-        # would leave the queue it meant unserved while this one waits for nothing.
-        close = difflib.get_close_matches(name, registered, n=1)
-        logger.warning(
-            "--queues: no job of this App is registered on queue %r%s (its queues: %s)",
-            name,
-            f"; did you mean {close[0]!r}?" if close else "",
-            ", ".join(registered),
-        )
-    return queues
-
-
-def threaded_queues(spec: str | None) -> frozenset[str]:
-    """The queues `spec` gives a concurrency (`name:N`): their sync jobs run on threads.
-
-    Call it on a spec parse_queues accepted.
-    """
-    if not spec:
-        return frozenset()
-    return frozenset(name.strip() for name, sep, _ in (p.partition(":") for p in spec.split(",")) if sep)
-
-
-def shard(queues: dict[str, int], processes: int) -> list[dict[str, int]]:
-    """Assign queues to worker processes: the rule `fastjobs run` documents and prints.
-
-    Queues are placed largest concurrency first (ties by name). A queue of
-    concurrency c is served by min(c, processes) workers, the least loaded
-    ones (load = concurrency already assigned; ties by lower index), and its
-    concurrency is split evenly among them, the remainder going one each to
-    the lowest indexes. A worker's share bounds how many of that queue's
-    async jobs it runs at once, and, for a queue in `threaded`, its sync jobs.
-    """
-    load = [0] * processes
-    plan: list[dict[str, int]] = [{} for _ in range(processes)]
-    for queue, concurrency in sorted(queues.items(), key=lambda kv: (-kv[1], kv[0])):
-        k = min(concurrency, processes)
-        chosen = sorted(sorted(range(processes), key=lambda i: (load[i], i))[:k])
-        base, extra = divmod(concurrency, k)
-        for n, index in enumerate(chosen):
-            share = base + (1 if n < extra else 0)
-            plan[index][queue] = share
-            load[index] += share
-    return plan
 
 
 @dataclass
@@ -177,7 +105,7 @@ class Master:
         self.metrics = metrics
         self.leader_config = leader or LeaderConfig()
         self.children = [Child(i, WORKER) for i in range(processes)] + [Child(processes, LEADER)]
-        self.slots: Slots | None = None
+        self.board: Scoreboard | None = None
         self._metrics: MetricsProcess | None = None
         self.stopping = False
         self.deadline = 0.0
@@ -201,11 +129,11 @@ class Master:
         except (ConfigurationError, DatabaseUnavailable, SchemaMissing) as exc:
             logger.error("%s", exc)
             return EXIT_BOOT_ERROR
-        # Each slot can record as many running slow jobs as a worker's concurrency.
+        # Each card can record as many running slow jobs as a worker's concurrency.
         capacity = max((sum(share.values()) for share in self.plan), default=1)
         # The names of each worker's rows of counts per (queue, kind): its queues in the order it serves them.
         labels = Labels(list(self.app.jobs), [sorted(share) for share in self.plan] + [[]])
-        self.slots = Slots.create(len(self.children), identity, capacity, labels)
+        self.board = Scoreboard.create(len(self.children), identity, capacity, labels)
         try:
             self._install_signals()
             self._print_plan()
@@ -239,7 +167,7 @@ class Master:
                 signal.signal(sig, signal.SIG_IGN)
             if self._metrics is not None:
                 self._metrics.stop()
-            self.slots.close(unlink=True)
+            self.board.close(unlink=True)
         return self.exit_code
 
     @staticmethod
@@ -326,7 +254,7 @@ class Master:
     def _exited(self, child: Child, status: int) -> None:
         code = os.waitstatus_to_exitcode(status)
         name = self._name(child)
-        assert self.slots is not None
+        assert self.board is not None
         if child.role == WORKER and code not in (EXIT_OK, EXIT_BOOT_ERROR):
             self._blame(child, name)
         child.pid = 0
@@ -344,7 +272,8 @@ class Master:
         child.restart_at = time.monotonic() + delay
 
     def _blame(self, child: Child, name: str) -> None:
-        """Decide from its slot which of a dead worker's jobs count a crash, and release the rest.
+        """Decide from its card which of a dead worker's jobs count a crash, and release the rest
+        (docs/internals.md, crash accounting).
 
         Only the jobs whose handler was running count a crash (the rescuer
         charges them); the others go back now, uncounted. A worker can also
@@ -359,18 +288,18 @@ class Master:
         worker whose session died (terminated, a failover) clears that record
         before it exits (Worker.run).
         """
-        assert self.slots is not None
-        running, writing = self.slots[child.index].crash_report()
+        assert self.board is not None
+        running, writing = self.board[child.index].crash_report()
         if running is None:
             logger.warning(
-                "%s ran more slow jobs than its slot records: its jobs are left to the"
+                "%s ran more slow jobs than its card records: its jobs are left to the"
                 " rescuer (each counts a crash)",
                 name,
                 extra=job_fields(None, worker=child.worker_id),
             )
             return
         if not running and writing == 1:
-            suspect = self.slots[child.index].suspect()
+            suspect = self.board[child.index].suspect()
             running = [suspect]
             logger.warning(
                 "%s died writing the outcome of job %s: it counts a crash",
@@ -468,19 +397,19 @@ class Master:
     def _watchdog(self, now: float) -> None:
         """Kill a child whose process stopped beating: hung holding the GIL, stopped, deadlocked.
 
-        A worker's control thread beats its slot every second whatever its
+        A worker's heartbeat thread beats its card every second whatever its
         handlers do, so a job of any length runs undisturbed while its
         process is alive (a handler that runs too long is its `timeout=`'s
         business); only a process whose threads cannot run at all falls
         silent. The leader beats from its loop. The killed worker's jobs stay
         'running' for the rescuer; the reap restarts it.
         """
-        assert self.slots is not None
+        assert self.board is not None
         for child in self.children:
             if not child.pid or child.killed:
                 continue
-            slot = self.slots[child.index]
-            progress = slot["progress"] + slot["heartbeat"]
+            card = self.board[child.index]
+            progress = card["progress"] + card["heartbeat"]
             if progress != child.seen_progress:
                 child.seen_progress = progress
                 child.last_progress = now
@@ -505,7 +434,7 @@ class Master:
     # --- children -------------------------------------------------------------------------
 
     def _spawn(self, child: Child) -> None:
-        assert self.slots is not None
+        assert self.board is not None
         # The worker's identity: a token chosen here, before the fork, so the
         # master knows the exact id whose jobs to release if it dies.
         token = secrets.token_hex(8)
@@ -519,16 +448,16 @@ class Master:
 
     def _forked(self, child: Child, token: str) -> int:
         """The child's side of _spawn."""
-        assert self.slots is not None
+        assert self.board is not None
         try:
             for sig in _STOP_SIGNALS:
                 signal.signal(sig, signal.SIG_DFL)
             die_with(self.pid, signal.SIGTERM)  # not unsupervised: the pending SIGTERM waits for the unblock
             os.close(self._wake_r)
             os.close(self._wake_w)
-            slot = self.slots[child.index]
-            slot.claim(child.role, child.index)
-            return self._child_main(child, slot, make_worker_id(token, os.getpid(), self.host))
+            card = self.board[child.index]
+            card.claim(child.role, child.index)
+            return self._child_main(child, card, make_worker_id(token, os.getpid(), self.host))
         except (ConfigurationError, SchemaMissing) as exc:
             logger.error("%s: %s", self._name(child), exc)
             return EXIT_BOOT_ERROR
@@ -536,12 +465,12 @@ class Master:
             logger.exception("%s (pid %d) crashed", self._name(child), os.getpid())
             return EXIT_CRASH
 
-    def _child_main(self, child: Child, slot: Slot, worker_id: str) -> int:
+    def _child_main(self, child: Child, card: Card, worker_id: str) -> int:
         from setproctitle import setproctitle
 
         if child.role == LEADER:
             setproctitle("fastjobs: leader")
-            leader = Leader(self.app, self.leader_config, slot=slot)
+            leader = Leader(self.app, self.leader_config, card=card)
             leader.install_signals()
             signal.signal(signal.SIGQUIT, lambda signum, frame: leader.stop())  # the master's "stop now"
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
@@ -564,7 +493,7 @@ class Master:
             ),
             worker_id=worker_id,
             supervision=Supervision(
-                parent=self.pid, slot=slot, title=title, careful=child.careful, host=self.host
+                parent=self.pid, slot=card, title=title, careful=child.careful, host=self.host
             ),
         )
         worker.install_signals()
@@ -616,19 +545,19 @@ class Master:
                 )
 
     def _titles(self, now: float) -> None:
-        """Write each worker's rate to its slot once a second, and the master's title."""
-        assert self.slots is not None
+        """Write each worker's rate to its card once a second, and the master's title."""
+        assert self.board is not None
         last = self._rates.get(-1)
         if last is not None and now - last[0] < 1.0:
             return
         total = 0.0
         for child in self.children:
-            slot = self.slots[child.index]
-            done = slot["completed"] + slot["failed"]
+            card = self.board[child.index]
+            done = card["completed"] + card["failed"]
             before = self._rates.get(child.index)
             rate = (done - before[1]) / (now - before[0]) if before and now > before[0] else 0.0
             self._rates[child.index] = (now, done)
-            slot["rate"] = max(rate, 0.0)
+            card["rate"] = max(rate, 0.0)
             total += max(rate, 0.0)
         self._rates[-1] = (now, 0.0)
         from setproctitle import setproctitle
@@ -638,10 +567,10 @@ class Master:
 
     def _start_metrics(self) -> None:
         """Fork the metrics process before any worker; FastjobsError if it cannot listen."""
-        assert self.metrics is not None and self.slots is not None
+        assert self.metrics is not None and self.board is not None
         host, port = self.metrics
         self._metrics = MetricsProcess(
-            host, port, self.slots, self.app.dsn, close_in_child=(self._wake_r, self._wake_w)
+            host, port, self.board, self.app.dsn, close_in_child=(self._wake_r, self._wake_w)
         )
         self._metrics.start()
         logger.info("metrics on %s", self._metrics.url)

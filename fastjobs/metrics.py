@@ -42,7 +42,10 @@ import psycopg
 from . import database, queues, sql
 from .children import EXIT_BOOT_ERROR, EXIT_CRASH, Backoff, die_with, fork, how_it_ended
 from .errors import FastjobsError
-from .stats import LEADER, ClusterHost, Health, QueueDepth, Slots, cluster, health, prometheus, queue_depths
+from .exposition import prometheus
+from .report import ClusterHost, Health, QueueDepth, cluster, health, queue_depths
+from .scoreboard import Scoreboard
+from .stats import LEADER
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +70,11 @@ class MetricsProcess:
     """The master's handle on its metrics process: start, notice its exit, restart, stop."""
 
     def __init__(
-        self, host: str, port: int, slots: Slots, dsn: str, close_in_child: Sequence[int] = ()
+        self, host: str, port: int, board: Scoreboard, dsn: str, close_in_child: Sequence[int] = ()
     ) -> None:
         self.host = host
         self.port = port
-        self.slots = slots
+        self.board = board
         self.dsn = dsn
         self.close_in_child = tuple(close_in_child)
         self.pid = 0
@@ -143,13 +146,13 @@ class MetricsProcess:
             for fd in self.close_in_child + close:
                 os.close(fd)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
-            return _main(self.host, self.port, self.slots, self.dsn, ready)
+            return _main(self.host, self.port, self.board, self.dsn, ready)
 
         self.pid = fork(_SIGNALS, main)
         self.backoff.start()
 
 
-def _main(host: str, port: int, slots: Slots, dsn: str, ready: int | None) -> int:
+def _main(host: str, port: int, board: Scoreboard, dsn: str, ready: int | None) -> int:
     from setproctitle import setproctitle
 
     setproctitle("fastjobs: metrics")
@@ -166,7 +169,7 @@ def _main(host: str, port: int, slots: Slots, dsn: str, ready: int | None) -> in
         os.write(ready, f"listening {listener.getsockname()[1]}\n".encode())
         os.close(ready)
     reader = DatabaseReader(dsn)
-    serve(listener, lambda: scrape(slots, reader))
+    serve(listener, lambda: scrape(board, reader))
     return 0
 
 
@@ -241,15 +244,15 @@ class DatabaseReader:
         return conn
 
 
-def scrape(slots: Slots, reader: DatabaseReader) -> bytes:
+def scrape(board: Scoreboard, reader: DatabaseReader) -> bytes:
     """One scrape's body: the counters always; the database's part when it answers in time."""
-    leading = any(slot["role"] == LEADER and slot["leading"] for slot in slots)
+    leading = any(card["role"] == LEADER and card["leading"] for card in board)
     found = reader.read(hosts=leading)
     if isinstance(found, str):
         note = f"# queue depths and MVCC health unavailable: {found}\n"
-        text = note + prometheus(slots, None, None)
+        text = note + prometheus(board, None, None)
     else:
-        text = prometheus(slots, *found)
+        text = prometheus(board, *found)
     ok = 0 if isinstance(found, str) else 1
     text += (
         "# HELP fastjobs_scrape_database_ok 1 if this scrape read the database (queue depths, MVCC"

@@ -19,15 +19,21 @@ methods, `async def` ones the async methods.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import inspect
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
+
+from . import enqueue
+from .context import JobContext, _async_job, _thread
+from .enqueue import InsertParams, Options
 from .errors import FastjobsError
-from .handlers import JobContext, _async_job, _thread
 from .types import JobSpec
 
 __all__ = [
@@ -153,3 +159,51 @@ def _inserted(chain: Sequence[EnqueueMiddleware], enqueue: Enqueue, done: list[i
             f" no {enqueue.kind!r} job was enqueued (raise to refuse an enqueue)"
         )
     return done[0]
+
+
+def call_of(opts: Options, args: dict[str, Any] | None) -> Enqueue:
+    """What enqueue middleware sees of a call: `args` for one job, None for many."""
+    return Enqueue(
+        opts.kind,
+        opts.queue,
+        opts.priority,
+        opts.max_attempts,
+        opts.run_at,
+        opts.delay,
+        many=args is None,
+        args=args,
+    )
+
+
+def with_meta(params: InsertParams, call: Enqueue) -> InsertParams:
+    """sql.job_insert's parameters with the meta the middleware gave."""
+    meta = enqueue.dump_meta(call.meta)
+    return params if meta is None else params._replace(meta=meta.decode())
+
+
+@contextlib.contextmanager
+def chain_target(
+    conn: psycopg.Connection[Any] | None,
+    connection: Callable[[], AbstractContextManager[psycopg.Connection[Any]]],
+) -> Iterator[psycopg.Connection[Any]]:
+    """Where an enqueue behind middleware inserts: the caller's connection, or one of `connection()`
+    in a transaction around the whole chain, so that a middleware raising after call_next() (or
+    calling it twice) leaves nothing inserted, as raising promises."""
+    if conn is not None:
+        yield conn
+        return
+    with connection() as own, own.transaction():
+        yield own
+
+
+@contextlib.asynccontextmanager
+async def chain_target_async(
+    conn: psycopg.AsyncConnection[Any] | None,
+    connection: Callable[[], AbstractAsyncContextManager[psycopg.AsyncConnection[Any]]],
+) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    """`chain_target` for the async enqueues."""
+    if conn is not None:
+        yield conn
+        return
+    async with connection() as own, own.transaction():
+        yield own

@@ -12,7 +12,7 @@ JobTimeout as an asynchronous exception (PyThreadState_SetAsyncExc),
 which Python raises at the thread's next bytecode. A thread blocked in a C
 call (`time.sleep`, a socket read without a timeout) finishes that call
 before it sees the exception; one still there after as long again (at least
-1 s) marks the worker hung: its control thread stops beating, and under
+1 s) marks the worker hung: its heartbeat thread stops beating, and under
 `fastjobs run` the master replaces it after `--worker-timeout`.
 """
 
@@ -24,11 +24,15 @@ import queue
 import signal
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from .context import JobContext, bind
 from .errors import JobTimeout
-from .handlers import Executor, JobContext, SlowJob, bind, cancelled, release
+from .outcomes import SlowJob, cancelled, release
 from .types import Outcome
+
+if TYPE_CHECKING:
+    from .executor import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +94,7 @@ class Pool:
 
     A wave runs `width` jobs at once: its queue's concurrency in this
     worker. Each thread has its own `current_job()` context. Every job is in
-    the worker's slot (stats.SlowJobs) while its handler runs, so a crash
+    the worker's card (stats.SlowJobs) while its handler runs, so a crash
     counts an attempt for exactly the running ones.
     """
 

@@ -9,7 +9,7 @@ from typing import Any
 import psycopg
 
 from . import sql
-from .stats import cluster
+from .report import cluster
 
 # The outcomes a sample counts as failed: attempts that raised (retried) or ended the job (discarded).
 FAILED = ("retried", "discarded")
@@ -19,7 +19,7 @@ FAILED = ("retried", "discarded")
 class SamplesConfig:
     """One sample per queue every `interval` seconds, kept `retention` seconds.
 
-    The counts come from the workers' heartbeats (stats.cluster), which
+    The counts come from the workers' heartbeats (report.cluster), which
     the workers write anyway: a sample costs one small INSERT and no scan of
     the jobs table. At the defaults the table holds 720 rows per queue.
     """

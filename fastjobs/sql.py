@@ -407,7 +407,7 @@ _section("Finishes")
 # completed_later: the same for the 'completed' outcomes of $2 (jobs
 #   completed at an attempt other than the first);
 # failed: the other outcomes of $2 recorded. $2 is a JSON array of the
-#   records fastjobs.handlers writes (fastjobs.types.Outcome: id, attempt,
+#   records fastjobs.outcomes writes (fastjobs.types.Outcome: id, attempt,
 #   state, delay in seconds or null to keep run_at, uncount 1 to give the
 #   attempt back, error to append or null); the state a record ends its job
 #   in is _outcome_state's. Its times (run_at, so a delay counts from then;
@@ -1363,7 +1363,7 @@ jobs_dead_rows: Final = "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid 
 # had stalls of 0.1-3 s (bench/RESULTS.md, latency under load).
 vacuum_jobs: Final = "VACUUM (SKIP_LOCKED, TRUNCATE false) fastjobs_jobs"
 
-# The rotation (fastjobs.leader.rotate_once): inserts through the parent go
+# The rotation (fastjobs.maintenance.rotate_once): inserts through the parent go
 # to the slot fastjobs_slot names; every `interval` the leader empties the
 # oldest rotating slot, the one after the current, and makes it current. The
 # slot's table is named in slot_lock and slot_truncate ({partition}:

@@ -13,34 +13,30 @@ pytest. Importing `fastjobs` does not import it: `App.testing` does.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import datetime as dt
-import importlib
-import itertools
 import logging
-import os
-import tempfile
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import orjson
 import psycopg
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from . import database, enqueue, handlers, leader, schema, sql
+from . import database, enqueue, maintenance, sql
+from .context import JobContext, _async_job, _thread
 from .errors import FastjobsError
-from .handlers import Executor, JobContext
+from .executor import Executor
 from .impl import core
+from .sandbox import Databases, databases
 from .types import ArgsSchema, JobState
 
 if TYPE_CHECKING:
-    from .app import App, Job
+    from .app import App
+    from .job import Job
 
 __all__ = [
     "Databases",
@@ -49,7 +45,6 @@ __all__ = [
     "Mode",
     "Testing",
     "databases",
-    "load_app",
 ]
 
 
@@ -75,112 +70,6 @@ T = TypeVar("T")
 
 
 # --- Databases ---------------------------------------------------------------
-
-
-class Databases:
-    """The test server, its template database, and the per-test copies of it.
-
-    The server is FASTJOBS_TEST_DSN's, else an embedded PostgreSQL (the
-    `embedded` extra) in a temporary directory deleted when the process
-    exits. The template is migrated once per process and dropped at exit;
-    each copy is a `CREATE DATABASE ... TEMPLATE` (milliseconds).
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()  # template() creates under it
-        self._dsn: str | None = None
-        self.source = ""
-        self._template: str | None = None
-        self._counter = itertools.count()
-
-    def server_dsn(self) -> str:
-        """The server's admin DSN, starting the embedded server on first use."""
-        with self._lock:
-            if self._dsn is None:
-                dsn = os.environ.get("FASTJOBS_TEST_DSN")
-                if dsn:
-                    self.source = "FASTJOBS_TEST_DSN"
-                else:
-                    # The postgres processes run as the package's own
-                    # unprivileged user when the tests run as root: the
-                    # directory must be theirs to enter.
-                    parent = Path(tempfile.mkdtemp(prefix="fastjobs-test-"))
-                    parent.chmod(0o755)
-                    server = database.start_embedded(parent / "pg", cleanup_mode="delete")
-                    dsn = server.get_uri("postgres")
-                    self.source = "embedded PostgreSQL"
-                self._dsn = dsn
-            return self._dsn
-
-    def template(self) -> str:
-        """The name of the migrated template database, created on first use."""
-        admin = self.server_dsn()
-        with self._lock:
-            if self._template is None:
-                name = f"fastjobs_tpl_{os.getpid()}"
-                dsn = self.create(name)
-                with psycopg.connect(dsn) as conn:
-                    schema.migrate(conn)
-                self._template = name
-                # Registered after the embedded server's own cleanup, so it runs first.
-                atexit.register(self._drop_template, admin, os.getpid())
-            return self._template
-
-    def _drop_template(self, admin: str, pid: int) -> None:
-        if pid == os.getpid() and self._template is not None:  # not a forked child's copy
-            with contextlib.suppress(psycopg.Error):
-                self.drop(self._template)
-
-    def create(self, name: str | None = None, template: str | None = None) -> str:
-        """Create database `name` (a fresh name by default), empty or a copy of `template`; its DSN."""
-        name = name or self.fresh_name()
-        with psycopg.connect(self.server_dsn(), autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-            conn.execute(f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else ""))
-        return make_conninfo(self.server_dsn(), dbname=name)
-
-    def drop(self, name_or_dsn: str) -> None:
-        """Drop a database (by name, or the database of a DSN), closing its sessions."""
-        is_dsn = "=" in name_or_dsn or "://" in name_or_dsn
-        name = conninfo_to_dict(name_or_dsn).get("dbname") if is_dsn else name_or_dsn
-        with psycopg.connect(self.server_dsn(), autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-    def fresh_name(self, prefix: str = "fastjobs_t") -> str:
-        return f"{prefix}_{os.getpid()}_{next(self._counter)}"
-
-    def migrated(self) -> str:
-        """A new migrated database of its own (a copy of the template); its DSN."""
-        return self.create(template=self.template())
-
-    @contextlib.contextmanager
-    def fresh(self) -> Iterator[str]:
-        """A new migrated database for the duration of the block; its DSN."""
-        dsn = self.migrated()
-        try:
-            yield dsn
-        finally:
-            self.drop(dsn)
-
-
-# One per process: every test session in it (pytester's in-process runs too)
-# shares the server and the template.
-databases = Databases()
-
-
-def load_app(target: str) -> App:
-    """The App named by `"package.module:attribute"` (the `fastjobs_app` ini option's form)."""
-    from .app import App
-
-    module_name, _, attribute = target.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"name the App as 'package.module:attribute', not {target!r}")
-    value: Any = importlib.import_module(module_name)
-    for part in attribute.split("."):
-        value = getattr(value, part)
-    if not isinstance(value, App):
-        raise TypeError(f"{target} is a {type(value).__name__}, not a fastjobs.App")
-    return value
 
 
 # --- The kit -----------------------------------------------------------------
@@ -299,7 +188,7 @@ class Testing:
         ran = 0
         executor = Executor()
         executor.worker = WORKER_ID
-        saved = (getattr(handlers._thread, "job", None), getattr(handlers._thread, "executor", None))
+        saved = (getattr(_thread, "job", None), getattr(_thread, "executor", None))
         # The queues of kinds handled elsewhere alone (app.declare): the app's workers never serve them.
         app = self.app
         elsewhere = {s.queue for s in app.declared.values()} - {s.queue for s in app.jobs.values()}
@@ -315,7 +204,7 @@ class Testing:
                             (shift,) = cur.execute(sql.testing_shift_due, (now, queues)).fetchone() or (None,)
                             if shift is not None:  # the clock moved to the next job: less of it is left
                                 now -= dt.timedelta(seconds=shift)
-                        leader.schedule_once(conn)
+                        maintenance.schedule_once(conn)
                         due = [row[0] for row in cur.execute(sql.testing_queues_due, (queues,))]
                         if queues is None:
                             due = [queue for queue in due if queue not in elsewhere]
@@ -347,7 +236,7 @@ class Testing:
         finally:
             self._draining = False
             executor.close()
-            handlers._thread.job, handlers._thread.executor = saved
+            _thread.job, _thread.executor = saved
         return Drained(**totals)
 
     def run_job(self, job: Job[..., Any] | str, /, **args: Any) -> Any:
@@ -365,12 +254,12 @@ class Testing:
         context = JobContext(_RUN_JOB_ID, spec.kind, 1)
         if spec.is_async:
             return _off_the_event_loop(lambda: asyncio.run(_with_context(context, spec.target, decoded)))
-        saved = getattr(handlers._thread, "job", None)
-        handlers._thread.job = context
+        saved = getattr(_thread, "job", None)
+        _thread.job = context
         try:
             return spec.target(**decoded)
         finally:
-            handlers._thread.job = saved
+            _thread.job = saved
 
     async def run_job_async(self, job: Job[..., Any] | str, /, **args: Any) -> Any:
         """`run_job` on the running event loop (an async handler's resources may be bound to it)."""
@@ -594,7 +483,7 @@ def _off_the_event_loop(call: Callable[[], T]) -> T:
 
 
 async def _with_context(context: JobContext, target: Callable[..., Any], args: dict[str, Any]) -> Any:
-    handlers._async_job.set(context)  # this coroutine's task's context only
+    _async_job.set(context)  # this coroutine's task's context only
     return await target(**args)
 
 

@@ -20,13 +20,16 @@ import orjson
 import psycopg
 from setproctitle import setproctitle
 
-from . import database, leader, schema, sql
+from . import database, schema, sql
+from . import maintenance as leader
 from .abc import BatchLoop
 from .app import App
 from .errors import ConfigurationError, DatabaseUnavailable, LoopError
-from .handlers import Executor
+from .executor import Executor
 from .impl import core
-from .stats import Labels, Slot, worker_counters
+from .scoreboard import Labels
+from .stats import Card as Slot
+from .stats import worker_counters
 from .types import DEFAULT_QUEUE
 
 __all__ = [

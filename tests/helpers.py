@@ -15,7 +15,7 @@ from psycopg.rows import dict_row
 
 from fastjobs import App, sql
 from fastjobs.abc import BatchLoop
-from fastjobs.handlers import Executor
+from fastjobs.executor import Executor
 from fastjobs.impl import core
 from fastjobs.worker import Worker, WorkerConfig
 

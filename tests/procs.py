@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import psycopg
 
-from fastjobs.stats import shm_dir
+from fastjobs.scoreboard import shm_dir
 
 T = TypeVar("T")
 

@@ -7,7 +7,7 @@ import threading
 import time
 
 from fastjobs import App
-from fastjobs.handlers import Executor
+from fastjobs.executor import Executor
 from fastjobs.worker import Worker, WorkerConfig
 
 from .helpers import OVERLAP, WorkerThread, batch_loop, jobs, run_one_batch, wait_for

@@ -119,9 +119,20 @@ import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
-from fastjobs import App, FastjobsError, SchemaMissing, Worker, WorkerConfig, database, leader, schema, sql
+from fastjobs import (
+    App,
+    FastjobsError,
+    SchemaMissing,
+    Worker,
+    WorkerConfig,
+    database,
+    maintenance,
+    schema,
+    sql,
+)
 from fastjobs.children import EXIT_BOOT_ERROR
-from fastjobs.cli import _parser, main
+from fastjobs.cli import main
+from fastjobs.cli.command import _parser
 from fastjobs.testing import Drained
 
 from . import procs
@@ -422,7 +433,7 @@ def test_a_running_row_without_attempt_is_rescued(dsn: str):
     stuck = insert_row(dsn, kind="ok", state="running")  # the schema allows it: attempt 0, no worker
     with psycopg.connect(dsn, autocommit=True) as conn:
         [now] = conn.execute("SELECT now() + interval '1 hour'").fetchone() or [None]
-        leader.rescue_once(conn, now=now)
+        maintenance.rescue_once(conn, now=now)
     assert rows_by_id(dsn)[stuck]["state"] == "retryable"
 
 
@@ -807,7 +818,7 @@ def test_a_live_worker_running_a_job_longer_than_the_rescue_delay_keeps_it(app: 
         release.wait(10)
 
     app.enqueue("long")
-    config = leader.RescuerConfig(stale_after=3.0)
+    config = maintenance.RescuerConfig(stale_after=3.0)
     rescued: list[dict[str, int]] = []
     with (
         WorkerThread(Worker(app, config=WorkerConfig(poll_interval=60.0))),
@@ -818,7 +829,7 @@ def test_a_live_worker_running_a_job_longer_than_the_rescue_delay_keeps_it(app: 
         tick = threading.Event()
         while (running := time.monotonic() - began) < 4.2:
             if running > 3.2:  # the job has run past the delay (its worker registered before it)
-                rescued.append(leader.rescue_once(conn, config=config))
+                rescued.append(maintenance.rescue_once(conn, config=config))
             tick.wait(0.1)
         release.set()
         assert wait_for(lambda: jobs(dsn) == [])

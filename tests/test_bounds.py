@@ -20,9 +20,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from fastjobs import App, control, leader
+from fastjobs import App, control, maintenance
 from fastjobs.abc import HAND_BACK_AFTER
-from fastjobs.handlers import Executor
+from fastjobs.executor import Executor
 
 from . import procs
 from .helpers import batch_loop, by_state, notifications, query, warm
@@ -206,7 +206,10 @@ def test_the_rotation_does_not_wait_for_a_slow_handler(app: App, dsn: str) -> No
             assert started.wait(30)
             time.sleep(0.3)  # past the batch's deadline
             with psycopg.connect(dsn, autocommit=True) as conn:
-                assert leader.rotate_once(conn, leader.RotationConfig(lock_timeout=1.0)).get("rotated") == 1
+                assert (
+                    maintenance.rotate_once(conn, maintenance.RotationConfig(lock_timeout=1.0)).get("rotated")
+                    == 1
+                )
             release.set()
         while loop.step():
             pass

@@ -20,7 +20,7 @@ import pytest
 
 import fastjobs
 from fastjobs import App, JobNotFound, Worker, WorkerConfig, control
-from fastjobs.handlers import Executor
+from fastjobs.executor import Executor
 from fastjobs.impl import core
 from fastjobs.worker import Control
 

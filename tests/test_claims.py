@@ -10,7 +10,7 @@ from psycopg.types.json import Jsonb
 
 from fastjobs import App
 from fastjobs.abc import SIZE_DECAY
-from fastjobs.handlers import Executor
+from fastjobs.executor import Executor
 from fastjobs.impl import core
 from fastjobs.worker import Worker, WorkerConfig
 

@@ -21,7 +21,7 @@ import pytest
 
 from fastjobs import App, ConfigurationError
 from fastjobs.cron import Cron
-from fastjobs.leader import periodic_once, periodic_status
+from fastjobs.maintenance import periodic_once, periodic_status
 from fastjobs.types import JobSpec
 
 from . import procs

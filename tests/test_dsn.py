@@ -11,7 +11,8 @@ import pytest
 
 from fastjobs import App, ConfigurationError, DatabaseUnavailable, FastjobsError, database, schema
 from fastjobs.children import EXIT_BOOT_ERROR
-from fastjobs.cli import load_app, main
+from fastjobs.cli import main
+from fastjobs.cli.run import load_app
 
 PASSWORD = "s3cretpw"
 UNREACHABLE = f"postgresql://u:{PASSWORD}@127.0.0.1:1/db"

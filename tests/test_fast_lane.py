@@ -24,9 +24,9 @@ import psycopg
 import pytest
 
 import fastjobs
-from fastjobs import App, Retry, Snooze, control, guard, stats
+from fastjobs import App, Retry, Snooze, control, guard, report
 from fastjobs.abc import BATCH_SECONDS, DEEP_CLAIM
-from fastjobs.handlers import Executor
+from fastjobs.executor import Executor
 from fastjobs.impl import core
 from fastjobs.worker import Worker, WorkerConfig
 
@@ -121,7 +121,7 @@ def _states(conn: psycopg.Connection[Any], **filters: Any) -> dict[int, str]:
 
 def _depths(conn: psycopg.Connection[Any]) -> dict[str, tuple[int, float | None]]:
     """What `fastjobs stats` and the metrics report for the default queue, by state."""
-    return {d.state: (d.count, d.oldest_seconds) for d in stats.queue_depths(conn) if d.queue == "default"}
+    return {d.state: (d.count, d.oldest_seconds) for d in report.queue_depths(conn) if d.queue == "default"}
 
 
 def test_a_job_in_flight_reads_running_in_jobs_list_and_stats(app: App, dsn: str) -> None:
@@ -473,7 +473,7 @@ def test_an_outcome_postgresql_rejects_rolls_the_batch_back_to_the_state_lane(
 ) -> None:
     """The batch's jobs run again (at least once) on the state lane, which isolates the bad outcome:
     nothing is lost, the others complete, the bad job gets fastjobs's own failure record."""
-    monkeypatch.setattr(fastjobs.handlers, "clean", lambda text: text)
+    monkeypatch.setattr(fastjobs.outcomes, "clean", lambda text: text)
     runs: dict[int, int] = {}
 
     @app.job(kind="nul")

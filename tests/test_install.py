@@ -157,7 +157,7 @@ def test_mypy_checks_enqueue_calls_against_the_handler_of_an_installed_fastjobs(
         text=True,
         timeout=300,
     )
-    revealed = 'Revealed type is "fastjobs.app.Job[[user_id: int, when: datetime.datetime, to: sample.Address'
+    revealed = 'Revealed type is "fastjobs.job.Job[[user_id: int, when: datetime.datetime, to: sample.Address'
     assert revealed in done.stdout, done.stdout + done.stderr  # fastjobs found, its types whole
     errors = sorted(
         line.split(": error: ")[0].rsplit(":", 1)[1]

@@ -29,19 +29,17 @@ from psycopg import sql as pgsql
 
 from fastjobs import App, control
 from fastjobs.errors import ConfigurationError
-from fastjobs.leader import (
+from fastjobs.leader import Leader, LeaderConfig
+from fastjobs.maintenance import (
     CleanerConfig,
-    Leader,
-    LeaderConfig,
     RescuerConfig,
     SchedulerConfig,
-    VacuumConfig,
-    Vacuumer,
     clean_once,
     rescue_once,
     schedule_once,
 )
 from fastjobs.sql import LEADER_LOCK_KEY, NOTIFY_CHANNEL
+from fastjobs.vacuum import VacuumConfig, Vacuumer
 
 from . import procs
 from .helpers import query

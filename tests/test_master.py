@@ -23,14 +23,8 @@ import pytest
 from fastjobs import App
 from fastjobs.children import EXIT_BOOT_ERROR
 from fastjobs.errors import ConfigurationError
-from fastjobs.master import (
-    DEFAULT_CONCURRENCY,
-    SAME_STOP_WINDOW,
-    Master,
-    parse_queues,
-    shard,
-    threaded_queues,
-)
+from fastjobs.master import SAME_STOP_WINDOW, Master
+from fastjobs.sharding import DEFAULT_CONCURRENCY, parse_queues, shard, threaded_queues
 
 from . import procs
 from .procs import count, runs, wait_for

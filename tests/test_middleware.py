@@ -16,8 +16,8 @@ import pytest
 
 from fastjobs import App, Cancel, Enqueue, JobContext, Retry, Snooze, _core, _core_py, current_job
 from fastjobs.errors import FastjobsError
-from fastjobs.handlers import Executor
-from fastjobs.leader import periodic_once
+from fastjobs.executor import Executor
+from fastjobs.maintenance import periodic_once
 
 from . import procs
 from .helpers import drain, jobs, query

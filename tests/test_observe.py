@@ -19,10 +19,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from fastjobs import App, _core, _core_py, stats
+from fastjobs import App, _core, _core_py, report, scoreboard
 from fastjobs.abc import BUCKETS, COMPLETED, INT64_MAX, OUTCOMES, PICKUP_SUM, ROW
 from fastjobs.children import EXIT_BOOT_ERROR
-from fastjobs.handlers import Executor
+from fastjobs.executor import Executor
 
 from . import procs
 from .procs import count, wait_for
@@ -96,7 +96,7 @@ EXPECTED = {  # kind: (completed, retried, discarded, cancelled, snoozed), handl
     "slow_ok": ((6, 0, 0, 0, 0), 6, 6),
     "async_ok": ((7, 0, 0, 0, 0), 7, 7),
     "async_fails": ((0, 0, 2, 0, 0), 2, 2),
-    stats.OTHER: ((0, 0, 2, 0, 0), 0, 2),  # a kind with no handler, at its last attempt
+    scoreboard.OTHER: ((0, 0, 2, 0, 0), 0, 2),  # a kind with no handler, at its last attempt
 }
 
 
@@ -196,7 +196,7 @@ def test_two_hosts_are_both_seen_with_their_counts_and_a_silent_one_is_flagged_s
         assert worker["id"].startswith(f"{name}:{worker['pid']}:")
         assert host["totals"]["completed"] == ran.get(worker["pid"], 0), name
         assert host["queues"] == [name] and host["stale"] == 0
-        assert not worker["stale"] and worker["heartbeat_age"] < stats.STALE_AFTER
+        assert not worker["stale"] and worker["heartbeat_age"] < report.STALE_AFTER
         [row] = host["kinds"]
         assert (row["queue"], row["kind"], row["completed"]) == (
             name,
@@ -227,9 +227,9 @@ def test_two_hosts_are_both_seen_with_their_counts_and_a_silent_one_is_flagged_s
             hosts = host_of(procs.stats_json(app.dsn))
             return hosts if hosts["beta"]["stale"] == 1 else None
 
-        hosts = wait_for(beta_stale, "beta's worker to be flagged stale", timeout=stats.STALE_AFTER + 10)
+        hosts = wait_for(beta_stale, "beta's worker to be flagged stale", timeout=report.STALE_AFTER + 10)
         assert hosts["alpha"]["stale"] == 0 and hosts["beta"]["rate"] == 0
-        assert hosts["beta"]["workers"][0]["heartbeat_age"] > stats.STALE_AFTER
+        assert hosts["beta"]["workers"][0]["heartbeat_age"] > report.STALE_AFTER
         table = procs.cli(app.dsn, "stats")
         assert table.returncode == 0, table.stderr
         assert "cluster: 2 host(s)" in table.stdout
@@ -247,11 +247,13 @@ def test_two_hosts_are_both_seen_with_their_counts_and_a_silent_one_is_flagged_s
 
 def test_a_stats_file_of_another_format_is_skipped_naming_both_formats(tmp_path: Path) -> None:
     path = tmp_path / "fastjobs-1-old.stats"
-    path.write_bytes(struct.pack("<IIII", stats.MAGIC, 5, 1, 1).ljust(stats.HEADER.size + 4096, b"\0"))
-    found = stats.read_master(path)
-    assert isinstance(found, stats.Skipped)
+    path.write_bytes(
+        struct.pack("<IIII", scoreboard.MAGIC, 5, 1, 1).ljust(scoreboard.HEADER.size + 4096, b"\0")
+    )
+    found = scoreboard.read_master(path)
+    assert isinstance(found, scoreboard.Skipped)
     assert found.reason == (
-        f"written by another version of fastjobs (stats format 5; this one reads {stats.VERSION})"
+        f"written by another version of fastjobs (stats format 5; this one reads {scoreboard.VERSION})"
     )
 
 
@@ -277,7 +279,7 @@ def test_a_job_due_in_year_1_is_counted_in_the_last_bucket_and_sums_saturate(app
 
     app.enqueue("old", {}, run_at=dt.datetime(1, 1, 1, tzinfo=dt.UTC))
     app.enqueue("old", {})
-    labels = stats.Labels(list(app.jobs), [["default"]])
+    labels = scoreboard.Labels(list(app.jobs), [["default"]])
     counts = memoryview(bytearray(labels.rows * ROW * 8)).cast("q")
     [(at, _, _)] = [name for name in labels.names(0) if name[2] == "old"]
     counts[at + PICKUP_SUM] = INT64_MAX - 10
@@ -306,7 +308,7 @@ def test_a_counts_view_shorter_than_the_plan_is_refused(app: App, core: Any) -> 
     def k() -> None:
         pass
 
-    labels = stats.Labels(list(app.jobs), [["default"]])
+    labels = scoreboard.Labels(list(app.jobs), [["default"]])
     short = memoryview(bytearray((labels.rows * ROW - 1) * 8)).cast("q")
     with (
         psycopg.connect(app.dsn, autocommit=True) as conn,

@@ -290,8 +290,8 @@ def test_the_cluster_views_sample_output_is_what_fastjobs_stats_prints(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The `fastjobs stats` cluster sample, printed from the hosts it shows."""
-    from fastjobs import cli
-    from fastjobs.stats import ClusterHost, ClusterWorker
+    from fastjobs.cli import stats as stats_command
+    from fastjobs.report import ClusterHost, ClusterWorker
 
     [sample] = [code for _, lang, code in BLOCKS if lang == "text" and code.startswith("cluster: ")]
 
@@ -309,7 +309,7 @@ def test_the_cluster_views_sample_output_is_what_fastjobs_stats_prints(
         worker("web-2:5121:c2a95f1e07d34b88", 8377, 0.6),
     ]
     queues = ["default", "emails"]
-    cli._print_cluster(
+    stats_command._print_cluster(
         [
             ClusterHost("web-1", web1, queues, 0, 0.4, 11204, {"completed": 3120455, "failed": 12}, []),
             ClusterHost("web-2", web2, queues, 1, 0.6, 8377, {"completed": 2904118, "failed": 9}, []),

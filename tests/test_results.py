@@ -16,9 +16,9 @@ import pytest
 from psycopg.rows import dict_row
 
 import fastjobs
-from fastjobs import App, JobCancelled, JobFailed, JobNotFound, JobStatus, abc, leader
+from fastjobs import App, JobCancelled, JobFailed, JobNotFound, JobStatus, abc, maintenance
 from fastjobs.cli import main
-from fastjobs.handlers import Executor
+from fastjobs.executor import Executor
 from fastjobs.impl import core
 from tests.helpers import batch_loop, drain, query, warm
 
@@ -257,10 +257,10 @@ def test_the_cleaner_expires_results_in_batches(app: App, dsn: str) -> None:
     assert len(_results(dsn)) == 5
     with psycopg.connect(dsn, autocommit=True) as conn:
         now = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
-        config = leader.CleanerConfig(batch=2)
-        assert leader.clean_once(conn, now, config)["results"] == 0  # nothing expired yet
+        config = maintenance.CleanerConfig(batch=2)
+        assert maintenance.clean_once(conn, now, config)["results"] == 0  # nothing expired yet
         later = now + dt.timedelta(seconds=61)
-        assert leader.clean_once(conn, later, config)["results"] == 5
+        assert maintenance.clean_once(conn, later, config)["results"] == 5
     assert not _results(dsn)
 
 
@@ -365,7 +365,7 @@ def test_every_statement_that_ends_a_job_keeps_its_outcome_and_wakes_its_waiter(
         (rescued,),
     )
     with psycopg.connect(dsn, autocommit=True) as conn:
-        leader.rescue_once(conn)
+        maintenance.rescue_once(conn)
     assert [r["id"] for r in _results(dsn) if r["state"] == "discarded"] == [discarded, rescued]
     with pytest.raises(JobFailed, match="died"):
         app.result(rescued)

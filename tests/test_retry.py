@@ -11,7 +11,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from fastjobs import App, leader
+from fastjobs import App, maintenance
 from fastjobs.errors import Cancel, Retry, Snooze
 from fastjobs.retry import JITTER, default_backoff
 
@@ -306,7 +306,7 @@ def test_outcomes_of_one_batch_are_each_recorded(app: App, dsn):
     ]
 
 
-# --- the scheduler: leader.schedule_once with a frozen clock ---
+# --- the scheduler: maintenance.schedule_once with a frozen clock ---
 
 
 def _at(dsn: str, queue: str, state: str, run_at: dt.datetime) -> None:
@@ -329,9 +329,9 @@ def test_schedule_once_promotes_due_jobs_and_counts_them_per_queue(dsn):
     _at(dsn, "c", "running", now - second)
 
     with psycopg.connect(dsn, autocommit=True) as conn:
-        assert leader.schedule_once(conn, now) == {"a": 2, "b": 1}
-        assert leader.schedule_once(conn, now) == {}
-        assert leader.schedule_once(conn, now + second) == {"a": 1, "b": 1}
+        assert maintenance.schedule_once(conn, now) == {"a": 2, "b": 1}
+        assert maintenance.schedule_once(conn, now) == {}
+        assert maintenance.schedule_once(conn, now + second) == {"a": 1, "b": 1}
 
     states = [(r["queue"], r["state"]) for r in jobs(dsn)]
     assert states == [
@@ -354,7 +354,7 @@ def test_schedule_once_works_in_batches_until_one_comes_back_short(dsn):
         (now,),
     )
     with psycopg.connect(dsn, autocommit=True) as conn:
-        counts = leader.schedule_once(conn, now, leader.SchedulerConfig(batch=10))
+        counts = maintenance.schedule_once(conn, now, maintenance.SchedulerConfig(batch=10))
     assert counts == {"q0": 12, "q1": 13}
     assert not query(dsn, "SELECT id FROM fastjobs_jobs_all WHERE state <> 'available'")
 
@@ -375,7 +375,7 @@ def test_a_retried_job_runs_again_once_promoted(app: App, dsn):
 
     query(dsn, "UPDATE fastjobs_jobs_all SET run_at = now() - interval '1 second'")  # its time has come
     with psycopg.connect(dsn, autocommit=True) as conn:
-        assert leader.schedule_once(conn) == {"default": 1}
+        assert maintenance.schedule_once(conn) == {"default": 1}
     drain(app, keep_completed=True)
 
     [row] = jobs(dsn)

@@ -1,4 +1,4 @@
-"""The rotating slots of fastjobs_jobs_all (migrations/005_rotation.sql, fastjobs.leader.rotate_once).
+"""The rotating slots of fastjobs_jobs_all (migrations/005_rotation.sql, fastjobs.maintenance.rotate_once).
 
 Jobs due now without a unique key go to the current rotating slot; the
 leader empties the oldest slot by TRUNCATE, which frees its storage whatever
@@ -16,7 +16,7 @@ import psycopg
 import pytest
 
 from fastjobs import App, control, sql
-from fastjobs.leader import SLOTS, RotationConfig, rotate_once
+from fastjobs.maintenance import SLOTS, RotationConfig, rotate_once
 
 from .helpers import run_one_batch, wait_for
 

@@ -21,8 +21,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from fastjobs import App, sql, stats
-from fastjobs.stats import LEADER, WORKER, Slots, shm_dir
+from fastjobs import App, exposition, report, sql, stats
+from fastjobs.scoreboard import Scoreboard, shm_dir
+from fastjobs.stats import LEADER, WORKER
 
 from . import procs
 from .conftest import _create_database, _drop_database
@@ -413,10 +414,11 @@ def test_masters_in_separate_pid_namespaces_sharing_dev_shm_keep_apart(
 # `fastjobs stats` on this host meets these files.
 GARBAGE = """
 import fcntl, json, os, struct, subprocess, sys
-from fastjobs import stats
+from fastjobs import scoreboard, stats
 
-shm = stats.shm_dir()
-valid_header = struct.pack("<IIII", stats.MAGIC, stats.VERSION, 3, 1).ljust(stats.HEADER.size, b"\\0")
+shm = scoreboard.shm_dir()
+header = struct.pack("<IIII", scoreboard.MAGIC, scoreboard.VERSION, 3, 1)
+valid_header = header.ljust(scoreboard.HEADER.size, b"\\0")
 planted = {
     "fastjobs-1-truncated.stats": valid_header,  # a header for 3 slots, and no slots
     "fastjobs-1.stats": valid_header,
@@ -429,7 +431,7 @@ os.mkfifo(shm / "fastjobs-4-fifo.stats")
 os.mkdir(shm / "fastjobs-5-dir.stats")
 # A complete file anyone may read, held by a live "master" (this script), of no database.
 readable = shm / "fastjobs-6-readable.stats"
-readable.write_bytes(valid_header.ljust(stats.HEADER.size + 3 * stats.SLOT * 8, b"\\0"))
+readable.write_bytes(valid_header.ljust(scoreboard.HEADER.size + 3 * stats.CARD_FLOATS * 8, b"\\0"))
 readable.chmod(0o644)
 held = os.open(readable, os.O_RDONLY)
 fcntl.flock(held, fcntl.LOCK_EX)
@@ -450,7 +452,7 @@ def stats_of(*user):
 result = stats_of()
 # Another user's view of the same files (what `fastjobs stats` reads, without its database part).
 listing = (
-    "import json; from fastjobs import stats; found, skipped = stats.live_masters();"
+    "import json; from fastjobs import scoreboard; found, skipped = scoreboard.live_masters();"
     "print(json.dumps([[str(m.path) for m in found], [[str(s.path), s.reason] for s in skipped]]))"
 )
 nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", listing]
@@ -500,7 +502,7 @@ def test_truncated_and_foreign_files_in_dev_shm_are_skipped_with_a_note(tmp_path
 
 
 def test_the_stats_file_is_new_owner_only_and_never_opened_through_a_planted_link(tmp_path: Path) -> None:
-    slots = Slots.create(1)
+    slots = Scoreboard.create(1)
     try:
         info = os.stat(slots.path)
         assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.geteuid()
@@ -516,7 +518,7 @@ def test_the_stats_file_is_new_owner_only_and_never_opened_through_a_planted_lin
         try:
             os.read(ready_r, 1)
             secrets.token_hex = lambda nbytes=None: "deadbeefdeadbeef"
-            Slots.create(2)
+            Scoreboard.create(2)
             code = 0
         except FileExistsError:
             code = 7
@@ -576,15 +578,15 @@ def test_the_leaders_vacuums_are_exported_when_autovacuum_is_off(db: psycopg.Con
         cur.execute(sql.vacuum_jobs)  # the leader's VACUUM
     db.execute("SELECT pg_stat_force_next_flush()")
 
-    def vacuumed() -> stats.Health | None:
-        found = stats.health(db)
+    def vacuumed() -> report.Health | None:
+        found = report.health(db)
         [jobs] = [t for t in found.tables if t.table == "fastjobs_jobs"]
         return found if jobs.last_vacuum is not None else None
 
     found_health = wait_for(vacuumed, "the VACUUM in the statistics")
-    slots = Slots.create(1)
+    slots = Scoreboard.create(1)
     try:
-        text = stats.prometheus(slots, stats.queue_depths(db), found_health)
+        text = exposition.prometheus(slots, report.queue_depths(db), found_health)
     finally:
         slots.close(unlink=True)
     found = samples(text)

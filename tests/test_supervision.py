@@ -22,8 +22,9 @@ import psycopg
 import pytest
 
 from fastjobs import App
-from fastjobs.leader import HEARTBEAT_INTERVAL
-from fastjobs.stats import WORKER, Labels, Slots
+from fastjobs.maintenance import HEARTBEAT_INTERVAL
+from fastjobs.scoreboard import Labels, Scoreboard
+from fastjobs.stats import WORKER
 
 from . import procs
 from .procs import count, runs, wait_for
@@ -446,7 +447,7 @@ def test_a_standalone_worker_stops_gracefully_then_now_on_a_second_signal(
 def test_the_slot_records_the_slow_jobs_running_and_says_when_it_cannot() -> None:
     """More slow jobs running than the slot has room for: no exact report (the master then leaves the
     worker's jobs to the rescuer, as before), until the extra ones end."""
-    slots = Slots.create(1, capacity=2)
+    slots = Scoreboard.create(1, capacity=2)
     try:
         slot = slots[0]
         slot.claim(WORKER, 0)
@@ -471,7 +472,7 @@ def test_the_slot_records_the_slow_jobs_running_and_says_when_it_cannot() -> Non
 
 
 def test_the_run_times_of_slow_jobs_are_kept_for_the_counts_of_the_slot_alone() -> None:
-    slots = Slots.create(1, capacity=2, labels=Labels(["k"], [["default"]]))
+    slots = Scoreboard.create(1, capacity=2, labels=Labels(["k"], [["default"]]))
     try:
         slot = slots[0]
         slot.claim(WORKER, 0)

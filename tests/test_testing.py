@@ -16,8 +16,9 @@ import psycopg
 import pytest
 
 import fastjobs
+from _fastjobs_pytest import load_app
 from fastjobs import App, Cancel, FastjobsError, Retry, Snooze, current_job
-from fastjobs.testing import Drained, databases, load_app
+from fastjobs.testing import Drained, databases
 
 from .helpers import by_state, jobs, query
 

@@ -28,8 +28,7 @@ def rows(dsn: str) -> list[dict[str, Any]]:
 
 async def close_async_pool(app: App) -> None:
     """Close the connections fastjobs pooled for this event loop (App.close leaves them open)."""
-    for conn in app._async_pools.pop(asyncio.get_running_loop(), []):
-        await conn.close()
+    await app._async_pool.aclose()
 
 
 def test_a_duplicate_key_returns_the_pending_jobs_id(app: App, dsn: str) -> None:

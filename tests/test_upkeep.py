@@ -21,26 +21,13 @@ from psycopg.conninfo import make_conninfo
 
 from fastjobs import App
 from fastjobs.abc import BATCH_SECONDS, GUARD_TICK
-from fastjobs.leader import (
-    SLOTS,
-    Leader,
-    LeaderConfig,
-    RotationConfig,
-    Rotator,
-    SchedulerConfig,
-    rotate_once,
-)
+from fastjobs.exposition import prometheus
+from fastjobs.leader import Leader, LeaderConfig
+from fastjobs.maintenance import SLOTS, RotationConfig, Rotator, SchedulerConfig, rotate_once
+from fastjobs.report import upkeep_warnings
+from fastjobs.scoreboard import Scoreboard, database_identity
 from fastjobs.sql import LEADER_LOCK_KEY
-from fastjobs.stats import (
-    LEADER,
-    ROTATION_DEFERRED,
-    ROTATION_OK,
-    ROTATION_PRIVILEGES,
-    Slots,
-    database_identity,
-    prometheus,
-    upkeep_warnings,
-)
+from fastjobs.stats import LEADER, ROTATION_DEFERRED, ROTATION_OK, ROTATION_PRIVILEGES
 from fastjobs.worker import Worker, WorkerConfig
 
 from . import procs
@@ -102,10 +89,10 @@ class Rotations:
 
 class LeaderThread:
     def __init__(self, app: App, config: LeaderConfig) -> None:
-        self.slots = Slots.create(1)
+        self.slots = Scoreboard.create(1)
         self.slot = self.slots[0]
         self.slot.claim(LEADER, 0)
-        self.leader = Leader(app, config, slot=self.slot)
+        self.leader = Leader(app, config, card=self.slot)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -373,7 +360,7 @@ def test_fastjobs_stats_warns_when_the_leading_leader_cannot_rotate(dsn: str) ->
     work, and why, is a warning in its output (and in --json)."""
     with psycopg.connect(dsn) as conn:
         identity = database_identity(conn, dsn)
-    slots = Slots.create(1, identity)
+    slots = Scoreboard.create(1, identity)
     try:
         slot = slots[0]
         slot.claim(LEADER, 0)

@@ -17,8 +17,9 @@ from psycopg.types.json import Jsonb
 
 import fastjobs.worker
 from fastjobs import App, ConfigurationError
-from fastjobs.cli import _parser
-from fastjobs.stats import WORKER, Slots
+from fastjobs.cli.command import _parser
+from fastjobs.scoreboard import Scoreboard
+from fastjobs.stats import WORKER
 from fastjobs.worker import Listener, Worker, WorkerConfig
 
 from .helpers import (
@@ -376,10 +377,12 @@ def test_sync_handler_past_its_timeout_fails_with_job_timeout(app: App, dsn):
     assert time.monotonic() - began < 4.0
     [row] = jobs(dsn)
     assert row["state"] == "retryable"
-    [error] = row["errors"]
-    assert error["error"].startswith("JobTimeout: ")
-    assert "0.2s" in error["error"]
-    assert "spin" in error["traceback"]
+    # One attempt, or two when a loaded drain outlived the backoff (~1 s): each timed out.
+    assert 1 <= len(row["errors"]) <= 2
+    for error in row["errors"]:
+        assert error["error"].startswith("JobTimeout: ")
+        assert "0.2s" in error["error"]
+        assert "spin" in error["traceback"]
 
 
 def test_async_handler_past_its_timeout_fails_with_job_timeout(app: App, dsn):
@@ -620,7 +623,7 @@ def test_listener_check_on_a_healthy_connection(app: App, listener):
 
 def test_the_listener_writes_each_change_of_its_state_to_the_slot(app: App, dsn):
     """What `fastjobs stats` shows: written when it changes, not when the worker next sleeps."""
-    slots = Slots.create(1)
+    slots = Scoreboard.create(1)
     slot = slots[0]
     slot.claim(WORKER, 0)
     made = Listener(dsn, ["default"], slot=slot)

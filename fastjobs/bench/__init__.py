@@ -29,13 +29,14 @@ from psycopg.conninfo import make_conninfo
 
 from .. import database, enqueue, schema, sql
 from ..app import App
+from ..context import current_job
 from ..errors import FastjobsError
-from ..handlers import current_job
 from ..impl import IMPLEMENTATION, core
-from ..leader import CleanerConfig, clean_once
 from ..logs import plural
-from ..master import DEFAULT_CONCURRENCY, Master
-from ..stats import Slots, find
+from ..maintenance import CleanerConfig, clean_once
+from ..master import Master
+from ..scoreboard import Scoreboard, find
+from ..sharding import DEFAULT_CONCURRENCY
 from ..worker import Worker, WorkerConfig
 from . import queries
 
@@ -411,7 +412,7 @@ def _proc_cpu(pid: int) -> float:
 @contextlib.contextmanager
 def master_running(
     make_app: Callable[[], App], processes: int, batch: int, keep: bool = False, fast_lane: bool = True
-) -> Iterator[Slots]:
+) -> Iterator[Scoreboard]:
     """A real `fastjobs run` (master, workers, leader) forked for a benchmark, its workers ready.
 
     Yields the master's shared-memory counters; its stderr is kept aside and
@@ -425,11 +426,11 @@ def master_running(
         config = WorkerConfig(batch_max=batch, keep_completed=keep, fast_lane=fast_lane)
         os._exit(Master(make_app(), processes, queues, worker=config).run())
     try:
-        slots = _await_slots(pid, processes)
+        board = _await_slots(pid, processes)
         try:
-            yield slots
+            yield board
         finally:
-            slots.close()
+            board.close()
     except BaseException:
         log.seek(0)
         sys.stderr.write(log.read().decode(errors="replace"))
@@ -457,10 +458,10 @@ def _master_once(
     counters, so no query competes with the drain.
     """
     _reset(dsn)
-    with master_running(lambda: _bench_app(dsn, middleware), processes, batch, keep, fast_lane) as slots:
+    with master_running(lambda: _bench_app(dsn, middleware), processes, batch, keep, fast_lane) as board:
         _enqueue_noops(dsn, jobs)
         began = time.perf_counter()
-        workers = [slots[i] for i in range(processes)]
+        workers = [board[i] for i in range(processes)]
         next_echo = 0.0
         while (done := sum(w["completed"] for w in workers)) < jobs:
             now = time.perf_counter()
@@ -473,17 +474,17 @@ def _master_once(
     return seconds, cpu
 
 
-def _await_slots(master_pid: int, processes: int, timeout: float = 30.0) -> Slots:
+def _await_slots(master_pid: int, processes: int, timeout: float = 30.0) -> Scoreboard:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         path = find(master_pid)
-        slots = Slots.open(path) if path is not None else None
-        if slots is not None:
+        board = Scoreboard.open(path) if path is not None else None
+        if board is not None:
             if all(
-                slots[i]["role"] and slots[i]["heartbeat"] > slots[i]["started"] for i in range(processes)
+                board[i]["role"] and board[i]["heartbeat"] > board[i]["started"] for i in range(processes)
             ):
-                return slots
-            slots.close()
+                return board
+            board.close()
         if os.waitpid(master_pid, os.WNOHANG)[0]:
             raise FastjobsError("the benchmark's master exited before its workers were ready")
         time.sleep(0.01)

@@ -26,7 +26,7 @@ from typing import Any
 
 import psycopg
 
-from .. import bench, sql, stats
+from .. import bench, report, sql
 from ..app import App
 from ..errors import FastjobsError
 from ..impl import IMPLEMENTATION
@@ -345,7 +345,7 @@ def run_phase(
                 commit_total = pickup.committed.total()
                 bins = [a - b for a, b in zip(total[1:], last[1:], strict=True)]
                 commit_bins = [a - b for a, b in zip(commit_total[1:], last_commit[1:], strict=True)]
-                health = stats.health(watch)
+                health = report.health(watch)
                 # fastjobs_jobs (slot 0) and the rotating slots fastjobs_jobs_1..4: the jobs' partitions.
                 parts = [t for t in health.tables if t.table == "fastjobs_jobs" or _ROTATING.match(t.table)]
                 backlog = watch.execute(queries.bench_available_count).fetchone()[0]  # type: ignore[index]

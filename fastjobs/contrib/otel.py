@@ -39,8 +39,8 @@ from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from ..app import App
+from ..context import JobContext
 from ..errors import Cancel, Snooze
-from ..handlers import JobContext
 from ..middleware import Enqueue
 
 SYSTEM = "fastjobs"

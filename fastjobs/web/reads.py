@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from .. import control, queues, sql, stats
-from ..leader import PeriodicStatus, periodic_status
+from .. import control, queues, report, scoreboard, sql, stats
+from ..maintenance import PeriodicStatus, periodic_status
 from ..planner import fast_queues
 from ..types import JobState
 
@@ -58,8 +58,8 @@ class Overview:
     results_estimate: int
     exact: bool  # every count exact (a small table)
     queues: list[QueueRow]
-    hosts: list[stats.ClusterHost]
-    health: stats.Health
+    hosts: list[report.ClusterHost]
+    health: report.Health
     warnings: list[str]
     sampled_at: list[dt.datetime]  # the times of the charts' points
 
@@ -77,7 +77,7 @@ def depths(conn: psycopg.Connection[Any], rows: int) -> tuple[dict[str, QueueRow
     queues: dict[str, QueueRow] = {}
     with psycopg.RawCursor(conn) as cur:
         if rows < EXACT_BELOW:
-            for d in stats.queue_depths(conn):
+            for d in report.queue_depths(conn):
                 q = queues.setdefault(d.queue, QueueRow(d.queue))
                 q.counts[d.state] = d.count
                 if d.state == "available":
@@ -166,17 +166,17 @@ def overview(conn: psycopg.Connection[Any], dsn: str) -> Overview:
     rows, results = estimate(conn)
     queues, exact = queue_rows(conn, rows)
     times = _charts(conn, queues)
-    hosts = stats.cluster(conn)
-    health = stats.health(conn)
+    hosts = report.cluster(conn)
+    health = report.health(conn)
     warnings = health.warnings() + _upkeep_warnings(conn, dsn)
     if exact:  # job_kinds groups the whole table: only where that is cheap
-        warnings += [u.warning() for u in stats.unhandled_kinds(control.kinds(conn), hosts)]
+        warnings += [u.warning() for u in report.unhandled_kinds(control.kinds(conn), hosts)]
     return Overview(rows, results, exact, [queues[k] for k in sorted(queues)], hosts, health, warnings, times)
 
 
 def _upkeep_warnings(conn: psycopg.Connection[Any], dsn: str) -> list[str]:
-    found, _ = stats.live_masters(stats.database_identity(conn, dsn), remove_stale=False)
-    return stats.upkeep_warnings(p for m in found for p in m.processes)
+    found, _ = scoreboard.live_masters(scoreboard.database_identity(conn, dsn), remove_stale=False)
+    return report.upkeep_warnings(p for m in found for p in m.processes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,13 +287,13 @@ class Engine:
     warnings: list[str]
     current_slot: int
     rotating_bytes: int
-    health: stats.Health
+    health: report.Health
     results_estimate: int
     results: list[dict[str, Any]]
 
 
 def engine(conn: psycopg.Connection[Any], dsn: str) -> Engine:
-    found, _ = stats.live_masters(stats.database_identity(conn, dsn), remove_stale=False)
+    found, _ = scoreboard.live_masters(scoreboard.database_identity(conn, dsn), remove_stale=False)
     now = time.time()
     masters = [
         {
@@ -305,15 +305,15 @@ def engine(conn: psycopg.Connection[Any], dsn: str) -> Engine:
                     "beat_age": now - p["heartbeat"],
                     "listener_age": now - p["listener_ok"],
                     "rotated_age": now - p["rotated_at"] if p["rotated_at"] else None,
-                    "problem": stats.ROTATION_PROBLEMS.get(int(p["rotation_problem"]), ("", ""))[0],
+                    "problem": report.ROTATION_PROBLEMS.get(int(p["rotation_problem"]), ("", ""))[0],
                 }
                 for p in m.processes
             ],
         }
         for m in found
     ]
-    warnings = stats.upkeep_warnings(p for m in found for p in m.processes)
-    health = stats.health(conn)
+    warnings = report.upkeep_warnings(p for m in found for p in m.processes)
+    health = report.health(conn)
     warnings += health.warnings()
     with psycopg.RawCursor(conn) as plain:
         usage = plain.execute(sql.slot_usage).fetchone()

@@ -9,7 +9,9 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import connections
 from django.tasks import DEFAULT_TASK_BACKEND_ALIAS, task_backends
 
-from fastjobs import App, cli, logs
+from fastjobs import App, logs
+from fastjobs.cli.command import add_log_arguments, add_run_arguments, guarded
+from fastjobs.cli.run import run
 
 from ...backend import FastjobsBackend
 
@@ -26,8 +28,8 @@ class Command(BaseCommand):  # type: ignore[misc]  # django has no type informat
             default=DEFAULT_TASK_BACKEND_ALIAS,
             help="the alias in settings.TASKS of a FastjobsBackend (default %(default)s)",
         )
-        cli.add_log_arguments(parser)
-        cli.add_run_arguments(parser)
+        add_log_arguments(parser)
+        add_run_arguments(parser)
 
     def handle(self, *args: Any, **options: Any) -> None:
         backend = task_backends[options["backend"]]
@@ -38,7 +40,7 @@ class Command(BaseCommand):  # type: ignore[misc]  # django has no type informat
             )
         namespace = argparse.Namespace(**options)
         with logs.configured(options["log_level"], options["log_format"]):
-            code = cli.guarded(lambda: cli.run(namespace, lambda: _prepared(backend), backend.queues))
+            code = guarded(lambda: run(namespace, lambda: _prepared(backend), backend.queues))
         if code:
             raise SystemExit(code)
 

@@ -1,0 +1,97 @@
+"""`fastjobs queues`: list the queues, pause and resume one."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Any
+
+from .. import database, queues, schema
+from .jobs import no_such_names
+from .table import Column, echo, safe, table, when
+
+_QUEUES_COLUMNS: list[Column[queues.QueueInfo]] = [
+    Column("queue", lambda q: safe(q.name)),
+    Column("state", lambda q: f"paused since {when(q.paused_at)}" if q.paused_at else "running"),
+    Column("waiting", lambda q: f"{q.waiting:,}", ">"),
+    Column("running", lambda q: f"{q.running:,}", ">"),
+    Column("concurrency", lambda q: "" if q.concurrency is None else f"{q.concurrency:,}", ">"),
+    Column("rate_limit", lambda q: q.rate_limit or "", ">"),
+    Column("max_backlog", lambda q: "" if q.max_backlog is None else f"{q.max_backlog:,}", ">"),
+    Column("held back", lambda q: f"{q.held_back:,}", ">"),
+]
+
+
+def queues_command(args: argparse.Namespace) -> int:
+    dsn = database.resolve_dsn(args.dsn, fallback=True)
+    with database.connect(dsn, autocommit=True) as conn:
+        schema.check(conn)
+        if args.queues_command == "list":
+            found = queues.list_queues(conn)
+            if args.json:
+                echo(json.dumps([dataclasses.asdict(q) for q in found], default=str, indent=2))
+            elif found:
+                table(_QUEUES_COLUMNS, found)
+            else:
+                echo("(no queues: none holds a job or was paused)")
+            return 0
+        name = args.name
+        if name not in {q.name for q in queues.list_queues(conn)}:
+            # Paused or resumed all the same: a queue may be paused before its first job.
+            no_such_names(conn, name, None)
+        if args.queues_command == "limit":
+            limits = {
+                "concurrency": args.concurrency,
+                "rate_limit": args.rate_limit,
+                "max_backlog": args.max_backlog,
+            }
+            doc: dict[str, Any] = {
+                field: value for field, value in limits.items() if value is not queues.UNCHANGED
+            }
+            if not doc:
+                raise ValueError("give --concurrency, --rate-limit, --max-backlog or several")
+            queues.limit(conn, name, **doc)
+            line = f"queue {name!r}: " + ", ".join(
+                f"no {field}"
+                if value is None
+                else f"{field} {value:,}"
+                if isinstance(value, int)
+                else f"{field} {value}"
+                for field, value in doc.items()
+            )
+            doc["queue"] = name
+        elif args.queues_command == "pause":
+            since = queues.pause(conn, name)
+            doc = {"queue": name, "paused": True, "paused_at": since.isoformat()}
+            line = f"queue {name!r}: paused since {when(since)}"
+        else:
+            was = queues.resume(conn, name)
+            doc = {"queue": name, "paused": False, "was_paused": was}
+            line = f"queue {name!r}: " + ("resumed" if was else "was not paused")
+    echo(json.dumps(doc) if args.json else safe(line))
+    return 0
+
+
+def rate(text: str) -> str | None:
+    """An argparse type: a rate limit (N/PERIOD), or none."""
+    if text.lower() == "none":
+        return None
+    try:
+        queues.per_second(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def backlog(text: str) -> int | None:
+    """An argparse type: a positive integer, or none."""
+    if text.lower() == "none":
+        return None
+    try:
+        value = int(text.replace("_", "").replace(",", ""))
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or none, not {text!r}")
+    return value
