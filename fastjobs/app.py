@@ -14,11 +14,12 @@ import select
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeAlias, TypedDict, TypeVar, Unpack, overload
 
 import psycopg
 
-from . import control, database, enqueue, middleware, results, schema, typed
+from . import control, database, enqueue, middleware, results, schema, sql, typed
 from .cron import Cron
 from .enqueue import (
     InsertParams,
@@ -29,7 +30,7 @@ from .enqueue import (
     check_priority,
     check_queue,
 )
-from .errors import UnknownKind
+from .errors import ConfigurationError, UnknownKind
 from .middleware import Enqueue, EnqueueMiddleware, JobMiddleware
 from .results import JobHandle, JobStatus
 from .retry import RetryPolicy
@@ -82,10 +83,19 @@ class App:
     enqueue any other: a typo fails at the call, not 25 attempts later at a
     worker. An App that knows none is a pure producer and enqueues any kind
     (River's insert-only client; Celery's `send_task`).
+
+    `schema` (else FASTJOBS_SCHEMA) keeps fastjobs' tables in a PostgreSQL
+    schema of their own, for a database shared with other applications:
+    `fastjobs migrate --schema NAME` creates it, and every statement names
+    it, enqueues on the caller's connection too (their search_path is left
+    alone). Without one, the tables are found on the session's search_path,
+    `public` by default (docs/operations/schemas.md).
     """
 
-    def __init__(self, dsn: str | None = None) -> None:
+    def __init__(self, dsn: str | None = None, *, schema: str | None = None) -> None:
         self._dsn = dsn
+        # The catalogue of the schema: the statements every enqueue, worker and command sends.
+        self._sql: ModuleType = sql.of(_schema(schema))
         self.jobs: dict[str, JobSpec] = {}
         # Kinds enqueued here whose handlers run elsewhere: never run by this app's workers.
         self.declared: dict[str, JobSpec] = {}
@@ -106,19 +116,35 @@ class App:
             self._dsn = database.resolve_dsn(self._dsn)
         return self._dsn
 
-    def configure(self, *, dsn: str) -> None:
-        """Point the app at another database (`fastjobs --dsn` does, after importing the app).
+    @property
+    def schema(self) -> str | None:
+        """The schema of fastjobs' tables (None: the search_path's)."""
+        schema: str | None = self._sql.SCHEMA
+        return schema
+
+    @property
+    def sql(self) -> ModuleType:
+        """The statements of this app's schema: `fastjobs.sql.of(app.schema)`."""
+        return self._sql
+
+    def configure(self, *, dsn: str | None = None, schema: str | None = None) -> None:
+        """Point the app at another database, or schema (`fastjobs --dsn/--schema` do, after
+        importing the app).
 
         `dsn` takes the place of the one given to the constructor or
-        resolved from the environment. Idle pooled connections to the
+        resolved from the environment, `schema` of its schema. Idle pooled connections to the
         previous database are closed, and those in use at the time are closed
         when given back: nothing enqueued from here on goes there. A Worker
         reads the DSN when it starts: configure before running workers.
         """
-        if not isinstance(dsn, str) or not dsn:
+        if dsn is None and schema is None:
+            raise ValueError("configure takes a dsn, a schema or both")
+        if dsn is not None and (not isinstance(dsn, str) or not dsn):
             raise ValueError(f"dsn must be a non-empty string, not {dsn!r}")
+        catalogue = self._sql if schema is None else sql.of(sql.schema_name(schema))
         self.close()
-        self._dsn = dsn
+        self._dsn = self._dsn if dsn is None else dsn
+        self._sql = catalogue
 
     @overload
     def job(self, kind: Callable[P, R], /) -> Job[P, R]: ...
@@ -358,7 +384,7 @@ class App:
         with self._chain_target(db) as target:
 
             def insert() -> int:
-                return enqueue.insert(target, _with_meta(params, call))
+                return enqueue.insert(target, _with_meta(params, call), self._sql)
 
             job_id = middleware.run_enqueue(self._enqueue_middleware, call, insert)
         if self._testing is not None:
@@ -389,10 +415,10 @@ class App:
     def _insert(self, params: InsertParams, conn: psycopg.Connection[Any] | None) -> int:
         if conn is not None:
             enqueue.check_conn(conn, psycopg.Connection)
-            job_id = enqueue.insert(conn, params)
+            job_id = enqueue.insert(conn, params, self._sql)
         else:
             with self.connection() as own:
-                job_id = enqueue.insert_own(own, params)
+                job_id = enqueue.insert_own(own, params, self._sql)
         if self._testing is not None:
             self._testing.inserted(conn)
         return job_id
@@ -424,7 +450,9 @@ class App:
             with self._chain_target(db) as target:
 
                 def copy() -> int:
-                    return enqueue.copy_many(target, opts, args_iterable, enqueue.dump_meta(call.meta))
+                    return enqueue.copy_many(
+                        target, opts, args_iterable, enqueue.dump_meta(call.meta), self._sql
+                    )
 
                 count = middleware.run_enqueue(self._enqueue_middleware, call, copy)
         if self._testing is not None:
@@ -439,9 +467,9 @@ class App:
         conn: psycopg.Connection[Any] | None,
     ) -> int:
         if conn is not None:
-            return enqueue.copy_many(conn, opts, rows, meta)
+            return enqueue.copy_many(conn, opts, rows, meta, self._sql)
         with self.connection() as own:
-            return enqueue.copy_many(own, opts, rows, meta)
+            return enqueue.copy_many(own, opts, rows, meta, self._sql)
 
     async def enqueue_async(
         self,
@@ -469,7 +497,7 @@ class App:
         async with self._chain_target_async(db) as target:
 
             async def insert() -> int:
-                return await enqueue.insert_async(target, _with_meta(params, call))
+                return await enqueue.insert_async(target, _with_meta(params, call), self._sql)
 
             job_id = await middleware.run_enqueue_async(self._enqueue_middleware_async, call, insert)
         if self._testing is not None:
@@ -479,10 +507,10 @@ class App:
     async def _insert_async(self, params: InsertParams, conn: psycopg.AsyncConnection[Any] | None) -> int:
         if conn is not None:
             enqueue.check_conn(conn, psycopg.AsyncConnection)
-            job_id = await enqueue.insert_async(conn, params)
+            job_id = await enqueue.insert_async(conn, params, self._sql)
         else:
             async with self.connection_async() as own:
-                job_id = await enqueue.insert_async(own, params)
+                job_id = await enqueue.insert_async(own, params, self._sql)
         if self._testing is not None:
             await self._testing.inserted_async(conn)
         return job_id
@@ -509,7 +537,7 @@ class App:
 
                 async def copy() -> int:
                     return await enqueue.copy_many_async(
-                        target, opts, args_iterable, enqueue.dump_meta(call.meta)
+                        target, opts, args_iterable, enqueue.dump_meta(call.meta), self._sql
                     )
 
                 count = await middleware.run_enqueue_async(self._enqueue_middleware_async, call, copy)
@@ -525,9 +553,9 @@ class App:
         conn: psycopg.AsyncConnection[Any] | None,
     ) -> int:
         if conn is not None:
-            return await enqueue.copy_many_async(conn, opts, rows, meta)
+            return await enqueue.copy_many_async(conn, opts, rows, meta, self._sql)
         async with self.connection_async() as own:
-            return await enqueue.copy_many_async(own, opts, rows, meta)
+            return await enqueue.copy_many_async(own, opts, rows, meta, self._sql)
 
     def periodic(
         self,
@@ -564,13 +592,13 @@ class App:
         ("cancelling" is returned). A finished job is left alone and its
         state returned. Raises JobNotFound for an unknown id.
         """
-        with schema.required():
+        with schema.required(self.schema):
             db: psycopg.Connection[Any] | None = enqueue.adapt(conn)
             if db is not None:
                 enqueue.check_conn(db, psycopg.Connection)
-                return control.cancel(db, job_id)
+                return control.cancel(db, job_id, self._sql)
             with self.connection() as own:
-                return control.cancel(own, job_id)
+                return control.cancel(own, job_id, self._sql)
 
     def status(self, job_id: int, *, conn: Conn | None = None) -> JobStatus:
         """What job `job_id` is now, without waiting: from the jobs table, or from the kept results
@@ -578,18 +606,18 @@ class App:
         db: psycopg.Connection[Any] | None = enqueue.adapt(conn)
         if db is not None:
             enqueue.check_conn(db, psycopg.Connection)
-            return results.status(db, job_id)
+            return results.status(db, job_id, self._sql)
         with self.connection() as own:
-            return results.status(own, job_id)
+            return results.status(own, job_id, self._sql)
 
     async def status_async(self, job_id: int, *, conn: AsyncConn | None = None) -> JobStatus:
         """`status` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs')."""
         db: psycopg.AsyncConnection[Any] | None = await enqueue.adapt_async(conn)
         if db is not None:
             enqueue.check_conn(db, psycopg.AsyncConnection)
-            return await results.status_async(db, job_id)
+            return await results.status_async(db, job_id, self._sql)
         async with self.connection_async() as own:
-            return await results.status_async(own, job_id)
+            return await results.status_async(own, job_id, self._sql)
 
     def result(self, job_id: int, timeout: float | None = None) -> Any:
         """The value job `job_id` returned, waiting for it to finish (at most `timeout` seconds).
@@ -602,12 +630,12 @@ class App:
         wait issues no query: it is woken by the notification of its outcome.
         """
         with self.connection() as own:
-            return results.wait(own, job_id, timeout)
+            return results.wait(own, job_id, timeout, self._sql)
 
     async def result_async(self, job_id: int, timeout: float | None = None) -> Any:
         """`result` in an event loop, on one of fastjobs' async connections."""
         async with self.connection_async() as own:
-            return await results.wait_async(own, job_id, timeout)
+            return await results.wait_async(own, job_id, timeout, self._sql)
 
     @contextlib.contextmanager
     def connection(self) -> Iterator[psycopg.Connection[Any]]:
@@ -756,6 +784,19 @@ class Job(Generic[P, R]):
 
     def __repr__(self) -> str:
         return f"<fastjobs.Job {self.kind!r} queue={self.spec.queue!r}>"
+
+
+def _schema(schema: str | None) -> str | None:
+    """The schema an App is given, else FASTJOBS_SCHEMA's (None: neither); checked."""
+    if schema is not None:
+        return sql.schema_name(schema)
+    named = os.environ.get("FASTJOBS_SCHEMA")
+    if not named:
+        return None
+    try:
+        return sql.schema_name(named)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"FASTJOBS_SCHEMA: {exc}") from None
 
 
 def _close_matches(kind: str, known: list[str]) -> list[str]:

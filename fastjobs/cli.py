@@ -322,8 +322,8 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--leader-key",
         type=_int64,
-        default=sql.LEADER_LOCK_KEY,
-        help="advisory lock key of the leader election (pick one your application does not use)",
+        help="advisory lock key of the leader election (pick one your application does not use; default:"
+        " one of fastjobs' own, a schema's own with --schema)",
     )
     run.add_argument(
         "--leader-lease",

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -247,7 +248,10 @@ SLOTS = 4
 
 
 def rotate_once(
-    conn: psycopg.Connection[Any], config: RotationConfig = RotationConfig(), evacuate: bool = False
+    conn: psycopg.Connection[Any],
+    config: RotationConfig = RotationConfig(),
+    evacuate: bool = False,
+    sql: ModuleType = sql,
 ) -> dict[str, int]:
     """Empty the oldest rotating slot and make it the current one (see RotationConfig).
 
@@ -266,13 +270,13 @@ def rotate_once(
         oldest = current % SLOTS + 1
         settled = _move_out(cur, sql.slot_settle, oldest, SETTLE_BATCHES * SETTLE_BATCH, float("inf"))
         counts = {"settled": settled}
-        if _holds_more(cur, oldest, config.max_move):
+        if _holds_more(cur, oldest, config.max_move, sql):
             if not evacuate:
                 return {"deferred": 1, **counts}
             counts["evacuated"] = _move_out(cur, sql.slot_evacuate, oldest, None, config.evacuate_budget)
-            if _holds_more(cur, oldest, config.max_move):
+            if _holds_more(cur, oldest, config.max_move, sql):
                 return {"deferred": 1, **counts}
-        partition = pgsql.Identifier(f"fastjobs_jobs_{oldest}")
+        partition = pgsql.Identifier(*sql.relation(f"fastjobs_jobs_{oldest}"))
         try:
             with conn.transaction():
                 cur.execute(sql.slot_lock_timeout, (f"{max(1, int(config.lock_timeout * 1000))}ms",))
@@ -299,7 +303,7 @@ def _move_out(cur: psycopg.RawCursor[Any], statement: str, slot: int, most: int 
     return moved
 
 
-def _holds_more(cur: psycopg.RawCursor[Any], slot: int, most: int) -> bool:
+def _holds_more(cur: psycopg.RawCursor[Any], slot: int, most: int, sql: ModuleType) -> bool:
     row = cur.execute(sql.slot_rows, (slot, most + 1)).fetchone()
     return row is not None and row[0] > most
 
@@ -321,8 +325,9 @@ class Rotator:
     the time.time() of the last rotation (0: none yet).
     """
 
-    def __init__(self, config: RotationConfig, who: str = "leader") -> None:
+    def __init__(self, config: RotationConfig, who: str = "leader", sql: ModuleType = sql) -> None:
         self.config = config
+        self.sql = sql  # the catalogue of the schema it rotates
         self.who = who
         self.problem = ROTATION_OK
         self.rotated_at = 0.0
@@ -355,7 +360,7 @@ class Rotator:
                 idle = self._idle(conn)
                 if idle is not None:
                     return idle, config.interval
-            result = rotate_once(conn, config, evacuate=evacuate)
+            result = rotate_once(conn, config, evacuate=evacuate, sql=self.sql)
         except psycopg.errors.InsufficientPrivilege:
             self._checked = False  # revoked meanwhile: say which, at the next turn
             self._missed(ROTATION_FAILED, {"failed": 1})
@@ -387,7 +392,7 @@ class Rotator:
         another rotator moved the slot since this one's last turn), None when it should. Not rotating
         then is no problem: the rotation is up to date."""
         with psycopg.RawCursor(conn) as cur:
-            row = cur.execute(sql.slot_usage).fetchone()
+            row = cur.execute(self.sql.slot_usage).fetchone()
         assert row is not None
         current, used = row
         moved = self._slot is not None and current != self._slot
@@ -402,7 +407,7 @@ class Rotator:
     def _check(self, conn: psycopg.Connection[Any]) -> bool:
         """Whether this role may rotate; logs the GRANTs it lacks, as an error, when not."""
         with psycopg.RawCursor(conn) as cur:
-            row = cur.execute(sql.slot_privileges).fetchone()
+            row = cur.execute(self.sql.slot_privileges).fetchone()
         assert row is not None
         lacking, role = row
         if not lacking:
@@ -449,7 +454,10 @@ class PeriodicConfig:
 
 
 def schedule_once(
-    conn: psycopg.Connection[Any], now: dt.datetime | None = None, config: SchedulerConfig = SchedulerConfig()
+    conn: psycopg.Connection[Any],
+    now: dt.datetime | None = None,
+    config: SchedulerConfig = SchedulerConfig(),
+    sql: ModuleType = sql,
 ) -> dict[str, int]:
     """Make due scheduled and retryable jobs available; returns the count per queue."""
     counts: dict[str, int] = {}
@@ -465,7 +473,10 @@ def schedule_once(
 
 
 def rescue_once(
-    conn: psycopg.Connection[Any], now: dt.datetime | None = None, config: RescuerConfig = RescuerConfig()
+    conn: psycopg.Connection[Any],
+    now: dt.datetime | None = None,
+    config: RescuerConfig = RescuerConfig(),
+    sql: ModuleType = sql,
 ) -> dict[str, int]:
     """Return running jobs of dead workers; counts by new state (retryable, discarded)."""
     now = now or _db_now(conn)
@@ -482,7 +493,10 @@ def rescue_once(
 
 
 def clean_once(
-    conn: psycopg.Connection[Any], now: dt.datetime | None = None, config: CleanerConfig = CleanerConfig()
+    conn: psycopg.Connection[Any],
+    now: dt.datetime | None = None,
+    config: CleanerConfig = CleanerConfig(),
+    sql: ModuleType = sql,
 ) -> dict[str, int]:
     """Delete finished jobs past their retention, expired results, and prune silent workers; counts of each.
 
@@ -530,8 +544,9 @@ def periodic_once(
     tick, as cron, River and Oban do: a tick under a minute old runs; an older
     one is not run, and not recorded as if it had been (the moment the kind
     was first seen is, so a tick missed from then on is caught up). With `app`, the enqueue goes through
-    its enqueue middleware.
+    its enqueue middleware, in its schema.
     """
+    statements = sql if app is None else app.sql
     now = now or _db_now(conn)
     done = []
     for spec in specs:
@@ -542,7 +557,7 @@ def periodic_once(
         on_time = now - tick <= PERIODIC_ON_TIME
         first = tick if on_time else first_seen(now)
         with conn.transaction(), psycopg.RawCursor(conn) as cur:
-            taken = cur.execute(sql.periodic_advance, (spec.kind, tick, first)).fetchone()
+            taken = cur.execute(statements.periodic_advance, (spec.kind, tick, first)).fetchone()
             if taken is None or (taken[0] and not on_time):
                 continue
             key = f"periodic:{spec.kind}:{tick.isoformat()}"
@@ -574,7 +589,7 @@ class PeriodicStatus:
 
 
 def periodic_status(
-    conn: psycopg.Connection[Any], specs: list[JobSpec], now: dt.datetime | None = None
+    conn: psycopg.Connection[Any], specs: list[JobSpec], now: dt.datetime | None = None, sql: ModuleType = sql
 ) -> list[PeriodicStatus]:
     """The periodic jobs `specs`, with what fastjobs_periodic records of each, by kind."""
     now = now or _db_now(conn)
@@ -604,7 +619,8 @@ def _db_now(conn: psycopg.Connection[Any]) -> dt.datetime:
 class LeaderConfig:
     """The leader's election and its services' settings."""
 
-    lock_key: int = sql.LEADER_LOCK_KEY
+    # None: the key of the app's schema (sql.LEADER_LOCK_KEY of its catalogue): each schema has a leader.
+    lock_key: int | None = None
     retry_interval: float = 2.0  # how often a non-leader tries the lock
     # A leader speaks on its lock's session at least every lease / 4; a
     # candidate terminates a leader session idle for longer than `lease`
@@ -628,8 +644,11 @@ class LeaderConfig:
 class Vacuumer:
     """VACUUM of the jobs table, from a thread of the leader, while it leads (see VacuumConfig)."""
 
-    def __init__(self, dsn: str, config: VacuumConfig, leading: Callable[[], bool]) -> None:
+    def __init__(
+        self, dsn: str, config: VacuumConfig, leading: Callable[[], bool], sql: ModuleType = sql
+    ) -> None:
         self.dsn = dsn
+        self.sql = sql  # the catalogue of the app's schema
         self.config = config
         self.leading = leading
         self.runs = 0
@@ -665,7 +684,7 @@ class Vacuumer:
                         self._conn = database.connect(self.dsn, autocommit=True)
                     if time.monotonic() >= next_horizon:
                         next_horizon = time.monotonic() + self.config.horizon_interval
-                        for line in health(self._conn).warnings(self.config.horizon_warning):
+                        for line in health(self._conn, self.sql).warnings(self.config.horizon_warning):
                             logger.warning("leader: %s", line)
                     wait = self.vacuum_once(self._conn)
                 except (psycopg.Error, DatabaseUnavailable) as exc:
@@ -685,6 +704,7 @@ class Vacuumer:
         oldest snapshot; while that same snapshot stays open, another would
         scan the whole (growing) table for nothing, taking CPU from the drain.
         """
+        sql = self.sql
         with psycopg.RawCursor(conn) as cur:
             row = cur.execute(sql.jobs_dead_rows).fetchone()
             if row is None or row[0] < self.config.threshold:
@@ -743,7 +763,9 @@ class Leader:
         self.leading = False
         self.periodic = [spec for spec in app.jobs.values() if spec.cron]
         self._due: dict[str, float] = {}
-        self.rotator = Rotator(config.rotation)
+        self.rotator = Rotator(config.rotation, sql=app.sql)
+        # The election's lock: the configured key, else the app's schema's.
+        self.lock_key: int = app.sql.LEADER_LOCK_KEY if config.lock_key is None else config.lock_key
         # Each service's failed turns (an error it raised; the other services still ran that turn).
         self.failures: dict[str, int] = {}
         self._failing: set[str] = set()  # services whose last turn raised
@@ -764,7 +786,7 @@ class Leader:
 
     def run(self) -> None:
         conn: psycopg.Connection[Any] | None = None
-        vacuumer = Vacuumer(self.app.dsn, self.config.vacuum, self._leading_within_lease)
+        vacuumer = Vacuumer(self.app.dsn, self.config.vacuum, self._leading_within_lease, self.app.sql)
         vacuumer.start()
         try:
             while not self._stop:
@@ -791,7 +813,7 @@ class Leader:
             if conn is not None and not conn.closed:
                 if self.leading and not conn.broken:
                     with contextlib.suppress(psycopg.Error), psycopg.RawCursor(conn) as cur:
-                        cur.execute(sql.leader_unlock, (self.config.lock_key,))
+                        cur.execute(sql.leader_unlock, (self.lock_key,))
                 conn.close()
 
     def _leading_within_lease(self) -> bool:
@@ -809,7 +831,7 @@ class Leader:
             conn = database.connect(
                 self.app.dsn, autocommit=True, application_name=LEADER_APPLICATION, **KEEPALIVES
             )
-            schema.check(conn)
+            schema.check(conn, self.app.sql)
             with psycopg.RawCursor(conn) as cur:
                 lease = int(self.config.lease * 1000)
                 cur.execute(
@@ -837,10 +859,15 @@ class Leader:
                 cur.execute(sql.leader_renew)
             self._renewed = time.monotonic()
         config = self.config
+        app = self.app.sql
         services: list[tuple[str, float, Callable[[], Any]]] = [
-            ("rescuer", config.rescuer.interval, lambda: rescue_once(conn, config=config.rescuer)),
-            ("scheduler", config.scheduler.interval, lambda: schedule_once(conn, config=config.scheduler)),
-            ("cleaner", config.cleaner.interval, lambda: clean_once(conn, config=config.cleaner)),
+            ("rescuer", config.rescuer.interval, lambda: rescue_once(conn, config=config.rescuer, sql=app)),
+            (
+                "scheduler",
+                config.scheduler.interval,
+                lambda: schedule_once(conn, config=config.scheduler, sql=app),
+            ),
+            ("cleaner", config.cleaner.interval, lambda: clean_once(conn, config=config.cleaner, sql=app)),
         ]
         if config.rotation.enabled:
             services.append(("rotator", config.rotation.interval, lambda: self.rotator.turn(conn)))
@@ -913,7 +940,7 @@ class Leader:
         deadline = time.monotonic() + wait
         with psycopg.RawCursor(conn) as cur:
             while True:
-                row = cur.execute(sql.leader_try_lock, (self.config.lock_key,)).fetchone()
+                row = cur.execute(sql.leader_try_lock, (self.lock_key,)).fetchone()
                 if row and row[0]:
                     return True
                 if time.monotonic() >= deadline:
@@ -926,7 +953,7 @@ class Leader:
         try:
             with psycopg.RawCursor(conn) as cur:
                 rows = cur.execute(
-                    sql.leader_take_over, (self.config.lock_key, lease, LEADER_APPLICATION)
+                    sql.leader_take_over, (self.lock_key, lease, LEADER_APPLICATION)
                 ).fetchall()
         except psycopg.errors.InsufficientPrivilege as exc:
             # Another role's leader (or a superuser's): only its session's end frees the lock.

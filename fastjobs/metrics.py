@@ -35,6 +35,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
 import psycopg
@@ -64,8 +65,15 @@ class MetricsProcess:
     """The master's handle on its metrics process: start, notice its exit, restart, stop."""
 
     def __init__(
-        self, host: str, port: int, slots: Slots, dsn: str, close_in_child: Sequence[int] = ()
+        self,
+        host: str,
+        port: int,
+        slots: Slots,
+        dsn: str,
+        sql: ModuleType = sql,
+        close_in_child: Sequence[int] = (),
     ) -> None:
+        self.sql = sql  # the catalogue of the app's schema
         self.host = host
         self.port = port
         self.slots = slots
@@ -140,13 +148,13 @@ class MetricsProcess:
             for fd in self.close_in_child + close:
                 os.close(fd)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
-            return _main(self.host, self.port, self.slots, self.dsn, ready)
+            return _main(self.host, self.port, self.slots, self.dsn, ready, self.sql)
 
         self.pid = fork(_SIGNALS, main)
         self.backoff.start()
 
 
-def _main(host: str, port: int, slots: Slots, dsn: str, ready: int | None) -> int:
+def _main(host: str, port: int, slots: Slots, dsn: str, ready: int | None, sql: ModuleType) -> int:
     from setproctitle import setproctitle
 
     setproctitle("fastjobs: metrics")
@@ -162,7 +170,7 @@ def _main(host: str, port: int, slots: Slots, dsn: str, ready: int | None) -> in
     if ready is not None:
         os.write(ready, f"listening {listener.getsockname()[1]}\n".encode())
         os.close(ready)
-    reader = DatabaseReader(dsn)
+    reader = DatabaseReader(dsn, sql)
     serve(listener, lambda: scrape(slots, reader))
     return 0
 
@@ -175,8 +183,9 @@ def listen(host: str, port: int) -> socket.socket:
 class DatabaseReader:
     """The metrics process's one connection to the database, and what it last read."""
 
-    def __init__(self, dsn: str) -> None:
+    def __init__(self, dsn: str, sql: ModuleType = sql) -> None:
         self.dsn = dsn
+        self.sql = sql
         self.conn: psycopg.Connection[Any] | None = None
         self.read_at = -FRESH
         self.last: tuple[list[QueueDepth], Health, list[ClusterHost] | None] | None = None
@@ -194,7 +203,9 @@ class DatabaseReader:
         try:
             if self.conn is None:
                 self.conn = self._connect()
-            result = queue_depths(self.conn), health(self.conn), cluster(self.conn) if hosts else None
+            sql = self.sql
+            hosts_ = cluster(self.conn, sql=sql) if hosts else None
+            result = queue_depths(self.conn, sql), health(self.conn, sql), hosts_
         except (FastjobsError, psycopg.Error) as exc:
             slow = isinstance(exc, psycopg.errors.QueryCanceled | psycopg.errors.LockNotAvailable)
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -224,7 +235,8 @@ class DatabaseReader:
         try:
             with psycopg.RawCursor(conn) as cur:
                 cur.execute(
-                    sql.metrics_session, (f"{LOCK_TIMEOUT * 1000:.0f}", f"{STATEMENT_TIMEOUT * 1000:.0f}")
+                    self.sql.metrics_session,
+                    (f"{LOCK_TIMEOUT * 1000:.0f}", f"{STATEMENT_TIMEOUT * 1000:.0f}"),
                 )
         except BaseException:
             conn.close()

@@ -217,7 +217,8 @@ def migrate(
 
 
 def _in_schema(step: Step, statements: ModuleType) -> Step:
-    """`step` as it runs in the schema of `statements`: its channels the schema's (see the module docstring)."""
+    """`step` as it runs in the schema of `statements`: its channels are the schema's (see the module
+    docstring)."""
     text = step.sql
     for name in ("NOTIFY_CHANNEL", "PING_CHANNEL", "CANCEL_CHANNEL", "RESULT_CHANNEL"):
         text = text.replace(f"'{getattr(sql, name)}'", f"'{getattr(statements, name)}'")

@@ -123,7 +123,7 @@ def _catalogue(schema: str) -> ModuleType:
     spec = importlib.util.find_spec(__name__)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    module.SCHEMA = schema
+    module.__dict__["SCHEMA"] = schema
     spec.loader.exec_module(module)
     return module
 
@@ -142,6 +142,10 @@ _SCHEMA_NAME: Final = "current_schema()" if SCHEMA is None else f"'{SCHEMA}'"
 # catalogue's, since that is where its tables usually are: App() and App(schema="public")
 # on one database are one installation.
 _SUFFIX: Final = "" if SCHEMA in (None, "public") else f".{SCHEMA}"
+
+
+# What a schema's database_identity ends with.
+_IDENTITY: Final = f" || '{_SUFFIX}'" if _SUFFIX else ""
 
 
 def _channel(name: str) -> str:
@@ -1053,7 +1057,8 @@ DELETE FROM {_S}fastjobs_results WHERE id IN (
 worker_prune_many: Final = f"""
 DELETE FROM {_S}fastjobs_workers w
  WHERE w.heartbeat_at < $1
-   AND NOT EXISTS (SELECT 1 FROM {_S}fastjobs_jobs_all j WHERE j.state = 'running' AND j.attempted_by = w.id)"""
+   AND NOT EXISTS (SELECT 1 FROM {_S}fastjobs_jobs_all j
+                    WHERE j.state = 'running' AND j.attempted_by = w.id)"""
 
 # periodic_advance: take tick $2 of periodic kind $1 if no leader has; a row
 # back means enqueue it, and says whether the kind was seen for the first time
@@ -1322,7 +1327,9 @@ _section("Vacuum and rotation")
 # jobs_dead_rows: dead row versions of slot 0, fastjobs_jobs (the rotating
 # slots are truncated, never vacuumed), that the statistics know of (each
 # backend reports within a second or so), for the leader's vacuumer.
-jobs_dead_rows: Final = f"SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = '{_S}fastjobs_jobs'::regclass"
+jobs_dead_rows: Final = (
+    f"SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = '{_S}fastjobs_jobs'::regclass"
+)
 
 # vacuum_jobs: the leader's VACUUM of slot 0 (fastjobs_jobs); it skips a table
 # another VACUUM (autovacuum, say) is working on instead of waiting. It
@@ -1351,7 +1358,8 @@ slot_current: Final = f"SELECT pg_sequence_last_value('{_S}fastjobs_slot')::int"
 slot_usage: Final = f"""
 SELECT pg_sequence_last_value('{_S}fastjobs_slot')::int,
        (pg_total_relation_size('{_S}fastjobs_jobs_1') + pg_total_relation_size('{_S}fastjobs_jobs_2')
-        + pg_total_relation_size('{_S}fastjobs_jobs_3') + pg_total_relation_size('{_S}fastjobs_jobs_4'))::int8"""
+        + pg_total_relation_size('{_S}fastjobs_jobs_3')
+        + pg_total_relation_size('{_S}fastjobs_jobs_4'))::int8"""
 
 # slot_rows: the rows slot $1 still holds, counted up to $2 (a slot holding
 # more waits: a backlog drains oldest first, from the oldest slot).
@@ -1442,14 +1450,15 @@ slot_evacuate: Final = _to_slot_0(moved="evacuated", which="state = 'available'"
 # two (005 copies only fastjobs_jobs's grants, to the parent).
 slot_privileges: Final = f"""
 SELECT array_agg(p.clause ORDER BY p.n) FILTER (WHERE NOT p.held), current_user::text
-  FROM (VALUES (1, 'TRUNCATE ON {_S}fastjobs_jobs_1', has_table_privilege('{_S}fastjobs_jobs_1', 'TRUNCATE')),
-               (2, 'TRUNCATE ON {_S}fastjobs_jobs_2', has_table_privilege('{_S}fastjobs_jobs_2', 'TRUNCATE')),
-               (3, 'TRUNCATE ON {_S}fastjobs_jobs_3', has_table_privilege('{_S}fastjobs_jobs_3', 'TRUNCATE')),
-               (4, 'TRUNCATE ON {_S}fastjobs_jobs_4', has_table_privilege('{_S}fastjobs_jobs_4', 'TRUNCATE')),
-               (5, 'UPDATE ON SEQUENCE {_S}fastjobs_slot', has_sequence_privilege('{_S}fastjobs_slot', 'UPDATE')),
-               (6, 'SELECT ON {_S}fastjobs_jobs_all', has_table_privilege('{_S}fastjobs_jobs_all', 'SELECT')),
-               (7, 'INSERT ON {_S}fastjobs_jobs_all', has_table_privilege('{_S}fastjobs_jobs_all', 'INSERT')),
-               (8, 'DELETE ON {_S}fastjobs_jobs_all', has_table_privilege('{_S}fastjobs_jobs_all', 'DELETE')))
+  FROM (VALUES
+        (1, 'TRUNCATE ON {_S}fastjobs_jobs_1', has_table_privilege('{_S}fastjobs_jobs_1', 'TRUNCATE')),
+        (2, 'TRUNCATE ON {_S}fastjobs_jobs_2', has_table_privilege('{_S}fastjobs_jobs_2', 'TRUNCATE')),
+        (3, 'TRUNCATE ON {_S}fastjobs_jobs_3', has_table_privilege('{_S}fastjobs_jobs_3', 'TRUNCATE')),
+        (4, 'TRUNCATE ON {_S}fastjobs_jobs_4', has_table_privilege('{_S}fastjobs_jobs_4', 'TRUNCATE')),
+        (5, 'UPDATE ON SEQUENCE {_S}fastjobs_slot', has_sequence_privilege('{_S}fastjobs_slot', 'UPDATE')),
+        (6, 'SELECT ON {_S}fastjobs_jobs_all', has_table_privilege('{_S}fastjobs_jobs_all', 'SELECT')),
+        (7, 'INSERT ON {_S}fastjobs_jobs_all', has_table_privilege('{_S}fastjobs_jobs_all', 'INSERT')),
+        (8, 'DELETE ON {_S}fastjobs_jobs_all', has_table_privilege('{_S}fastjobs_jobs_all', 'DELETE')))
        AS p(n, clause, held)"""
 
 # slot_truncate: empty the slot: its storage is freed at commit, whatever snapshot is open.
@@ -1505,9 +1514,10 @@ SELECT relname::text, n_live_tup, n_dead_tup, pg_table_size(relid), pg_indexes_s
 # database_identity: which database this is, nothing secret: the cluster's
 # system identifier and the database's name. A master records it in its
 # shared-memory file so `fastjobs stats` shows only the masters of its own
-# database, however each spelled its DSN.
+# database, however each spelled its DSN; and of its own schema, whose name a
+# schema's identity ends with (as its channels do).
 database_identity: Final = (
-    "SELECT system_identifier::text || '/' || current_database() FROM pg_control_system()"
+    f"SELECT system_identifier::text || '/' || current_database(){_IDENTITY} FROM pg_control_system()"
 )
 
 # metrics_session: the metrics process's connection gives up on a lock and

@@ -38,6 +38,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import psycopg
@@ -362,7 +363,7 @@ def shm_dir() -> Path:
     return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 
 
-def database_identity(conn: psycopg.Connection[Any], dsn: str) -> str:
+def database_identity(conn: psycopg.Connection[Any], dsn: str, sql: ModuleType = sql) -> str:
     """The non-secret identity of the database (sql.database_identity), recorded in the stats file.
 
     A role denied pg_control_system() gets `host:port/dbname` of its DSN instead.
@@ -804,7 +805,9 @@ class ClusterHost:
     kinds: list[dict[str, Any]]  # {queue, kind, and each of OUTCOMES} summed over its workers
 
 
-def cluster(conn: psycopg.Connection[Any], stale_after: float = STALE_AFTER) -> list[ClusterHost]:
+def cluster(
+    conn: psycopg.Connection[Any], stale_after: float = STALE_AFTER, sql: ModuleType = sql
+) -> list[ClusterHost]:
     """Every host with workers registered in this database (from their heartbeats), by host id."""
     with psycopg.RawCursor(conn) as cur:
         rows = cur.execute(sql.worker_list).fetchall()
@@ -889,7 +892,7 @@ class QueueDepth:
     oldest_seconds: float | None
 
 
-def queue_depths(conn: psycopg.Connection[Any]) -> list[QueueDepth]:
+def queue_depths(conn: psycopg.Connection[Any], sql: ModuleType = sql) -> list[QueueDepth]:
     with psycopg.RawCursor(conn) as cur:
         return [QueueDepth(*row) for row in cur.execute(sql.job_stats_by_queue)]
 
@@ -951,7 +954,7 @@ class Health:
         return lines
 
 
-def health(conn: psycopg.Connection[Any]) -> Health:
+def health(conn: psycopg.Connection[Any], sql: ModuleType = sql) -> Health:
     with psycopg.RawCursor(conn) as cur:
         row = cur.execute(sql.mvcc_horizon).fetchone()
         tables = [TableHealth(*r) for r in cur.execute(sql.mvcc_tables)]

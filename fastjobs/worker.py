@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import orjson
@@ -93,8 +94,10 @@ class Control(threading.Thread):
         names: list[tuple[int, str, str]] | None = None,
         rotator: leader.Rotator | None = None,
         handles: list[str] | None = None,
+        sql: ModuleType = sql,
     ) -> None:
         super().__init__(name="fastjobs-control", daemon=True)
+        self.sql = sql  # the statements of the app's schema
         # The kinds this worker has handlers for: the heartbeat carries them, so that `fastjobs
         # stats` can flag pending kinds that no live worker handles.
         self.handles = handles
@@ -140,7 +143,7 @@ class Control(threading.Thread):
                     # Notifications psycopg reads while it executes the
                     # heartbeat are handed here rather than lost.
                     conn.add_notify_handler(lambda n: self._ids([n.payload]))
-                    conn.execute(sql.listen_cancel)
+                    conn.execute(self.sql.listen_cancel)
                     next_beat = 0.0
                 now = time.monotonic()
                 if now >= next_beat:
@@ -189,8 +192,8 @@ class Control(threading.Thread):
 
     def _beat(self, conn: psycopg.Connection[Any]) -> None:
         with psycopg.RawCursor(conn) as cur:
-            cur.execute(sql.worker_heartbeat, (*self.register, self._counters()))
-            requested = {row[0] for row in cur.execute(sql.job_cancel_requested, (self.worker_id,))}
+            cur.execute(self.sql.worker_heartbeat, (*self.register, self._counters()))
+            requested = {row[0] for row in cur.execute(self.sql.job_cancel_requested, (self.worker_id,))}
         # The poll covers whatever was announced; ids no longer running here
         # are dropped (in place: the hot loop holds this set).
         self._heard.clear()
@@ -204,7 +207,7 @@ class Control(threading.Thread):
         rotator = self.rotator
         assert rotator is not None
         with psycopg.RawCursor(conn) as cur:
-            row = cur.execute(sql.leader_try_lock, (sql.LEADER_LOCK_KEY,)).fetchone()
+            row = cur.execute(sql.leader_try_lock, (self.sql.LEADER_LOCK_KEY,)).fetchone()
             if not (row and row[0]):
                 return rotator.config.interval  # a leader, or another worker, rotates
             try:
@@ -217,7 +220,7 @@ class Control(threading.Thread):
                 wait = rotator.config.interval
             finally:
                 if not conn.broken:
-                    cur.execute(sql.leader_unlock, (sql.LEADER_LOCK_KEY,))
+                    cur.execute(sql.leader_unlock, (self.sql.LEADER_LOCK_KEY,))
         # Jitter: the in-process workers of one database try in turn, not in step.
         return wait * random.uniform(0.9, 1.1)
 
@@ -234,7 +237,7 @@ class Control(threading.Thread):
             # The notification goes to every worker; act only on our own running jobs.
             heard, self._heard = self._heard, set()
             with psycopg.RawCursor(conn) as cur:
-                mine = {row[0] for row in cur.execute(sql.job_cancel_requested, (self.worker_id,))}
+                mine = {row[0] for row in cur.execute(self.sql.job_cancel_requested, (self.worker_id,))}
             for job_id in heard & mine:
                 self.executor.cancel(job_id)
 
@@ -244,7 +247,7 @@ class Control(threading.Thread):
                 self._heard.add(int(payload))
 
 
-def _check_sleep_deadline(conn: psycopg.Connection[Any]) -> None:
+def _check_sleep_deadline(conn: psycopg.Connection[Any], sql: ModuleType = sql) -> None:
     """Move the sleep deadline to now (a no-op for the producers): a role that may not move it
     fails at start, with the grant it lacks, rather than at its first idle moment, restarting."""
     try:
@@ -272,9 +275,15 @@ class Listener:
     """
 
     def __init__(
-        self, dsn: str, queues: list[str], wake_fd: int | None = None, slot: Slot | None = None
+        self,
+        dsn: str,
+        queues: list[str],
+        wake_fd: int | None = None,
+        slot: Slot | None = None,
+        sql: ModuleType = sql,
     ) -> None:
         self.dsn = dsn
+        self.sql = sql  # the statements (and channels) of the app's schema
         self.queues = set(queues)
         self.wake_fd = wake_fd
         self.slot = slot
@@ -288,8 +297,8 @@ class Listener:
     def connect(self) -> bool:
         try:
             self.conn = database.connect(self.dsn, autocommit=True)
-            self.conn.execute(sql.listen_jobs)
-            self.conn.execute(sql.listen_ping)
+            self.conn.execute(self.sql.listen_jobs)
+            self.conn.execute(self.sql.listen_ping)
             self.last_check = time.monotonic()
             self.healthy_at = time.time()
             return True
@@ -345,7 +354,7 @@ class Listener:
         hit = pinged = False
         while (n := pgconn.notifies()) is not None:
             payload = n.extra.decode()
-            if n.relname == sql.PING_CHANNEL.encode():
+            if n.relname == self.sql.PING_CHANNEL.encode():
                 pinged = pinged or payload == self.ping
             elif payload in self.queues:
                 hit = True
@@ -359,7 +368,7 @@ class Listener:
         try:
             # Through libpq, not cursor.execute: psycopg would consume the
             # notification the ping triggers before _read could see it.
-            res = self.conn.pgconn.exec_params(sql.listener_ping.encode(), [self.ping.encode()])
+            res = self.conn.pgconn.exec_params(self.sql.listener_ping.encode(), [self.ping.encode()])
             if res.status != psycopg.pq.ExecStatus.TUPLES_OK:
                 raise psycopg.OperationalError(res.error_message.decode(errors="replace"))
             deadline = time.monotonic() + timeout
@@ -605,15 +614,16 @@ class Worker:
 
     def run(self) -> None:
         dsn = self.app.dsn
+        sql = self.app.sql  # the statements of the app's schema
         conn = database.connect(dsn, autocommit=True)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
-        listener = Listener(dsn, self.queues, self._wake_r, self.slot)
+        listener = Listener(dsn, self.queues, self._wake_r, self.slot, sql)
         try:
-            schema.check(conn)
+            schema.check(conn, sql)
             with psycopg.RawCursor(conn) as cur:
                 cur.execute(sql.worker_session)
-            _check_sleep_deadline(conn)
+            _check_sleep_deadline(conn, sql)
             listener.connect()
             register = (self.worker_id, self.host, os.getpid(), self.queues)
             with psycopg.RawCursor(conn) as cur:
@@ -636,6 +646,7 @@ class Worker:
                 counts=self.slot.counts_view() if self.slot is not None else None,
                 full_context=self.app.has_middleware,
                 fast_lane=self.config.fast_lane,
+                sql=sql,
             )
             if self.slot is not None:
                 self.executor.running = self.slot.slow_jobs()
@@ -647,12 +658,21 @@ class Worker:
             names = list(Labels(list(specs), [self.queues]).names(0))
             # Without a master there is no leader: this worker rotates when no other process does.
             rotator = (
-                leader.Rotator(self.config.rotation, who="worker")
+                leader.Rotator(self.config.rotation, who="worker", sql=sql)
                 if self.parent is None and self.config.rotate and self.config.rotation.enabled
                 else None
             )
             control = Control(
-                dsn, self.worker_id, self.executor, register, watch, self.slot, names, rotator, sorted(specs)
+                dsn,
+                self.worker_id,
+                self.executor,
+                register,
+                watch,
+                self.slot,
+                names,
+                rotator,
+                sorted(specs),
+                sql,
             )
             control.start()
             try:
@@ -680,6 +700,7 @@ class Worker:
             os.close(wake_w)
 
     def _loop(self, conn: psycopg.Connection[Any], listener: Listener) -> None:
+        sql = self.app.sql
         loop = self.loop
         assert loop is not None
         slot = self.slot
@@ -719,7 +740,7 @@ class Worker:
                     continue
                 if now >= next_schedule:
                     next_schedule = now + config.poll_interval
-                    if leader.schedule_once(conn):
+                    if leader.schedule_once(conn, sql=sql):
                         continue
                 if self.exit_when_empty and loop.recheck == float("inf"):
                     break
