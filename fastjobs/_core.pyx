@@ -440,7 +440,7 @@ cdef class BatchLoop:
     def __init__(self, conn, dict specs, executor, str worker_id, list queues, bint keep_completed=False,
                  Py_ssize_t batch_min=1, Py_ssize_t batch_max=1000, bint overlap=True, progress=None,
                  double full_claim_duty=FULL_CLAIM_DUTY, running=None, counts=None,
-                 bint full_context=False, bint fast_lane=False, sql=sql):  # no-cython-lint: the module by default
+                 bint full_context=False, bint fast_lane=False, sql=sql):  # no-cython-lint: module default
         self._conn = conn
         self._catalogue = sql  # the statements of the app's schema
         self._pgconn = <PGconn *><size_t>conn.pgconn.pgconn_ptr

@@ -30,7 +30,7 @@ from .enqueue import (
     check_priority,
     check_queue,
 )
-from .errors import ConfigurationError, UnknownKind
+from .errors import UnknownKind
 from .middleware import Enqueue, EnqueueMiddleware, JobMiddleware
 from .results import JobHandle, JobStatus
 from .retry import RetryPolicy
@@ -95,7 +95,7 @@ class App:
     def __init__(self, dsn: str | None = None, *, schema: str | None = None) -> None:
         self._dsn = dsn
         # The catalogue of the schema: the statements every enqueue, worker and command sends.
-        self._sql: ModuleType = sql.of(_schema(schema))
+        self._sql: ModuleType = sql.of(database.resolve_schema(schema))
         self.jobs: dict[str, JobSpec] = {}
         # Kinds enqueued here whose handlers run elsewhere: never run by this app's workers.
         self.declared: dict[str, JobSpec] = {}
@@ -784,19 +784,6 @@ class Job(Generic[P, R]):
 
     def __repr__(self) -> str:
         return f"<fastjobs.Job {self.kind!r} queue={self.spec.queue!r}>"
-
-
-def _schema(schema: str | None) -> str | None:
-    """The schema an App is given, else FASTJOBS_SCHEMA's (None: neither); checked."""
-    if schema is not None:
-        return sql.schema_name(schema)
-    named = os.environ.get("FASTJOBS_SCHEMA")
-    if not named:
-        return None
-    try:
-        return sql.schema_name(named)
-    except ConfigurationError as exc:
-        raise ConfigurationError(f"FASTJOBS_SCHEMA: {exc}") from None
 
 
 def _close_matches(kind: str, known: list[str]) -> list[str]:

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Generic, TypeVar
 
 from . import control, database, logs, schema, sql, stats
@@ -86,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
         help="PostgreSQL URL, or 'embedded' (default: FASTJOBS_DSN, DATABASE_URL; migrate, stats, jobs"
         " and bench fall back on the embedded PostgreSQL, warning)",
     )
+    parser.add_argument("--schema", help=_SCHEMA_HELP)
     add_log_arguments(parser)
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -276,7 +278,24 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="append one JSON line per measurement to PATH (default: no file is written)",
     )
+    _schema_everywhere(commands)
     return parser
+
+
+_SCHEMA_HELP = (
+    "the PostgreSQL schema of fastjobs' tables, for a database shared with other applications (default:"
+    " FASTJOBS_SCHEMA, else none: the search_path's); given before or after the command"
+)
+
+
+def _schema_everywhere(commands: Any) -> None:
+    """--schema after any command too (`fastjobs migrate --schema jobs`), as before it."""
+    for command in commands.choices.values():
+        nested = [a for a in command._actions if isinstance(a, argparse._SubParsersAction)]
+        if nested:
+            _schema_everywhere(nested[0])
+        else:
+            command.add_argument("--schema", default=argparse.SUPPRESS, help=_SCHEMA_HELP)
 
 
 def add_log_arguments(parser: argparse.ArgumentParser) -> None:
@@ -411,15 +430,15 @@ def _command(args: argparse.Namespace) -> int:
     if args.command == "bench":
         return _bench(args)
     if args.command == "sql":
-        return _sql_show(args.name)
+        return _sql_show(args.name, database.resolve_schema(args.schema))
     return 2
 
 
-def load_app(target: str, dsn: str | None = None) -> App:
+def load_app(target: str, dsn: str | None = None, schema: str | None = None) -> App:
     """Import `module` or `module:attr` and return its App; a clear error otherwise.
 
     With `dsn` (`fastjobs --dsn`), the App is pointed at that database
-    (`App.configure`), whatever its own DSN.
+    (`App.configure`), whatever its own DSN; with `schema` (`--schema`), at that schema.
     """
     module_name, _, attr = target.partition(":")
     sys.path.insert(0, os.getcwd())
@@ -443,13 +462,13 @@ def load_app(target: str, dsn: str | None = None) -> App:
                 f" name one as {module_name}:attribute"
             )
         app = apps[0]
-    if dsn:
-        app.configure(dsn=dsn)
+    if dsn or schema:
+        app.configure(dsn=dsn or None, schema=schema)
     return app
 
 
 def _run(args: argparse.Namespace) -> int:
-    return run(args, lambda: load_app(args.module, args.dsn))
+    return run(args, lambda: load_app(args.module, args.dsn, args.schema))
 
 
 def run(args: argparse.Namespace, load: Callable[[], App], queues: Iterable[str] = ()) -> int:
@@ -489,13 +508,14 @@ def run(args: argparse.Namespace, load: Callable[[], App], queues: Iterable[str]
 
 def _jobs(args: argparse.Namespace) -> int:
     dsn = database.resolve_dsn(args.dsn, fallback=True)
+    statements = sql.of(database.resolve_schema(args.schema))
     with database.connect(dsn, autocommit=True) as conn:
-        schema.check(conn)
+        schema.check(conn, statements)
         command = args.jobs_command
         if command == "list":
             # One row more than asked says whether the listing was cut.
             rows = control.list_jobs(
-                conn, queue=args.queue, state=args.state, kind=args.kind, limit=args.limit + 1
+                conn, queue=args.queue, state=args.state, kind=args.kind, limit=args.limit + 1, sql=statements
             )
             more, rows = len(rows) > args.limit, rows[: args.limit]
             if args.json:
@@ -505,10 +525,10 @@ def _jobs(args: argparse.Namespace) -> int:
             if more:
                 logger.info("the newest %d shown, and there are more: --limit N for more", args.limit)
             elif not rows and (args.kind or args.queue):
-                _no_such_names(conn, args.queue, args.kind)
+                _no_such_names(conn, args.queue, args.kind, statements)
             return 0
         if command == "show":
-            job = control.show(conn, args.id)
+            job = control.show(conn, args.id, statements)
             if args.json:
                 _echo(json.dumps(job, default=str, indent=2))
                 return 0
@@ -532,17 +552,18 @@ def _jobs(args: argparse.Namespace) -> int:
                 " --older-than), " + ("not both" if filtered else "and was given neither")
             )
         if filtered:
-            return _act_on_filtered(conn, args)
+            return _act_on_filtered(conn, args, statements)
         # Each job is done and reported on its own; one that cannot be is logged and makes the exit 1.
         failed = False
         for job_id in args.id:
             try:
                 if command == "retry":
-                    retried = control.retry(conn, job_id)
+                    retried = control.retry(conn, job_id, statements)
                     doc: dict[str, Any] = dataclasses.asdict(retried)
                     line = retried.describe()
                 else:
-                    state = {"cancel": control.cancel, "discard": control.discard}[command](conn, job_id)
+                    act = {"cancel": control.cancel, "discard": control.discard}[command]
+                    state = act(conn, job_id, statements)
                     doc, line = {"id": job_id, "state": state}, f"job {job_id}: {state}"
             except (FastjobsError, ValueError) as exc:
                 logger.error("%s", exc)
@@ -558,14 +579,14 @@ def _close(name: str, known: Iterable[str]) -> str:
     return f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
 
 
-def _no_such_names(conn: Any, queue: str | None, kind: str | None) -> None:
+def _no_such_names(conn: Any, queue: str | None, kind: str | None, statements: ModuleType = sql) -> None:
     """After a listing came back empty: warn about a --queue or --kind that names nothing known.
 
     Known are the queues and kinds of the jobs table and those live workers
     serve and handle (their heartbeats).
     """
-    rows = control.kinds(conn)
-    workers = [w for h in stats.cluster(conn) for w in h.workers if not w.stale]
+    rows = control.kinds(conn, statements)
+    workers = [w for h in stats.cluster(conn, sql=statements) for w in h.workers if not w.stale]
     queues = {q for q, _, _ in rows} | {q for w in workers for q in w.queues}
     kinds = {k for _, k, _ in rows} | {k for w in workers for k in w.counters.get("handles", [])}
     if queue is not None and queue not in queues:
@@ -579,7 +600,7 @@ def _no_such_names(conn: Any, queue: str | None, kind: str | None) -> None:
         logger.warning("no kind %r: no job has it and no live worker handles it%s", kind, hint)
 
 
-def _act_on_filtered(conn: Any, args: argparse.Namespace) -> int:
+def _act_on_filtered(conn: Any, args: argparse.Namespace, statements: ModuleType = sql) -> int:
     """`fastjobs jobs retry|cancel|discard` by filter: count, confirm, then act on those jobs one by one.
 
     Each job goes through the single-id path (its statement, and the look again
@@ -588,7 +609,9 @@ def _act_on_filtered(conn: Any, args: argparse.Namespace) -> int:
     """
     command = args.jobs_command
     states = {args.state} if args.state else _ACTS_ON[command]
-    ids = control.select(conn, states, queue=args.queue, kind=args.kind, older_than=args.older_than)
+    ids = control.select(
+        conn, states, queue=args.queue, kind=args.kind, older_than=args.older_than, sql=statements
+    )
     what = ", ".join(
         f"{name} {value}"
         for name, value in (
@@ -605,7 +628,7 @@ def _act_on_filtered(conn: Any, args: argparse.Namespace) -> int:
     if not ids:
         logger.info("no job matches (%s): nothing to %s", what, command)
         if args.queue or args.kind:
-            _no_such_names(conn, args.queue, args.kind)
+            _no_such_names(conn, args.queue, args.kind, statements)
         return 0
     if not args.yes and not _confirm(f"{command} {logs.plural(len(ids), 'job')} ({what})? [y/N] "):
         logger.info("nothing done")
@@ -615,11 +638,12 @@ def _act_on_filtered(conn: Any, args: argparse.Namespace) -> int:
     for index, job_id in enumerate(ids, 1):
         try:
             if command == "retry":
-                retried = control.retry(conn, job_id)
+                retried = control.retry(conn, job_id, statements)
                 doc: dict[str, Any] = dataclasses.asdict(retried)
                 state = retried.state if retried.attempt is not None else f"left {retried.state}"
             else:
-                state = {"cancel": control.cancel, "discard": control.discard}[command](conn, job_id)
+                act = {"cancel": control.cancel, "discard": control.discard}[command]
+                state = act(conn, job_id, statements)
                 doc = {"id": job_id, "state": state}
         except (FastjobsError, ValueError) as exc:  # running now, finished meanwhile, a unique key held
             logger.warning("%s", exc)
@@ -674,10 +698,10 @@ def _periodic_spec(app: App, module: str, name: str) -> JobSpec:
 
 
 def _periodic(args: argparse.Namespace) -> int:
-    app = load_app(args.module, args.dsn)
+    app = load_app(args.module, args.dsn, args.schema)
     try:
         with database.connect(app.dsn, autocommit=True) as conn:
-            schema.check(conn)
+            schema.check(conn, app.sql)
             if args.periodic_command == "run":
                 spec = _periodic_spec(app, args.module, args.kind)
                 job_id = app.enqueue(spec.kind, conn=conn)
@@ -688,7 +712,7 @@ def _periodic(args: argparse.Namespace) -> int:
                         f"job {job_id}: {spec.kind} enqueued on queue {spec.queue}; its schedule is as it was"
                     )
                 return 0
-            found = periodic_status(conn, [s for s in app.jobs.values() if s.cron])
+            found = periodic_status(conn, [s for s in app.jobs.values() if s.cron], sql=app.sql)
     finally:
         app.close()
     if args.json:
@@ -825,13 +849,14 @@ def _process_json(p: dict[str, float]) -> dict[str, Any]:
 
 def _stats(args: argparse.Namespace) -> int:
     dsn = database.resolve_dsn(args.dsn, fallback=True)
+    statements = sql.of(database.resolve_schema(args.schema))
     with database.connect(dsn, autocommit=True) as conn:
-        schema.check(conn)
-        depths = stats.queue_depths(conn)
-        health = stats.health(conn)
-        identity = stats.database_identity(conn, dsn)
-        hosts = stats.cluster(conn)
-        unhandled = stats.unhandled_kinds(control.kinds(conn), hosts)
+        schema.check(conn, statements)
+        depths = stats.queue_depths(conn, statements)
+        health = stats.health(conn, statements)
+        identity = stats.database_identity(conn, dsn, statements)
+        hosts = stats.cluster(conn, sql=statements)
+        unhandled = stats.unhandled_kinds(control.kinds(conn, statements), hosts)
     warnings = health.warnings(args.horizon_warning) + [u.warning() for u in unhandled]
     found, skipped = stats.live_masters(None if args.all_masters else identity)
     for skip in skipped:
@@ -1038,17 +1063,18 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sql_show(name: str | None) -> int:
+def _sql_show(name: str | None, schema_name: str | None = None) -> int:
     """Statement `name` as it is sent (its text, the leading newline of its literal aside; the three
     that name a table or an index, `{partition}` or `{index}`, have it filled in by psycopg.sql);
-    without a name, the names by section of fastjobs.sql (a family's members are one). No database."""
+    without a name, the names by section of fastjobs.sql (a family's members are one). No database.
+    With `schema_name` (--schema), as that schema's catalogue sends it."""
     if name is None:
         for title, names in sql.SECTIONS.items():
             _echo(title)
             for statement in names:
                 _echo(f"  {statement}")
         return 0
-    text = sql.STATEMENTS.get(name)
+    text = sql.of(schema_name).STATEMENTS.get(name)
     if text is None:
         hint = _close(name, sql.STATEMENTS) or "; `fastjobs sql show` lists them"
         raise ValueError(f"no statement named {name!r}{hint}")
@@ -1057,13 +1083,16 @@ def _sql_show(name: str | None) -> int:
 
 
 def _migrate(args: argparse.Namespace) -> int:
+    named = database.resolve_schema(args.schema)
     if args.sql:
-        sys.stdout.write(schema.script(args.since, args.lock_timeout))
+        sys.stdout.write(schema.script(args.since, args.lock_timeout, named))
         return 0
     dsn = database.resolve_dsn(args.dsn, fallback=True)
     with database.connect(dsn, application_name=schema.APPLICATION) as conn:
-        applied = schema.migrate(conn, dsn=dsn, lock_timeout=args.lock_timeout, retries=args.lock_retries)
-    where = database.describe(dsn)
+        applied = schema.migrate(
+            conn, dsn=dsn, lock_timeout=args.lock_timeout, retries=args.lock_retries, schema=named
+        )
+    where = database.describe(dsn) + ("" if named is None else f", schema {named}")
     if not applied:
         _echo(f"fastjobs: schema at {where} is up to date")
     for m in applied:
