@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from psycopg import sql as pgsql
 
 from fastjobs import App, leader, schema, sql
 from fastjobs.cli import main
@@ -134,6 +135,29 @@ def test_the_default_catalogue_names_nothing_and_a_schemas_names_everything_in_i
     public = sql.of("public")
     assert (public.NOTIFY_CHANNEL, public.LEADER_LOCK_KEY) == (sql.NOTIFY_CHANNEL, sql.LEADER_LOCK_KEY)
     assert 'INSERT INTO "public".fastjobs_jobs_all' in public.job_insert_now
+
+
+def test_every_statement_of_a_schemas_catalogue_prepares_against_it(dsn: str, schemas) -> None:
+    """As tests/test_sql.py proves the default catalogue: each statement of B's (a name that must be
+    quoted) prepares against B, on a session whose search_path finds no fastjobs table."""
+    catalogue = sql.of(B)
+    with psycopg.connect(dsn, autocommit=True) as conn, psycopg.RawCursor(conn) as cur:
+        cur.execute("SET search_path TO pg_catalog")
+        cur.execute(catalogue.job_stage_create)  # the staging statements refer to the session's temp table
+        for name in sorted(set(catalogue.STATEMENTS) - catalogue.NOT_PREPARABLE):
+            cur.execute(f"PREPARE {name} AS {catalogue.STATEMENTS[name]}")
+        names = {row[0] for row in cur.execute("SELECT name FROM pg_prepared_statements")}
+        # And those PREPARE cannot take, run as they are sent.
+        for name in ("vacuum_jobs", "listen_jobs", "listen_cancel", "unlisten_result", "job_stage_clear"):
+            cur.execute(catalogue.STATEMENTS[name])
+        for name in ("job_copy", "job_copy_at", "job_copy_staged"):
+            with cur.copy(catalogue.STATEMENTS[name]):
+                pass  # no rows: the statement is accepted, the table found
+        with conn.transaction():
+            partition = pgsql.Identifier(*catalogue.relation("fastjobs_jobs_1"))
+            cur.execute(pgsql.SQL(catalogue.slot_lock).format(partition=partition))
+            cur.execute(pgsql.SQL(catalogue.slot_truncate).format(partition=partition))
+    assert names == set(catalogue.STATEMENTS) - catalogue.NOT_PREPARABLE
 
 
 def test_sql_show_prints_a_schemas_statement(capsys) -> None:
