@@ -137,7 +137,9 @@ def test_the_default_catalogue_names_nothing_and_a_schemas_names_everything_in_i
     assert 'INSERT INTO "public".fastjobs_jobs_all' in public.job_insert_now
 
 
-def test_every_statement_of_a_schemas_catalogue_prepares_against_it(dsn: str, schemas) -> None:
+def test_every_statement_of_a_schemas_catalogue_prepares_against_it(
+    dsn: str, schemas: tuple[App, App]
+) -> None:
     """As tests/test_sql.py proves the default catalogue: each statement of B's (a name that must be
     quoted) prepares against B, on a session whose search_path finds no fastjobs table."""
     catalogue = sql.of(B)
@@ -214,7 +216,9 @@ def test_migrate_creates_the_schema_and_puts_every_object_in_it(
 # -- enqueue
 
 
-def test_enqueue_in_a_schema_on_every_path_leaves_the_callers_search_path_alone(dsn: str, schemas) -> None:
+def test_enqueue_in_a_schema_on_every_path_leaves_the_callers_search_path_alone(
+    dsn: str, schemas: tuple[App, App]
+) -> None:
     app, _ = schemas
 
     @app.job("hello")
@@ -230,10 +234,10 @@ def test_enqueue_in_a_schema_on_every_path_leaves_the_callers_search_path_alone(
     with psycopg.connect(dsn) as conn:
         conn.execute("SET search_path TO pg_catalog")  # where no fastjobs table is
         with conn.transaction():
-            hello.enqueue(n=8, conn=conn)
+            hello.using(conn).enqueue(n=8)
             assert keyed.enqueue_many([{"n": 3}], conn=conn) == 1
         with pytest.raises(RuntimeError), conn.transaction():
-            hello.enqueue(n=9, conn=conn)
+            hello.using(conn).enqueue(n=9)
             raise RuntimeError("rolled back")  # nothing of it is kept
         assert conn.execute("SHOW search_path").fetchone() == ("pg_catalog",)
 
@@ -241,7 +245,7 @@ def test_enqueue_in_a_schema_on_every_path_leaves_the_callers_search_path_alone(
         async with await psycopg.AsyncConnection.connect(dsn) as conn:
             await conn.execute("SET search_path TO pg_catalog")
             async with conn.transaction():
-                await hello.enqueue_async(n=10, conn=conn)
+                await hello.using(conn).enqueue_async(n=10)
                 await hello.enqueue_many_async([{"n": 11}], conn=conn)
             assert await (await conn.execute("SHOW search_path")).fetchone() == ("pg_catalog",)
         await hello.enqueue_async(n=12)
@@ -280,7 +284,9 @@ def test_an_enqueue_into_a_schema_not_migrated_says_to_migrate_it(dsn: str) -> N
     assert result.returncode == 3 and "fastjobs migrate --schema nowhere" in result.stderr
 
 
-def test_fastjobs_schema_is_the_default_and_configure_changes_it(dsn: str, schemas, monkeypatch) -> None:
+def test_fastjobs_schema_is_the_default_and_configure_changes_it(
+    dsn: str, schemas: tuple[App, App], monkeypatch
+) -> None:
     monkeypatch.setenv("FASTJOBS_SCHEMA", B)
     app = App(dsn)
     try:
@@ -297,7 +303,9 @@ def test_fastjobs_schema_is_the_default_and_configure_changes_it(dsn: str, schem
 # -- running, results, cancel, periodic, rotation, stats
 
 
-def test_a_worker_results_cancel_periodic_and_rotation_in_a_schema(dsn: str, schemas) -> None:
+def test_a_worker_results_cancel_periodic_and_rotation_in_a_schema(
+    dsn: str, schemas: tuple[App, App]
+) -> None:
     app, other = schemas
     started = threading.Event()
 
@@ -364,7 +372,9 @@ def test_a_worker_results_cancel_periodic_and_rotation_in_a_schema(dsn: str, sch
     assert {job["kind"] for job in json.loads(listed.stdout)} == {"tick", "wait"}  # the cancelled one kept
 
 
-def test_two_schemas_run_side_by_side_and_never_meet(dsn: str, schemas, masters: procs.Masters) -> None:
+def test_two_schemas_run_side_by_side_and_never_meet(
+    dsn: str, schemas: tuple[App, App], masters: procs.Masters
+) -> None:
     """Two `fastjobs run` of one database, schemas A and B, at once: each runs its own jobs once, has
     its leader, and hears none of the other's wake-ups, cancels or results."""
     app_a, app_b = schemas
