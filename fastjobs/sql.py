@@ -21,6 +21,13 @@ jobs every claim, lock and finish takes), finishes (`_outcomes`, a batch's
 outcomes on either lane), state reports (`_IN_FLIGHT`), crashes charged
 (`_crashed`) and the rotation's moves (`_to_slot_0`).
 
+A schema of fastjobs' own (App(schema=...)) has a catalogue of its own,
+`of(schema)`: this module's source evaluated once more for that schema (see
+SCHEMA), every name of fastjobs' objects qualified and quoted through `_S`,
+its channels and leader key its own. `fastjobs sql show NAME --schema S`
+prints one of its statements; the code takes its statements from the App's
+catalogue (`app.sql`, the `sql=` parameter of the functions that send them).
+
 Adding a variant is one edit: the line that names it. A family grows a
 dimension in one place: the claims' variants are `_Choice`s, which every
 claim, lock and finish reads, so flow control's limit, say, is a field of
