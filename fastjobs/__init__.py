@@ -15,6 +15,7 @@ from .errors import (
     JobNotFound,
     JobTimeout,
     LoopError,
+    QueueFull,
     Retry,
     SchemaMissing,
     SchemaTooNew,
@@ -23,6 +24,7 @@ from .errors import (
 )
 from .handlers import JobContext, current_job
 from .middleware import Enqueue
+from .queues import QueueInfo
 from .results import JobHandle, JobStatus
 from .retry import default_backoff
 from .types import JobSpec, JobState
@@ -52,6 +54,8 @@ __all__ = [
     "JobStatus",
     "JobTimeout",
     "LoopError",
+    "QueueFull",
+    "QueueInfo",
     "Retry",
     "SchemaMissing",
     "SchemaTooNew",

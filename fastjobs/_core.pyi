@@ -6,6 +6,7 @@ from typing import Any
 import psycopg
 
 from .handlers import Executor
+from .planner import Planner
 from .types import JobSpec
 
 IMPLEMENTATION: str
@@ -29,12 +30,16 @@ class BatchLoop:
     discarded: int
     stale: int
     fast: int
-    size: int
     batch_min: int
     batch_max: int
     overlap: bool
     stopping: bool
-    recheck: float
+    @property
+    def planner(self) -> Planner: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def recheck(self) -> float: ...
     def __init__(
         self,
         conn: psycopg.Connection[Any],

@@ -22,12 +22,11 @@ import threading
 import orjson
 
 from fastjobs import guard, handlers, sql, stats
-from fastjobs.abc import (BATCH_SECONDS, BUCKETS_NS, COMPLETED, DEEP_CLAIM, FAST_LANE_DEMOTE,
-                          FULL_CLAIM_DUTY, FULL_CLAIM_MAX_WAIT, HAND_BACK_AFTER, KEEPING_CLAIMS,
-                          INT64_MAX, MARK_RUN_AT_MAX, MARK_RUN_AT_MIN, OBSERVED_MAX_NS, PG_EPOCH_US,
-                          PICKUP_SUM, ROW, RUN_SUM, SIZE_DECAY)
+from fastjobs.abc import (BUCKETS_NS, COMPLETED, FULL_CLAIM_DUTY, HAND_BACK_AFTER, INT64_MAX,
+                          OBSERVED_MAX_NS, PG_EPOCH_US, PICKUP_SUM, ROW, RUN_SUM)
 from fastjobs.args import dump_args as _dump_args_checked
 from fastjobs.errors import LoopError
+from fastjobs.planner import Planner, fast_queues
 
 
 cdef extern from "libpq-fe.h" nogil:
@@ -77,7 +76,6 @@ cdef extern from "<endian.h>" nogil:
 
 IMPLEMENTATION = "c"
 
-cdef double _BATCH_SECONDS = BATCH_SECONDS
 # The slot's int64 fields the loop writes (fastjobs.stats.RUNNING_*), as C constants.
 cdef enum:
     _RUNNING_JOB = 0
@@ -85,14 +83,7 @@ cdef enum:
     _RUNNING_SUSPECT = 2
 if (stats.RUNNING_JOB, stats.RUNNING_WRITING, stats.RUNNING_SUSPECT) != (0, 1, 2):
     raise ImportError("fastjobs.stats.RUNNING_* changed: rebuild _core with them")
-cdef double _FULL_CLAIM_MAX_WAIT = FULL_CLAIM_MAX_WAIT
-cdef Py_ssize_t _SIZE_DECAY = SIZE_DECAY
-cdef Py_ssize_t _DEEP_CLAIM = DEEP_CLAIM
-cdef double _FAST_LANE_DEMOTE = FAST_LANE_DEMOTE
 cdef double _HAND_BACK_AFTER = HAND_BACK_AFTER
-cdef int _KEEPING_CLAIMS = KEEPING_CLAIMS
-cdef int64_t _MARK_RUN_AT_MIN = MARK_RUN_AT_MIN
-cdef int64_t _MARK_RUN_AT_MAX = MARK_RUN_AT_MAX
 cdef double _INF = float("inf")
 cdef object _dumps = orjson.dumps
 cdef object _loads = orjson.loads
@@ -328,30 +319,17 @@ cdef class BatchLoop:
     cdef object _executor
     cdef bytes _worker_id
     cdef list _queues
-    cdef Py_ssize_t _turn
+    # The per-batch decisions (fastjobs.planner): which queue, lane, size, from where.
+    cdef readonly object planner
     cdef bytes _statement, _after_statement
     cdef bytes _sql, _after_sql
-    # The _results variants, and how many claims more outcomes go by them (see the reference).
+    # The _results variants: outcomes go by them while the planner's keeping is set.
     cdef bytes _kept_statement, _kept_after_statement
     cdef bytes _kept_sql, _kept_after_sql
-    cdef int _keeping
-    # Per queue: where its last claim ended, (priority, run_at in binary
-    # timestamptz microseconds) or None, and when a claim from the front is
-    # due again (see FULL_CLAIM_DUTY in the reference).
-    cdef list _marks
-    cdef list _next_full
-    cdef Py_ssize_t _sent_index
-    cdef bint _sent_full
-    cdef double _sent_at
-    cdef public double recheck
-    cdef double _duty
-    cdef public Py_ssize_t batch_min, batch_max, size
     cdef public bint overlap, stopping
     cdef public Py_ssize_t claimed, completed, failed, retried, discarded, stale
     cdef bint _in_flight
     cdef Py_ssize_t _limit
-    cdef bint _full
-    cdef list _sizes, _caps  # per queue: see the reference
     cdef PGresult *_rows
     cdef int _nrows
     # Jobs completed at their first attempt (by id; every other outcome is a
@@ -397,13 +375,8 @@ cdef class BatchLoop:
     # created_at too and each JobContext is filled whole (see the reference).
     cdef bint _full_context
     cdef str _queue_name
-    # The fast lane (see the reference): per queue whether it may take it and
-    # until when it is demoted; whether a fast batch's transaction is open,
-    # and when that batch stops starting jobs.
-    cdef list _fast_queues
-    cdef list _state_until
-    cdef list _proven
-    cdef list _deep
+    # The fast lane: whether a fast batch's transaction is open, and when that
+    # batch stops starting jobs.
     cdef bint _tx
     cdef double _deadline
     cdef bytes _lock_statement, _lock_sql, _lock_after_statement, _lock_after_sql
@@ -450,7 +423,6 @@ cdef class BatchLoop:
         self._cancelled = executor.cancelled
         self._worker_id = worker_id.encode()
         self._queues = [q.encode() for q in queues]
-        self._turn = 0
         self._full_context = full_context
         self._queue_name = None
         finish = sql.FINISH_CONTEXT if full_context else sql.FINISH
@@ -463,18 +435,14 @@ cdef class BatchLoop:
         self._kept_statement, self._kept_sql = name.encode(), text.encode()
         name, text = kept[bool(keep_completed), True]
         self._kept_after_statement, self._kept_after_sql = name.encode(), text.encode()
-        self._keeping = 0
-        self._fast_queues = [
-            fast_lane and not keep_completed and all(
-                not spec.is_async and spec.timeout is None for spec in specs.values() if spec.queue == q)
-            for q in queues]
+        self.planner = Planner(
+            fast_queues(specs, queues, fast_lane=fast_lane, keep_completed=keep_completed),
+            batch_min=batch_min, batch_max=batch_max, duty=full_claim_duty,
+            pooled=lambda index: bool(executor.threads) and executor.pooled(self._queues[index]))
         name, text = sql.LOCK[bool(full_context), False]
         self._lock_statement, self._lock_sql = name.encode(), text.encode()
         name, text = sql.LOCK[bool(full_context), True]
         self._lock_after_statement, self._lock_after_sql = name.encode(), text.encode()
-        self._state_until = [0.0] * len(queues)
-        self._proven = [False] * len(queues)  # see the reference
-        self._deep = [True] * len(queues)  # and no empty fast claim since a full one
         self._tx = False
         self._deadline = 0.0
         self.fast = 0
@@ -486,25 +454,12 @@ cdef class BatchLoop:
         self._handed = self._handing = False
         self._quiet = False
         self._guard_error = None
-        self._marks = [None] * len(queues)
-        self._next_full = [0.0] * len(queues)
-        self._sent_index = 0
-        self._sent_full = True
-        self._sent_at = 0.0
-        self.recheck = _INF
-        self._duty = full_claim_duty
-        self.batch_min = batch_min
-        self.batch_max = batch_max
-        self._sizes = [batch_min] * len(queues)
-        self._caps = [batch_max] * len(queues)
-        self.size = batch_min
         self.overlap = overlap
         self.stopping = False
         self._pooled = False
         self.claimed = self.completed = self.failed = self.retried = self.discarded = self.stale = 0
         self._in_flight = False
         self._limit = 0
-        self._full = False
         self._nrows = 0
         self._write_failed = False
         self._ndone = 0
@@ -543,31 +498,43 @@ cdef class BatchLoop:
         free(self._sent_done)
         free(self._text)
 
+    # The planner's figures the worker reads and its careful mode sets.
+    @property
+    def batch_min(self):
+        return self.planner.batch_min
+
+    @batch_min.setter
+    def batch_min(self, value):
+        self.planner.batch_min = value
+
+    @property
+    def batch_max(self):
+        return self.planner.batch_max
+
+    @batch_max.setter
+    def batch_max(self, value):
+        self.planner.batch_max = value
+
+    @property
+    def size(self):
+        return self.planner.size
+
+    @property
+    def recheck(self):
+        return self.planner.recheck
+
     def prepare(self):
         self._prepare(self._statement, self._sql)
         self._prepare(self._after_statement, self._after_sql)
         self._prepare(self._kept_statement, self._kept_sql)
         self._prepare(self._kept_after_statement, self._kept_after_sql)
-        if any(self._fast_queues):
+        if self.planner.any_fast:
             self._prepare(self._lock_statement, self._lock_sql)
             self._prepare(self._lock_after_statement, self._lock_after_sql)
             for name in ("job_finish_locked_many", "job_finish_locked_many_results", "job_hand_over",
                          "queue_wake"):
                 self._prepare(name.encode(), self._catalogue.STATEMENTS[name].encode())
         guard.watch(self)
-
-    cdef bint _fast_for(self, Py_ssize_t index):
-        """Whether the next claim of queue `index` takes the fast lane."""
-        if (not (self._fast_queues[index] and self._proven[index] and self._deep[index])
-                or <double>self._state_until[index] > _monotonic()):
-            return False
-        return not (self._executor.threads and self._executor.pooled(self._queues[index]))
-
-    cdef void _demote(self, Py_ssize_t index):
-        """Queue `index` takes the state lane for a while, from the front (see the reference)."""
-        self._state_until[index] = _monotonic() + _FAST_LANE_DEMOTE
-        self._proven[index] = False
-        self._marks[index] = None
 
     cdef int _simple(self, bytes text) except -1:
         """Run a statement without parameters or rows (the fast lane's BEGIN, COMMIT, ROLLBACK)."""
@@ -593,57 +560,30 @@ cdef class BatchLoop:
             raise LoopError(error)
         return 0
 
-    cdef int _lock(self, Py_ssize_t limit) except -1:
+    cdef int _lock(self) except -1:
         """The fast lane's claim (see the reference): rows to self._rows, the transaction left open."""
-        cdef Py_ssize_t turn, index
+        cdef Py_ssize_t index, limit
         cdef int n
-        cdef double now
-        cdef bint full
         cdef object mark
         if self._ndone or self._failures:
-            turn = self._turn
-            self._send(0)
+            self._send()
             self._receive()
-            self._turn = turn
-        index = self._turn % len(self._queues)
-        self._turn += 1
         if self._rows != NULL:
             PQclear(self._rows)
             self._rows = NULL
         self._nrows = 0
-        now = _monotonic()
-        mark = self._marks[index]
-        full = mark is None or now >= <double>self._next_full[index]
-        self._sent_index, self._sent_full, self._sent_at = index, full, now
+        index, limit, mark = self.planner.next()
         self._quiet = True  # see _commit
         try:
-            n = self._begin_lock(limit, index, full, mark)
+            n = self._begin_lock(limit, index, mark)
         finally:
             self._quiet = False
-        self._mark(n)
-        self._note_keeping(n)
-        self._deep[index] = n > 0
-        if not n:
-            return 0
+        self._plan(n)
         self._nrows = n
-        self._limit = limit
-        self._full = n >= limit
         self.claimed += n
-        self._resize(index, n)
         return 0
 
-    cdef int _resize(self, Py_ssize_t index, Py_ssize_t n) except -1:
-        """The next claim of queue `index` asks twice what this one found, halving at most."""
-        cdef Py_ssize_t size = <Py_ssize_t>self._sizes[index] // _SIZE_DECAY
-        self.size = min(self.batch_max, <Py_ssize_t>self._caps[index], max(self.batch_min, 2 * n, size))
-        self._sizes[index] = self.size
-        return 0
-
-    cdef Py_ssize_t _next_size(self):
-        """The size of the next claim, of the queue whose turn it is (see the reference)."""
-        return min(<Py_ssize_t>self._sizes[self._turn % len(self._queues)], self.batch_max)
-
-    cdef int _begin_lock(self, Py_ssize_t limit, Py_ssize_t index, bint full, object mark) except -1:
+    cdef int _begin_lock(self, Py_ssize_t limit, Py_ssize_t index, object mark) except -1:
         """BEGIN and the lock's claim (rows to self._rows); COMMIT at once when it found none."""
         cdef char limit_text[24]
         cdef char priority_text[8]
@@ -655,7 +595,7 @@ cdef class BatchLoop:
         snprintf(limit_text, sizeof(limit_text), "%zd", limit)
         values[0] = PyBytes_AS_STRING(self._queues[index])
         values[1] = limit_text
-        if full:
+        if mark is None:
             rc = PQsendQueryPrepared(self._pgconn, self._lock_statement, 2, values, NULL, NULL, 1)
         else:
             snprintf(priority_text, sizeof(priority_text), "%d", <int>mark[0])
@@ -708,7 +648,7 @@ cdef class BatchLoop:
         try:
             if not PQsendQueryPrepared(
                     self._pgconn,
-                    b"job_finish_locked_many_results" if self._keeping else b"job_finish_locked_many",
+                    b"job_finish_locked_many_results" if self.planner.keeping else b"job_finish_locked_many",
                     3, values, NULL, NULL, 1):
                 raise LoopError(_conn_error(self._pgconn))
             self._flush()
@@ -727,7 +667,7 @@ cdef class BatchLoop:
         finally:
             self._quiet = False
         if error:
-            self._demote(self._sent_index)
+            self.planner.demote(self._batch_base // self._stride)
             _say_rolled_back(ndone + len(failures), error[0])
         else:
             self.completed += ndone
@@ -803,27 +743,19 @@ cdef class BatchLoop:
         self._text[pos + 1] = 0
         return 0
 
-    cdef int _send(self, Py_ssize_t limit) except -1:
-        """Send the outcomes gathered so far and a claim of `limit` jobs."""
+    cdef int _send(self, Py_ssize_t index=0, Py_ssize_t limit=0, object mark=None) except -1:
+        """Send the outcomes gathered so far and a claim: the planner's next (none by default)."""
         cdef char limit_text[24]
         cdef char priority_text[8]
         cdef char run_at_text[24]
         cdef const char *values[7]
-        cdef Py_ssize_t index
-        cdef double now
-        cdef bint full
-        cdef object mark
         cdef bytes failures
-        cdef bytes queue
         cdef int rc
         cdef int64_t *ids
         cdef Py_ssize_t cap
         self._literal(self._ndone, self._done)
         self._writing(self._failures)
         failures = _encode(self._failures)
-        index = self._turn % len(self._queues)
-        queue = self._queues[index]
-        self._turn += 1
         snprintf(limit_text, sizeof(limit_text), "%zd", limit)
         self.completed += self._ndone
         if self._failures:
@@ -842,15 +774,12 @@ cdef class BatchLoop:
         self._failures = []
         values[0] = self._text
         values[1] = PyBytes_AS_STRING(failures)
-        values[2] = PyBytes_AS_STRING(queue)
+        values[2] = PyBytes_AS_STRING(self._queues[index])
         values[3] = limit_text
         values[4] = PyBytes_AS_STRING(self._worker_id)
-        now = _monotonic()
-        mark = self._marks[index]
-        full = limit == 0 or mark is None or now >= <double>self._next_full[index]
-        self._sent_index, self._sent_full, self._sent_at = index, full, now
-        if full:
-            rc = PQsendQueryPrepared(self._pgconn, self._kept_statement if self._keeping else self._statement,
+        keeping = self.planner.keeping
+        if mark is None:
+            rc = PQsendQueryPrepared(self._pgconn, self._kept_statement if keeping else self._statement,
                                      5, values, NULL, NULL, 1)
         else:
             snprintf(priority_text, sizeof(priority_text), "%d", <int>mark[0])
@@ -858,7 +787,7 @@ cdef class BatchLoop:
             values[5] = priority_text
             values[6] = run_at_text
             rc = PQsendQueryPrepared(
-                self._pgconn, self._kept_after_statement if self._keeping else self._after_statement,
+                self._pgconn, self._kept_after_statement if keeping else self._after_statement,
                 7, values, NULL, NULL, 1)
         if not rc:
             raise LoopError(_conn_error(self._pgconn))
@@ -1002,31 +931,14 @@ cdef class BatchLoop:
         n = self._nrows
         self.claimed += n
         if self._limit > 0:
-            self._mark(n)
-            self._note_keeping(n)
-            if n >= self._limit >= min(_DEEP_CLAIM, self.batch_max):
-                self._deep[self._sent_index] = True
-            self._resize(self._sent_index, n)
-        self._full = self._limit > 0 and n >= self._limit
+            self._plan(n)
         return 0
 
-    cdef int _note_keeping(self, int n) except -1:
-        """Count this claim in the window of KEEPING_CLAIMS (see the reference)."""
-        cdef int i
-        for i in range(n):
-            if not PQgetisnull(self._rows, i, 7):
-                self._keeping = _KEEPING_CLAIMS
-                return 0
-        if self._keeping:
-            self._keeping -= 1
-        return 0
-
-    cdef int _mark(self, int n) except -1:
-        """Remember where this claim ended (see the reference) and when to claim from the front."""
+    cdef int _plan(self, int n) except -1:
+        """Tell the planner what the claim found (see the reference)."""
         cdef int i, priority, lowest = 1 << 15
         cdef int64_t run_at, latest = 0
-        cdef double now = _monotonic(), spent
-        cdef Py_ssize_t index = self._sent_index
+        cdef bint keeps = False
         for i in range(n):
             priority = _int2(PQgetvalue(self._rows, i, 5))
             run_at = _int8(PQgetvalue(self._rows, i, 6))
@@ -1034,24 +946,20 @@ cdef class BatchLoop:
                 lowest, latest = priority, run_at
             elif priority == lowest and run_at > latest:
                 latest = run_at
-        if n:
-            self._marks[index] = (lowest, latest) if _MARK_RUN_AT_MIN < latest < _MARK_RUN_AT_MAX else None
-        if self._sent_full:
-            spent = now - self._sent_at
-            self._next_full[index] = now + min(spent * (1.0 - self._duty) / self._duty,
-                                               _FULL_CLAIM_MAX_WAIT)
-        elif not n:
-            self.recheck = min(self.recheck, max(0.0, <double>self._next_full[index] - now))
+            if not keeps and not PQgetisnull(self._rows, i, 7):
+                keeps = True
+        self.planner.claimed(n, lowest, latest, keeps)
         return 0
 
     cdef int _claim(self) except -1:
-        """Claim synchronously, trying each queue once before giving up (see the reference)."""
-        cdef Py_ssize_t tries = len(self._queues) + (1 if self._failures else 0)
-        for _ in range(tries):
-            if self._fast_for(self._turn % len(self._queues)):
-                self._lock(self._next_size())
+        """Claim synchronously, trying each queue once (the planner's tries) before giving up."""
+        cdef object planner = self.planner
+        for _ in range(planner.tries(bool(self._failures))):
+            if planner.lane():
+                self._lock()
             else:
-                self._send(self._next_size())
+                index, limit, mark = planner.next()
+                self._send(index, limit, mark)
                 self._receive()
             if self._nrows:
                 return 0
@@ -1061,17 +969,19 @@ cdef class BatchLoop:
         """Run one batch; 0 when there was nothing to claim (outcomes are flushed then)."""
         cdef PGresult *batch
         cdef int n
-        cdef double began, ran
-        cdef Py_ssize_t cap, wave
-        self.recheck = _INF
+        cdef double began
+        cdef Py_ssize_t index
+        cdef object planner = self.planner
+        planner.recheck = _INF
         if self._nrows == 0:
             self._claim()
             if self._nrows == 0:
                 return 0
-        queue = self._queues[self._sent_index]
+        index = planner.index
+        queue = self._queues[index]
         self._executor.queue = queue  # the rows' queue, for the records of failures
         self._pooled = bool(self._executor.threads) and self._executor.pooled(queue)
-        self._batch_base = self._sent_index * self._stride
+        self._batch_base = index * self._stride
         if self._full_context:
             self._queue_name = queue.decode()
         # Take ownership of the claimed rows: _receive below fills self._rows anew.
@@ -1084,40 +994,25 @@ cdef class BatchLoop:
             # A fast-lane batch: no claim ahead, a deadline, its outcomes committed (see the reference).
             try:
                 began = _monotonic()
-                self._deadline = began + _BATCH_SECONDS
+                self._deadline = planner.deadline()
                 try:
                     self._run(batch, n)
                 finally:
                     if self._tx:
                         self._commit()
-                ran = _monotonic() - began
-                self._caps[self._batch_base // self._stride] = max(
-                    self.batch_min, <Py_ssize_t>(_BATCH_SECONDS / 2 * n / max(ran, 1e-9)))
+                planner.ran_fast(index, n, _monotonic() - began)
             finally:
                 self._batch = NULL
                 PQclear(batch)
             return n
         try:
-            # Claim ahead only from a deep queue, nor when the next claim takes the fast lane.
-            if (self.overlap and self._full and not self.stopping
-                    and not self._fast_for(self._turn % len(self._queues))):
-                self._send(self._next_size())
+            if planner.ahead(self.overlap, self.stopping):
+                claim_index, limit, mark = planner.next()
+                self._send(claim_index, limit, mark)
             began = _monotonic()
             self._run(batch, n)
-            ran = _monotonic() - began
-            if self._in_flight:
-                # Rationed by the claim's own time, not the handlers': see the reference.
-                self._sent_at += ran
-            # Slow jobs get small batches, waves (async, pooled) at least one: see the reference.
-            cap = <Py_ssize_t>(_BATCH_SECONDS * n / max(ran, 1e-9))
-            wave = self._executor.wave
-            if ran < _BATCH_SECONDS / 2 and not wave and not self._pooled:
-                self._proven[self._batch_base // self._stride] = True
-            if wave:
-                # Whole waves, the nearest count: see the reference.
-                cap = max(<Py_ssize_t>wave, (cap + wave // 2) // wave * wave)
-                self._executor.wave = 0
-            self._caps[self._batch_base // self._stride] = max(self.batch_min, cap)
+            wave, self._executor.wave = self._executor.wave, 0
+            planner.ran(index, n, _monotonic() - began, wave, self._pooled, self._in_flight)
         finally:
             self._batch = NULL
             PQclear(batch)
@@ -1140,7 +1035,7 @@ cdef class BatchLoop:
             self._rows = NULL
         self._nrows = 0
         if self._ndone or self._failures:
-            self._send(0)
+            self._send()
             self._receive()
 
     cdef int _run(self, PGresult *rows, int n) except -1:
@@ -1171,7 +1066,7 @@ cdef class BatchLoop:
             if self.stopping or (fast and _monotonic() > self._deadline):
                 if not self.stopping:
                     # Jobs slower than the queue's pace: see the reference.
-                    self._demote(self._sent_index)
+                    self.planner.demote(self._batch_base // self._stride)
                 for j in range(i, n):
                     failures.append(_release(_int8(PQgetvalue(rows, j, 0)), _int2(PQgetvalue(rows, j, 3))))
                 break
@@ -1228,7 +1123,7 @@ cdef class BatchLoop:
             if not self._last_fast or self._pooled:
                 if fast:
                     # May not hold the transaction open: see the reference.
-                    self._demote(self._sent_index)
+                    self.planner.demote(self._batch_base // self._stride)
                     failures.append(_release(job_id, attempt))
                     continue
                 slow.append((spec, job_id, args, attempt, max_attempts, claimed))
@@ -1408,7 +1303,7 @@ cdef class BatchLoop:
         res = self._results(error)
         if res != NULL:
             PQclear(res)
-        self._demote(self._batch_base // self._stride)
+        self.planner.demote(self._batch_base // self._stride)
         if error:
             outcomes = self._ndone + len(self._failures)
             self._ndone = 0
@@ -1435,7 +1330,7 @@ cdef class BatchLoop:
                 PQclear(self._rows)
                 self._rows = NULL
             self._nrows = 0
-            self._marks[self._sent_index] = None
+            self.planner.unmark(self.planner.index)
         if self._at >= 0:
             for i in range(self._at + 1, self._batch_n):
                 releases.append(_release(_int8(PQgetvalue(self._batch, i, 0)),
@@ -1453,7 +1348,7 @@ cdef class BatchLoop:
             self.failed += failed
             self.retried += retried
             self.discarded += discarded
-            self._marks[self._batch_base // self._stride] = None
+            self.planner.unmark(self._batch_base // self._stride)
         else:
             for job in self._executor.hand_back():
                 releases.append(_release(job[1], job[3]))

@@ -16,26 +16,11 @@ import psycopg
 from psycopg import pq
 
 from . import guard, handlers, sql, stats
-from .abc import (
-    BATCH_SECONDS,
-    COMPLETED,
-    DEEP_CLAIM,
-    FAST_LANE_DEMOTE,
-    FULL_CLAIM_DUTY,
-    FULL_CLAIM_MAX_WAIT,
-    HAND_BACK_AFTER,
-    KEEPING_CLAIMS,
-    MARK_RUN_AT_MAX,
-    MARK_RUN_AT_MIN,
-    PG_EPOCH_US,
-    PICKUP_SUM,
-    ROW,
-    RUN_SUM,
-    SIZE_DECAY,
-)
+from .abc import COMPLETED, FULL_CLAIM_DUTY, HAND_BACK_AFTER, PG_EPOCH_US, PICKUP_SUM, ROW, RUN_SUM
 from .args import dump_args as dump_args
 from .errors import LoopError
 from .handlers import Executor
+from .planner import Planner, fast_queues
 from .stats import RUNNING_JOB, RUNNING_SUSPECT, RUNNING_WRITING
 from .types import JobSpec, Outcome
 
@@ -121,15 +106,8 @@ class BatchLoop:
     idle half the time. The price is one batch claimed ahead, given back
     (uncounted) by `finish`.
 
-    The batch size adapts: twice what the last claim found, between
-    `batch_min` and `batch_max`, so a shallow queue is claimed a few jobs at
-    a time (latency) and a deep one in large batches (throughput); and no
-    more than the last batch's pace runs in BATCH_SECONDS, so a deep queue
-    of slow jobs is shared among workers instead of hoarded by one. A short
-    or empty claim halves the size at most (SIZE_DECAY): a producer that
-    commits hundreds of jobs at once, between claims that found none, had
-    each of its batches claimed 1, 2, 4, ... jobs at a time, a round trip
-    per doubling, and after a stall the backlog was climbed the same way.
+    Which queue, which lane, how many and from where are the Planner's
+    (fastjobs.planner), asked once per claim and once per batch.
     """
 
     def __init__(
@@ -181,7 +159,6 @@ class BatchLoop:
         self._executor = executor
         self._worker_id = worker_id.encode()
         self._queues = [q.encode() for q in queues]
-        self._turn = 0
         # With `full_context` (the app has middleware) the claim returns each
         # job's meta and created_at too, and each job's JobContext is filled
         # whole; without, neither costs a job anything.
@@ -193,25 +170,20 @@ class BatchLoop:
         self._full_name, self._after_name, self._full_kept, self._after_kept = (
             name.encode() for name, _ in pairs
         )
-        # How many claims more outcomes go by the _results statements (KEEPING_CLAIMS).
-        self._keeping = 0
-        # The fast lane (sql.job_lock_many): a queue takes it when every kind
-        # registered on it is sync without a timeout and its sync jobs do not
-        # run on threads; kept completed rows stay on the state lane. A batch
-        # that runs long or finds a job that may not run on it (async, timeout,
-        # pooled) moves its queue to the state lane for FAST_LANE_DEMOTE seconds.
-        self._fast_queues = [
-            fast_lane
-            and not keep_completed
-            and all(
-                not spec.is_async and spec.timeout is None for spec in specs.values() if spec.queue == queue
-            )
-            for queue in queues
-        ]
+        # A batch that runs long on the fast lane (sql.job_lock_many) or finds
+        # a job that may not run on it (async, timeout, pooled) moves its queue
+        # to the state lane for FAST_LANE_DEMOTE seconds.
+        self.planner = Planner(
+            fast_queues(specs, queues, fast_lane=fast_lane, keep_completed=keep_completed),
+            batch_min=batch_min,
+            batch_max=batch_max,
+            duty=full_claim_duty,
+            pooled=lambda index: bool(executor.threads) and executor.pooled(self._queues[index]),
+        )
         # The fast lane's claims, from the front and after the mark (as the state lane's).
         locks = [sql.LOCK[full_context, after] for after in (False, True)]
         self._lock_names = tuple(name.encode() for name, _ in locks)
-        if any(self._fast_queues):
+        if self.planner.any_fast:
             for name, text in locks:
                 self._statements[name] = (name.encode(), text)
             for name in (
@@ -221,17 +193,6 @@ class BatchLoop:
                 "queue_wake",
             ):
                 self._statements[name] = (name.encode(), sql.STATEMENTS[name])
-        self._state_until = [0.0] * len(queues)
-        # A queue takes the fast lane only once a batch of it on the state lane
-        # ran in under half BATCH_SECONDS: a long sync job that polls
-        # current_job().cancelled must not hold a lock its cancel waits for.
-        self._proven = [False] * len(queues)
-        # A fast claim that comes back empty (three round trips, where the
-        # state lane's takes one) sends the queue to the state lane until a
-        # claim of it comes back full (DEEP_CLAIM): the lane saves a write per job at two
-        # more round trips a batch, a gain on a backlog, and on a queue the
-        # workers keep up with a loss in pickup latency.
-        self._deep = [True] * len(queues)
         self._tx = False  # a fast-lane batch's transaction is open
         self._deadline = 0.0  # when the fast batch running stops starting jobs
         self.fast = 0  # outcomes written on the fast lane
@@ -249,21 +210,6 @@ class BatchLoop:
         self._slow: list[handlers.SlowJob] = []
         self._handed = False
         self._guard_error: LoopError | None = None
-        # Per queue: where its last claim ended (priority, run_at as binary
-        # timestamptz), and when a claim from the front is due again.
-        self._marks: list[tuple[int, int] | None] = [None] * len(queues)
-        self._next_full = [0.0] * len(queues)
-        self._duty = full_claim_duty
-        self._sent: tuple[int, bool, float] = (0, True, 0.0)  # queue index, from the front, when
-        self.recheck = float("inf")  # seconds until an idle loop should claim from the front
-        self.batch_min = batch_min
-        self.batch_max = batch_max
-        # Per queue, as its marks: a claim's size and the pace cap of its last
-        # batch. One size for all made an empty queue's claim halve the size
-        # of a busy one's, which was then claimed 1-2 jobs at a time.
-        self._sizes = [batch_min] * len(queues)
-        self._caps = [batch_max] * len(queues)
-        self.size = batch_min  # the size the last claim chose for its queue
         self.overlap = overlap
         self.stopping = False
         self._pooled = False  # this batch's sync jobs run on the executor's pool
@@ -274,7 +220,6 @@ class BatchLoop:
         self.discarded = 0
         self._in_flight = False
         self._limit = 0
-        self._full = False
         self.stale = 0  # outcomes dropped because their job no longer ran that attempt here
         self._rows: list[Row] = []
         # Jobs completed at their first attempt (by id), and every other outcome.
@@ -282,6 +227,31 @@ class BatchLoop:
         self._failures: list[Outcome] = []
         # The outcomes of the statement in flight, isolated if PostgreSQL rejects it.
         self._sent_outcomes: tuple[list[int], list[Outcome]] = ([], [])
+
+    # The planner's figures the worker reads and its careful mode sets.
+    @property
+    def batch_min(self) -> int:
+        return self.planner.batch_min
+
+    @batch_min.setter
+    def batch_min(self, value: int) -> None:
+        self.planner.batch_min = value
+
+    @property
+    def batch_max(self) -> int:
+        return self.planner.batch_max
+
+    @batch_max.setter
+    def batch_max(self, value: int) -> None:
+        self.planner.batch_max = value
+
+    @property
+    def size(self) -> int:
+        return self.planner.size
+
+    @property
+    def recheck(self) -> float:
+        return self.planner.recheck
 
     def prepare(self) -> None:
         for name, text in self._statements.values():
@@ -307,26 +277,6 @@ class BatchLoop:
         except psycopg.OperationalError:
             raise self._lost() from None
 
-    def _fast_for(self, index: int) -> bool:
-        """Whether the next claim of queue `index` takes the fast lane."""
-        if (
-            not (self._fast_queues[index] and self._proven[index] and self._deep[index])
-            or self._state_until[index] > time.monotonic()
-        ):
-            return False
-        return not (self._executor.threads and self._executor.pooled(self._queues[index]))
-
-    def _demote(self, index: int) -> None:
-        """Send queue `index` to the state lane for a while; its next claim is from the front.
-
-        The jobs its fast batch gave back (or rolled back) are behind the mark
-        that batch set: a claim after it would leave them for the next claim
-        from the front, seconds away when the index is full of dead entries.
-        """
-        self._state_until[index] = time.monotonic() + FAST_LANE_DEMOTE
-        self._proven[index] = False
-        self._marks[index] = None
-
     def _simple(self, text: str) -> None:
         """Run a statement without parameters or rows (the fast lane's BEGIN, COMMIT, ROLLBACK)."""
         try:
@@ -350,27 +300,19 @@ class BatchLoop:
         if error is not None:
             raise LoopError(error)
 
-    def _lock(self, limit: int) -> list[Row]:
-        """The fast lane's claim: BEGIN, lock up to `limit` jobs; the transaction stays open if any came."""
+    def _lock(self) -> list[Row]:
+        """The fast lane's claim: BEGIN, lock the planner's next; the transaction stays open if any came."""
         if self._done or self._failures:
             # Outcomes of the state lane still held go first, by its own statement.
-            turn = self._turn
-            self._send(0)
+            self._send()
             self._receive()
-            self._turn = turn
-        index = self._turn % len(self._queues)
-        self._turn += 1
-        now = time.monotonic()
+        index, limit, mark = self.planner.next()
         params = [self._queues[index], str(limit).encode()]
-        mark = self._marks[index]
-        full = mark is None or now >= self._next_full[index]
-        if not full:
-            assert mark is not None
+        if mark is not None:
             params += [str(mark[0]).encode(), str(mark[1]).encode()]
-        self._sent = (index, full, now)
         with _quiet():
             self._simple(sql.fast_begin)
-            self._send_prepared(self._lock_names[not full], params)
+            self._send_prepared(self._lock_names[mark is not None], params)
             res, error, _ = self._results()
             if error is not None:
                 with contextlib.suppress(LoopError):
@@ -381,16 +323,9 @@ class BatchLoop:
                 self._simple(sql.fast_commit)
             else:
                 self._tx = True
-        self._mark(res, n)
         rows = self._rows_of(res, n)
-        self._note_keeping(rows)
-        self._deep[index] = n > 0
-        if not n:
-            return rows
-        self._limit = limit
-        self._full = n >= limit
+        self._plan(res, rows)
         self.claimed += n
-        self._resize(index, n)
         return rows
 
     def _commit(self, wake: bool = False) -> None:
@@ -412,7 +347,7 @@ class BatchLoop:
         self._tx = False
         self._writing(failures)
         ids = ("{" + ",".join(map(str, done)) + "}").encode()
-        name = b"job_finish_locked_many_results" if self._keeping else b"job_finish_locked_many"
+        name = b"job_finish_locked_many_results" if self.planner.keeping else b"job_finish_locked_many"
         self._send_prepared(name, [ids, handlers.encode(failures), self._worker_id])
         _, error, _ = self._results()
         if error is None and wake:
@@ -420,7 +355,7 @@ class BatchLoop:
             _, error, _ = self._results()
         if error is not None:
             self._simple(sql.fast_rollback)
-            self._demote(self._sent[0])
+            self.planner.demote(self._batch_base // self._stride)
             handlers.say_rolled_back(len(done) + len(failures), error)
         else:
             self._simple(sql.fast_commit)
@@ -445,14 +380,11 @@ class BatchLoop:
         if self._running is not None and not self._write_failed:
             self._running[RUNNING_WRITING] = 0
 
-    def _send(self, limit: int) -> None:
-        """Send the outcomes gathered so far and a claim of `limit` jobs."""
+    def _send(self, index: int = 0, limit: int = 0, mark: tuple[int, int] | None = None) -> None:
+        """Send the outcomes gathered so far and a claim: the planner's next (none by default)."""
         done = ("{" + ",".join(map(str, self._done)) + "}").encode()
         self._writing(self._failures)
         failures = handlers.encode(self._failures)
-        index = self._turn % len(self._queues)
-        queue = self._queues[index]
-        self._turn += 1
         self.completed += len(self._done)
         if self._failures:
             completed, failed, retried, discarded = handlers.tally(self._failures)
@@ -463,18 +395,13 @@ class BatchLoop:
         self._sent_outcomes = (self._done, self._failures)
         self._done = []
         self._failures = []
-        params = [done, failures, queue, str(limit).encode(), self._worker_id]
-        now = time.monotonic()
-        mark = self._marks[index]
-        full = limit == 0 or mark is None or now >= self._next_full[index]
-        if not full:
-            assert mark is not None
-            params += [str(mark[0]).encode(), str(mark[1]).encode()]
-        self._sent = (index, full, now)
-        if self._keeping:
-            self._send_prepared(self._full_kept if full else self._after_kept, params)
+        params = [done, failures, self._queues[index], str(limit).encode(), self._worker_id]
+        if mark is None:
+            name = self._full_kept if self.planner.keeping else self._full_name
         else:
-            self._send_prepared(self._full_name if full else self._after_name, params)
+            params += [str(mark[0]).encode(), str(mark[1]).encode()]
+            name = self._after_kept if self.planner.keeping else self._after_name
+        self._send_prepared(name, params)
         self._in_flight = True
         self._limit = limit
 
@@ -553,23 +480,8 @@ class BatchLoop:
         rows = self._rows_of(res, n)
         self.claimed += n
         if self._limit > 0:
-            self._mark(res, n)
-            self._note_keeping(rows)
-            if n >= self._limit >= min(DEEP_CLAIM, self.batch_max):
-                self._deep[self._sent[0]] = True
-            self._resize(self._sent[0], n)
-        self._full = self._limit > 0 and n >= self._limit
+            self._plan(res, rows)
         return rows
-
-    def _resize(self, index: int, n: int) -> None:
-        """The next claim of queue `index` asks twice what this one found, halving at most."""
-        halved = self._sizes[index] // SIZE_DECAY
-        size = min(self.batch_max, self._caps[index], max(self.batch_min, 2 * n, halved))
-        self._sizes[index] = self.size = size
-
-    def _next_size(self) -> int:
-        """The size of the next claim, of the queue whose turn it is (batch_max may have shrunk)."""
-        return min(self._sizes[self._turn % len(self._queues)], self.batch_max)
 
     def _rows_of(self, res: Any, n: int) -> list[Row]:
         rows: list[Row] = []
@@ -591,51 +503,27 @@ class BatchLoop:
             )
         return rows
 
-    def _note_keeping(self, rows: list[Row]) -> None:
-        """Count this claim in the window of KEEPING_CLAIMS: restarted when a job claimed keeps its result."""
-        if any(row[7] for row in rows):
-            self._keeping = KEEPING_CLAIMS
-        elif self._keeping:
-            self._keeping -= 1
-
-    def _mark(self, res: Any, n: int) -> None:
-        """Remember where this claim ended, and when to claim from the front of its queue.
+    def _plan(self, res: Any, rows: list[Row]) -> None:
+        """Tell the planner what the claim found: how many, where it ended, whether one keeps its result.
 
         Where it ended: its lowest priority, and the latest run_at within it.
         """
         lowest, latest = 1 << 15, 0
-        now = time.monotonic()
-        index, from_front, sent = self._sent
-        for i in range(n):
+        for i in range(len(rows)):
             priority, run_at = _int(res.get_value(i, 5)), _int(res.get_value(i, 6))
             if priority < lowest:
                 lowest, latest = priority, run_at
             elif priority == lowest and run_at > latest:
                 latest = run_at
-        if n:
-            self._marks[index] = (lowest, latest) if MARK_RUN_AT_MIN < latest < MARK_RUN_AT_MAX else None
-        if from_front:
-            wait = (now - sent) * (1.0 - self._duty) / self._duty
-            self._next_full[index] = now + min(wait, FULL_CLAIM_MAX_WAIT)
-        elif not n:
-            # An empty claim after the mark may have missed a job behind
-            # it: an idle loop claims from the front as soon as that is due
-            # (step() resets this; the soonest over the queues tried wins).
-            self.recheck = min(self.recheck, max(0.0, self._next_full[index] - now))
+        self.planner.claimed(len(rows), lowest, latest, any(row[7] for row in rows))
 
     def _claim(self) -> list[Row]:
-        """Claim synchronously, trying each queue once before giving up.
-
-        The claim shares its statement's snapshot with the outcomes it writes,
-        so it cannot see a job those outcomes made available (Retry(0),
-        Snooze(0)): when outcomes went along, one more claim looks again.
-        """
-        tries = len(self._queues) + (1 if self._failures else 0)
-        for _ in range(tries):
-            if self._fast_for(self._turn % len(self._queues)):
-                rows = self._lock(self._next_size())
+        """Claim synchronously, trying each queue once (the planner's tries) before giving up."""
+        for _ in range(self.planner.tries(bool(self._failures))):
+            if self.planner.lane():
+                rows = self._lock()
             else:
-                self._send(self._next_size())
+                self._send(*self.planner.next())
                 rows = self._receive()
             if rows:
                 return rows
@@ -643,72 +531,47 @@ class BatchLoop:
 
     def step(self) -> int:
         """Run one batch; 0 when there was nothing to claim (outcomes are flushed then)."""
-        self.recheck = float("inf")
+        planner = self.planner
+        planner.recheck = float("inf")
         rows = self._rows or self._claim()
         self._rows = []
         if not rows:
             return 0
-        queue = self._queues[self._sent[0]]
+        index = planner.index
+        queue = self._queues[index]
         self._executor.queue = queue  # the rows' queue, for the records of failures
         # Its sync jobs run on the executor's threads when it was given concurrency (checked per batch).
         self._pooled = bool(self._executor.threads) and self._executor.pooled(queue)
-        self._batch_base = self._sent[0] * self._stride
+        self._batch_base = index * self._stride
         self._batch, self._handed = rows, False
         if self._tx:
-            return self._fast(rows)
-        # Claim ahead only from a deep queue (the last claim came back full):
-        # on a shallow one it would mostly return nothing, one more round trip
-        # per wake-up; nor when the next claim takes the fast lane.
-        if (
-            self.overlap
-            and self._full
-            and not self.stopping
-            and not self._fast_for(self._turn % len(self._queues))
-        ):
-            self._send(self._next_size())
+            return self._fast(rows, index)
+        if planner.ahead(self.overlap, self.stopping):
+            self._send(*planner.next())
         began = time.perf_counter()
         self._run(rows)
         ran = time.perf_counter() - began
-        if self._in_flight:
-            # The claim sent ahead is rationed by its own time: the loop's wait
-            # for it, not the handlers' time it spent in flight (see _receive).
-            index, from_front, sent = self._sent
-            self._sent = (index, from_front, sent + ran)
-        # Slow jobs get small batches, so siblings share a deep queue of them;
-        # but async jobs and pooled sync ones run a wave at a time and a wave
-        # takes the time of one job, so they are never capped below the
-        # concurrency they were given.
-        cap = int(BATCH_SECONDS * len(rows) / max(ran, 1e-9))
-        wave = self._executor.wave
-        if ran < BATCH_SECONDS / 2 and not wave and not self._pooled:
-            self._proven[self._batch_base // self._stride] = True
-        if wave:
-            # Whole waves, the nearest count: 19 jobs on 10 threads take as long as 20.
-            cap = max(wave, (cap + wave // 2) // wave * wave)
-            self._executor.wave = 0
-        self._caps[self._batch_base // self._stride] = max(self.batch_min, cap)
+        wave, self._executor.wave = self._executor.wave, 0
+        planner.ran(index, len(rows), ran, wave, self._pooled, self._in_flight)
         if self._in_flight:
             self._rows = self._receive()
         return len(rows)
 
-    def _fast(self, rows: list[Row]) -> int:
+    def _fast(self, rows: list[Row], index: int) -> int:
         """Run a fast-lane batch in its transaction, then write its outcomes and commit.
 
         No claim is sent ahead: it would share the transaction, and the commit
-        would unlock its rows. The batch stops starting jobs once it has run
-        BATCH_SECONDS (the rest stay available, untouched), and is sized for
-        half that, so no transaction stays open much longer than one job over it.
+        would unlock its rows. The batch stops starting jobs at the planner's
+        deadline (the rest stay available, untouched).
         """
         began = time.perf_counter()
-        self._deadline = time.monotonic() + BATCH_SECONDS
+        self._deadline = self.planner.deadline()
         try:
             self._run(rows)
         finally:
             if self._tx:
                 self._commit()
-        ran = time.perf_counter() - began
-        pace = int(BATCH_SECONDS / 2 * len(rows) / max(ran, 1e-9))
-        self._caps[self._batch_base // self._stride] = max(self.batch_min, pace)
+        self.planner.ran_fast(index, len(rows), time.perf_counter() - began)
         return len(rows)
 
     def finish(self) -> None:
@@ -720,7 +583,7 @@ class BatchLoop:
         self._failures.extend(handlers.release(row[0], row[3]) for row in self._rows)
         self._rows = []
         if self._done or self._failures:
-            self._send(0)
+            self._send()
             self._receive()
 
     def _tally(self, row: int, outcome: Outcome) -> Outcome:
@@ -754,7 +617,7 @@ class BatchLoop:
             if fast and time.monotonic() > self._deadline:
                 # Jobs slower than the queue's pace: the rest go back and the
                 # queue takes the state lane for a while.
-                self._demote(self._sent[0])
+                self.planner.demote(self._batch_base // self._stride)
                 failures.extend(handlers.release(row[0], row[3]) for row in rows[index:])
                 break
             if self._running is not None:
@@ -794,7 +657,7 @@ class BatchLoop:
                 if fast:
                     # A kind registered on another queue: it may not hold the
                     # transaction open. It goes back, and the queue to the state lane.
-                    self._demote(self._sent[0])
+                    self.planner.demote(self._batch_base // self._stride)
                     failures.append(handlers.release(job_id, attempt))
                     continue
                 slow.append((spec, job_id, args, attempt, max_attempts, claimed))
@@ -937,7 +800,7 @@ class BatchLoop:
         params = [str(job_id).encode(), self._worker_id, str(attempt).encode()]
         self._send_prepared(b"job_hand_over", params)
         _, error, _ = self._results()
-        self._demote(self._batch_base // self._stride)
+        self.planner.demote(self._batch_base // self._stride)
         if error is not None:
             # The transaction is aborted: the whole batch runs again (at least once).
             outcomes = len(self._done) + len(self._failures)
@@ -956,7 +819,7 @@ class BatchLoop:
         if self._in_flight:
             ahead = self._receive()
             releases += [handlers.release(row[0], row[3]) for row in ahead]
-            self._marks[self._sent[0]] = None
+            self.planner.unmark(self.planner.index)
         if self._at >= 0:
             releases += [handlers.release(row[0], row[3]) for row in self._batch[self._at + 1 :]]
             releases += [handlers.release(job[1], job[3]) for job in self._slow]
@@ -970,7 +833,7 @@ class BatchLoop:
             self.retried += retried
             self.discarded += discarded
             # The jobs released lie behind the mark this batch's claim set.
-            self._marks[self._batch_base // self._stride] = None
+            self.planner.unmark(self._batch_base // self._stride)
         else:
             # The executor's phase: it keeps the outcomes; the jobs it has not started come back.
             releases += [handlers.release(job[1], job[3]) for job in self._executor.hand_back()]

@@ -124,12 +124,18 @@ class BatchLoop(Protocol):
     discarded: int
     stale: int  # outcomes dropped because their job no longer ran that attempt here
     fast: int  # outcomes written on the fast lane (sql.job_lock_many: one write per job)
-    size: int  # the next claim's size, between batch_min and batch_max
-    batch_min: int
+    batch_min: int  # the planner's (fastjobs.planner), set by the worker's careful mode
     batch_max: int
     overlap: bool  # send the next claim before the handlers run (from a deep queue)
     stopping: bool  # set from a signal handler: claim no more, give back what was not started
-    recheck: float  # after an empty step: seconds until a claim from the front is due (inf: none)
+
+    @property
+    def size(self) -> int:
+        """The next claim's size, between batch_min and batch_max (the planner's)."""
+
+    @property
+    def recheck(self) -> float:
+        """After an empty step: seconds until a claim from the front is due (inf: none)."""
 
     def prepare(self) -> None:
         """Prepare the loop's statements on its connection."""

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeAlias, TypedDict,
 
 import psycopg
 
-from . import control, database, enqueue, middleware, results, schema, sql, typed
+from . import control, database, enqueue, middleware, queues, results, schema, sql, typed
 from .cron import Cron
 from .enqueue import (
     InsertParams,
@@ -32,6 +32,7 @@ from .enqueue import (
 )
 from .errors import UnknownKind
 from .middleware import Enqueue, EnqueueMiddleware, JobMiddleware
+from .queues import QueueInfo
 from .results import JobHandle, JobStatus
 from .retry import RetryPolicy
 from .types import DEFAULT_MAX_ATTEMPTS, DEFAULT_PRIORITY, DEFAULT_QUEUE, JobSpec
@@ -65,6 +66,7 @@ class BulkOptions(TypedDict, total=False):
     delay: float | dt.timedelta | None  # seconds
     max_attempts: int | None
     keep_result: float | dt.timedelta | None  # seconds the outcome is kept (App.result)
+    wait_for_room: float | None  # seconds to wait while the queue is at its max_backlog (else QueueFull)
 
 
 class EnqueueOptions(BulkOptions, total=False):
@@ -100,6 +102,7 @@ class App:
         # Kinds enqueued here whose handlers run elsewhere: never run by this app's workers.
         self.declared: dict[str, JobSpec] = {}
         self._pool = _Pool()
+        self._backpressure = queues.Backpressure(self.connection, self.connection_async, self._sql)
         self._async_pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[Any]] = (
             weakref.WeakKeyDictionary()
         )
@@ -144,7 +147,9 @@ class App:
         catalogue = self._sql if schema is None else sql.of(sql.schema_name(schema))
         self.close()
         self._dsn = self._dsn if dsn is None else dsn
-        self._sql = catalogue
+        if catalogue is not self._sql:
+            self._sql = catalogue
+            self._backpressure = queues.Backpressure(self.connection, self.connection_async, catalogue)
 
     @overload
     def job(self, kind: Callable[P, R], /) -> Job[P, R]: ...
@@ -376,6 +381,7 @@ class App:
         opts = enqueue.options(kind, self._spec(kind), **options)
         params = enqueue.insert_params(opts, args)  # bad args fail before a connection is taken
         db: psycopg.Connection[Any] | None = enqueue.adapt(conn)
+        self._backpressure.check(opts.queue, opts.wait_for_room, db)
         if not self._enqueue_middleware:
             return JobHandle(self._insert(params, db), self)
         if db is not None:
@@ -443,6 +449,7 @@ class App:
         db: psycopg.Connection[Any] | None = enqueue.adapt(conn)
         if db is not None:
             enqueue.check_conn(db, psycopg.Connection)
+        self._backpressure.check(opts.queue, opts.wait_for_room, db)
         if not self._enqueue_middleware:
             count = self._copy(opts, args_iterable, None, db)
         else:
@@ -489,6 +496,7 @@ class App:
             if conn is None or isinstance(conn, psycopg.AsyncConnection)
             else await enqueue.adapt_async(conn)
         )
+        await self._backpressure.check_async(opts.queue, opts.wait_for_room, db)
         if not self._enqueue_middleware_async:
             return JobHandle(await self._insert_async(params, db), self)
         if db is not None:
@@ -529,6 +537,7 @@ class App:
         db: psycopg.AsyncConnection[Any] | None = await enqueue.adapt_async(conn)
         if db is not None:
             enqueue.check_conn(db, psycopg.AsyncConnection)
+        await self._backpressure.check_async(opts.queue, opts.wait_for_room, db)
         if not self._enqueue_middleware_async:
             count = await self._copy_async(opts, args_iterable, None, db)
         else:
@@ -599,6 +608,45 @@ class App:
                 return control.cancel(db, job_id, self._sql)
             with self.connection() as own:
                 return control.cancel(own, job_id, self._sql)
+
+    def pause(self, queue: str, *, conn: Conn | None = None) -> dt.datetime:
+        """Pause `queue`: every worker stops taking its jobs (those started finish), enqueues go on.
+
+        Effective when the transaction commits (on `conn=`, the caller's);
+        returns since when it is paused. See fastjobs.queues.
+        """
+        return self._on_queue(lambda db, name: queues.pause(db, name, self._sql), queue, conn)
+
+    def resume(self, queue: str, *, conn: Conn | None = None) -> bool:
+        """Resume `queue` and wake its workers; False when it was not paused."""
+        return self._on_queue(lambda db, name: queues.resume(db, name, self._sql), queue, conn)
+
+    def limit_queue(self, queue: str, *, max_backlog: int | None, conn: Conn | None = None) -> None:
+        """Hold producers back while `queue` has `max_backlog` jobs waiting (None: no limit).
+
+        Past it, an enqueue into the queue raises QueueFull, or waits up to
+        its `wait_for_room=` seconds for room. The backlog is the leader's
+        count, at most a second or two old: a burst can overshoot the limit by
+        what producers enqueue in that time. Stored in the database: it
+        applies to every producer and needs no restart. See fastjobs.queues.
+        """
+        self._on_queue(
+            lambda db, name: queues.limit(db, name, max_backlog=max_backlog, sql=self._sql), queue, conn
+        )
+
+    def queues(self) -> list[QueueInfo]:
+        """Every queue acted on or holding jobs: paused or not, its jobs waiting and running."""
+        with schema.required(self.schema), self.connection() as own:
+            return queues.list_queues(own, self._sql)
+
+    def _on_queue(self, act: Callable[[psycopg.Connection[Any], str], R], queue: str, conn: Conn | None) -> R:
+        with schema.required(self.schema):
+            db: psycopg.Connection[Any] | None = enqueue.adapt(conn)
+            if db is not None:
+                enqueue.check_conn(db, psycopg.Connection)
+                return act(db, queue)
+            with self.connection() as own:
+                return act(own, queue)
 
     def status(self, job_id: int, *, conn: Conn | None = None) -> JobStatus:
         """What job `job_id` is now, without waiting: from the jobs table, or from the kept results

@@ -18,7 +18,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Generic, TypeVar
 
-from . import control, database, logs, schema, sql, stats
+from . import control, database, logs, queues, schema, sql, stats
 from .abc import OUTCOMES
 from .app import App
 from .children import EXIT_BOOT_ERROR
@@ -159,6 +159,31 @@ def _parser() -> argparse.ArgumentParser:
             "--yes", action="store_true", help="with the filters: no confirmation prompt (for scripts)"
         )
         command.add_argument("--json", action="store_true", help="one JSON object per job and line")
+
+    queues_parser = commands.add_parser("queues", help="list queues; pause and resume one")
+    queues_commands = queues_parser.add_subparsers(dest="queues_command", required=True)
+    queues_commands.add_parser("list", help="queues, paused or not, with their jobs").add_argument(
+        "--json", action="store_true"
+    )
+    for name, help_text in (
+        ("pause", "stop every worker taking the queue's jobs (those started finish); enqueues go on"),
+        ("resume", "let workers take the queue's jobs again, waking them"),
+    ):
+        command = queues_commands.add_parser(name, help=help_text)
+        command.add_argument("name", help="the queue")
+        command.add_argument("--json", action="store_true")
+    limit = queues_commands.add_parser(
+        "limit", help="hold producers back (QueueFull, or a wait) while the queue has N jobs waiting"
+    )
+    limit.add_argument("name", help="the queue")
+    limit.add_argument(
+        "--max-backlog",
+        type=_backlog,
+        required=True,
+        metavar="N",
+        help="jobs waiting past which enqueues are held back (none: no limit)",
+    )
+    limit.add_argument("--json", action="store_true")
 
     periodic = commands.add_parser("periodic", help="the periodic (cron) jobs of MODULE")
     periodic_commands = periodic.add_subparsers(dest="periodic_command", required=True)
@@ -427,6 +452,8 @@ def _command(args: argparse.Namespace) -> int:
         return _jobs(args)
     if args.command == "periodic":
         return _periodic(args)
+    if args.command == "queues":
+        return _queues(args)
     if args.command == "bench":
         return _bench(args)
     if args.command == "sql":
@@ -571,6 +598,55 @@ def _jobs(args: argparse.Namespace) -> int:
                 continue
             _echo(json.dumps(doc) if args.json else line)
         return 1 if failed else 0
+
+
+def _queues(args: argparse.Namespace) -> int:
+    dsn = database.resolve_dsn(args.dsn, fallback=True)
+    statements = sql.of(database.resolve_schema(args.schema))
+    with database.connect(dsn, autocommit=True) as conn:
+        schema.check(conn, statements)
+        if args.queues_command == "list":
+            found = queues.list_queues(conn, statements)
+            if args.json:
+                _echo(json.dumps([dataclasses.asdict(q) for q in found], default=str, indent=2))
+            elif found:
+                _table(_QUEUES_COLUMNS, found)
+            else:
+                _echo("(no queues: none holds a job or was paused)")
+            return 0
+        name = args.name
+        if name not in {q.name for q in queues.list_queues(conn, statements)}:
+            # Paused or resumed all the same: a queue may be paused before its first job.
+            _no_such_names(conn, name, None, statements)
+        if args.queues_command == "limit":
+            queues.limit(conn, name, max_backlog=args.max_backlog, sql=statements)
+            doc: dict[str, Any] = {"queue": name, "max_backlog": args.max_backlog}
+            line = f"queue {name!r}: " + (
+                "no max_backlog" if args.max_backlog is None else f"max_backlog {args.max_backlog:,}"
+            )
+        elif args.queues_command == "pause":
+            since = queues.pause(conn, name, statements)
+            doc = {"queue": name, "paused": True, "paused_at": since.isoformat()}
+            line = f"queue {name!r}: paused since {_when(since)}"
+        else:
+            was = queues.resume(conn, name, statements)
+            doc = {"queue": name, "paused": False, "was_paused": was}
+            line = f"queue {name!r}: " + ("resumed" if was else "was not paused")
+    _echo(json.dumps(doc) if args.json else _safe(line))
+    return 0
+
+
+def _backlog(text: str) -> int | None:
+    """An argparse type: a positive integer, or none."""
+    if text.lower() == "none":
+        return None
+    try:
+        value = int(text.replace("_", "").replace(",", ""))
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or none, not {text!r}")
+    return value
 
 
 def _close(name: str, known: Iterable[str]) -> str:
@@ -803,6 +879,14 @@ _PERIODIC_COLUMNS: list[Column[Any]] = [
     Column("last tick (UTC)", _last_tick),
     Column("next tick (UTC)", lambda p: _minute(p.next_tick)),
 ]
+_QUEUES_COLUMNS: list[Column[queues.QueueInfo]] = [
+    Column("queue", lambda q: _safe(q.name)),
+    Column("state", lambda q: f"paused since {_when(q.paused_at)}" if q.paused_at else "running"),
+    Column("waiting", lambda q: f"{q.waiting:,}", ">"),
+    Column("running", lambda q: f"{q.running:,}", ">"),
+    Column("max_backlog", lambda q: "" if q.max_backlog is None else f"{q.max_backlog:,}", ">"),
+    Column("held back", lambda q: f"{q.held_back:,}", ">"),
+]
 _QUEUE_COLUMNS: list[Column[stats.QueueDepth]] = [
     Column("queue", lambda d: _safe(d.queue)),
     Column("state", lambda d: d.state),
@@ -853,6 +937,7 @@ def _stats(args: argparse.Namespace) -> int:
     with database.connect(dsn, autocommit=True) as conn:
         schema.check(conn, statements)
         depths = stats.queue_depths(conn, statements)
+        steered = queues.states(conn, statements)
         health = stats.health(conn, statements)
         identity = stats.database_identity(conn, dsn, statements)
         hosts = stats.cluster(conn, sql=statements)
@@ -880,6 +965,8 @@ def _stats(args: argparse.Namespace) -> int:
         doc = {
             "database": identity,
             "queues": [dataclasses.asdict(d) for d in depths],
+            "paused_queues": {q.name: q.paused_at.isoformat() for q in steered if q.paused_at},
+            "queue_limits": [dataclasses.asdict(q) for q in steered if q.max_backlog is not None],
             "masters": masters,
             "health": dataclasses.asdict(health),
             "warnings": warnings,
@@ -892,6 +979,23 @@ def _stats(args: argparse.Namespace) -> int:
         _table(_QUEUE_COLUMNS, depths)
     else:
         _echo("(no jobs)")
+    for q in steered:
+        if q.paused_at:
+            _echo(
+                _safe(
+                    f"paused: queue {q.name!r} since {_when(q.paused_at)} (`fastjobs queues resume {q.name}`)"
+                )
+            )
+        if q.max_backlog is not None:
+            if q.backlog is None:
+                counted = "not counted yet"
+            elif q.backlog >= q.max_backlog:  # counted up to the limit
+                counted = f"at least {q.backlog:,} waiting: FULL, enqueues held back"
+            else:
+                counted = f"{q.backlog:,} waiting"
+            held = f"{q.held_back:,} held back so far"
+            line = f"max_backlog: queue {q.name!r} {q.max_backlog:,} ({counted}; {held})"
+            _echo(_safe(line))
     now = time.time()
     for m in masters:
         other = "" if m["this_database"] else f" (ANOTHER DATABASE: {_safe(m['database'])})"

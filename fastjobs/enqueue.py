@@ -60,6 +60,7 @@ class Options:
     unique: bool | tuple[str, ...] = False
     args_schema: ArgsSchema | None = None
     keep_result: int | None = None  # seconds its outcome is kept in fastjobs_results
+    wait_for_room: float | None = None  # seconds to wait while the queue is full (fastjobs.queues)
 
 
 def unique_key_for(opts: Options, args: dict[str, Any]) -> str | None:
@@ -83,6 +84,7 @@ def options(
     delay: float | dt.timedelta | None = None,
     unique_key: str | None = None,
     keep_result: float | dt.timedelta | None = None,
+    wait_for_room: float | None = None,
 ) -> Options:
     """Validate everything but the arguments; each bad value raises with its reason."""
     if unique_key is not None and (not isinstance(unique_key, str) or not unique_key):
@@ -122,6 +124,12 @@ def options(
                 f"delay must be at most {MAX_DELAY:.0f} seconds (about 1,000 years), not {seconds:g}"
             )
     keep = check_keep_result(keep_result if keep_result is not None else (spec.keep_result if spec else None))
+    if wait_for_room is not None and (
+        isinstance(wait_for_room, bool)
+        or not isinstance(wait_for_room, int | float)
+        or not 0 <= wait_for_room < math.inf
+    ):
+        raise ValueError(f"wait_for_room must be seconds (a finite number >= 0), not {wait_for_room!r}")
     return Options(
         kind,
         queue,
@@ -135,6 +143,7 @@ def options(
         spec.unique if spec else False,
         spec.args_schema if spec else None,
         keep,
+        wait_for_room,
     )
 
 

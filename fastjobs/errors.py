@@ -15,6 +15,7 @@ __all__ = [
     "JobNotFound",
     "JobTimeout",
     "LoopError",
+    "QueueFull",
     "Retry",
     "SchemaMissing",
     "SchemaTooNew",
@@ -49,6 +50,21 @@ class SchemaMissing(FastjobsError):
 
 class SchemaTooNew(SchemaMissing):
     """The fastjobs schema in this database is newer than this fastjobs runs on: upgrade fastjobs."""
+
+
+class QueueFull(FastjobsError):
+    """The queue's backlog is at its max_backlog (`fastjobs queues limit`): nothing was enqueued.
+
+    `backlog` is the leader's last count (at most a few seconds old), `max_backlog` the limit.
+    """
+
+    def __init__(self, queue: str, backlog: int, max_backlog: int, waited: float = 0.0) -> None:
+        self.queue, self.backlog, self.max_backlog = queue, backlog, max_backlog
+        after = f" after waiting {waited:g}s for room" if waited else ""
+        super().__init__(
+            f"queue {queue!r} is full: {backlog:,} jobs waiting, its max_backlog is {max_backlog:,}{after};"
+            " nothing was enqueued (wait_for_room=SECONDS waits for room)"
+        )
 
 
 class JobTimeout(FastjobsError):

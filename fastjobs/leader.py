@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg import sql as pgsql
 
-from . import database, enqueue, schema, sql
+from . import database, enqueue, queues, schema, sql
 from .cron import schedule
 from .errors import ConfigurationError, DatabaseUnavailable
 from .stats import (
@@ -871,6 +871,10 @@ class Leader:
         ]
         if config.rotation.enabled:
             services.append(("rotator", config.rotation.interval, lambda: self.rotator.turn(conn)))
+        # The backlogs of queues with a max_backlog, for their producers (fastjobs.queues).
+        services.append(
+            ("backlogs", queues.COUNT_INTERVAL, lambda: queues.count_backlogs(conn, app) and None)
+        )
         if self.periodic:
             services.append(
                 (
@@ -897,6 +901,8 @@ class Leader:
                 self._record()
             self._renewed = time.monotonic()
             spent = time.monotonic() - now
+            if name == "backlogs":  # counts bounded by the limits, at most 10% of the leader's time
+                self._due[name] = time.monotonic() + max(queues.COUNT_INTERVAL, spent * 9)
             if name == "cleaner" and spent >= config.cleaner.budget:
                 self._due[name] = time.monotonic() + config.cleaner.rest(spent)  # a backlog: paced
             if name == "rotator":

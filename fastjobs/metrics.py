@@ -40,7 +40,7 @@ from typing import Any
 
 import psycopg
 
-from . import database, sql
+from . import database, queues, sql
 from .children import EXIT_BOOT_ERROR, EXIT_CRASH, Backoff, die_with, fork, how_it_ended
 from .errors import FastjobsError
 from .stats import LEADER, ClusterHost, Health, QueueDepth, Slots, cluster, health, prometheus, queue_depths
@@ -53,6 +53,9 @@ MAX_REQUEST = 8192  # bytes of request line and headers
 LOCK_TIMEOUT = 0.5
 STATEMENT_TIMEOUT = 2.0
 CONNECT_TIMEOUT = 2  # libpq's least
+# What a scrape reads of the database: queue depths, MVCC health, the hosts
+# (the leader's process only) and the paused queues.
+Reading = tuple[list[QueueDepth], Health, list[ClusterHost] | None, list[queues.QueueState]]
 FRESH = 1.0  # a burst of scrapes within this many seconds costs one read of the database
 RETRY_AFTER = 2.0  # after a failed read, scrapes answer without the database this long
 READY_TIMEOUT = 30.0  # the master's wait for the first metrics process to listen
@@ -188,12 +191,13 @@ class DatabaseReader:
         self.sql = sql
         self.conn: psycopg.Connection[Any] | None = None
         self.read_at = -FRESH
-        self.last: tuple[list[QueueDepth], Health, list[ClusterHost] | None] | None = None
+        self.last: Reading | None = None
         self.failed_at = -RETRY_AFTER
         self.failure = ""
 
-    def read(self, hosts: bool = False) -> tuple[list[QueueDepth], Health, list[ClusterHost] | None] | str:
-        """Queue depths, MVCC health and (with `hosts`) the cluster's hosts, or why they are missing."""
+    def read(self, hosts: bool = False) -> Reading | str:
+        """Queue depths, MVCC health, (with `hosts`) the cluster's hosts and the paused queues, or why
+        they are missing."""
         now = time.monotonic()
         if self.last is not None and now - self.read_at < FRESH and (self.last[2] is not None) == hosts:
             return self.last
@@ -204,8 +208,12 @@ class DatabaseReader:
             if self.conn is None:
                 self.conn = self._connect()
             sql = self.sql
-            hosts_ = cluster(self.conn, sql=sql) if hosts else None
-            result = queue_depths(self.conn, sql), health(self.conn, sql), hosts_
+            result = (
+                queue_depths(self.conn, sql),
+                health(self.conn, sql),
+                cluster(self.conn, sql=sql) if hosts else None,
+                queues.states(self.conn, sql),
+            )
         except (FastjobsError, psycopg.Error) as exc:
             slow = isinstance(exc, psycopg.errors.QueryCanceled | psycopg.errors.LockNotAvailable)
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

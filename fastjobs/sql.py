@@ -50,7 +50,7 @@ statements, as `fastjobs sql show` does):
   Leader                     the leader's lock and keepalives, the scheduler
   Workers                    a worker's session, registration, heartbeat, sleep
   Maintenance                rescuer, releaser, cleaners (results too), periodic jobs
-  Operators                  cancel, retry, discard
+  Operators                  cancel, retry, discard; queues paused, resumed, limited
   State reports (family)     job_state, job_get, job_list, job_stats_by_queue, testing_jobs_*, job_status
   Vacuum and rotation        slot 0's VACUUM, the rotating slots
   Monitoring                 MVCC horizon, table health, NOTIFY queue
@@ -427,7 +427,8 @@ class _Choice:
     after: bool = False  # from the mark on: the priority and run_at where the last claim ended
 
     def where(self, *, queue: str, limit: str, first: int) -> str:
-        """Up to `limit` available jobs of `queue` due now, in claim order, skipping rows others hold;
+        """Up to `limit` available jobs of `queue` due now, in claim order, skipping rows others hold,
+        none while the queue is paused (one lookup per statement: its parameter is the statement's);
         this choice's parameters are $`first` and on."""
         after = ""
         if self.after:
@@ -436,6 +437,7 @@ class _Choice:
                 f" + (${first + 1}::int8 - {CLAIM_MARK_MARGIN}) * interval '1 microsecond'"
             )
         return f""" WHERE state = 'available' AND queue = {queue} AND run_at <= now(){after}
+   AND NOT EXISTS (SELECT FROM {_S}fastjobs_queues WHERE name = {queue} AND paused_at IS NOT NULL)
  ORDER BY priority DESC, run_at, id
  LIMIT {limit}
    FOR UPDATE SKIP LOCKED"""
@@ -1168,6 +1170,83 @@ SELECT queue, kind, count(*) FILTER (WHERE state IN ('available', 'scheduled', '
   FROM {_S}fastjobs_jobs_all
  GROUP BY queue, kind
  ORDER BY queue, kind"""
+
+# queue_pause: pause queue $1 (a claim takes none of its jobs from the
+# statement after this commits); when it was paused, already or now.
+queue_pause: Final = f"""
+INSERT INTO {_S}fastjobs_queues AS q (name, paused_at) VALUES ($1, now())
+    ON CONFLICT (name) DO UPDATE SET paused_at = coalesce(q.paused_at, now()), updated_at = now()
+RETURNING paused_at"""
+
+# queue_resume: resume queue $1 and wake the workers sleeping on it (at
+# commit); a row comes back only when it was paused.
+queue_resume: Final = f"""
+UPDATE {_S}fastjobs_queues SET paused_at = NULL, updated_at = now()
+ WHERE name = $1 AND paused_at IS NOT NULL
+RETURNING pg_notify('{NOTIFY_CHANNEL}', name)"""
+
+# queue_limit: set (or with NULL remove) queue $1's max_backlog $2; its
+# backlog is counted from the leader's next turn.
+queue_limit: Final = f"""
+INSERT INTO {_S}fastjobs_queues AS q (name, max_backlog) VALUES ($1, $2)
+    ON CONFLICT (name) DO UPDATE
+   SET max_backlog = $2, backlog = NULL, backlog_at = NULL, updated_at = now()"""
+
+# queue_list: every queue fastjobs knows of (acted on by an operator, or
+# holding jobs) with when it was paused (NULL: running), its jobs waiting
+# (available, scheduled, retryable) and running, its max_backlog and the
+# enqueues held back by it.
+queue_list: Final = f"""
+SELECT name, max(paused_at), coalesce(sum(waiting), 0)::int8, coalesce(sum(running), 0)::int8,
+       max(max_backlog), coalesce(max(held_back), 0)
+  FROM (SELECT name, paused_at, NULL::int8 AS waiting, NULL::int8 AS running, max_backlog, held_back
+          FROM {_S}fastjobs_queues
+        UNION ALL
+        SELECT queue, NULL,
+               count(*) FILTER (WHERE state IN ('available', 'scheduled', 'retryable')),
+               count(*) FILTER (WHERE state = 'running'), NULL, NULL
+          FROM {_S}fastjobs_jobs_all
+         WHERE state IN ('available', 'scheduled', 'retryable', 'running')
+         GROUP BY queue) AS known
+ GROUP BY name
+ ORDER BY name"""
+
+# queue_states: the queues an operator acted on: when paused (NULL:
+# running), their max_backlog, last backlog count and enqueues held back, for
+# `fastjobs stats` and the metrics.
+queue_states: Final = f"""
+SELECT name, paused_at, max_backlog, backlog, held_back FROM {_S}fastjobs_queues ORDER BY name"""
+
+# queue_full: the queues whose backlog the leader found at their max_backlog
+# in the last $1 seconds (a count older than that, say with no leader, holds
+# no producer back), with that count and the limit; what producers read, at
+# most once a second each.
+queue_full: Final = f"""
+SELECT name, backlog, max_backlog FROM {_S}fastjobs_queues
+ WHERE backlog >= max_backlog AND backlog_at > now() - $1 * interval '1 second'"""
+
+# queue_held_back: add $2 to the enqueues queue $1 held back (a producer's
+# count since its last report).
+queue_held_back: Final = f"""
+UPDATE {_S}fastjobs_queues SET held_back = held_back + $2 WHERE name = $1"""
+
+# queue_count_backlogs: the leader counts the backlog (available, scheduled,
+# retryable jobs) of each queue with a max_backlog, up to the limit (a count
+# past it says no more), so the count costs at most the limit's index
+# entries; the number of queues counted.
+queue_count_backlogs: Final = f"""
+WITH counted AS (
+    SELECT q.name,
+           (SELECT count(*)
+              FROM (SELECT 1 FROM {_S}fastjobs_jobs_all j
+                     WHERE j.queue = q.name AND j.state IN ('available', 'scheduled', 'retryable')
+                     LIMIT q.max_backlog) AS upto) AS backlog
+      FROM {_S}fastjobs_queues q
+     WHERE q.max_backlog IS NOT NULL
+)
+UPDATE {_S}fastjobs_queues q SET backlog = counted.backlog, backlog_at = now()
+  FROM counted
+ WHERE q.name = counted.name"""
 
 
 _section("State reports")

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 
@@ -58,6 +58,9 @@ from .abc import (
     BatchLoop,
 )
 from .types import Outcome
+
+if TYPE_CHECKING:
+    from .queues import QueueState
 
 MAGIC = 0x66_6A_73_74  # "fjst"
 VERSION = 7
@@ -967,9 +970,10 @@ def prometheus(
     depths: list[QueueDepth] | None,
     health: Health | None = None,
     hosts: list[ClusterHost] | None = None,
+    steered: Sequence[QueueState] = (),
 ) -> str:
-    """Prometheus text exposition of the counters (and queue depths, MVCC health and the cluster's
-    hosts when given)."""
+    """Prometheus text exposition of the counters (and queue depths with the queues an operator
+    `steered`, MVCC health and the cluster's hosts when given)."""
     lines = []
     counters = (
         ("claimed", "jobs claimed"),
@@ -1037,6 +1041,24 @@ def prometheus(
             if q.oldest_seconds is not None:
                 labels = f'queue="{_escape(q.queue)}",state="{q.state}"'
                 lines.append(f"fastjobs_queue_oldest_seconds{{{labels}}} {q.oldest_seconds:.3f}")
+        paused = {q.name for q in steered if q.paused_at}
+        lines.append("# HELP fastjobs_queue_paused 1 while the queue is paused (fastjobs queues pause)")
+        lines.append("# TYPE fastjobs_queue_paused gauge")
+        for name in sorted({q.queue for q in depths} | paused):
+            lines.append(f'fastjobs_queue_paused{{queue="{_escape(name)}"}} {int(name in paused)}')
+        limited = [q for q in steered if q.max_backlog is not None]
+        lines.append("# HELP fastjobs_queue_max_backlog the backlog past which enqueues are held back")
+        lines.append("# TYPE fastjobs_queue_max_backlog gauge")
+        lines.extend(
+            f'fastjobs_queue_max_backlog{{queue="{_escape(q.name)}"}} {q.max_backlog}' for q in limited
+        )
+        lines.append("# HELP fastjobs_queue_held_back_total enqueues held back by the queue's max_backlog")
+        lines.append("# TYPE fastjobs_queue_held_back_total counter")
+        lines.extend(
+            f'fastjobs_queue_held_back_total{{queue="{_escape(q.name)}"}} {q.held_back}'
+            for q in steered
+            if q.max_backlog is not None or q.held_back
+        )
     lines.extend(kind_metrics(slots.kinds()))
     if health is not None:
         lines.extend(_health_metrics(health))

@@ -335,7 +335,9 @@ def test_options_schema_puts_fastjobs_tables_there_for_migrate_and_enqueue(empty
     in public), and a task enqueued on Django's connection lands there."""
     from django.test import override_settings
 
-    tasks = {"default": {"BACKEND": "fastjobs.contrib.django.FastjobsBackend", "OPTIONS": {"SCHEMA": "dj_jobs"}}}
+    tasks = {
+        "default": {"BACKEND": "fastjobs.contrib.django.FastjobsBackend", "OPTIONS": {"SCHEMA": "dj_jobs"}}
+    }
     _point_django_at(empty_dsn)
     try:
         with override_settings(TASKS=tasks):
@@ -350,12 +352,16 @@ def test_options_schema_puts_fastjobs_tables_there_for_migrate_and_enqueue(empty
         applied = conn.execute("SELECT version FROM dj_jobs.fastjobs_migrations ORDER BY version").fetchall()
         assert [row[0] for row in applied] == [m.version for m in schema.migrations()]
         assert conn.execute("SELECT to_regclass('public.fastjobs_jobs_all')").fetchone() == (None,)
-        assert conn.execute("SELECT kind FROM dj_jobs.fastjobs_jobs_all").fetchall() == [("shop.tasks.record",)]
+        assert conn.execute("SELECT kind FROM dj_jobs.fastjobs_jobs_all").fetchall() == [
+            ("shop.tasks.record",)
+        ]
 
 
 def test_a_bad_schema_option_is_refused_clearly():
     with pytest.raises(ImproperlyConfigured, match=r"\['SCHEMA'\]: 'bad name' is not a schema name"):
-        FastjobsBackend("jobs", {"BACKEND": "fastjobs.contrib.django.FastjobsBackend", "OPTIONS": {"SCHEMA": "bad name"}})
+        FastjobsBackend(
+            "jobs", {"BACKEND": "fastjobs.contrib.django.FastjobsBackend", "OPTIONS": {"SCHEMA": "bad name"}}
+        )
 
 
 def test_the_django_migrations_keep_step_with_fastjobs_own():

@@ -257,6 +257,7 @@ def test_every_channel_a_statement_names_is_a_channel_constant():
         "job_finish_claim_after_keep_context": wake,
         "job_finish_locked_many": wake,
         "queue_wake": wake,
+        "queue_resume": wake,
         "job_schedule_many": wake,
         "job_release_unstarted": finish,
         "job_crash_fast": {sql.RESULT_CHANNEL},  # every statement that may end a job tells the waiters

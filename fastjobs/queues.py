@@ -1,0 +1,253 @@
+"""Queues steered at run time: pause, resume, limit, list (the fastjobs_queues table, migration 007).
+
+A paused queue keeps its jobs and takes enqueues; no claim of any worker
+takes its jobs from the statement after the pause commits (the claims read
+the table: sql._Choice.where), so jobs already claimed finish and no new one
+starts. Resuming wakes the queue's sleeping workers at commit.
+
+A queue with a max_backlog holds producers back while its backlog is at the
+limit: the leader counts each such backlog every second (count_backlogs, up
+to the limit), and each producer process reads which queues are full at most
+once a second (Backpressure), so an enqueue costs no count and, while no
+queue is full, nothing but a clock read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import psycopg
+from psycopg.rows import tuple_row
+
+from . import sql
+from .enqueue import check_queue
+from .errors import ConfigurationError, QueueFull
+
+__all__ = [
+    "Backpressure",
+    "QueueInfo",
+    "QueueState",
+    "count_backlogs",
+    "limit",
+    "list_queues",
+    "pause",
+    "resume",
+    "states",
+]
+
+# How often the leader counts the backlogs of queues with a max_backlog (at
+# least: a count that takes long is paced to 10% of the leader's time).
+COUNT_INTERVAL = 1.0
+# How often a producer reads which queues are full, and how often one waiting
+# for room looks again; a count the leader made longer ago than FRESH_FOR
+# (no leader) holds no producer back.
+REFRESH = 1.0
+WAIT_STEP = 0.25
+FRESH_FOR = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class QueueInfo:
+    """One queue as `fastjobs queues list` shows it."""
+
+    name: str
+    paused_at: dt.datetime | None  # None: running
+    waiting: int  # available, scheduled or retryable
+    running: int  # on the state lane (a fast-lane batch's jobs stay 'available' until it commits)
+    max_backlog: int | None = None  # enqueues are held back while this many jobs wait
+    held_back: int = 0  # enqueues held back by max_backlog so far (reported once a second)
+
+    @property
+    def paused(self) -> bool:
+        return self.paused_at is not None
+
+
+def _cursor(conn: psycopg.Connection[Any]) -> psycopg.RawCursor[tuple[Any, ...]]:
+    return psycopg.RawCursor(conn, row_factory=tuple_row)
+
+
+def pause(conn: psycopg.Connection[Any], queue: str, sql: ModuleType = sql) -> dt.datetime:
+    """Pause `queue` (effective when `conn`'s transaction commits); when it was paused, already or now.
+    `sql`: the catalogue of the App's schema (fastjobs.sql.of), as for every function here."""
+    check_queue(queue)
+    with _cursor(conn) as cur:
+        row = cur.execute(sql.queue_pause, (queue,)).fetchone()
+    assert row is not None
+    paused_at: dt.datetime = row[0]
+    return paused_at
+
+
+def resume(conn: psycopg.Connection[Any], queue: str, sql: ModuleType = sql) -> bool:
+    """Resume `queue` and wake its workers (at commit); False when it was not paused."""
+    check_queue(queue)
+    with _cursor(conn) as cur:
+        return cur.execute(sql.queue_resume, (queue,)).fetchone() is not None
+
+
+def list_queues(conn: psycopg.Connection[Any], sql: ModuleType = sql) -> list[QueueInfo]:
+    """Every queue acted on or holding jobs, by name."""
+    with _cursor(conn) as cur:
+        return [QueueInfo(*row) for row in cur.execute(sql.queue_list)]
+
+
+def limit(
+    conn: psycopg.Connection[Any], queue: str, *, max_backlog: int | None, sql: ModuleType = sql
+) -> None:
+    """Set queue `queue`'s max_backlog (None: no limit); effective at the leader's next count."""
+    check_queue(queue)
+    if max_backlog is not None and (
+        isinstance(max_backlog, bool) or not isinstance(max_backlog, int) or max_backlog < 1
+    ):
+        raise ValueError(f"max_backlog must be a positive integer or None, not {max_backlog!r}")
+    with _cursor(conn) as cur:
+        cur.execute(sql.queue_limit, (queue, max_backlog))
+
+
+@dataclass(frozen=True, slots=True)
+class QueueState:
+    """What an operator set on a queue, and the leader's last backlog count, for stats and metrics."""
+
+    name: str
+    paused_at: dt.datetime | None
+    max_backlog: int | None
+    backlog: int | None  # counted up to max_backlog
+    held_back: int
+
+
+def states(conn: psycopg.Connection[Any], sql: ModuleType = sql) -> list[QueueState]:
+    """The queues an operator acted on, by name."""
+    with _cursor(conn) as cur:
+        return [QueueState(*row) for row in cur.execute(sql.queue_states)]
+
+
+def count_backlogs(conn: psycopg.Connection[Any], sql: ModuleType = sql) -> int:
+    """The leader's service: count the backlog of each queue with a max_backlog; how many it counted."""
+    with _cursor(conn) as cur:
+        return cur.execute(sql.queue_count_backlogs).rowcount
+
+
+class Backpressure:
+    """A producer process's view of the full queues, read at most once a second.
+
+    `check(queue, wait)` returns at once unless `queue` is full; then it
+    waits up to `wait` seconds for room, looking again every WAIT_STEP, and
+    raises QueueFull if none came. The enqueues held back are counted and
+    added to the queue's held_back at the next read, or at once when the
+    producer gives up.
+    """
+
+    def __init__(
+        self,
+        connection: Callable[[], AbstractContextManager[psycopg.Connection[Any]]],
+        connection_async: Callable[[], AbstractAsyncContextManager[psycopg.AsyncConnection[Any]]],
+        sql: ModuleType = sql,
+    ) -> None:
+        self.sql = sql  # the catalogue of the App's schema
+        self._connection = connection
+        self._connection_async = connection_async
+        self._full: dict[str, tuple[int, int]] = {}  # queue: (backlog, max_backlog)
+        self._read_at = -REFRESH
+        self._held: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def check(self, queue: str, wait: float | None, conn: psycopg.Connection[Any] | None = None) -> None:
+        """Return once `queue` has room (at once unless it is full); QueueFull after `wait` seconds.
+
+        The read goes through fastjobs' own pool, or `conn` (the caller's)
+        when the App has no DSN of its own.
+        """
+        if time.monotonic() - self._read_at >= REFRESH:
+            self._refresh(conn, force=False)
+        if queue not in self._full:
+            return
+        with self._lock:
+            self._held[queue] += 1
+        try:
+            for step in _steps(queue, wait, lambda: self._full):
+                time.sleep(step)
+                self._refresh(conn, force=True)
+        except QueueFull:
+            self._refresh(
+                conn, force=True
+            )  # reports the count: a producer that gives up may never read again
+            raise
+
+    async def check_async(
+        self, queue: str, wait: float | None, conn: psycopg.AsyncConnection[Any] | None = None
+    ) -> None:
+        """`check` for coroutines; two concurrent reads may both go to the database."""
+        if time.monotonic() - self._read_at >= REFRESH:
+            await self._refresh_async(conn)
+        if queue not in self._full:
+            return
+        with self._lock:
+            self._held[queue] += 1
+        try:
+            for step in _steps(queue, wait, lambda: self._full):
+                await asyncio.sleep(step)
+                await self._refresh_async(conn)
+        except QueueFull:
+            await self._refresh_async(conn)
+            raise
+
+    def _refresh(self, caller: psycopg.Connection[Any] | None, force: bool) -> None:
+        with self._lock:
+            if not force and time.monotonic() - self._read_at < REFRESH:
+                return  # another thread read meanwhile
+            try:
+                with self._connection() as own:
+                    self._read(own)
+            except ConfigurationError:
+                if caller is None:
+                    raise
+                self._read(caller)
+
+    def _read(self, conn: psycopg.Connection[Any]) -> None:
+        """Read the full queues, and report the enqueues held back since the last read (under the lock)."""
+        with _cursor(conn) as cur:
+            rows = cur.execute(self.sql.queue_full, (FRESH_FOR,)).fetchall()
+            held, self._held = self._held, Counter()
+            for queue, count in held.items():
+                cur.execute(self.sql.queue_held_back, (queue, count))
+        self._full = {name: (backlog, most) for name, backlog, most in rows}
+        self._read_at = time.monotonic()
+
+    async def _refresh_async(self, caller: psycopg.AsyncConnection[Any] | None) -> None:
+        try:
+            async with self._connection_async() as own:
+                await self._read_async(own)
+        except ConfigurationError:
+            if caller is None:
+                raise
+            await self._read_async(caller)
+
+    async def _read_async(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        async with psycopg.AsyncRawCursor(conn, row_factory=tuple_row) as cur:
+            rows = await (await cur.execute(self.sql.queue_full, (FRESH_FOR,))).fetchall()
+            with self._lock:
+                held, self._held = self._held, Counter()
+            for queue, count in held.items():
+                await cur.execute(self.sql.queue_held_back, (queue, count))
+        self._full = {name: (backlog, most) for name, backlog, most in rows}
+        self._read_at = time.monotonic()
+
+
+def _steps(queue: str, wait: float | None, full: Callable[[], dict[str, tuple[int, int]]]) -> Iterator[float]:
+    """The sleeps of a producer waiting for room in `queue` (the caller reads the full queues again
+    after each); QueueFull once `wait` seconds passed with the queue still full."""
+    began = time.monotonic()
+    while queue in full():
+        left = began + (wait or 0.0) - time.monotonic()
+        if left <= 0:
+            backlog, most = full()[queue]
+            raise QueueFull(queue, backlog, most, waited=wait or 0.0)
+        yield min(left, WAIT_STEP)
