@@ -28,7 +28,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import tuple_row
 
-from . import sql
+from . import schema, sql
 from .enqueue import check_queue
 from .errors import ConfigurationError, QueueFull
 
@@ -200,7 +200,8 @@ class Backpressure:
             raise
 
     def _refresh(self, caller: psycopg.Connection[Any] | None, force: bool) -> None:
-        with self._lock:
+        # A missing table says to migrate (the first enqueue into a schema never migrated reads here).
+        with self._lock, schema.required(self.sql.SCHEMA):
             if not force and time.monotonic() - self._read_at < REFRESH:
                 return  # another thread read meanwhile
             try:
@@ -222,6 +223,10 @@ class Backpressure:
         self._read_at = time.monotonic()
 
     async def _refresh_async(self, caller: psycopg.AsyncConnection[Any] | None) -> None:
+        with schema.required(self.sql.SCHEMA):
+            await self._refresh_async_checked(caller)
+
+    async def _refresh_async_checked(self, caller: psycopg.AsyncConnection[Any] | None) -> None:
         try:
             async with self._connection_async() as own:
                 await self._read_async(own)

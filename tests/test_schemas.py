@@ -20,7 +20,7 @@ import psycopg
 import pytest
 from psycopg import sql as pgsql
 
-from fastjobs import App, leader, schema, sql
+from fastjobs import App, leader, queues, schema, sql
 from fastjobs.cli import main
 from fastjobs.errors import ConfigurationError, SchemaMissing
 
@@ -298,6 +298,22 @@ def test_fastjobs_schema_is_the_default_and_configure_changes_it(
     finally:
         app.close()
     assert (_count(dsn, A), _count(dsn, B)) == (1, 1)
+
+
+def test_pausing_and_limiting_a_queue_is_the_schemas_own(dsn: str, schemas: tuple[App, App]) -> None:
+    app, other = schemas
+    app.pause("default")
+    app.limit_queue("default", max_backlog=1)
+    assert [(q.name, q.paused, q.max_backlog) for q in app.queues()] == [("default", True, 1)]
+    assert other.queues() == []
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        queues.count_backlogs(conn, app.sql)  # the leader's count: the schema's queues
+        assert queues.list_queues(conn) == []  # the default schema's: untouched
+    app.enqueue("x")
+    other.enqueue("x")  # B's queue has no limit
+    listed = procs.cli(dsn, "queues", "list", "--json", "--schema", A)
+    assert [q["name"] for q in json.loads(listed.stdout)] == ["default"], listed.stderr
+    assert app.resume("default") is True and other.resume("default") is False
 
 
 # -- running, results, cancel, periodic, rotation, stats
