@@ -957,6 +957,10 @@ cdef class BatchLoop:
         for _ in range(planner.tries(bool(self._failures))):
             if planner.lane():
                 self._lock()
+                if not self._nrows and planner.again():
+                    index, limit, mark = planner.next()
+                    self._send(index, limit, mark)
+                    self._receive()
             else:
                 index, limit, mark = planner.next()
                 self._send(index, limit, mark)

@@ -522,6 +522,9 @@ class BatchLoop:
         for _ in range(self.planner.tries(bool(self._failures))):
             if self.planner.lane():
                 rows = self._lock()
+                if not rows and self.planner.again():
+                    self._send(*self.planner.next())
+                    rows = self._receive()
             else:
                 self._send(*self.planner.next())
                 rows = self._receive()

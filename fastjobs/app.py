@@ -621,17 +621,42 @@ class App:
         """Resume `queue` and wake its workers; False when it was not paused."""
         return self._on_queue(lambda db, name: queues.resume(db, name, self._sql), queue, conn)
 
-    def limit_queue(self, queue: str, *, max_backlog: int | None, conn: Conn | None = None) -> None:
-        """Hold producers back while `queue` has `max_backlog` jobs waiting (None: no limit).
+    def limit_queue(
+        self,
+        queue: str,
+        *,
+        concurrency: int | None = queues.UNCHANGED,
+        max_backlog: int | None = queues.UNCHANGED,
+        rate_limit: str | None = queues.UNCHANGED,
+        conn: Conn | None = None,
+    ) -> None:
+        """Set `queue`'s limits, stored in the database: every worker and producer, no restart.
 
-        Past it, an enqueue into the queue raises QueueFull, or waits up to
-        its `wait_for_room=` seconds for room. The backlog is the leader's
-        count, at most a second or two old: a burst can overshoot the limit by
-        what producers enqueue in that time. Stored in the database: it
-        applies to every producer and needs no restart. See fastjobs.queues.
+        `concurrency`: at most this many of its jobs run at once across the
+        cluster (from the next claim; the queue takes the state lane). None
+        removes a limit; a limit not given stays as it is.
+
+        `rate_limit`: at most N of its jobs start per period, across the
+        cluster: "200/s", "1000/min", "50/h" (a token bucket holding one
+        second's worth: a burst after a quiet spell is at most that).
+
+        `max_backlog`: hold producers back while this many of its jobs wait:
+        an enqueue into the queue raises QueueFull, or waits up to its
+        `wait_for_room=` seconds for room. The backlog is the leader's count,
+        at most a second or two old, so a burst can overshoot the limit by
+        what producers enqueue in that time. See fastjobs.queues.
         """
         self._on_queue(
-            lambda db, name: queues.limit(db, name, max_backlog=max_backlog, sql=self._sql), queue, conn
+            lambda db, name: queues.limit(
+                db,
+                name,
+                concurrency=concurrency,
+                max_backlog=max_backlog,
+                rate_limit=rate_limit,
+                sql=self._sql,
+            ),
+            queue,
+            conn,
         )
 
     def queues(self) -> list[QueueInfo]:

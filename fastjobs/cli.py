@@ -173,13 +173,27 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("name", help="the queue")
         command.add_argument("--json", action="store_true")
     limit = queues_commands.add_parser(
-        "limit", help="hold producers back (QueueFull, or a wait) while the queue has N jobs waiting"
+        "limit", help="limit the queue's jobs running at once, or hold producers back past a backlog"
     )
     limit.add_argument("name", help="the queue")
     limit.add_argument(
+        "--concurrency",
+        type=_backlog,
+        default=queues.UNCHANGED,
+        metavar="N",
+        help="at most N of its jobs running at once, cluster-wide (none: no limit)",
+    )
+    limit.add_argument(
+        "--rate-limit",
+        type=_rate,
+        default=queues.UNCHANGED,
+        metavar="N/PERIOD",
+        help="at most N of its jobs started per period, cluster-wide: 200/s, 1000/min, 50/h (none: no limit)",
+    )
+    limit.add_argument(
         "--max-backlog",
         type=_backlog,
-        required=True,
+        default=queues.UNCHANGED,
         metavar="N",
         help="jobs waiting past which enqueues are held back (none: no limit)",
     )
@@ -619,11 +633,26 @@ def _queues(args: argparse.Namespace) -> int:
             # Paused or resumed all the same: a queue may be paused before its first job.
             _no_such_names(conn, name, None, statements)
         if args.queues_command == "limit":
-            queues.limit(conn, name, max_backlog=args.max_backlog, sql=statements)
-            doc: dict[str, Any] = {"queue": name, "max_backlog": args.max_backlog}
-            line = f"queue {name!r}: " + (
-                "no max_backlog" if args.max_backlog is None else f"max_backlog {args.max_backlog:,}"
+            limits = {
+                "concurrency": args.concurrency,
+                "rate_limit": args.rate_limit,
+                "max_backlog": args.max_backlog,
+            }
+            doc: dict[str, Any] = {
+                field: value for field, value in limits.items() if value is not queues.UNCHANGED
+            }
+            if not doc:
+                raise ValueError("give --concurrency, --rate-limit, --max-backlog or several")
+            queues.limit(conn, name, **doc, sql=statements)
+            line = f"queue {name!r}: " + ", ".join(
+                f"no {field}"
+                if value is None
+                else f"{field} {value:,}"
+                if isinstance(value, int)
+                else f"{field} {value}"
+                for field, value in doc.items()
             )
+            doc["queue"] = name
         elif args.queues_command == "pause":
             since = queues.pause(conn, name, statements)
             doc = {"queue": name, "paused": True, "paused_at": since.isoformat()}
@@ -634,6 +663,17 @@ def _queues(args: argparse.Namespace) -> int:
             line = f"queue {name!r}: " + ("resumed" if was else "was not paused")
     _echo(json.dumps(doc) if args.json else _safe(line))
     return 0
+
+
+def _rate(text: str) -> str | None:
+    """An argparse type: a rate limit (N/PERIOD), or none."""
+    if text.lower() == "none":
+        return None
+    try:
+        queues.per_second(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _backlog(text: str) -> int | None:
@@ -884,6 +924,8 @@ _QUEUES_COLUMNS: list[Column[queues.QueueInfo]] = [
     Column("state", lambda q: f"paused since {_when(q.paused_at)}" if q.paused_at else "running"),
     Column("waiting", lambda q: f"{q.waiting:,}", ">"),
     Column("running", lambda q: f"{q.running:,}", ">"),
+    Column("concurrency", lambda q: "" if q.concurrency is None else f"{q.concurrency:,}", ">"),
+    Column("rate_limit", lambda q: q.rate_limit or "", ">"),
     Column("max_backlog", lambda q: "" if q.max_backlog is None else f"{q.max_backlog:,}", ">"),
     Column("held back", lambda q: f"{q.held_back:,}", ">"),
 ]
@@ -986,6 +1028,10 @@ def _stats(args: argparse.Namespace) -> int:
                     f"paused: queue {q.name!r} since {_when(q.paused_at)} (`fastjobs queues resume {q.name}`)"
                 )
             )
+        if q.concurrency is not None:
+            _echo(_safe(f"concurrency: queue {q.name!r} runs at most {q.concurrency:,} jobs at once"))
+        if q.rate_limit is not None:
+            _echo(_safe(f"rate limit: queue {q.name!r} starts at most {q.rate_limit} jobs"))
         if q.max_backlog is not None:
             if q.backlog is None:
                 counted = "not counted yet"

@@ -172,6 +172,19 @@ class Planner:
         """
         return self._queues + (1 if outcomes else 0)
 
+    def again(self) -> bool:
+        """After a fast claim that found nothing: whether to claim the same queue at once on the
+        state lane (True, and its turn is given back), instead of counting it as an empty try.
+
+        Its jobs may all be taken, or may not run on the fast lane: a queue
+        with a concurrency limit has none there (sql._Choice.where), and a
+        loop that slept on it would sleep while its jobs wait.
+        """
+        if not self._fast or self._deep[self.index]:
+            return False
+        self._turn -= 1
+        return not self.lane()
+
     def ahead(self, overlap: bool, stopping: bool) -> bool:
         """Whether to send the next claim before this batch runs.
 

@@ -63,6 +63,8 @@ class QueueInfo:
     paused_at: dt.datetime | None  # None: running
     waiting: int  # available, scheduled or retryable
     running: int  # on the state lane (a fast-lane batch's jobs stay 'available' until it commits)
+    concurrency: int | None = None  # at most this many of its jobs run at once, cluster-wide
+    rate_limit: str | None = None  # at most this many of its jobs start per period ("200/s"), cluster-wide
     max_backlog: int | None = None  # enqueues are held back while this many jobs wait
     held_back: int = 0  # enqueues held back by max_backlog so far (reported once a second)
 
@@ -99,17 +101,72 @@ def list_queues(conn: psycopg.Connection[Any], sql: ModuleType = sql) -> list[Qu
         return [QueueInfo(*row) for row in cur.execute(sql.queue_list)]
 
 
+class _Unchanged:
+    def __repr__(self) -> str:
+        return "UNCHANGED"
+
+
+UNCHANGED: Any = _Unchanged()  # a limit left as it is
+
+
 def limit(
-    conn: psycopg.Connection[Any], queue: str, *, max_backlog: int | None, sql: ModuleType = sql
+    conn: psycopg.Connection[Any],
+    queue: str,
+    *,
+    concurrency: int | None = UNCHANGED,
+    max_backlog: int | None = UNCHANGED,
+    rate_limit: str | None = UNCHANGED,
+    sql: ModuleType = sql,
 ) -> None:
-    """Set queue `queue`'s max_backlog (None: no limit); effective at the leader's next count."""
+    """Set queue `queue`'s limits (None: none; UNCHANGED, the default: as it is).
+
+    `concurrency`: at most this many of its jobs running at once, cluster-wide,
+    from the next claim; `rate_limit`: at most N of its jobs started per
+    period ("200/s", "1000/min", "50/h"), cluster-wide; `max_backlog`:
+    producers held back while this many wait, from the leader's next count.
+    """
     check_queue(queue)
-    if max_backlog is not None and (
-        isinstance(max_backlog, bool) or not isinstance(max_backlog, int) or max_backlog < 1
-    ):
-        raise ValueError(f"max_backlog must be a positive integer or None, not {max_backlog!r}")
+    for name, value in (("concurrency", concurrency), ("max_backlog", max_backlog)):
+        if (
+            value is not UNCHANGED
+            and value is not None
+            and (isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**31)
+        ):
+            raise ValueError(f"{name} must be a positive integer or None, not {value!r}")
+    if concurrency is UNCHANGED and max_backlog is UNCHANGED and rate_limit is UNCHANGED:
+        raise ValueError("give concurrency=, rate_limit=, max_backlog= or several")
+    rate = None if rate_limit is UNCHANGED or rate_limit is None else per_second(rate_limit)
+    params = (
+        queue,
+        None if concurrency is UNCHANGED else concurrency,
+        concurrency is not UNCHANGED,
+        None if max_backlog is UNCHANGED else max_backlog,
+        max_backlog is not UNCHANGED,
+        None if rate_limit is UNCHANGED else rate_limit,
+        rate,
+        rate_limit is not UNCHANGED,
+    )
     with _cursor(conn) as cur:
-        cur.execute(sql.queue_limit, (queue, max_backlog))
+        cur.execute(sql.queue_limit, params)
+
+
+_PERIODS = {"s": 1, "sec": 1, "second": 1, "m": 60, "min": 60, "minute": 60, "h": 3600, "hour": 3600}
+
+
+def per_second(rate_limit: str) -> float:
+    """A rate limit ("200/s", "1000/min", "50/hour") in jobs per second; ValueError saying the form."""
+    count, _, period = rate_limit.partition("/") if isinstance(rate_limit, str) else ("", "", "")
+    seconds = _PERIODS.get(period.strip().lower())
+    try:
+        n = int(count.strip().replace("_", ""))
+    except ValueError:
+        n = 0
+    if seconds is None or n < 1:
+        raise ValueError(
+            f"rate_limit must read N/PERIOD with N a positive integer and PERIOD s, min or h"
+            f" (200/s, 1000/min), not {rate_limit!r}"
+        )
+    return n / seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +175,8 @@ class QueueState:
 
     name: str
     paused_at: dt.datetime | None
+    concurrency: int | None
+    rate_limit: str | None
     max_backlog: int | None
     backlog: int | None  # counted up to max_backlog
     held_back: int
@@ -200,17 +259,20 @@ class Backpressure:
             raise
 
     def _refresh(self, caller: psycopg.Connection[Any] | None, force: bool) -> None:
-        # A missing table says to migrate (the first enqueue into a schema never migrated reads here).
-        with self._lock, schema.required(self.sql.SCHEMA):
+        with self._lock:
             if not force and time.monotonic() - self._read_at < REFRESH:
                 return  # another thread read meanwhile
-            try:
-                with self._connection() as own:
-                    self._read(own)
-            except ConfigurationError:
-                if caller is None:
-                    raise
-                self._read(caller)
+            with schema.required(self.sql.SCHEMA):
+                try:
+                    with self._connection() as own:
+                        self._read(own)
+                except ConfigurationError:
+                    if caller is None:
+                        raise
+                    with (
+                        caller.transaction()
+                    ):  # a savepoint: a failed read leaves the caller's transaction be
+                        self._read(caller)
 
     def _read(self, conn: psycopg.Connection[Any]) -> None:
         """Read the full queues, and report the enqueues held back since the last read (under the lock)."""
@@ -224,16 +286,14 @@ class Backpressure:
 
     async def _refresh_async(self, caller: psycopg.AsyncConnection[Any] | None) -> None:
         with schema.required(self.sql.SCHEMA):
-            await self._refresh_async_checked(caller)
-
-    async def _refresh_async_checked(self, caller: psycopg.AsyncConnection[Any] | None) -> None:
-        try:
-            async with self._connection_async() as own:
-                await self._read_async(own)
-        except ConfigurationError:
-            if caller is None:
-                raise
-            await self._read_async(caller)
+            try:
+                async with self._connection_async() as own:
+                    await self._read_async(own)
+            except ConfigurationError:
+                if caller is None:
+                    raise
+                async with caller.transaction():
+                    await self._read_async(caller)
 
     async def _read_async(self, conn: psycopg.AsyncConnection[Any]) -> None:
         async with psycopg.AsyncRawCursor(conn, row_factory=tuple_row) as cur:

@@ -426,18 +426,30 @@ class _Choice:
 
     after: bool = False  # from the mark on: the priority and run_at where the last claim ended
 
-    def where(self, *, queue: str, limit: str, first: int) -> str:
-        """Up to `limit` available jobs of `queue` due now, in claim order, skipping rows others hold,
-        none while the queue is paused (one lookup per statement: its parameter is the statement's);
-        this choice's parameters are $`first` and on."""
+    def where(self, *, queue: str, limit: str, first: int, fast: bool = False, ending: str = "") -> str:
+        """Up to `limit` available jobs of `queue` due now, in claim order, skipping rows others hold;
+        none while the queue is paused; with a concurrency or rate limit, no more than fastjobs_room
+        allows on the state lane (`fast`: none, since a job in flight there is not counted as running),
+        whose count leaves out the jobs a finish statement ends (`ending`: its worker, completed ids
+        and outcome records, which the count cannot see: they are this statement's own writes).
+        Each test is one lookup per statement (a one-time filter: its parameter is the
+        statement's). This choice's parameters are $`first` and on."""
         after = ""
         if self.after:
             after = (
                 f" AND priority = ${first}\n   AND run_at >= timestamptz '2000-01-01 00:00:00+00'"
                 f" + (${first + 1}::int8 - {CLAIM_MARK_MARGIN}) * interval '1 microsecond'"
             )
+        limits = "concurrency IS NOT NULL OR rate IS NOT NULL"
+        limited = f"SELECT FROM {_S}fastjobs_queues WHERE name = {queue} AND ({limits})"
+        if fast:
+            stopped = f"(paused_at IS NOT NULL OR {limits})"
+        else:
+            stopped = "paused_at IS NOT NULL"
+            room = f"{_S}fastjobs_room({queue}, {limit}{ending})"
+            limit = f"CASE WHEN EXISTS ({limited})\n            THEN {room} ELSE {limit} END"
         return f""" WHERE state = 'available' AND queue = {queue} AND run_at <= now(){after}
-   AND NOT EXISTS (SELECT FROM {_S}fastjobs_queues WHERE name = {queue} AND paused_at IS NOT NULL)
+   AND NOT EXISTS (SELECT FROM {_S}fastjobs_queues WHERE name = {queue} AND {stopped})
  ORDER BY priority DESC, run_at, id
  LIMIT {limit}
    FOR UPDATE SKIP LOCKED"""
@@ -447,7 +459,9 @@ _FROM_THE_FRONT: Final = _Choice()
 _AFTER_THE_MARK: Final = _Choice(after=True)
 
 
-def _claim(*, queue: str, limit: str, worker: str, choice: _Choice, first: int, context: bool) -> str:
+def _claim(
+    *, queue: str, limit: str, worker: str, choice: _Choice, first: int, context: bool, ending: str = ""
+) -> str:
     """The state lane's claim: the jobs `choice` takes become running for `worker`, their attempt
     counted. The ids go through ARRAY(...): joined as a subquery instead, a large batch makes the
     planner hash-join it against a Seq Scan of the whole table."""
@@ -456,7 +470,7 @@ def _claim(*, queue: str, limit: str, worker: str, choice: _Choice, first: int, 
        attempted_at = now(), attempted_by = {worker}
  WHERE j.id = ANY(ARRAY(
            SELECT id FROM {_S}fastjobs_jobs_all
-           {_indent(choice.where(queue=queue, limit=limit, first=first), 11)}))
+           {_indent(choice.where(queue=queue, limit=limit, first=first, ending=ending), 11)}))
 RETURNING {_returned(context=context, row="j")}"""
 
 
@@ -467,7 +481,7 @@ def _lock(*, choice: _Choice, context: bool) -> str:
     return f"""
 SELECT {_returned(context=context, attempt=f"({_next_attempt('')})::smallint")}
   FROM {_S}fastjobs_jobs_all
-{choice.where(queue="$1", limit="$2", first=3)}"""
+{choice.where(queue="$1", limit="$2", first=3, fast=True)}"""
 
 
 # job_claim_many: take up to $2 available jobs of queue $1 for worker $3, in
@@ -680,7 +694,9 @@ def _finish_claim(*, keep: bool, choice: _Choice, context: bool, results: bool =
     state in args; each of those branches runs only when its count of applied rows falls short (a
     one-time filter: nothing to do in the usual batch). Claimed rows come first: an Append runs its
     branches in order."""
-    claim = _claim(queue="$3", limit="$4", worker="$5", choice=choice, first=6, context=context)
+    claim = _claim(
+        queue="$3", limit="$4", worker="$5", choice=choice, first=6, context=context, ending=", $5, $1, $2"
+    )
     width = len(_CLAIMED) + (len(_CONTEXT) if context else 0)
     rest = ", NULL" * (width - 4)  # the columns after id, kind, args and attempt
     notify = f"\nUNION ALL\nSELECT {', '.join(['NULL'] * width)}\n{_NOTIFY_KEPT}" if results else ""
@@ -1185,26 +1201,38 @@ UPDATE {_S}fastjobs_queues SET paused_at = NULL, updated_at = now()
  WHERE name = $1 AND paused_at IS NOT NULL
 RETURNING pg_notify('{NOTIFY_CHANNEL}', name)"""
 
-# queue_limit: set (or with NULL remove) queue $1's max_backlog $2; its
-# backlog is counted from the leader's next turn.
+# queue_limit: set queue $1's concurrency to $2 when $3, its max_backlog to
+# $4 when $5, and its rate limit to $6 ("200/s") at $7 jobs a second when $8
+# (NULL: no limit), leaving the others as they were. A new max_backlog is
+# counted from the leader's next turn; a new rate starts with a full bucket.
 queue_limit: Final = f"""
-INSERT INTO {_S}fastjobs_queues AS q (name, max_backlog) VALUES ($1, $2)
+INSERT INTO {_S}fastjobs_queues AS q (name, concurrency, max_backlog, rate_limit, rate, tokens)
+VALUES ($1, $2, $4, $6, $7::float8, coalesce(greatest($7::float8, 1.0), 0.0))
     ON CONFLICT (name) DO UPDATE
-   SET max_backlog = $2, backlog = NULL, backlog_at = NULL, updated_at = now()"""
+   SET concurrency = CASE WHEN $3 THEN $2 ELSE q.concurrency END,
+       max_backlog = CASE WHEN $5 THEN $4 ELSE q.max_backlog END,
+       backlog = CASE WHEN $5 THEN NULL ELSE q.backlog END,
+       backlog_at = CASE WHEN $5 THEN NULL ELSE q.backlog_at END,
+       rate_limit = CASE WHEN $8 THEN $6 ELSE q.rate_limit END,
+       rate = CASE WHEN $8 THEN $7 ELSE q.rate END,
+       tokens = CASE WHEN $8 THEN coalesce(greatest($7::float8, 1.0), 0.0) ELSE q.tokens END,
+       refilled_at = CASE WHEN $8 THEN now() ELSE q.refilled_at END,
+       updated_at = now()"""
 
 # queue_list: every queue fastjobs knows of (acted on by an operator, or
 # holding jobs) with when it was paused (NULL: running), its jobs waiting
-# (available, scheduled, retryable) and running, its max_backlog and the
-# enqueues held back by it.
+# (available, scheduled, retryable) and running, its concurrency and
+# max_backlog, and the enqueues held back by it.
 queue_list: Final = f"""
 SELECT name, max(paused_at), coalesce(sum(waiting), 0)::int8, coalesce(sum(running), 0)::int8,
-       max(max_backlog), coalesce(max(held_back), 0)
-  FROM (SELECT name, paused_at, NULL::int8 AS waiting, NULL::int8 AS running, max_backlog, held_back
+       max(concurrency), max(rate_limit), max(max_backlog), coalesce(max(held_back), 0)
+  FROM (SELECT name, paused_at, NULL::int8 AS waiting, NULL::int8 AS running, concurrency, rate_limit,
+               max_backlog, held_back
           FROM {_S}fastjobs_queues
         UNION ALL
         SELECT queue, NULL,
                count(*) FILTER (WHERE state IN ('available', 'scheduled', 'retryable')),
-               count(*) FILTER (WHERE state = 'running'), NULL, NULL
+               count(*) FILTER (WHERE state = 'running'), NULL, NULL, NULL, NULL
           FROM {_S}fastjobs_jobs_all
          WHERE state IN ('available', 'scheduled', 'retryable', 'running')
          GROUP BY queue) AS known
@@ -1212,10 +1240,12 @@ SELECT name, max(paused_at), coalesce(sum(waiting), 0)::int8, coalesce(sum(runni
  ORDER BY name"""
 
 # queue_states: the queues an operator acted on: when paused (NULL:
-# running), their max_backlog, last backlog count and enqueues held back, for
-# `fastjobs stats` and the metrics.
+# running), their concurrency, rate limit, max_backlog, last backlog count and enqueues
+# held back, for `fastjobs stats` and the metrics.
 queue_states: Final = f"""
-SELECT name, paused_at, max_backlog, backlog, held_back FROM {_S}fastjobs_queues ORDER BY name"""
+SELECT name, paused_at, concurrency, rate_limit, max_backlog, backlog, held_back
+  FROM {_S}fastjobs_queues
+ ORDER BY name"""
 
 # queue_full: the queues whose backlog the leader found at their max_backlog
 # in the last $1 seconds (a count older than that, say with no leader, holds

@@ -1046,6 +1046,15 @@ def prometheus(
         lines.append("# TYPE fastjobs_queue_paused gauge")
         for name in sorted({q.queue for q in depths} | paused):
             lines.append(f'fastjobs_queue_paused{{queue="{_escape(name)}"}} {int(name in paused)}')
+        lines.append(
+            "# HELP fastjobs_queue_concurrency the most jobs of the queue running at once, cluster-wide"
+        )
+        lines.append("# TYPE fastjobs_queue_concurrency gauge")
+        lines.extend(
+            f'fastjobs_queue_concurrency{{queue="{_escape(q.name)}"}} {q.concurrency}'
+            for q in steered
+            if q.concurrency is not None
+        )
         limited = [q for q in steered if q.max_backlog is not None]
         lines.append("# HELP fastjobs_queue_max_backlog the backlog past which enqueues are held back")
         lines.append("# TYPE fastjobs_queue_max_backlog gauge")

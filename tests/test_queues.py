@@ -119,7 +119,17 @@ def test_pause_and_resume_from_the_command_line_and_what_stats_says(app: App, ds
     listed = cli(dsn, "queues", "list")
     assert listed.returncode == 0, listed.stderr
     header, row = listed.stdout.splitlines()
-    assert header.split() == ["queue", "state", "waiting", "running", "max_backlog", "held", "back"]
+    assert header.split() == [
+        "queue",
+        "state",
+        "waiting",
+        "running",
+        "concurrency",
+        "rate_limit",
+        "max_backlog",
+        "held",
+        "back",
+    ]
     assert row.split()[:3] == ["emails", "paused", "since"] and row.split()[-3:] == ["3", "0", "0"]
     listed_json = json.loads(cli(dsn, "queues", "list", "--json").stdout)
     assert [(q["name"], q["waiting"], q["paused_at"] is not None) for q in listed_json] == [
@@ -250,9 +260,14 @@ def test_a_producer_waiting_for_room_enqueues_once_the_backlog_drops(app: App, d
 
 
 def test_bad_limits_and_waits_are_refused_with_a_clear_error(app: App, dsn: str) -> None:
-    for bad in (0, -1, True, 1.5, "3"):
+    bads: list[Any] = [0, -1, True, 1.5, "3", 2**31]
+    for bad in bads:
         with pytest.raises(ValueError, match="max_backlog must be a positive integer or None"):
-            app.limit_queue("q", max_backlog=bad)  # type: ignore[arg-type]
+            app.limit_queue("q", max_backlog=bad)
+        with pytest.raises(ValueError, match="concurrency must be a positive integer or None"):
+            app.limit_queue("q", concurrency=bad)
+    with pytest.raises(ValueError, match="give concurrency=, rate_limit=, max_backlog= or several"):
+        app.limit_queue("q")
     for wait in (-1, float("inf"), "1", True):
         with pytest.raises(ValueError, match="wait_for_room must be seconds"):
             app.enqueue("k", wait_for_room=wait)  # type: ignore[arg-type]
@@ -291,5 +306,106 @@ def test_the_leader_counts_a_limited_backlog_and_stats_and_metrics_show_it(
     report = cli(app.dsn, "stats").stdout
     assert "max_backlog: queue 'held' 3 (at least 3 waiting: FULL, enqueues held back;" in report
     listed = cli(app.dsn, "queues", "list").stdout.splitlines()
-    assert listed[0].split() == ["queue", "state", "waiting", "running", "max_backlog", "held", "back"]
+    assert listed[0].split()[4:] == ["concurrency", "rate_limit", "max_backlog", "held", "back"]
     assert master.stop() == 0, master.stderr()
+
+
+def test_a_limited_queue_never_runs_more_than_its_concurrency_across_processes(
+    masters: procs.Masters, app: App, db: psycopg.Connection[Any]
+) -> None:
+    """Four worker processes, a limit of 3: sampled from the database while the jobs run, never
+    more than 3 of the queue's jobs are running, and 3 are at times (the limit binds, it is not
+    a queue that happens to be slow)."""
+    app.limit_queue("limited", concurrency=3)
+    app.enqueue_many("record", ({"n": n, "sleep": 0.05} for n in range(60)), queue="limited")
+    app.enqueue_many("record", ({"n": 1000 + n} for n in range(20)), queue="free")
+    seen: list[int] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        with psycopg.connect(app.dsn, autocommit=True) as conn:
+            while not done.is_set():
+                row = conn.execute(
+                    "SELECT count(*) FROM fastjobs_jobs_all WHERE queue = 'limited' AND state = 'running'"
+                ).fetchone()
+                assert row is not None
+                seen.append(row[0])
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        master = masters.start("--processes", "4", "--queues", "limited,free")
+        procs.wait_for(lambda: len(procs.runs(db)) == 80 or None, "every job to run", timeout=60)
+        assert master.stop() == 0, master.stderr()
+    finally:
+        done.set()
+        sampler.join()
+    assert max(seen) == 3, sorted(set(seen))
+    assert len(seen) > 50
+    assert procs.runs(db) == {n: 1 for n in [*range(60), *range(1000, 1020)]}
+
+
+@pytest.mark.parametrize("fast_lane", [True, False])
+def test_a_limited_queue_s_claims_take_the_room_left_on_the_state_lane(
+    app: App, dsn: str, fast_lane: bool
+) -> None:
+    app.job(kind="warm")(lambda: None)
+    app.job(kind="k")(lambda n: None)
+    with batch_loop(app, 100, fast_lane=fast_lane, overlap=False) as loop:
+        warm(app, loop)  # the queue takes the fast lane from here, when it may
+        app.enqueue_many("k", ({"n": n} for n in range(10)))
+        app.limit_queue("default", concurrency=4)
+        query(dsn, "UPDATE fastjobs_jobs_all SET state = 'running' WHERE (args->>'n')::int = 9")
+        assert loop.step() == 3  # 4 less the one running
+        assert loop.step() == 3  # the first 3 completed
+        assert loop.step() == 3
+        assert loop.step() == 0  # job 9 is running, not available
+        app.limit_queue("default", concurrency=None)
+        query(dsn, "UPDATE fastjobs_jobs_all SET state = 'available' WHERE (args->>'n')::int = 9")
+        assert loop.step() == 1
+        loop.finish()
+        assert loop.fast == 0
+    assert by_state(dsn) == {}
+    assert [q.concurrency for q in app.queues()] == [None]
+
+
+def test_a_rate_limited_queue_starts_at_most_its_rate_from_a_bucket_of_one_second(app: App, dsn: str) -> None:
+    app.job(kind="k")(lambda n: None)
+    app.enqueue_many("k", ({"n": n} for n in range(40)))
+    app.limit_queue("default", rate_limit="10/s")
+    with batch_loop(app, 100, fast_lane=True, overlap=False) as loop:
+        began = time.monotonic()
+        assert loop.step() == 10  # a full bucket: one second's worth
+        ran = 10
+        while ran < 40:
+            ran += loop.step()
+            assert ran <= 10 + 10 * (time.monotonic() - began) + 1  # never ahead of the rate
+        assert time.monotonic() - began >= 2.9  # 30 more at 10 a second
+        loop.finish()
+        assert loop.fast == 0
+    assert [q.rate_limit for q in app.queues()] == ["10/s"]
+    for bad in ("10", "10/day", "0/s", "x/s", "-1/min"):
+        with pytest.raises(ValueError, match="rate_limit must read N/PERIOD"):
+            app.limit_queue("default", rate_limit=bad)
+    done = cli(dsn, "queues", "limit", "default", "--rate-limit", "5/fortnight")
+    assert done.returncode == 2 and "rate_limit must read N/PERIOD" in done.stderr
+    done = cli(dsn, "queues", "limit", "default", "--rate-limit", "none", "--json")
+    assert json.loads(done.stdout) == {"rate_limit": None, "queue": "default"}
+
+
+def test_a_rate_limit_holds_across_worker_processes(
+    masters: procs.Masters, app: App, db: psycopg.Connection[Any]
+) -> None:
+    """Four processes, 20 jobs a second: the jobs' start times never run ahead of the bucket."""
+    app.limit_queue("paced", rate_limit="20/s")
+    app.enqueue_many("record", ({"n": n} for n in range(80)), queue="paced")
+    master = masters.start("--processes", "4", "--queues", "paced")
+    procs.wait_for(lambda: len(procs.runs(db)) == 80 or None, "every job to run", timeout=60)
+    assert master.stop() == 0, master.stderr()
+    times = [row[0] for row in db.execute("SELECT extract(epoch FROM at) FROM runs ORDER BY at")]
+    first = float(times[0])
+    for i, at in enumerate(times):
+        # The bucket held 20 at the start and refills 20 a second from its first claim, up to 0.1 s
+        # before the first job started (a claim's jobs start late, never early).
+        assert i + 1 <= 20 + 20 * (float(at) - first + 0.1) + 1, (i, float(at) - first)
+    assert float(times[-1]) - first >= 2.5  # 60 beyond the first second's 20, at 20 a second

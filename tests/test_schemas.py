@@ -33,7 +33,7 @@ A, B = "jobs_a", "Jobs-B"
 
 # Every name of fastjobs' objects a statement may use.
 NAMES = re.compile(
-    r"fastjobs_(?:jobs_all|jobs_[1-4]|jobs|workers|periodic|results|migrations|state|sleep_until|slot)\b"
+    r"fastjobs_(?:jobs_all|jobs_[1-4]|jobs|workers|periodic|results|migrations|state|sleep_until|slot|queues|room)\b"
 )
 
 
@@ -314,6 +314,27 @@ def test_pausing_and_limiting_a_queue_is_the_schemas_own(dsn: str, schemas: tupl
     listed = procs.cli(dsn, "queues", "list", "--json", "--schema", A)
     assert [q["name"] for q in json.loads(listed.stdout)] == ["default"], listed.stderr
     assert app.resume("default") is True and other.resume("default") is False
+
+
+def test_a_limited_queues_room_is_counted_in_its_schema(dsn: str, schemas: tuple[App, App]) -> None:
+    """fastjobs_room (a claim of a limited queue calls it) counts the jobs of its own schema, whatever
+    the worker's search_path finds: here a running job of the default schema's queue of that name."""
+    app, _ = schemas
+    app.job("x")(_nothing)
+    app.limit_queue("default", concurrency=1, rate_limit="1000/s")
+    query(
+        dsn,
+        "INSERT INTO fastjobs_jobs (queue, kind, state, attempted_by, attempted_at)"
+        " VALUES ('default', 'x', 'running', 'elsewhere', now())",
+    )
+    for _ in range(3):
+        app.enqueue("x")
+    drain(app, ["default"])
+    assert _count(dsn, A) == 0  # each ran (and was deleted): A's room was A's
+
+
+def _nothing() -> None:
+    pass
 
 
 # -- running, results, cancel, periodic, rotation, stats
