@@ -140,10 +140,8 @@ class App:
         when given back: nothing enqueued from here on goes there. A Worker
         reads the DSN when it starts: configure before running workers.
         """
-        if dsn is None and schema is None:
-            raise ValueError("configure takes a dsn, a schema or both")
-        if dsn is not None and (not isinstance(dsn, str) or not dsn):
-            raise ValueError(f"dsn must be a non-empty string, not {dsn!r}")
+        if (dsn is not None or schema is None) and (not isinstance(dsn, str) or not dsn):
+            raise ValueError(f"dsn must be a non-empty string, not {dsn!r} (or give schema= alone)")
         catalogue = self._sql if schema is None else sql.of(sql.schema_name(schema))
         self.close()
         self._dsn = self._dsn if dsn is None else dsn
