@@ -26,7 +26,7 @@ from fastjobs.abc import (BUCKETS_NS, COMPLETED, FULL_CLAIM_DUTY, HAND_BACK_AFTE
                           OBSERVED_MAX_NS, PG_EPOCH_US, PICKUP_SUM, ROW, RUN_SUM)
 from fastjobs.args import dump_args as _dump_args_checked
 from fastjobs.errors import LoopError
-from fastjobs.planner import Planner, fast_queues
+from fastjobs.planner import Planner, fast_queues, widths
 
 
 cdef extern from "libpq-fe.h" nogil:
@@ -438,7 +438,8 @@ cdef class BatchLoop:
         self.planner = Planner(
             fast_queues(specs, queues, fast_lane=fast_lane, keep_completed=keep_completed),
             batch_min=batch_min, batch_max=batch_max, duty=full_claim_duty,
-            pooled=lambda index: bool(executor.threads) and executor.pooled(self._queues[index]))
+            pooled=lambda index: bool(executor.threads) and executor.pooled(self._queues[index]),
+            widths=widths(specs, queues, executor.concurrency, executor.threads))
         name, text = sql.LOCK[bool(full_context), False]
         self._lock_statement, self._lock_sql = name.encode(), text.encode()
         name, text = sql.LOCK[bool(full_context), True]

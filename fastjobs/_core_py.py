@@ -20,7 +20,7 @@ from .abc import COMPLETED, FULL_CLAIM_DUTY, HAND_BACK_AFTER, PG_EPOCH_US, PICKU
 from .args import dump_args as dump_args
 from .errors import LoopError
 from .handlers import Executor
-from .planner import Planner, fast_queues
+from .planner import Planner, fast_queues, widths
 from .stats import RUNNING_JOB, RUNNING_SUSPECT, RUNNING_WRITING
 from .types import JobSpec, Outcome
 
@@ -179,6 +179,7 @@ class BatchLoop:
             batch_max=batch_max,
             duty=full_claim_duty,
             pooled=lambda index: bool(executor.threads) and executor.pooled(self._queues[index]),
+            widths=widths(specs, queues, executor.concurrency, executor.threads),
         )
         # The fast lane's claims, from the front and after the mark (as the state lane's).
         locks = [sql.LOCK[full_context, after] for after in (False, True)]

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     import psycopg
 
     from .handlers import Executor
+    from .planner import Planner
     from .types import JobSpec
 
 # What one batch should take at most, judged by the last batch's pace.
@@ -128,6 +129,10 @@ class BatchLoop(Protocol):
     batch_max: int
     overlap: bool  # send the next claim before the handlers run (from a deep queue)
     stopping: bool  # set from a signal handler: claim no more, give back what was not started
+
+    @property
+    def planner(self) -> Planner:
+        """The per-batch decisions (fastjobs.planner); the worker's heartbeat sets its `limited`."""
 
     @property
     def size(self) -> int:

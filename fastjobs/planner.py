@@ -43,7 +43,7 @@ from .abc import (
 if TYPE_CHECKING:
     from .types import JobSpec
 
-__all__ = ["Claim", "Planner", "fast_queues"]
+__all__ = ["Claim", "Planner", "fast_queues", "widths"]
 
 # A claim to send: the queue's index, how many jobs, and the mark to claim
 # after ((priority, run_at as binary timestamptz); None: from the front).
@@ -61,6 +61,20 @@ def fast_queues(
         fast_lane
         and not keep_completed
         and all(not spec.is_async and spec.timeout is None for spec in specs.values() if spec.queue == queue)
+        for queue in queues
+    ]
+
+
+def widths(
+    specs: Mapping[str, JobSpec], queues: Sequence[str], concurrency: int, threads: Mapping[bytes, int]
+) -> list[int]:
+    """Per queue, how many of its jobs a loop runs at once: its async kinds' `concurrency`, its
+    threads, or one (sync jobs run one after the other)."""
+    return [
+        max(
+            concurrency if any(s.is_async for s in specs.values() if s.queue == queue) else 1,
+            threads.get(queue.encode(), 1),
+        )
         for queue in queues
     ]
 
@@ -85,11 +99,13 @@ class Planner:
         "_sizes",
         "_state_until",
         "_turn",
+        "_widths",
         "batch_max",
         "batch_min",
         "full",
         "index",
         "keeping",
+        "limited",
         "recheck",
         "size",
     )
@@ -103,6 +119,7 @@ class Planner:
         duty: float = FULL_CLAIM_DUTY,
         pooled: Callable[[int], bool] = lambda index: False,
         clock: Callable[[], float] = time.monotonic,
+        widths: list[int] | None = None,
     ) -> None:
         n = len(fast_ok)
         self._queues = n
@@ -111,6 +128,12 @@ class Planner:
         self._pooled = pooled
         self._clock = clock
         self._duty = duty
+        # Per queue, the jobs the loop runs at once (see widths), and the queues with a concurrency
+        # limit (set by the worker's heartbeat, sql.queue_limited): a claim of one takes at most a
+        # wave, since a job claimed counts against the limit, started or not, and one loop
+        # holding every place would run them one after the other while other workers wait.
+        self._widths = widths if widths is not None else [1] * n
+        self.limited: frozenset[int] = frozenset()
         self._turn = 0
         self.batch_min = batch_min
         self.batch_max = batch_max
@@ -150,6 +173,7 @@ class Planner:
         if (
             not (self._fast_ok[index] and self._proven[index] and self._deep[index])
             or self._state_until[index] > self._clock()
+            or index in self.limited
         ):
             return False
         return not self._pooled(index)
@@ -190,16 +214,26 @@ class Planner:
 
         Only from a deep queue (the last claim came back full): on a shallow
         one it would mostly return nothing, one more round trip per wake-up;
-        nor when the next claim takes the fast lane (its transaction). When
-        True, the claim to send is next()'s, on the state lane.
+        nor when the next claim takes the fast lane (its transaction), nor of a
+        queue with a concurrency limit (jobs claimed ahead hold places that
+        other workers could run at once). When True, the claim to send is
+        next()'s, on the state lane.
         """
-        return overlap and self.full and not stopping and not self.lane()
+        return (
+            overlap
+            and self.full
+            and not stopping
+            and self._turn % self._queues not in self.limited
+            and not self.lane()
+        )
 
     def next(self) -> Claim:
         """The next claim, on the lane lane() chose: the queue whose turn it is, its size, from where."""
         index = self._turn % self._queues
         self._turn += 1
         limit = min(self._sizes[index], self.batch_max)
+        if index in self.limited:
+            limit = min(limit, self._widths[index])
         now = self._clock()
         mark = self._marks[index]
         if mark is not None and now >= self._next_full[index]:

@@ -1247,6 +1247,10 @@ SELECT name, paused_at, concurrency, rate_limit, max_backlog, backlog, held_back
   FROM {_S}fastjobs_queues
  ORDER BY name"""
 
+# queue_limited: the queues with a concurrency limit, which a worker's
+# heartbeat reads so its loop claims them a wave at a time (fastjobs.planner).
+queue_limited: Final = f"SELECT name FROM {_S}fastjobs_queues WHERE concurrency IS NOT NULL"
+
 # queue_full: the queues whose backlog the leader found at their max_backlog
 # in the last $1 seconds (a count older than that, say with no leader, holds
 # no producer back), with that count and the limit; what producers read, at

@@ -94,10 +94,13 @@ class Control(threading.Thread):
         names: list[tuple[int, str, str]] | None = None,
         rotator: leader.Rotator | None = None,
         handles: list[str] | None = None,
+        limited: Callable[[frozenset[str]], None] | None = None,
         sql: ModuleType = sql,
     ) -> None:
         super().__init__(name="fastjobs-control", daemon=True)
         self.sql = sql  # the statements of the app's schema
+        # Told at each heartbeat which queues have a concurrency limit (sql.queue_limited).
+        self.limited = limited
         # The kinds this worker has handlers for: the heartbeat carries them, so that `fastjobs
         # stats` can flag pending kinds that no live worker handles.
         self.handles = handles
@@ -194,6 +197,8 @@ class Control(threading.Thread):
         with psycopg.RawCursor(conn) as cur:
             cur.execute(self.sql.worker_heartbeat, (*self.register, self._counters()))
             requested = {row[0] for row in cur.execute(self.sql.job_cancel_requested, (self.worker_id,))}
+            if self.limited is not None:
+                self.limited(frozenset(row[0] for row in cur.execute(self.sql.queue_limited)))
         # The poll covers whatever was announced; ids no longer running here
         # are dropped (in place: the hot loop holds this set).
         self._heard.clear()
@@ -662,6 +667,11 @@ class Worker:
                 if self.parent is None and self.config.rotate and self.config.rotation.enabled
                 else None
             )
+            planner, queues = self.loop.planner, self.queues
+
+            def limited(names: frozenset[str]) -> None:
+                planner.limited = frozenset(i for i, queue in enumerate(queues) if queue in names)
+
             control = Control(
                 dsn,
                 self.worker_id,
@@ -672,6 +682,7 @@ class Worker:
                 names,
                 rotator,
                 sorted(specs),
+                limited,
                 sql,
             )
             control.start()

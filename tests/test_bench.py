@@ -54,8 +54,8 @@ def test_a_drain_writes_no_file_unless_asked_and_shows_both_raw_loops_and_the_sp
     [record] = [json.loads(line) for line in results.read_text().splitlines()]
     assert record["raw_jobs_per_s"] > 0 and record["raw_locked_jobs_per_s"] > 0
     assert record["master_baseline"] == record["worker_baseline"] == "raw_locked"
-    assert record["master_ratio"] == pytest.approx(
-        record["master_jobs_per_s"] / record["raw_locked_jobs_per_s"], rel=0.01
+    assert record["master_ratio"] == pytest.approx(  # written to two decimals
+        record["master_jobs_per_s"] / record["raw_locked_jobs_per_s"], rel=0.01, abs=0.006
     )
     assert len(record["master_jobs_per_s_runs"]) == 1
 

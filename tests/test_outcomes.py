@@ -275,7 +275,12 @@ def test_delays_are_clamped_or_rejected_and_noted(
 
     bad_id, _ = _around(app, "bad")
     began = time.monotonic()
-    drain(app, keep_completed=True)
+    if run_in == (0, 1.2):
+        # One run each: the default backoff (~1 s) is due before a loaded drain ends, which then
+        # met the job again.
+        assert run_one_batch(app, 3, keep_completed=True) == 3
+    else:
+        drain(app, keep_completed=True)
     assert sorted(ok_and_bad) == [1, 2]
     row = _row(dsn, bad_id)
     assert (row["state"], row["attempt"]) == (state, attempt)

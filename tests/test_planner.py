@@ -20,7 +20,7 @@ from fastjobs.abc import (
     MARK_RUN_AT_MAX,
     SIZE_DECAY,
 )
-from fastjobs.planner import Planner, fast_queues
+from fastjobs.planner import Planner, fast_queues, widths
 
 HOUR_US = 3_600_000_000  # a run_at well inside timestamptz's range
 
@@ -281,3 +281,29 @@ def test_a_fast_batch_is_sized_for_half_a_batch_s_time() -> None:
     p, clock = planner(fast=True, batch_max=1000)
     p.ran_fast(0, 100, BATCH_SECONDS)  # 100 jobs took a whole BATCH_SECONDS: 50 fit in half
     assert grow(p, clock) == 50
+
+
+def test_a_queue_with_a_concurrency_limit_is_claimed_a_wave_at_a_time_on_the_state_lane() -> None:
+    clock = Clock()
+    p = Planner([True, True], batch_max=1000, clock=clock, widths=[1, 8])
+    for index in (0, 1):
+        p.ran(index, 1000, 0.001, 0, False, False)
+    grow(p, clock)
+    assert claim(p, clock, 100_000)[0] is True and p.size > 8
+    p.limited = frozenset({0, 1})  # what the worker's heartbeat sets
+    assert sorted(claim(p, clock, 100_000)[:3] for _ in range(2)) == [(False, 0, 1), (False, 1, 8)]
+    assert p.full and not p.ahead(True, False)  # jobs claimed ahead would hold places idle
+    p.limited = frozenset()
+    assert claim(p, clock, 100_000)[0] is True
+
+
+def test_a_claim_s_widths_are_its_threads_or_its_async_concurrency() -> None:
+    app = App("postgresql://unused")
+    app.job("sync", queue="a")(lambda: None)
+    app.job("threaded", queue="b")(lambda: None)
+
+    @app.job("later", queue="c")
+    async def later() -> None:
+        pass
+
+    assert widths(dict(app.jobs), ["a", "b", "c"], 50, {b"b": 4}) == [1, 4, 50]

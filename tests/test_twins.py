@@ -20,7 +20,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from fastjobs import App, Cancel, Retry, Snooze, _core_py, current_job
+from fastjobs import App, Cancel, Retry, Snooze, _core_py, current_job, planner
 from fastjobs.abc import BUCKETS, OUTCOMES, PICKUP, ROW, RUN, BatchLoop, Core
 from fastjobs.errors import FastjobsError, LoopError
 from fastjobs.handlers import Executor
@@ -585,14 +585,17 @@ def _policy(core: Core, dsn: str) -> list[tuple[Any, ...]]:
     return trace
 
 
-def test_the_twins_decide_each_batch_alike(twin_dsns: tuple[str, str]) -> None:
+def test_the_twins_decide_each_batch_alike(twin_dsns: tuple[str, str], monkeypatch: Any) -> None:
     """Queue turns, lanes, marks, sizes: the same script leaves the same trace step by step.
     test_the_twins_leave_the_same_rows_and_counters compares one step per batch; this one the
     decisions that span batches, where a tuning change to one twin alone shows.
 
     A size is capped by the pace of its queue's last batch (BATCH_SECONDS), so a batch stretched
-    by a loaded machine changes the next sizes of one twin: the pair runs again, up to three
+    by a loaded machine would change the next sizes of one twin: both twins ask the one planner,
+    whose BATCH_SECONDS the script sets out of reach (a stall of minutes still proves a queue and
+    caps nothing). Should a stall outlast FULL_CLAIM_MAX_WAIT, the pair runs again, up to three
     times, on fresh databases; a twin that decides otherwise differs every time."""
+    monkeypatch.setattr(planner, "BATCH_SECONDS", 1000.0)
     python, c = _policy(_core_py, twin_dsns[0]), _policy(_core, twin_dsns[1])
     for _ in range(2):
         if python == c:

@@ -376,10 +376,12 @@ def test_sync_handler_past_its_timeout_fails_with_job_timeout(app: App, dsn):
     assert time.monotonic() - began < 4.0
     [row] = jobs(dsn)
     assert row["state"] == "retryable"
-    [error] = row["errors"]
-    assert error["error"].startswith("JobTimeout: ")
-    assert "0.2s" in error["error"]
-    assert "spin" in error["traceback"]
+    # One attempt, or two when a loaded drain outlived the backoff (~1 s): each timed out.
+    assert 1 <= len(row["errors"]) <= 2
+    for error in row["errors"]:
+        assert error["error"].startswith("JobTimeout: ")
+        assert "0.2s" in error["error"]
+        assert "spin" in error["traceback"]
 
 
 def test_async_handler_past_its_timeout_fails_with_job_timeout(app: App, dsn):
