@@ -1,5 +1,6 @@
 # What Python sees of the C module `_core.pyx`; mypy checks it against fastjobs.abc.Core in impl.py.
 from collections.abc import Iterator
+from types import ModuleType
 from typing import Any
 
 import psycopg
@@ -56,6 +57,7 @@ class BatchLoop:
         counts: memoryview | None = None,
         full_context: bool = False,
         fast_lane: bool = False,
+        sql: ModuleType = ...,
     ) -> None: ...
     def prepare(self) -> None: ...
     def step(self) -> int: ...

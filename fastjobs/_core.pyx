@@ -315,6 +315,7 @@ cdef class BatchLoop:
 
     cdef PGconn *_pgconn
     cdef object _conn  # keeps psycopg's connection (owner of the PGconn) alive
+    cdef object _catalogue  # fastjobs.sql.of(the app's schema): where the statements come from
     cdef dict _specs
     cdef object _executor
     cdef bytes _worker_id
@@ -413,8 +414,9 @@ cdef class BatchLoop:
     def __init__(self, conn, dict specs, executor, str worker_id, list queues, bint keep_completed=False,
                  Py_ssize_t batch_min=1, Py_ssize_t batch_max=1000, bint overlap=True, progress=None,
                  double full_claim_duty=FULL_CLAIM_DUTY, running=None, counts=None,
-                 bint full_context=False, bint fast_lane=False):
+                 bint full_context=False, bint fast_lane=False, sql=sql):  # no-cython-lint: module default
         self._conn = conn
+        self._catalogue = sql  # the statements of the app's schema
         self._pgconn = <PGconn *><size_t>conn.pgconn.pgconn_ptr
         self._specs = {k.encode(): v for k, v in specs.items()}
         self._executor = executor
@@ -533,7 +535,7 @@ cdef class BatchLoop:
             self._prepare(self._lock_after_statement, self._lock_after_sql)
             for name in ("job_finish_locked_many", "job_finish_locked_many_results", "job_hand_over",
                          "queue_wake"):
-                self._prepare(name.encode(), sql.STATEMENTS[name].encode())
+                self._prepare(name.encode(), self._catalogue.STATEMENTS[name].encode())
         guard.watch(self)
 
     cdef int _simple(self, bytes text) except -1:

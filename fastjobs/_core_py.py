@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from types import ModuleType
 from typing import Any
 
 import orjson
@@ -127,6 +128,7 @@ class BatchLoop:
         counts: memoryview | None = None,
         full_context: bool = False,
         fast_lane: bool = False,
+        sql: ModuleType = sql,
     ) -> None:
         self._pgconn = conn.pgconn
         # Shared memory written per job started (plain stores): a float

@@ -8,6 +8,7 @@ the C module there), and tests/test_twins.py runs both on the same batches.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -178,6 +179,7 @@ class NewBatchLoop(Protocol):
         counts: memoryview | None = ...,  # the slot's int64 rows per (queue, kind): see ROW
         full_context: bool = ...,  # claim meta and created_at, fill each JobContext whole (middleware)
         fast_lane: bool = ...,  # short sync jobs take the fast lane (sql.job_lock_many)
+        sql: ModuleType = ...,  # the statements of the app's schema (fastjobs.sql.of)
     ) -> BatchLoop: ...
 
 

@@ -47,20 +47,34 @@ class App(Connected):
     enqueue any other: a typo fails at the call, not 25 attempts later at a
     worker. An App that knows none is a pure producer and enqueues any kind
     (River's insert-only client; Celery's `send_task`).
+
+    `schema` (else FASTJOBS_SCHEMA) keeps fastjobs' tables in a PostgreSQL
+    schema of their own, for a database shared with other applications:
+    `fastjobs migrate --schema NAME` creates it, and every statement names
+    it, enqueues on the caller's connection too (their search_path is left
+    alone). Without one, the tables are found on the session's search_path,
+    `public` by default (docs/operations/schemas.md).
     """
 
-    def __init__(self, dsn: str | None = None) -> None:
-        super().__init__(dsn)
+    def __init__(self, dsn: str | None = None, *, schema: str | None = None) -> None:
+        super().__init__(dsn, schema=schema)
         self.jobs: dict[str, JobSpec] = {}
         # Kinds enqueued here whose handlers run elsewhere: never run by this app's workers.
         self.declared: dict[str, JobSpec] = {}
-        self._backpressure = queues.Backpressure(self.connection, self.connection_async)
+        self._backpressure = queues.Backpressure(self.connection, self.connection_async, self._sql)
         # The testing kit in inline mode (fastjobs.testing): told of each enqueue.
         self._testing: Testing | None = None
         self._middleware: list[JobMiddleware] = []
         # Enqueue middleware of the sync enqueue methods, and of the async ones.
         self._enqueue_middleware: list[EnqueueMiddleware] = []
         self._enqueue_middleware_async: list[EnqueueMiddleware] = []
+
+    def configure(self, *, dsn: str | None = None, schema: str | None = None) -> None:
+        """`Connected.configure`: a schema given also takes the backpressure reads along."""
+        catalogue = self._sql
+        super().configure(dsn=dsn, schema=schema)
+        if self._sql is not catalogue:
+            self._backpressure = queues.Backpressure(self.connection, self.connection_async, self._sql)
 
     @overload
     def job(self, kind: Callable[P, R], /) -> Job[P, R]: ...
@@ -287,7 +301,7 @@ class App(Connected):
         with middleware.chain_target(db, self.connection) as target:
 
             def insert() -> int:
-                return enqueue.insert(target, middleware.with_meta(params, call))
+                return enqueue.insert(target, middleware.with_meta(params, call), self._sql)
 
             job_id = middleware.run_enqueue(self._enqueue_middleware, call, insert)
         if self._testing is not None:
@@ -297,10 +311,10 @@ class App(Connected):
     def _insert(self, params: InsertParams, conn: psycopg.Connection[Any] | None) -> int:
         if conn is not None:
             enqueue.check_conn(conn, psycopg.Connection)
-            job_id = enqueue.insert(conn, params)
+            job_id = enqueue.insert(conn, params, self._sql)
         else:
             with self.connection() as own:
-                job_id = enqueue.insert_own(own, params)
+                job_id = enqueue.insert_own(own, params, self._sql)
         if self._testing is not None:
             self._testing.inserted(conn)
         return job_id
@@ -331,7 +345,9 @@ class App(Connected):
             with middleware.chain_target(db, self.connection) as target:
 
                 def copy() -> int:
-                    return enqueue.copy_many(target, opts, args_iterable, enqueue.dump_meta(call.meta))
+                    return enqueue.copy_many(
+                        target, opts, args_iterable, enqueue.dump_meta(call.meta), self._sql
+                    )
 
                 count = middleware.run_enqueue(self._enqueue_middleware, call, copy)
         if self._testing is not None:
@@ -346,7 +362,7 @@ class App(Connected):
         conn: psycopg.Connection[Any] | None,
     ) -> int:
         with self._on(conn) as db:
-            return enqueue.copy_many(db, opts, rows, meta)
+            return enqueue.copy_many(db, opts, rows, meta, self._sql)
 
     async def enqueue_async(
         self,
@@ -375,7 +391,7 @@ class App(Connected):
         async with middleware.chain_target_async(db, self.connection_async) as target:
 
             async def insert() -> int:
-                return await enqueue.insert_async(target, middleware.with_meta(params, call))
+                return await enqueue.insert_async(target, middleware.with_meta(params, call), self._sql)
 
             job_id = await middleware.run_enqueue_async(self._enqueue_middleware_async, call, insert)
         if self._testing is not None:
@@ -385,10 +401,10 @@ class App(Connected):
     async def _insert_async(self, params: InsertParams, conn: psycopg.AsyncConnection[Any] | None) -> int:
         if conn is not None:
             enqueue.check_conn(conn, psycopg.AsyncConnection)
-            job_id = await enqueue.insert_async(conn, params)
+            job_id = await enqueue.insert_async(conn, params, self._sql)
         else:
             async with self.connection_async() as own:
-                job_id = await enqueue.insert_async(own, params)
+                job_id = await enqueue.insert_async(own, params, self._sql)
         if self._testing is not None:
             await self._testing.inserted_async(conn)
         return job_id
@@ -416,7 +432,7 @@ class App(Connected):
 
                 async def copy() -> int:
                     return await enqueue.copy_many_async(
-                        target, opts, args_iterable, enqueue.dump_meta(call.meta)
+                        target, opts, args_iterable, enqueue.dump_meta(call.meta), self._sql
                     )
 
                 count = await middleware.run_enqueue_async(self._enqueue_middleware_async, call, copy)
@@ -432,9 +448,9 @@ class App(Connected):
         conn: psycopg.AsyncConnection[Any] | None,
     ) -> int:
         if conn is not None:
-            return await enqueue.copy_many_async(conn, opts, rows, meta)
+            return await enqueue.copy_many_async(conn, opts, rows, meta, self._sql)
         async with self.connection_async() as own:
-            return await enqueue.copy_many_async(own, opts, rows, meta)
+            return await enqueue.copy_many_async(own, opts, rows, meta, self._sql)
 
     def periodic(
         self,
@@ -471,8 +487,8 @@ class App(Connected):
         ("cancelling" is returned). A finished job is left alone and its
         state returned. Raises JobNotFound for an unknown id.
         """
-        with schema.required(), self._on(self._adapted(conn)) as db:
-            return control.cancel(db, job_id)
+        with schema.required(self.schema), self._on(self._adapted(conn)) as db:
+            return control.cancel(db, job_id, self._sql)
 
     def pause(self, queue: str, *, conn: Conn | None = None) -> dt.datetime:
         """Pause `queue`: every worker stops taking its jobs (those started finish), enqueues go on.
@@ -480,13 +496,13 @@ class App(Connected):
         Effective when the transaction commits (on `conn=`, the caller's);
         returns since when it is paused. See fastjobs.queues.
         """
-        with schema.required(), self._on(self._adapted(conn)) as db:
-            return queues.pause(db, queue)
+        with schema.required(self.schema), self._on(self._adapted(conn)) as db:
+            return queues.pause(db, queue, self._sql)
 
     def resume(self, queue: str, *, conn: Conn | None = None) -> bool:
         """Resume `queue` and wake its workers; False when it was not paused."""
-        with schema.required(), self._on(self._adapted(conn)) as db:
-            return queues.resume(db, queue)
+        with schema.required(self.schema), self._on(self._adapted(conn)) as db:
+            return queues.resume(db, queue, self._sql)
 
     def limit_queue(
         self,
@@ -513,28 +529,35 @@ class App(Connected):
         at most a second or two old, so a burst can overshoot the limit by
         what producers enqueue in that time. See fastjobs.queues.
         """
-        with schema.required(), self._on(self._adapted(conn)) as db:
-            queues.limit(db, queue, concurrency=concurrency, max_backlog=max_backlog, rate_limit=rate_limit)
+        with schema.required(self.schema), self._on(self._adapted(conn)) as db:
+            queues.limit(
+                db,
+                queue,
+                concurrency=concurrency,
+                max_backlog=max_backlog,
+                rate_limit=rate_limit,
+                sql=self._sql,
+            )
 
     def queues(self) -> list[QueueInfo]:
         """Every queue acted on or holding jobs: paused or not, its jobs waiting and running."""
-        with schema.required(), self.connection() as own:
-            return queues.list_queues(own)
+        with schema.required(self.schema), self.connection() as own:
+            return queues.list_queues(own, self._sql)
 
     def status(self, job_id: int, *, conn: Conn | None = None) -> JobStatus:
         """What job `job_id` is now, without waiting: from the jobs table, or from the kept results
         (a job enqueued with keep_result, after it ended). Raises JobNotFound when neither has it."""
         with self._on(self._adapted(conn)) as db:
-            return results.status(db, job_id)
+            return results.status(db, job_id, self._sql)
 
     async def status_async(self, job_id: int, *, conn: AsyncConn | None = None) -> JobStatus:
         """`status` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs')."""
         db: psycopg.AsyncConnection[Any] | None = await enqueue.adapt_async(conn)
         if db is not None:
             enqueue.check_conn(db, psycopg.AsyncConnection)
-            return await results.status_async(db, job_id)
+            return await results.status_async(db, job_id, self._sql)
         async with self.connection_async() as own:
-            return await results.status_async(own, job_id)
+            return await results.status_async(own, job_id, self._sql)
 
     def result(self, job_id: int, timeout: float | None = None) -> Any:
         """The value job `job_id` returned, waiting for it to finish (at most `timeout` seconds).
@@ -547,9 +570,9 @@ class App(Connected):
         wait issues no query: it is woken by the notification of its outcome.
         """
         with self.connection() as own:
-            return results.wait(own, job_id, timeout)
+            return results.wait(own, job_id, timeout, self._sql)
 
     async def result_async(self, job_id: int, timeout: float | None = None) -> Any:
         """`result` in an event loop, on one of fastjobs' async connections."""
         async with self.connection_async() as own:
-            return await results.wait_async(own, job_id, timeout)
+            return await results.wait_async(own, job_id, timeout, self._sql)

@@ -9,11 +9,12 @@ import select
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from . import database, enqueue
+from . import database, enqueue, sql
 
 if TYPE_CHECKING:
     from .job import Conn
@@ -144,8 +145,10 @@ class Connected:
     """The database side of an App: its DSN, resolved on first use, and its own connections (a few
     idle ones, sync and per event loop) for the calls made without `conn=`."""
 
-    def __init__(self, dsn: str | None = None) -> None:
+    def __init__(self, dsn: str | None = None, *, schema: str | None = None) -> None:
         self._dsn = dsn
+        # The catalogue of the schema: the statements every enqueue, worker and command sends.
+        self._sql: ModuleType = sql.of(database.resolve_schema(schema))
         self._pool = IdleConnections()
         self._async_pool = IdleAsyncConnections()
 
@@ -155,19 +158,33 @@ class Connected:
             self._dsn = database.resolve_dsn(self._dsn)
         return self._dsn
 
-    def configure(self, *, dsn: str) -> None:
-        """Point the app at another database (`fastjobs --dsn` does, after importing the app).
+    @property
+    def schema(self) -> str | None:
+        """The schema of fastjobs' tables (None: the search_path's)."""
+        schema: str | None = self._sql.SCHEMA
+        return schema
+
+    @property
+    def sql(self) -> ModuleType:
+        """The statements of this app's schema: `fastjobs.sql.of(app.schema)`."""
+        return self._sql
+
+    def configure(self, *, dsn: str | None = None, schema: str | None = None) -> None:
+        """Point the app at another database, or schema (`fastjobs --dsn/--schema` do, after
+        importing the app).
 
         `dsn` takes the place of the one given to the constructor or
-        resolved from the environment. Idle pooled connections to the
+        resolved from the environment, `schema` of its schema. Idle pooled connections to the
         previous database are closed, and those in use at the time are closed
         when given back: nothing enqueued from here on goes there. A Worker
         reads the DSN when it starts: configure before running workers.
         """
-        if not isinstance(dsn, str) or not dsn:
-            raise ValueError(f"dsn must be a non-empty string, not {dsn!r}")
+        if (dsn is not None or schema is None) and (not isinstance(dsn, str) or not dsn):
+            raise ValueError(f"dsn must be a non-empty string, not {dsn!r} (or give schema= alone)")
+        catalogue = self._sql if schema is None else sql.of(sql.schema_name(schema))
         self.close()
-        self._dsn = dsn
+        self._dsn = self._dsn if dsn is None else dsn
+        self._sql = catalogue
 
     @staticmethod
     def _adapted(conn: Conn | None) -> psycopg.Connection[Any] | None:

@@ -7,6 +7,7 @@ import dataclasses
 import datetime as dt
 from collections.abc import Iterable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import psycopg
@@ -51,7 +52,7 @@ def _cursor(conn: psycopg.Connection[Any]) -> psycopg.RawCursor[tuple[Any, ...]]
     return psycopg.RawCursor(conn, row_factory=tuple_row)
 
 
-def _state(cur: psycopg.RawCursor[Any], job_id: int) -> str:
+def _state(cur: psycopg.RawCursor[Any], job_id: int, sql: ModuleType = sql) -> str:
     row = cur.execute(sql.job_state, (job_id,)).fetchone()
     if row is None:
         raise JobNotFound(f"no job with id {job_id}")
@@ -73,21 +74,26 @@ DELETABLE = frozenset({"available", "scheduled", "retryable", "completed", "disc
 ACTS_ON = {"retry": RETRIABLE, "cancel": CANCELLABLE, "discard": DISCARDABLE, "delete": DELETABLE}
 
 
-def _moved(cur: psycopg.RawCursor[Any], job_id: int, acts_on: frozenset[str], tries: int) -> str | None:
+def _moved(
+    cur: psycopg.RawCursor[Any], job_id: int, acts_on: frozenset[str], tries: int, sql: ModuleType
+) -> str | None:
     """After a statement acted on no row of job `job_id`: None when the job is in a state the
     statement acts on (its row was moved meanwhile: try again), else its state."""
-    state = _state(cur, job_id)
+    state = _state(cur, job_id, sql)
     return None if state in acts_on and tries < MOVED_RETRIES else state
 
 
-def cancel(conn: psycopg.Connection[Any], job_id: int) -> str:
-    """'cancelled' for a queued job, 'cancelling' for a running one, else its (final) state."""
+def cancel(conn: psycopg.Connection[Any], job_id: int, sql: ModuleType = sql) -> str:
+    """'cancelled' for a queued job, 'cancelling' for a running one, else its (final) state.
+
+    `sql`: the catalogue of the App's schema (fastjobs.sql.of), as for every function here.
+    """
     with _cursor(conn) as cur:
         for tries in range(1, MOVED_RETRIES + 1):
             row = cur.execute(sql.job_cancel, (job_id,)).fetchone()
             if row is not None:
                 return "cancelling" if row[0] == "running" else str(row[0])
-            state = _moved(cur, job_id, CANCELLABLE, tries)
+            state = _moved(cur, job_id, CANCELLABLE, tries, sql)
             if state is not None:
                 return state
     raise AssertionError("the last try returns a state")
@@ -115,7 +121,7 @@ class Retried:
         return line
 
 
-def retry(conn: psycopg.Connection[Any], job_id: int) -> Retried:
+def retry(conn: psycopg.Connection[Any], job_id: int, sql: ModuleType = sql) -> Retried:
     """Job `job_id` to run now, and what that took.
 
     A retryable or scheduled job runs now, its attempts as they are. A
@@ -132,16 +138,16 @@ def retry(conn: psycopg.Connection[Any], job_id: int) -> Retried:
                 with _savepoint(conn):
                     row = cur.execute(sql.job_retry, (job_id,)).fetchone()
             except psycopg.errors.UniqueViolation:
-                key, holder = _unique_holder(conn, cur, job_id)
+                key, holder = _unique_holder(conn, cur, job_id, sql)
                 if holder is None:
                     continue  # the holder finished meanwhile: the key is free again
                 raise ValueError(
-                    f"job {job_id} cannot be retried: job {holder} ({_state(cur, holder)}) holds its"
+                    f"job {job_id} cannot be retried: job {holder} ({_state(cur, holder, sql)}) holds its"
                     f" unique key {key!r}; retry it once that job has finished"
                 ) from None
             if row is None:
                 tries += 1
-                state = _moved(cur, job_id, RETRIABLE, tries)
+                state = _moved(cur, job_id, RETRIABLE, tries, sql)
                 if state is None:
                     continue
                 if state == "available":
@@ -153,7 +159,7 @@ def retry(conn: psycopg.Connection[Any], job_id: int) -> Retried:
 
 
 def _unique_holder(
-    conn: psycopg.Connection[Any], cur: psycopg.RawCursor[Any], job_id: int
+    conn: psycopg.Connection[Any], cur: psycopg.RawCursor[Any], job_id: int, sql: ModuleType
 ) -> tuple[str | None, int | None]:
     """Job `job_id`'s unique key, and the id of the pending or running job holding it (None: no one)."""
     with inspecting(conn) as look:
@@ -170,32 +176,34 @@ def _savepoint(conn: psycopg.Connection[Any]) -> Any:
     return contextlib.nullcontext()
 
 
-def discard(conn: psycopg.Connection[Any], job_id: int) -> str:
+def discard(conn: psycopg.Connection[Any], job_id: int, sql: ModuleType = sql) -> str:
     """A job that is not running becomes discarded; returns the new state."""
     with _cursor(conn) as cur:
         for tries in range(1, MOVED_RETRIES + 1):
             row = cur.execute(sql.job_discard, (job_id,)).fetchone()
             if row is not None:
                 return str(row[0])
-            state = _moved(cur, job_id, DISCARDABLE, tries)
+            state = _moved(cur, job_id, DISCARDABLE, tries, sql)
             if state is not None:
                 raise ValueError(f"job {job_id} is {state}: running or finished jobs cannot be discarded")
     raise AssertionError("the last try raises")
 
 
-def delete(conn: psycopg.Connection[Any], job_id: int) -> str:
+def delete(conn: psycopg.Connection[Any], job_id: int, sql: ModuleType = sql) -> str:
     """A job that is not running is deleted, with its kept outcome; returns 'deleted'."""
     with _cursor(conn) as cur:
         for tries in range(1, MOVED_RETRIES + 1):
             if cur.execute(sql.job_delete, (job_id,)).fetchone() is not None:
                 return "deleted"
-            state = _moved(cur, job_id, DELETABLE, tries)
+            state = _moved(cur, job_id, DELETABLE, tries, sql)
             if state is not None:
                 raise ValueError(f"job {job_id} is {state}: a running job cannot be deleted until it ends")
     raise AssertionError("the last try raises")
 
 
-def act(conn: psycopg.Connection[Any], action: str, job_id: int) -> tuple[str, dict[str, Any]]:
+def act(
+    conn: psycopg.Connection[Any], action: str, job_id: int, sql: ModuleType = sql
+) -> tuple[str, dict[str, Any]]:
     """Operation `action` (a key of ACTS_ON) on job `job_id`, as one job of an operation by filter:
     the job's state now ("left <state>" when a retry left it as it was) and what to report of it.
 
@@ -203,14 +211,14 @@ def act(conn: psycopg.Connection[Any], action: str, job_id: int) -> tuple[str, d
     now, finished meanwhile, or its unique key is held.
     """
     if action == "retry":
-        retried = retry(conn, job_id)
+        retried = retry(conn, job_id, sql)
         state = retried.state if retried.attempt is not None else f"left {retried.state}"
         return state, dataclasses.asdict(retried)
-    state = {"cancel": cancel, "discard": discard, "delete": delete}[action](conn, job_id)
+    state = {"cancel": cancel, "discard": discard, "delete": delete}[action](conn, job_id, sql)
     return state, {"id": job_id, "state": state}
 
 
-def show(conn: psycopg.Connection[Any], job_id: int) -> dict[str, Any]:
+def show(conn: psycopg.Connection[Any], job_id: int, sql: ModuleType = sql) -> dict[str, Any]:
     """Every column of one job, and its kept outcome (`result`, `result_expires_at`) if it has one;
     a job only among the kept results (its row gone from the jobs table) is shown from there. A
     timestamp a datetime cannot hold comes as PostgreSQL's text."""
@@ -235,6 +243,7 @@ def list_jobs(
     state: str | None = None,
     kind: str | None = None,
     limit: int = 50,
+    sql: ModuleType = sql,
 ) -> list[dict[str, Any]]:
     """Jobs matching the filters, newest first; a run_at a datetime cannot hold comes as PostgreSQL's text."""
     with inspecting(conn) as cur:
@@ -253,6 +262,7 @@ def select(
     kind: str | None = None,
     older_than: dt.timedelta | None = None,
     args: Any = None,
+    sql: ModuleType = sql,
 ) -> list[int]:
     """Ids of the jobs in `states` matching the filters (created more than `older_than` ago, their
     args containing `args` as jsonb's @> does), in id order.
@@ -273,7 +283,7 @@ def select(
                 return found
 
 
-def kinds(conn: psycopg.Connection[Any]) -> list[tuple[str, str, int]]:
+def kinds(conn: psycopg.Connection[Any], sql: ModuleType = sql) -> list[tuple[str, str, int]]:
     """Every (queue, kind) the jobs table holds, with its count of pending jobs."""
     with _cursor(conn) as cur:
         return [(str(q), str(k), int(n)) for q, k, n in cur.execute(sql.job_kinds)]

@@ -14,6 +14,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
+from . import sql
 from .errors import ConfigurationError, DatabaseUnavailable
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,20 @@ def resolve_dsn(dsn: str | None = None, *, fallback: bool = False) -> str:
         EMBEDDED,
     )
     return embedded_dsn()
+
+
+def resolve_schema(schema: str | None = None) -> str | None:
+    """The schema of fastjobs' tables: `schema` (schema= or --schema) > FASTJOBS_SCHEMA > None (the
+    search_path's); ConfigurationError for a name fastjobs cannot use (sql.schema_name)."""
+    if schema is not None:
+        return sql.schema_name(schema)
+    named = os.environ.get("FASTJOBS_SCHEMA")
+    if not named:
+        return None
+    try:
+        return sql.schema_name(named)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"FASTJOBS_SCHEMA: {exc}") from None
 
 
 def check_dsn(dsn: str, source: str = "dsn= or --dsn") -> str:

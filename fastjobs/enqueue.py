@@ -9,6 +9,7 @@ import math
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, NamedTuple
 
 import orjson
@@ -325,7 +326,7 @@ _prepared: weakref.WeakSet[psycopg.Connection[Any]] = weakref.WeakSet()
 _INSERT_NOW = b"fastjobs_job_insert_now"
 
 
-def insert_own(conn: psycopg.Connection[Any], params: InsertParams) -> int:
+def insert_own(conn: psycopg.Connection[Any], params: InsertParams, sql: ModuleType = sql) -> int:
     """`insert` on one of fastjobs' own autocommit connections: a job due now goes straight through libpq.
 
     Web applications enqueue one job per request from many processes, and on
@@ -336,13 +337,13 @@ def insert_own(conn: psycopg.Connection[Any], params: InsertParams) -> int:
     track there. Any other job takes `insert`.
     """
     if not params.due_now():
-        return insert(conn, params)
+        return insert(conn, params, sql)
     pgconn = conn.pgconn
-    with schema.required():
+    with schema.required(sql.SCHEMA):
         if conn not in _prepared:
             # job_insert_now would run on any schema since 001: the connection's first enqueue
             # checks the schema's version once, so an out-of-date one says to migrate.
-            schema.check(conn)
+            schema.check(conn, sql)
             res = pgconn.prepare(_INSERT_NOW, sql.job_insert_now.encode())
             if res.status != pq.ExecStatus.COMMAND_OK:
                 raise psycopg.errors.error_from_result(res, encoding=conn.info.encoding)
@@ -364,11 +365,12 @@ def insert_own(conn: psycopg.Connection[Any], params: InsertParams) -> int:
     return int(value)
 
 
-def insert(conn: psycopg.Connection[Any], params: InsertParams) -> int:
-    """Run sql.job_insert with `insert_params`' parameters; the job's id (or the unique key holder's)."""
+def insert(conn: psycopg.Connection[Any], params: InsertParams, sql: ModuleType = sql) -> int:
+    """Run sql.job_insert with `insert_params`' parameters; the job's id (or the unique key holder's).
+    `sql`: the catalogue of the App's schema (fastjobs.sql.of), as for every function here."""
     # Tuples whatever the caller's connection's row factory (dict_row made
     # row[0] a KeyError after the INSERT ran: a caller retrying enqueued twice).
-    with schema.required(), psycopg.RawCursor(conn, row_factory=tuple_row) as cur:
+    with schema.required(sql.SCHEMA), psycopg.RawCursor(conn, row_factory=tuple_row) as cur:
         if params.due_now():
             row = cur.execute(sql.job_insert_now, params.now()).fetchone()
             assert row is not None
@@ -382,8 +384,10 @@ def insert(conn: psycopg.Connection[Any], params: InsertParams) -> int:
     raise FastjobsError(f"unique key {params.unique_key!r} kept changing hands; enqueue not done")
 
 
-async def insert_async(conn: psycopg.AsyncConnection[Any], params: InsertParams) -> int:
-    with schema.required():
+async def insert_async(
+    conn: psycopg.AsyncConnection[Any], params: InsertParams, sql: ModuleType = sql
+) -> int:
+    with schema.required(sql.SCHEMA):
         async with psycopg.AsyncRawCursor(conn, row_factory=tuple_row) as cur:
             if params.due_now():
                 await cur.execute(sql.job_insert_now, params.now())
@@ -405,18 +409,20 @@ def _field(data: bytes) -> bytes:
     return len(data).to_bytes(4, "big") + data
 
 
-def copy_layout(opts: Options, now: dt.datetime, meta: bytes | None = None) -> tuple[str, bytes, bytes]:
+def copy_layout(
+    opts: Options, now: dt.datetime, meta: bytes | None = None, sql: ModuleType = sql
+) -> tuple[str, bytes, bytes]:
     """The COPY statement and the bytes before and after each row's args.
 
     A delayed bulk enqueue is computed against the client's clock; the claim
     also requires run_at <= now(), so a skewed clock can only delay a job.
     The call's keep_result and meta are the same for every row: they end the suffix.
     """
-    statement, prefix, suffix = _layout(opts, now)
+    statement, prefix, suffix = _layout(opts, now, sql)
     return statement, prefix, suffix + _keep_field(opts) + _jsonb_field(meta)
 
 
-def _layout(opts: Options, now: dt.datetime) -> tuple[str, bytes, bytes]:
+def _layout(opts: Options, now: dt.datetime, sql: ModuleType = sql) -> tuple[str, bytes, bytes]:
     """copy_layout's without the keep_result and meta fields that end its suffix (the field count
     includes them)."""
     run_at = opts.run_at
@@ -493,17 +499,21 @@ def _staged_chunks(opts: Options, rows: Iterable[Any], meta: bytes | None) -> It
 
 
 def copy_many(
-    conn: psycopg.Connection[Any], opts: Options, rows: Iterable[Any], meta: bytes | None = None
+    conn: psycopg.Connection[Any],
+    opts: Options,
+    rows: Iterable[Any],
+    meta: bytes | None = None,
+    sql: ModuleType = sql,
 ) -> int:
     if opts.unique:
-        return _copy_staged(conn, opts, rows, meta)
-    statement, prefix, suffix = copy_layout(opts, dt.datetime.now(dt.UTC), meta)
+        return _copy_staged(conn, opts, rows, meta, sql)
+    statement, prefix, suffix = copy_layout(opts, dt.datetime.now(dt.UTC), meta, sql)
     chunks = _chunks(opts, rows, prefix, suffix)
     first = next(chunks, None)  # bad args in the first chunk fail before the COPY starts
     if first is None:
         return 0
     total = 0
-    with schema.required(), _atomic(conn), conn.cursor() as cur, cur.copy(statement) as copy:
+    with schema.required(sql.SCHEMA), _atomic(conn), conn.cursor() as cur, cur.copy(statement) as copy:
         copy.write(COPY_HEADER)
         for data, count in _prepend(first, chunks):
             copy.write(data)
@@ -513,7 +523,7 @@ def copy_many(
 
 
 def _copy_staged(
-    conn: psycopg.Connection[Any], opts: Options, rows: Iterable[Any], meta: bytes | None
+    conn: psycopg.Connection[Any], opts: Options, rows: Iterable[Any], meta: bytes | None, sql: ModuleType
 ) -> int:
     """Unique jobs in bulk: COPY into a temporary table, then one INSERT that skips taken keys.
 
@@ -523,7 +533,7 @@ def _copy_staged(
     first = next(chunks, None)
     if first is None:
         return 0
-    with schema.required(), _atomic(conn), psycopg.RawCursor(conn) as cur:
+    with schema.required(sql.SCHEMA), _atomic(conn), psycopg.RawCursor(conn) as cur:
         cur.execute(sql.job_stage_create)
         with cur.copy(sql.job_copy_staged) as copy:
             copy.write(COPY_HEADER)
@@ -536,13 +546,17 @@ def _copy_staged(
 
 
 async def _copy_staged_async(
-    conn: psycopg.AsyncConnection[Any], opts: Options, rows: Iterable[Any], meta: bytes | None
+    conn: psycopg.AsyncConnection[Any],
+    opts: Options,
+    rows: Iterable[Any],
+    meta: bytes | None,
+    sql: ModuleType,
 ) -> int:
     chunks = _staged_chunks(opts, rows, meta)
     first = next(chunks, None)
     if first is None:
         return 0
-    with schema.required():
+    with schema.required(sql.SCHEMA):
         async with _atomic_async(conn), psycopg.AsyncRawCursor(conn) as cur:
             await cur.execute(sql.job_stage_create)
             async with cur.copy(sql.job_copy_staged) as copy:
@@ -563,17 +577,21 @@ def _atomic_async(conn: psycopg.AsyncConnection[Any]) -> contextlib.AbstractAsyn
 
 
 async def copy_many_async(
-    conn: psycopg.AsyncConnection[Any], opts: Options, rows: Iterable[Any], meta: bytes | None = None
+    conn: psycopg.AsyncConnection[Any],
+    opts: Options,
+    rows: Iterable[Any],
+    meta: bytes | None = None,
+    sql: ModuleType = sql,
 ) -> int:
     if opts.unique:
-        return await _copy_staged_async(conn, opts, rows, meta)
-    statement, prefix, suffix = copy_layout(opts, dt.datetime.now(dt.UTC), meta)
+        return await _copy_staged_async(conn, opts, rows, meta, sql)
+    statement, prefix, suffix = copy_layout(opts, dt.datetime.now(dt.UTC), meta, sql)
     chunks = _chunks(opts, rows, prefix, suffix)
     first = next(chunks, None)
     if first is None:
         return 0
     total = 0
-    with schema.required():
+    with schema.required(sql.SCHEMA):
         async with _atomic_async(conn), conn.cursor() as cur, cur.copy(statement) as copy:
             await copy.write(COPY_HEADER)
             for data, count in _prepend(first, chunks):

@@ -76,7 +76,8 @@ MIN_LEASE = 3.0
 class LeaderConfig:
     """The leader's election and its services' settings."""
 
-    lock_key: int = sql.LEADER_LOCK_KEY
+    # None: the key of the app's schema (sql.LEADER_LOCK_KEY of its catalogue): each schema has a leader.
+    lock_key: int | None = None
     retry_interval: float = 2.0  # how often a non-leader tries the lock
     # A leader speaks on its lock's session at least every lease / 4; a
     # candidate terminates a leader session idle for longer than `lease`
@@ -124,7 +125,9 @@ class Leader:
         self.leading = False
         self.periodic = [spec for spec in app.jobs.values() if spec.cron]
         self._due: dict[str, float] = {}
-        self.rotator = Rotator(config.rotation)
+        self.rotator = Rotator(config.rotation, sql=app.sql)
+        # The election's lock: the configured key, else the app's schema's.
+        self.lock_key: int = app.sql.LEADER_LOCK_KEY if config.lock_key is None else config.lock_key
         # Each service's failed turns (an error it raised; the other services still ran that turn).
         self.failures: dict[str, int] = {}
         self._failing: set[str] = set()  # services whose last turn raised
@@ -145,7 +148,7 @@ class Leader:
 
     def run(self) -> None:
         conn: psycopg.Connection[Any] | None = None
-        vacuumer = Vacuumer(self.app.dsn, self.config.vacuum, self._leading_within_lease)
+        vacuumer = Vacuumer(self.app.dsn, self.config.vacuum, self._leading_within_lease, self.app.sql)
         vacuumer.start()
         try:
             while not self._stop:
@@ -172,7 +175,7 @@ class Leader:
             if conn is not None and not conn.closed:
                 if self.leading and not conn.broken:
                     with contextlib.suppress(psycopg.Error), psycopg.RawCursor(conn) as cur:
-                        cur.execute(sql.leader_unlock, (self.config.lock_key,))
+                        cur.execute(sql.leader_unlock, (self.lock_key,))
                 conn.close()
 
     def _leading_within_lease(self) -> bool:
@@ -190,7 +193,7 @@ class Leader:
             conn = database.connect(
                 self.app.dsn, autocommit=True, application_name=LEADER_APPLICATION, **KEEPALIVES
             )
-            schema.check(conn)
+            schema.check(conn, self.app.sql)
             with psycopg.RawCursor(conn) as cur:
                 lease = int(self.config.lease * 1000)
                 cur.execute(
@@ -218,16 +221,23 @@ class Leader:
                 cur.execute(sql.leader_renew)
             self._renewed = time.monotonic()
         config = self.config
+        app = self.app.sql
         services: list[tuple[str, float, Callable[[], Any]]] = [
-            ("rescuer", config.rescuer.interval, lambda: rescue_once(conn, config=config.rescuer)),
-            ("scheduler", config.scheduler.interval, lambda: schedule_once(conn, config=config.scheduler)),
-            ("cleaner", config.cleaner.interval, lambda: clean_once(conn, config=config.cleaner)),
-            ("samples", samples.SamplesConfig().interval, lambda: samples.turn(conn)),
+            ("rescuer", config.rescuer.interval, lambda: rescue_once(conn, config=config.rescuer, sql=app)),
+            (
+                "scheduler",
+                config.scheduler.interval,
+                lambda: schedule_once(conn, config=config.scheduler, sql=app),
+            ),
+            ("cleaner", config.cleaner.interval, lambda: clean_once(conn, config=config.cleaner, sql=app)),
+            ("samples", samples.SamplesConfig().interval, lambda: samples.turn(conn, sql=app)),
         ]
         if config.rotation.enabled:
             services.append(("rotator", config.rotation.interval, lambda: self.rotator.turn(conn)))
         # The backlogs of queues with a max_backlog, for their producers (fastjobs.queues).
-        services.append(("backlogs", queues.COUNT_INTERVAL, lambda: queues.count_backlogs(conn) and None))
+        services.append(
+            ("backlogs", queues.COUNT_INTERVAL, lambda: queues.count_backlogs(conn, app) and None)
+        )
         if self.periodic:
             services.append(
                 (
@@ -297,7 +307,7 @@ class Leader:
         deadline = time.monotonic() + wait
         with psycopg.RawCursor(conn) as cur:
             while True:
-                row = cur.execute(sql.leader_try_lock, (self.config.lock_key,)).fetchone()
+                row = cur.execute(sql.leader_try_lock, (self.lock_key,)).fetchone()
                 if row and row[0]:
                     return True
                 if time.monotonic() >= deadline:
@@ -310,7 +320,7 @@ class Leader:
         try:
             with psycopg.RawCursor(conn) as cur:
                 rows = cur.execute(
-                    sql.leader_take_over, (self.config.lock_key, lease, LEADER_APPLICATION)
+                    sql.leader_take_over, (self.lock_key, lease, LEADER_APPLICATION)
                 ).fetchall()
         except psycopg.errors.InsufficientPrivilege as exc:
             # Another role's leader (or a superuser's): only its session's end frees the lock.

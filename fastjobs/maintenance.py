@@ -16,6 +16,7 @@ import datetime as dt
 import logging
 import time
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -159,7 +160,10 @@ SLOTS = 4
 
 
 def rotate_once(
-    conn: psycopg.Connection[Any], config: RotationConfig = RotationConfig(), evacuate: bool = False
+    conn: psycopg.Connection[Any],
+    config: RotationConfig = RotationConfig(),
+    evacuate: bool = False,
+    sql: ModuleType = sql,
 ) -> dict[str, int]:
     """Empty the oldest rotating slot and make it the current one (see RotationConfig).
 
@@ -178,13 +182,13 @@ def rotate_once(
         oldest = current % SLOTS + 1
         settled = _move_out(cur, sql.slot_settle, oldest, SETTLE_BATCHES * SETTLE_BATCH, float("inf"))
         counts = {"settled": settled}
-        if _holds_more(cur, oldest, config.max_move):
+        if _holds_more(cur, oldest, config.max_move, sql):
             if not evacuate:
                 return {"deferred": 1, **counts}
             counts["evacuated"] = _move_out(cur, sql.slot_evacuate, oldest, None, config.evacuate_budget)
-            if _holds_more(cur, oldest, config.max_move):
+            if _holds_more(cur, oldest, config.max_move, sql):
                 return {"deferred": 1, **counts}
-        partition = pgsql.Identifier(f"fastjobs_jobs_{oldest}")
+        partition = pgsql.Identifier(*sql.relation(f"fastjobs_jobs_{oldest}"))
         try:
             with conn.transaction():
                 cur.execute(sql.slot_lock_timeout, (f"{max(1, int(config.lock_timeout * 1000))}ms",))
@@ -211,7 +215,7 @@ def _move_out(cur: psycopg.RawCursor[Any], statement: str, slot: int, most: int 
     return moved
 
 
-def _holds_more(cur: psycopg.RawCursor[Any], slot: int, most: int) -> bool:
+def _holds_more(cur: psycopg.RawCursor[Any], slot: int, most: int, sql: ModuleType) -> bool:
     row = cur.execute(sql.slot_rows, (slot, most + 1)).fetchone()
     return row is not None and row[0] > most
 
@@ -233,8 +237,9 @@ class Rotator:
     the time.time() of the last rotation (0: none yet).
     """
 
-    def __init__(self, config: RotationConfig, who: str = "leader") -> None:
+    def __init__(self, config: RotationConfig, who: str = "leader", sql: ModuleType = sql) -> None:
         self.config = config
+        self.sql = sql  # the catalogue of the schema it rotates
         self.who = who
         self.problem = ROTATION_OK
         self.rotated_at = 0.0
@@ -267,7 +272,7 @@ class Rotator:
                 idle = self._idle(conn)
                 if idle is not None:
                     return idle, config.interval
-            result = rotate_once(conn, config, evacuate=evacuate)
+            result = rotate_once(conn, config, evacuate=evacuate, sql=self.sql)
         except psycopg.errors.InsufficientPrivilege:
             self._checked = False  # revoked meanwhile: say which, at the next turn
             self._missed(ROTATION_FAILED, {"failed": 1})
@@ -299,7 +304,7 @@ class Rotator:
         another rotator moved the slot since this one's last turn), None when it should. Not rotating
         then is no problem: the rotation is up to date."""
         with psycopg.RawCursor(conn) as cur:
-            row = cur.execute(sql.slot_usage).fetchone()
+            row = cur.execute(self.sql.slot_usage).fetchone()
         assert row is not None
         current, used = row
         moved = self._slot is not None and current != self._slot
@@ -314,7 +319,7 @@ class Rotator:
     def _check(self, conn: psycopg.Connection[Any]) -> bool:
         """Whether this role may rotate; logs the GRANTs it lacks, as an error, when not."""
         with psycopg.RawCursor(conn) as cur:
-            row = cur.execute(sql.slot_privileges).fetchone()
+            row = cur.execute(self.sql.slot_privileges).fetchone()
         assert row is not None
         lacking, role = row
         if not lacking:
@@ -361,7 +366,10 @@ class PeriodicConfig:
 
 
 def schedule_once(
-    conn: psycopg.Connection[Any], now: dt.datetime | None = None, config: SchedulerConfig = SchedulerConfig()
+    conn: psycopg.Connection[Any],
+    now: dt.datetime | None = None,
+    config: SchedulerConfig = SchedulerConfig(),
+    sql: ModuleType = sql,
 ) -> dict[str, int]:
     """Make due scheduled and retryable jobs available; returns the count per queue."""
     counts: dict[str, int] = {}
@@ -377,7 +385,10 @@ def schedule_once(
 
 
 def rescue_once(
-    conn: psycopg.Connection[Any], now: dt.datetime | None = None, config: RescuerConfig = RescuerConfig()
+    conn: psycopg.Connection[Any],
+    now: dt.datetime | None = None,
+    config: RescuerConfig = RescuerConfig(),
+    sql: ModuleType = sql,
 ) -> dict[str, int]:
     """Return running jobs of dead workers; counts by new state (retryable, discarded)."""
     now = now or _db_now(conn)
@@ -394,7 +405,10 @@ def rescue_once(
 
 
 def clean_once(
-    conn: psycopg.Connection[Any], now: dt.datetime | None = None, config: CleanerConfig = CleanerConfig()
+    conn: psycopg.Connection[Any],
+    now: dt.datetime | None = None,
+    config: CleanerConfig = CleanerConfig(),
+    sql: ModuleType = sql,
 ) -> dict[str, int]:
     """Delete finished jobs past their retention, expired results, and prune silent workers; counts of each.
 
@@ -442,8 +456,9 @@ def periodic_once(
     tick, as cron, River and Oban do: a tick under a minute old runs; an older
     one is not run, and not recorded as if it had been (the moment the kind
     was first seen is, so a tick missed from then on is caught up). With `app`, the enqueue goes through
-    its enqueue middleware.
+    its enqueue middleware, in its schema.
     """
+    statements = sql if app is None else app.sql
     now = now or _db_now(conn)
     done = []
     for spec in specs:
@@ -454,7 +469,7 @@ def periodic_once(
         on_time = now - tick <= PERIODIC_ON_TIME
         first = tick if on_time else first_seen(now)
         with conn.transaction(), psycopg.RawCursor(conn) as cur:
-            taken = cur.execute(sql.periodic_advance, (spec.kind, tick, first)).fetchone()
+            taken = cur.execute(statements.periodic_advance, (spec.kind, tick, first)).fetchone()
             if taken is None or (taken[0] and not on_time):
                 continue
             key = f"periodic:{spec.kind}:{tick.isoformat()}"
@@ -486,7 +501,7 @@ class PeriodicStatus:
 
 
 def periodic_status(
-    conn: psycopg.Connection[Any], specs: list[JobSpec], now: dt.datetime | None = None
+    conn: psycopg.Connection[Any], specs: list[JobSpec], now: dt.datetime | None = None, sql: ModuleType = sql
 ) -> list[PeriodicStatus]:
     """The periodic jobs `specs`, with what fastjobs_periodic records of each, by kind."""
     now = now or _db_now(conn)

@@ -20,10 +20,11 @@ import signal
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field, replace
+from types import ModuleType
 
 import psycopg
 
-from . import database, schema, sql
+from . import database, schema
 from .app import App
 from .children import EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK, Backoff, die_with, fork, how_it_ended
 from .errors import ConfigurationError, DatabaseUnavailable, FastjobsError, SchemaMissing
@@ -125,7 +126,7 @@ class Master:
     def run(self) -> int:
         try:
             dsn = self.app.dsn  # resolved (an embedded server started) once, before forking
-            identity = self._check_database(dsn)
+            identity = self._check_database(dsn, self.app.sql)
         except (ConfigurationError, DatabaseUnavailable, SchemaMissing) as exc:
             logger.error("%s", exc)
             return EXIT_BOOT_ERROR
@@ -171,7 +172,7 @@ class Master:
         return self.exit_code
 
     @staticmethod
-    def _check_database(dsn: str) -> str:
+    def _check_database(dsn: str, sql: ModuleType) -> str:
         """Connect and check the schema once, before forking anything; the database's identity.
 
         A database that cannot be reached at start is a boot error: each child
@@ -180,8 +181,8 @@ class Master:
         restart with backoff until it is back).
         """
         with database.connect(dsn, autocommit=True) as conn:
-            schema.check(conn)
-            return database_identity(conn, dsn)
+            schema.check(conn, sql)
+            return database_identity(conn, dsn, sql)
 
     def _install_signals(self) -> None:
         def queue_signal(signum: int, frame: object) -> None:
@@ -345,6 +346,7 @@ class Master:
                 database.connect(dsn, autocommit=True, connect_timeout=RELEASE_TIMEOUT) as conn,
                 psycopg.RawCursor(conn) as cur,
             ):
+                sql = self.app.sql  # the catalogue of the app's schema
                 cur.execute(sql.releaser_session, (f"{RELEASE_TIMEOUT}s",))
                 released = sum(row[1] for row in cur.execute(sql.job_release_unstarted, (worker_id, running)))
                 # A job it ran on the fast lane rolled back uncounted: its crash is counted here.
@@ -570,7 +572,7 @@ class Master:
         assert self.metrics is not None and self.board is not None
         host, port = self.metrics
         self._metrics = MetricsProcess(
-            host, port, self.board, self.app.dsn, close_in_child=(self._wake_r, self._wake_w)
+            host, port, self.board, self.app.dsn, self.app.sql, close_in_child=(self._wake_r, self._wake_w)
         )
         self._metrics.start()
         logger.info("metrics on %s", self._metrics.url)

@@ -35,6 +35,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
 import psycopg
@@ -70,8 +71,15 @@ class MetricsProcess:
     """The master's handle on its metrics process: start, notice its exit, restart, stop."""
 
     def __init__(
-        self, host: str, port: int, board: Scoreboard, dsn: str, close_in_child: Sequence[int] = ()
+        self,
+        host: str,
+        port: int,
+        board: Scoreboard,
+        dsn: str,
+        sql: ModuleType = sql,
+        close_in_child: Sequence[int] = (),
     ) -> None:
+        self.sql = sql  # the catalogue of the app's schema
         self.host = host
         self.port = port
         self.board = board
@@ -146,13 +154,13 @@ class MetricsProcess:
             for fd in self.close_in_child + close:
                 os.close(fd)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
-            return _main(self.host, self.port, self.board, self.dsn, ready)
+            return _main(self.host, self.port, self.board, self.dsn, ready, self.sql)
 
         self.pid = fork(_SIGNALS, main)
         self.backoff.start()
 
 
-def _main(host: str, port: int, board: Scoreboard, dsn: str, ready: int | None) -> int:
+def _main(host: str, port: int, board: Scoreboard, dsn: str, ready: int | None, sql: ModuleType) -> int:
     from setproctitle import setproctitle
 
     setproctitle("fastjobs: metrics")
@@ -168,7 +176,7 @@ def _main(host: str, port: int, board: Scoreboard, dsn: str, ready: int | None) 
     if ready is not None:
         os.write(ready, f"listening {listener.getsockname()[1]}\n".encode())
         os.close(ready)
-    reader = DatabaseReader(dsn)
+    reader = DatabaseReader(dsn, sql)
     serve(listener, lambda: scrape(board, reader))
     return 0
 
@@ -181,8 +189,9 @@ def listen(host: str, port: int) -> socket.socket:
 class DatabaseReader:
     """The metrics process's one connection to the database, and what it last read."""
 
-    def __init__(self, dsn: str) -> None:
+    def __init__(self, dsn: str, sql: ModuleType = sql) -> None:
         self.dsn = dsn
+        self.sql = sql
         self.conn: psycopg.Connection[Any] | None = None
         self.read_at = -FRESH
         self.last: Reading | None = None
@@ -201,11 +210,12 @@ class DatabaseReader:
         try:
             if self.conn is None:
                 self.conn = self._connect()
+            sql = self.sql
             result = (
-                queue_depths(self.conn),
-                health(self.conn),
-                cluster(self.conn) if hosts else None,
-                queues.states(self.conn),
+                queue_depths(self.conn, sql),
+                health(self.conn, sql),
+                cluster(self.conn, sql=sql) if hosts else None,
+                queues.states(self.conn, sql),
             )
         except (FastjobsError, psycopg.Error) as exc:
             slow = isinstance(exc, psycopg.errors.QueryCanceled | psycopg.errors.LockNotAvailable)
@@ -236,7 +246,8 @@ class DatabaseReader:
         try:
             with psycopg.RawCursor(conn) as cur:
                 cur.execute(
-                    sql.metrics_session, (f"{LOCK_TIMEOUT * 1000:.0f}", f"{STATEMENT_TIMEOUT * 1000:.0f}")
+                    self.sql.metrics_session,
+                    (f"{LOCK_TIMEOUT * 1000:.0f}", f"{STATEMENT_TIMEOUT * 1000:.0f}"),
                 )
         except BaseException:
             conn.close()

@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import psycopg
@@ -76,8 +77,9 @@ def _cursor(conn: psycopg.Connection[Any]) -> psycopg.RawCursor[tuple[Any, ...]]
     return psycopg.RawCursor(conn, row_factory=tuple_row)
 
 
-def pause(conn: psycopg.Connection[Any], queue: str) -> dt.datetime:
-    """Pause `queue` (effective when `conn`'s transaction commits); when it was paused, already or now."""
+def pause(conn: psycopg.Connection[Any], queue: str, sql: ModuleType = sql) -> dt.datetime:
+    """Pause `queue` (effective when `conn`'s transaction commits); when it was paused, already or now.
+    `sql`: the catalogue of the App's schema (fastjobs.sql.of), as for every function here."""
     check_queue(queue)
     with _cursor(conn) as cur:
         row = cur.execute(sql.queue_pause, (queue,)).fetchone()
@@ -86,14 +88,14 @@ def pause(conn: psycopg.Connection[Any], queue: str) -> dt.datetime:
     return paused_at
 
 
-def resume(conn: psycopg.Connection[Any], queue: str) -> bool:
+def resume(conn: psycopg.Connection[Any], queue: str, sql: ModuleType = sql) -> bool:
     """Resume `queue` and wake its workers (at commit); False when it was not paused."""
     check_queue(queue)
     with _cursor(conn) as cur:
         return cur.execute(sql.queue_resume, (queue,)).fetchone() is not None
 
 
-def list_queues(conn: psycopg.Connection[Any]) -> list[QueueInfo]:
+def list_queues(conn: psycopg.Connection[Any], sql: ModuleType = sql) -> list[QueueInfo]:
     """Every queue acted on or holding jobs, by name."""
     with _cursor(conn) as cur:
         return [QueueInfo(*row) for row in cur.execute(sql.queue_list)]
@@ -114,6 +116,7 @@ def limit(
     concurrency: int | None = UNCHANGED,
     max_backlog: int | None = UNCHANGED,
     rate_limit: str | None = UNCHANGED,
+    sql: ModuleType = sql,
 ) -> None:
     """Set queue `queue`'s limits (None: none; UNCHANGED, the default: as it is).
 
@@ -179,13 +182,13 @@ class QueueState:
     held_back: int
 
 
-def states(conn: psycopg.Connection[Any]) -> list[QueueState]:
+def states(conn: psycopg.Connection[Any], sql: ModuleType = sql) -> list[QueueState]:
     """The queues an operator acted on, by name."""
     with _cursor(conn) as cur:
         return [QueueState(*row) for row in cur.execute(sql.queue_states)]
 
 
-def count_backlogs(conn: psycopg.Connection[Any]) -> int:
+def count_backlogs(conn: psycopg.Connection[Any], sql: ModuleType = sql) -> int:
     """The leader's service: count the backlog of each queue with a max_backlog; how many it counted."""
     with _cursor(conn) as cur:
         return cur.execute(sql.queue_count_backlogs).rowcount
@@ -205,7 +208,9 @@ class Backpressure:
         self,
         connection: Callable[[], AbstractContextManager[psycopg.Connection[Any]]],
         connection_async: Callable[[], AbstractAsyncContextManager[psycopg.AsyncConnection[Any]]],
+        sql: ModuleType = sql,
     ) -> None:
+        self.sql = sql  # the catalogue of the App's schema
         self._connection = connection
         self._connection_async = connection_async
         self._full: dict[str, tuple[int, int]] = {}  # queue: (backlog, max_backlog)
@@ -257,7 +262,7 @@ class Backpressure:
         with self._lock:
             if not force and time.monotonic() - self._read_at < REFRESH:
                 return  # another thread read meanwhile
-            with schema.required():
+            with schema.required(self.sql.SCHEMA):
                 try:
                     with self._connection() as own:
                         self._read(own)
@@ -272,15 +277,15 @@ class Backpressure:
     def _read(self, conn: psycopg.Connection[Any]) -> None:
         """Read the full queues, and report the enqueues held back since the last read (under the lock)."""
         with _cursor(conn) as cur:
-            rows = cur.execute(sql.queue_full, (FRESH_FOR,)).fetchall()
+            rows = cur.execute(self.sql.queue_full, (FRESH_FOR,)).fetchall()
             held, self._held = self._held, Counter()
             for queue, count in held.items():
-                cur.execute(sql.queue_held_back, (queue, count))
+                cur.execute(self.sql.queue_held_back, (queue, count))
         self._full = {name: (backlog, most) for name, backlog, most in rows}
         self._read_at = time.monotonic()
 
     async def _refresh_async(self, caller: psycopg.AsyncConnection[Any] | None) -> None:
-        with schema.required():
+        with schema.required(self.sql.SCHEMA):
             try:
                 async with self._connection_async() as own:
                     await self._read_async(own)
@@ -292,11 +297,11 @@ class Backpressure:
 
     async def _read_async(self, conn: psycopg.AsyncConnection[Any]) -> None:
         async with psycopg.AsyncRawCursor(conn, row_factory=tuple_row) as cur:
-            rows = await (await cur.execute(sql.queue_full, (FRESH_FOR,))).fetchall()
+            rows = await (await cur.execute(self.sql.queue_full, (FRESH_FOR,))).fetchall()
             with self._lock:
                 held, self._held = self._held, Counter()
             for queue, count in held.items():
-                await cur.execute(sql.queue_held_back, (queue, count))
+                await cur.execute(self.sql.queue_held_back, (queue, count))
         self._full = {name: (backlog, most) for name, backlog, most in rows}
         self._read_at = time.monotonic()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import psycopg
@@ -96,7 +97,9 @@ class ClusterHost:
     kinds: list[dict[str, Any]]  # {queue, kind, and each of OUTCOMES} summed over its workers
 
 
-def cluster(conn: psycopg.Connection[Any], stale_after: float = STALE_AFTER) -> list[ClusterHost]:
+def cluster(
+    conn: psycopg.Connection[Any], stale_after: float = STALE_AFTER, sql: ModuleType = sql
+) -> list[ClusterHost]:
     """Every host with workers registered in this database (from their heartbeats), by host id."""
     with psycopg.RawCursor(conn) as cur:
         rows = cur.execute(sql.worker_list).fetchall()
@@ -181,7 +184,7 @@ class QueueDepth:
     oldest_seconds: float | None
 
 
-def queue_depths(conn: psycopg.Connection[Any]) -> list[QueueDepth]:
+def queue_depths(conn: psycopg.Connection[Any], sql: ModuleType = sql) -> list[QueueDepth]:
     with psycopg.RawCursor(conn) as cur:
         return [QueueDepth(*row) for row in cur.execute(sql.job_stats_by_queue)]
 
@@ -243,7 +246,7 @@ class Health:
         return lines
 
 
-def health(conn: psycopg.Connection[Any]) -> Health:
+def health(conn: psycopg.Connection[Any], sql: ModuleType = sql) -> Health:
     with psycopg.RawCursor(conn) as cur:
         row = cur.execute(sql.mvcc_horizon).fetchone()
         tables = [TableHealth(*r) for r in cur.execute(sql.mvcc_tables)]

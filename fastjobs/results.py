@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime as dt
 import time
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -93,10 +94,11 @@ def _found(job_id: int, row: tuple[Any, ...] | None) -> _Found:
     return _Found(status, keep_result, bool(kept), bool(expired))
 
 
-def status(conn: psycopg.Connection[Any], job_id: int) -> JobStatus:
+def status(conn: psycopg.Connection[Any], job_id: int, sql: ModuleType = sql) -> JobStatus:
     """Job `job_id` as it is now (sql.job_status); JobNotFound when neither table has it, or its
-    kept outcome expired (the cleaner may not have removed it yet)."""
-    with schema.required(), psycopg.RawCursor(conn, row_factory=tuple_row) as cur:
+    kept outcome expired (the cleaner may not have removed it yet). `sql`: the catalogue of the
+    App's schema (fastjobs.sql.of), as for every function here."""
+    with schema.required(sql.SCHEMA), psycopg.RawCursor(conn, row_factory=tuple_row) as cur:
         _json(cur)
         return _unexpired(_found(job_id, cur.execute(sql.job_status, (job_id,)).fetchone()))
 
@@ -116,8 +118,8 @@ def _json(cur: psycopg.RawCursor[Any] | psycopg.AsyncRawCursor[Any]) -> None:
     set_json_loads(orjson.loads, cur)
 
 
-async def status_async(conn: psycopg.AsyncConnection[Any], job_id: int) -> JobStatus:
-    with schema.required():
+async def status_async(conn: psycopg.AsyncConnection[Any], job_id: int, sql: ModuleType = sql) -> JobStatus:
+    with schema.required(sql.SCHEMA):
         async with psycopg.AsyncRawCursor(conn, row_factory=tuple_row) as cur:
             _json(cur)
             await cur.execute(sql.job_status, (job_id,))
@@ -167,10 +169,10 @@ def _timeout_error(job_id: int, timeout: float | None) -> TimeoutError:
     return TimeoutError(f"job {job_id} did not finish within {timeout:g}s (it is left as it is)")
 
 
-def wait(conn: psycopg.Connection[Any], job_id: int, timeout: float | None) -> Any:
+def wait(conn: psycopg.Connection[Any], job_id: int, timeout: float | None, sql: ModuleType = sql) -> Any:
     """The value of job `job_id` once it is kept, woken by its notification (see the module)."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    with schema.required(), psycopg.RawCursor(conn, row_factory=tuple_row) as cur:
+    with schema.required(sql.SCHEMA), psycopg.RawCursor(conn, row_factory=tuple_row) as cur:
         cur.execute(sql.listen_result)
         try:
             while True:
@@ -189,9 +191,11 @@ def wait(conn: psycopg.Connection[Any], job_id: int, timeout: float | None) -> A
                 cur.execute(sql.unlisten_result)
 
 
-async def wait_async(conn: psycopg.AsyncConnection[Any], job_id: int, timeout: float | None) -> Any:
+async def wait_async(
+    conn: psycopg.AsyncConnection[Any], job_id: int, timeout: float | None, sql: ModuleType = sql
+) -> Any:
     deadline = None if timeout is None else time.monotonic() + timeout
-    with schema.required():
+    with schema.required(sql.SCHEMA):
         async with psycopg.AsyncRawCursor(conn, row_factory=tuple_row) as cur:
             await cur.execute(sql.listen_result)
             try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import psycopg
@@ -29,7 +30,10 @@ class SamplesConfig:
 
 
 def run_once(
-    conn: psycopg.Connection[Any], now: dt.datetime | None = None, config: SamplesConfig = SamplesConfig()
+    conn: psycopg.Connection[Any],
+    now: dt.datetime | None = None,
+    config: SamplesConfig = SamplesConfig(),
+    sql: ModuleType = sql,
 ) -> dict[str, int]:
     """Write one sample per queue of the outcomes counted so far, prune the old ones; counts of each.
 
@@ -38,7 +42,7 @@ def run_once(
     sum fall, which a chart reads as no work in that interval.
     """
     totals: dict[str, list[int]] = {}
-    for host in cluster(conn):
+    for host in cluster(conn, sql=sql):
         for row in host.kinds:
             counts = totals.setdefault(row["queue"], [0, 0])
             counts[0] += int(row["completed"])
@@ -54,6 +58,6 @@ def run_once(
     return {"written": max(written, 0), "pruned": max(pruned, 0)}
 
 
-def turn(conn: psycopg.Connection[Any]) -> None:
+def turn(conn: psycopg.Connection[Any], sql: ModuleType = sql) -> None:
     """The leader's turn of this service: a sample is routine, so nothing is returned to log."""
-    run_once(conn)
+    run_once(conn, sql=sql)

@@ -12,6 +12,15 @@ one step must be idempotent (IF NOT EXISTS throughout), since a run
 interrupted between its steps is completed by the next; the migration is
 recorded with its last step.
 
+In a schema of its own (`schema=`, App(schema=...)), the schema is created
+if missing and every step runs with search_path set to it alone: the files
+name fastjobs' objects unqualified, so each one is created there, and the
+names a table's default or a trigger's condition holds are bound to it when
+it is created. The notification channel a file names (the insert trigger's)
+is written as the unqualified catalogue's literal and sent as the schema's
+(`_in_schema`). The migrations table is the schema's: each schema is
+migrated on its own, its versions its own.
+
 Compatibility window: a migration never removes or changes what the code of
 the previous migration uses, so code that knows migrations 1..N runs on a
 schema at N, and at N+1 (migrated first, during a rolling deploy), never
@@ -31,6 +40,7 @@ from dataclasses import dataclass
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import psycopg
@@ -129,6 +139,7 @@ def migrate(
     directory: Path | Traversable | None = None,
     say: Callable[[str], None] = _say,
     target: int | None = None,
+    schema: str | None = None,
 ) -> list[Migration]:
     """Apply the pending migrations step by step (see the module docstring); return those applied.
 
@@ -139,16 +150,20 @@ def migrate(
     second one finds everything applied and does nothing. With `dsn`, a
     second connection watches the migration's session and says whenever it
     waits on another (pid, application, state, query), through `say`.
+    With `schema`, the migrations go into that schema (see the module docstring).
     """
     if retries < 1 or not lock_timeout > 0:
         raise FastjobsError("migrate needs a positive lock timeout and at least one attempt")
+    statements = sql.of(schema)
     pending_all = [m for m in migrations(directory) if target is None or m.version <= target]
     if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
         # The caller's transaction is its own: nothing to do is fine, anything else is not.
         with psycopg.RawCursor(conn) as cur:
-            exists = cur.execute(sql.schema_exists).fetchone()
+            exists = cur.execute(statements.schema_exists).fetchone()
             applied = (
-                {row[0] for row in cur.execute(sql.migration_applied_list)} if exists and exists[0] else set()
+                {row[0] for row in cur.execute(statements.migration_applied_list)}
+                if exists and exists[0]
+                else set()
             )
         if all(m.version in applied for m in pending_all):
             return []
@@ -163,9 +178,14 @@ def migrate(
             if watcher is not None:
                 watcher.start()
             _lock(cur, say)
+            search_path = None
             try:
-                cur.execute(sql.migration_table_create)
-                applied = {row[0] for row in cur.execute(sql.migration_applied_list)}
+                if schema is not None:
+                    cur.execute(pgsql.SQL(sql.schema_create).format(schema=pgsql.Identifier(schema)))
+                    row = cur.execute(sql.migration_search_path, (f'"{schema}"',)).fetchone()
+                    search_path = row[0] if row else None
+                cur.execute(statements.migration_table_create)
+                applied = {row[0] for row in cur.execute(statements.migration_applied_list)}
                 pending = [m for m in pending_all if m.version not in applied]
                 for migration in pending:
                     steps = migration.steps()
@@ -173,15 +193,20 @@ def migrate(
                         last = number == len(steps)
                         if watcher is not None:
                             watcher.doing = f"{migration.label} step {number} of {len(steps)}"
+                        step = _in_schema(step, statements)
                         if step.concurrently:
                             _build_index(cur, step)
                             if last:
-                                cur.execute(sql.migration_record, (migration.version, migration.name))
+                                cur.execute(statements.migration_record, (migration.version, migration.name))
                         else:
                             record = migration if last else None
-                            _transaction(conn, migration, number, step, record, lock_timeout, retries, say)
+                            _transaction(
+                                conn, migration, number, step, record, lock_timeout, retries, say, statements
+                            )
             finally:
                 with contextlib.suppress(psycopg.Error):
+                    if search_path is not None:  # the caller's own (Django's connection)
+                        cur.execute(sql.migration_search_path, (search_path,))
                     cur.execute(sql.migration_unlock, (sql.MIGRATION_LOCK_KEY,))
     finally:
         if watcher is not None:
@@ -189,6 +214,15 @@ def migrate(
         if not conn.closed and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
             conn.autocommit = was_autocommit
     return pending
+
+
+def _in_schema(step: Step, statements: ModuleType) -> Step:
+    """`step` as it runs in the schema of `statements`: its channels are the schema's (see the module
+    docstring)."""
+    text = step.sql
+    for name in ("NOTIFY_CHANNEL", "PING_CHANNEL", "CANCEL_CHANNEL", "RESULT_CHANNEL"):
+        text = text.replace(f"'{getattr(sql, name)}'", f"'{getattr(statements, name)}'")
+    return step if text == step.sql else Step(text, step.concurrently, step.index)
 
 
 def _lock(cur: psycopg.RawCursor[Any], say: Callable[[str], None]) -> None:
@@ -210,6 +244,7 @@ def _transaction(
     lock_timeout: float,
     retries: int,
     say: Callable[[str], None],
+    statements: ModuleType = sql,
 ) -> None:
     """Run one transaction step under `lock_timeout`, giving way and retrying while its locks are held."""
     for attempt in range(1, retries + 1):
@@ -218,7 +253,7 @@ def _transaction(
                 cur.execute(sql.migration_lock_timeout, (f"{int(lock_timeout * 1000)}ms",))
                 cur.execute(step.sql.encode())
                 if record is not None:
-                    cur.execute(sql.migration_record, (record.version, record.name))
+                    cur.execute(statements.migration_record, (record.version, record.name))
             return
         except psycopg.errors.LockNotAvailable:
             if attempt == retries:
@@ -280,7 +315,7 @@ class _Watcher(threading.Thread):
             return  # only a reporter: the migration goes on without it
 
 
-def script(since: int = 0, lock_timeout: float = LOCK_TIMEOUT) -> str:
+def script(since: int = 0, lock_timeout: float = LOCK_TIMEOUT, schema: str | None = None) -> str:
     """The migrations after version `since` as one psql script, for DBAs who apply by hand.
 
     `fastjobs migrate --sql` prints them all (a new database);
@@ -288,16 +323,20 @@ def script(since: int = 0, lock_timeout: float = LOCK_TIMEOUT) -> str:
     `psql -v ON_ERROR_STOP=1 -f`, one statement at a time: each step is its
     own transaction with `lock_timeout` (a step that fails on it applied
     nothing; run the script again), and CREATE INDEX CONCURRENTLY runs
-    outside any.
+    outside any. With `schema`, into that schema: the script creates it and
+    sets the session's search_path to it first.
     """
+    statements = sql.of(schema)
     parts = [
         "-- fastjobs migrations: run with `psql -v ON_ERROR_STOP=1 -f THIS_FILE`, not in one transaction",
         '-- (CREATE INDEX CONCURRENTLY cannot run in one). A step that fails with "lock timeout" applied',
         "-- nothing: run the script again (steps of a multi-step migration are idempotent). A failed",
         "-- CONCURRENTLY build leaves an INVALID index: DROP INDEX CONCURRENTLY it before running again.",
         f"SELECT pg_advisory_lock({sql.MIGRATION_LOCK_KEY});",
-        sql.migration_table_create.strip() + ";",
     ]
+    if schema is not None:
+        parts += [sql.schema_create.format(schema=f'"{schema}"') + ";", f'SET search_path TO "{schema}";']
+    parts.append(statements.migration_table_create.strip() + ";")
     timeout = f"SET LOCAL lock_timeout = '{int(lock_timeout * 1000)}ms';"
     for m in migrations():
         if m.version <= since:
@@ -310,6 +349,7 @@ def script(since: int = 0, lock_timeout: float = LOCK_TIMEOUT) -> str:
         )
         for number, step in enumerate(steps, 1):
             last = number == len(steps)
+            step = _in_schema(step, statements)
             if step.concurrently:
                 parts.append(step.sql.strip())
                 if last:
@@ -321,11 +361,12 @@ def script(since: int = 0, lock_timeout: float = LOCK_TIMEOUT) -> str:
     return "\n".join(parts) + "\n"
 
 
-def check(conn: psycopg.Connection[Any]) -> None:
+def check(conn: psycopg.Connection[Any], sql: ModuleType = sql) -> None:
     """Raise SchemaMissing unless the schema is within this code's window: its newest migration, or one more.
 
     Older: run `fastjobs migrate` (deploy order: migrate, then the new code).
     Newer by more than COMPATIBLE_AHEAD: SchemaTooNew, upgrade fastjobs here.
+    `sql` is the catalogue of the schema to check (fastjobs.sql.of).
     """
     with psycopg.RawCursor(conn) as cur:
         exists = cur.execute(sql.schema_exists).fetchone()
@@ -334,7 +375,8 @@ def check(conn: psycopg.Connection[Any]) -> None:
     if version is None or version < latest:
         have = "none" if version is None else f"{version:03d}"
         raise SchemaMissing(
-            f"the fastjobs schema is at {have}, this fastjobs needs {latest:03d}: run `fastjobs migrate`"
+            f"the fastjobs schema{_named(sql.SCHEMA)} is at {have}, this fastjobs needs {latest:03d}:"
+            f" run {_migrate_command(sql.SCHEMA)}"
         )
     if version > latest + COMPATIBLE_AHEAD:
         raise SchemaTooNew(
@@ -344,22 +386,36 @@ def check(conn: psycopg.Connection[Any]) -> None:
 
 
 @contextlib.contextmanager
-def required() -> Iterator[None]:
+def required(schema: str | None = None) -> Iterator[None]:
     """Errors of a missing or old schema become SchemaMissing, which says to run `fastjobs migrate`.
 
     For the calls that skip `check` (a round trip each): a missing table or
     type means no schema; a missing column, or no unique index for an ON
-    CONFLICT (002 adds the unique keys' index), an older one.
+    CONFLICT (002 adds the unique keys' index), an older one. `schema` is the
+    App's (App(schema=...)): a schema that does not exist is missing too.
     """
     try:
         yield
-    except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedObject) as exc:
+    except (
+        psycopg.errors.UndefinedTable,
+        psycopg.errors.UndefinedObject,
+        psycopg.errors.InvalidSchemaName,
+    ) as exc:
         raise SchemaMissing(
-            f"the fastjobs schema is missing in this database ({exc.diag.message_primary}):"
-            " run `fastjobs migrate`"
+            f"the fastjobs schema{_named(schema)} is missing in this database ({exc.diag.message_primary}):"
+            f" run {_migrate_command(schema)}"
         ) from None
     except (psycopg.errors.UndefinedColumn, psycopg.errors.InvalidColumnReference) as exc:
         raise SchemaMissing(
-            f"the fastjobs schema in this database is out of date ({exc.diag.message_primary}):"
-            " run `fastjobs migrate`"
+            f"the fastjobs schema{_named(schema)} in this database is out of date"
+            f" ({exc.diag.message_primary}): run {_migrate_command(schema)}"
         ) from None
+
+
+def _named(schema: str | None) -> str:
+    return "" if schema is None else f" (in schema {schema!r})"
+
+
+def _migrate_command(schema: str | None) -> str:
+    """The command that creates or upgrades fastjobs' tables of `schema`."""
+    return "`fastjobs migrate`" if schema is None else f"`fastjobs migrate --schema {schema}`"

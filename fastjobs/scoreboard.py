@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import psycopg
@@ -59,7 +60,7 @@ def shm_dir() -> Path:
     return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 
 
-def database_identity(conn: psycopg.Connection[Any], dsn: str) -> str:
+def database_identity(conn: psycopg.Connection[Any], dsn: str, sql: ModuleType = sql) -> str:
     """The non-secret identity of the database (sql.database_identity), recorded in the stats file.
 
     A role denied pg_control_system() gets `host:port/dbname` of its DSN instead.

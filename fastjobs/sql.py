@@ -21,6 +21,13 @@ jobs every claim, lock and finish takes), finishes (`_outcomes`, a batch's
 outcomes on either lane), state reports (`_IN_FLIGHT`), crashes charged
 (`_crashed`) and the rotation's moves (`_to_slot_0`).
 
+A schema of fastjobs' own (App(schema=...)) has a catalogue of its own,
+`of(schema)`: this module's source evaluated once more for that schema (see
+SCHEMA), every name of fastjobs' objects qualified and quoted through `_S`,
+its channels and leader key its own. `fastjobs sql show NAME --schema S`
+prints one of its statements; the code takes its statements from the App's
+catalogue (`app.sql`, the `sql=` parameter of the functions that send them).
+
 Adding a variant is one edit: the line that names it. A family grows a
 dimension in one place: the claims' variants are `_Choice`s, which every
 claim, lock and finish reads, so flow control's limit, say, is a field of
@@ -35,7 +42,7 @@ by `fastjobs sql show job_finish_claim_limited`, with nothing else to edit.
 Contents (each section opens with `_section`; SECTIONS lists them and their
 statements, as `fastjobs sql show` does):
 
-  Listening and migrations   listen_*, migration_*, schema_*
+  Listening and migrations   listen_*, migration_*, schema_* (and SCHEMA, of: a schema's catalogue)
   Inserts (family)           job_insert*, job_copy*, the staging table
   Claims (family)            job_claim_many, job_lock_*
   Finishes (family)          job_finish_claim_*, job_finish_locked_many*
@@ -54,10 +61,17 @@ statements, as `fastjobs sql show` does):
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib.util
+import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
+from types import MappingProxyType, ModuleType
 from typing import Final
+
+from .errors import ConfigurationError
 
 # Where each section of the catalogue starts: its title and how many module
 # names were defined before it (a module's namespace keeps definition order).
@@ -74,13 +88,95 @@ def _indent(text: str, spaces: int) -> str:
     return ("\n" + " " * spaces).join(text.split("\n"))
 
 
-# Key of the transaction-level advisory lock `fastjobs migrate` holds, so two
+# The schema of fastjobs' tables this catalogue names: None (this module) names them
+# unqualified, found on each session's search_path, as fastjobs always has. `of(schema)` is
+# the catalogue of another schema (App(schema=...), FASTJOBS_SCHEMA): this module's source
+# evaluated once more with SCHEMA given, so every statement of it is written here once, and
+# names fastjobs' tables, types and sequences in that schema, quoted ({_S}), its own
+# notification channels and its leader's lock key. A statement sent on a caller's connection
+# (enqueue with conn=) then leaves their search_path alone, and no session setting is needed.
+SCHEMA: Final[str | None] = globals().get("SCHEMA")
+
+# The longest schema name: a channel is named after its schema, and the longest,
+# `fastjobs_result.` and the name, must fit an identifier (63 bytes; pg_notify fails past it).
+SCHEMA_MAX: Final = 47
+_SCHEMA_NAME_FORM: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+
+
+def schema_name(value: object) -> str:
+    """`value` if fastjobs can keep its tables in a schema of that name; else ConfigurationError."""
+    if (
+        not isinstance(value, str)
+        or not _SCHEMA_NAME_FORM.fullmatch(value)
+        or len(value) > SCHEMA_MAX
+        or value.startswith("pg_")
+    ):
+        raise ConfigurationError(
+            f"{value!r} is not a schema name fastjobs takes: 1 to {SCHEMA_MAX} letters (a-z, A-Z), digits,"
+            " '_' or '-', starting with a letter or '_', and not 'pg_...' (PostgreSQL's own). It is used"
+            " as written, quoted: 'Jobs' and 'jobs' are two schemas"
+        )
+    return value
+
+
+def of(schema: str | None) -> ModuleType:
+    """The catalogue of `schema` (checked by schema_name): this module for None, else a copy of it
+    built on first use (see SCHEMA). Its statements, constants and helpers have this module's names."""
+    base = sys.modules[__name__]
+    return base if schema is None else base._catalogue(schema_name(schema))
+
+
+@functools.cache
+def _catalogue(schema: str) -> ModuleType:
+    spec = importlib.util.find_spec(__name__)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    module.__dict__["SCHEMA"] = schema
+    spec.loader.exec_module(module)
+    return module
+
+
+def relation(name: str) -> tuple[str, ...]:
+    """Table or index `name` as psycopg.sql.Identifier's parts: in this catalogue's schema, if any."""
+    return (name,) if SCHEMA is None else (SCHEMA, name)
+
+
+# What goes before each name of fastjobs' objects in a statement: the schema, quoted.
+_S: Final = "" if SCHEMA is None else f'"{SCHEMA}".'
+# The schema mvcc_tables reports on.
+_SCHEMA_NAME: Final = "current_schema()" if SCHEMA is None else f"'{SCHEMA}'"
+# A schema's channels are named after it: a wake-up, a cancel (its payload a job id) or a
+# result of one never reaches another's workers. Those of `public` are the unqualified
+# catalogue's, since that is where its tables usually are: App() and App(schema="public")
+# on one database are one installation.
+_SUFFIX: Final = "" if SCHEMA in (None, "public") else f".{SCHEMA}"
+
+
+# What a schema's database_identity ends with.
+_IDENTITY: Final = f" || '{_SUFFIX}'" if _SUFFIX else ""
+
+
+def _channel(name: str) -> str:
+    """A channel as LISTEN and NOTIFY name it: quoted when it carries a schema's name."""
+    return f'"{name}"' if _SUFFIX else name
+
+
+def _key(purpose: str) -> int:
+    """An advisory lock key of this catalogue's schema for `purpose`: a signed 64-bit hash."""
+    digest = hashlib.blake2b(f"fastjobs {purpose} {SCHEMA}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+# Key of the session-level advisory lock `fastjobs migrate` holds, so two
 # concurrent migrations apply each file once. ("fastjobs" in ASCII, truncated.)
+# One for every schema: migrations of two schemas of a database take turns (an
+# index build CONCURRENTLY waits for every older transaction, another migration's too).
 MIGRATION_LOCK_KEY: Final = 0x66_61_73_74_6A_6F_62
 
 # Default key of the session-level advisory lock the leader holds; the
-# application can choose another so it cannot collide with its own locks.
-LEADER_LOCK_KEY: Final = 0x66_6A_6C_65_61_64  # "fjlead"
+# application can choose another so it cannot collide with its own locks. A
+# schema's leader has a key of its own: each schema has a leader.
+LEADER_LOCK_KEY: Final = 0x66_6A_6C_65_61_64 if not _SUFFIX else _key("leader")  # "fjlead"
 
 # The literals below are written into the statements (and the migrations)
 # as they are: a LISTEN or a statement's pg_notify cannot take its channel as
@@ -88,15 +184,15 @@ LEADER_LOCK_KEY: Final = 0x66_6A_6C_65_61_64  # "fjlead"
 # that every literal of every statement and migration is one of these.
 
 # Channel every wake-up is sent on; the payload is the queue name.
-NOTIFY_CHANNEL: Final = "fastjobs"
+NOTIFY_CHANNEL: Final = f"fastjobs{_SUFFIX}"
 # Channel of the listeners' health checks; the payload is the pinging listener's id.
-PING_CHANNEL: Final = "fastjobs_ping"
+PING_CHANNEL: Final = f"fastjobs_ping{_SUFFIX}"
 # Channel of cancellation requests for running jobs; the payload is the job id.
-CANCEL_CHANNEL: Final = "fastjobs_cancel"
+CANCEL_CHANNEL: Final = f"fastjobs_cancel{_SUFFIX}"
 # Channel of kept outcomes written (fastjobs_results): one notification per
 # statement, its payload the ids, comma-separated, or '' (look again) when
 # they would not fit a notification (RESULT_PAYLOAD_MAX).
-RESULT_CHANNEL: Final = "fastjobs_result"
+RESULT_CHANNEL: Final = f"fastjobs_result{_SUFFIX}"
 CHANNELS: Final = frozenset({NOTIFY_CHANNEL, PING_CHANNEL, CANCEL_CHANNEL, RESULT_CHANNEL})
 # The longest payload of a RESULT_CHANNEL notification (PostgreSQL takes < 8000 bytes).
 RESULT_PAYLOAD_MAX: Final = 7900
@@ -121,19 +217,27 @@ def _next_attempt(row: str) -> str:
 _section("Listening and migrations")
 
 # listen_jobs, listen_ping, listen_cancel: subscribe a connection to a channel.
-listen_jobs: Final = "LISTEN fastjobs"
-listen_ping: Final = "LISTEN fastjobs_ping"
-listen_cancel: Final = "LISTEN fastjobs_cancel"
-listen_result: Final = "LISTEN fastjobs_result"
+listen_jobs: Final = f"LISTEN {_channel(NOTIFY_CHANNEL)}"
+listen_ping: Final = f"LISTEN {_channel(PING_CHANNEL)}"
+listen_cancel: Final = f"LISTEN {_channel(CANCEL_CHANNEL)}"
+listen_result: Final = f"LISTEN {_channel(RESULT_CHANNEL)}"
 # unlisten_result: a waiter (fastjobs.results) is done with its connection, which goes back to the pool.
-unlisten_result: Final = "UNLISTEN fastjobs_result"
+unlisten_result: Final = f"UNLISTEN {_channel(RESULT_CHANNEL)}"
 
 # listener_ping: a listener's health check, answered on its own connection.
-listener_ping: Final = "SELECT pg_notify('fastjobs_ping', $1)"
+listener_ping: Final = f"SELECT pg_notify('{PING_CHANNEL}', $1)"
+
+# schema_create: the schema of an App(schema=...), created by `fastjobs migrate --schema` ({schema}:
+# its name, composed with psycopg.sql.Identifier as migration_index_drop's index is).
+schema_create: Final = "CREATE SCHEMA IF NOT EXISTS {schema}"
+
+# migration_search_path: the migrating session's search_path becomes $1 (a schema's
+# migrations name its objects unqualified: fastjobs.schema); returns the one it replaces.
+migration_search_path: Final = "SELECT current_setting('search_path'), set_config('search_path', $1, false)"
 
 # migration_table_create: the table recording applied migrations.
-migration_table_create: Final = """
-CREATE TABLE IF NOT EXISTS fastjobs_migrations (
+migration_table_create: Final = f"""
+CREATE TABLE IF NOT EXISTS {_S}fastjobs_migrations (
     version    integer     PRIMARY KEY,
     name       text        NOT NULL,
     applied_at timestamptz NOT NULL DEFAULT now()
@@ -168,16 +272,16 @@ SELECT a.pid, a.application_name, a.state,
  ORDER BY a.xact_start"""
 
 # migration_applied_list: versions already applied.
-migration_applied_list: Final = "SELECT version FROM fastjobs_migrations ORDER BY version"
+migration_applied_list: Final = f"SELECT version FROM {_S}fastjobs_migrations ORDER BY version"
 
 # migration_record: mark one migration applied.
-migration_record: Final = "INSERT INTO fastjobs_migrations (version, name) VALUES ($1, $2)"
+migration_record: Final = f"INSERT INTO {_S}fastjobs_migrations (version, name) VALUES ($1, $2)"
 
 # schema_exists: whether the migrations table exists (schema_version would fail without it).
-schema_exists: Final = "SELECT to_regclass('fastjobs_migrations') IS NOT NULL"
+schema_exists: Final = f"SELECT to_regclass('{_S}fastjobs_migrations') IS NOT NULL"
 
 # schema_version: the newest applied migration.
-schema_version: Final = "SELECT max(version) FROM fastjobs_migrations"
+schema_version: Final = f"SELECT max(version) FROM {_S}fastjobs_migrations"
 
 
 _section("Inserts")
@@ -221,9 +325,9 @@ _SKIP_TAKEN_KEYS: Final = f"""ON CONFLICT (unique_key)
 # unique key ($8) already taken, nothing is inserted and no row returned
 # (job_get_unique then finds the holder).
 job_insert: Final = f"""
-INSERT INTO fastjobs_jobs ({_columns(at=True, key=True)})
+INSERT INTO {_S}fastjobs_jobs ({_columns(at=True, key=True)})
 SELECT $1, $2, $3::jsonb, $4, $5,
-       CASE WHEN t.run_at > now() THEN 'scheduled' ELSE 'available' END::fastjobs_state,
+       CASE WHEN t.run_at > now() THEN 'scheduled' ELSE 'available' END::{_S}fastjobs_state,
        t.run_at, $8, $10::int4, $9::jsonb
   FROM (SELECT coalesce($6::timestamptz,
                         now() + make_interval(secs => coalesce($7::float8, 0)))) AS t(run_at)
@@ -238,41 +342,45 @@ RETURNING id"""
 # with its meta ($6, or NULL) and keep_result ($7, or NULL): an app with enqueue middleware (tracing) puts
 # meta on every job, which must not all go to slot 0, back onto VACUUM.
 job_insert_now: Final = f"""
-INSERT INTO fastjobs_jobs_all ({_columns(at=False, key=False)})
+INSERT INTO {_S}fastjobs_jobs_all ({_columns(at=False, key=False)})
 VALUES ($1, $2, $3::jsonb, $4, $5, $7::int4, $6::jsonb)
 RETURNING id"""
 
 # job_get_unique: the pending or running job holding unique key $1 (only slot 0 holds keys).
 job_get_unique: Final = f"""
-SELECT id FROM fastjobs_jobs
+SELECT id FROM {_S}fastjobs_jobs
  WHERE unique_key = $1 AND {UNIQUE_STATES}"""
 
+# The session's staging table (a temporary one): a schema's is its own, since its
+# state column is of the schema's type and one session may enqueue into two schemas.
+_STAGED: Final = "fastjobs_staged" if SCHEMA is None else f'pg_temp."fastjobs_staged_{SCHEMA}"'
+
 # job_copy_staged: bulk unique jobs go through a temporary table, since COPY cannot skip conflicts.
-job_copy_staged: Final = _copy(into="fastjobs_staged", at=True, key=True)
+job_copy_staged: Final = _copy(into=_STAGED, at=True, key=True)
 
 # job_stage_create: the session's staging table for bulk unique enqueues, emptied at commit.
-job_stage_create: Final = """
-CREATE TEMP TABLE IF NOT EXISTS fastjobs_staged (
+job_stage_create: Final = f"""
+CREATE TEMP TABLE IF NOT EXISTS {_STAGED} (
     queue text, kind text, args jsonb, priority smallint, max_attempts smallint,
-    state fastjobs_state, run_at timestamptz, unique_key text, keep_result integer, meta jsonb
+    state {_S}fastjobs_state, run_at timestamptz, unique_key text, keep_result integer, meta jsonb
 ) ON COMMIT DELETE ROWS"""
 
 # job_insert_staged: move staged jobs in, skipping keys already taken; one statement, one notification.
 job_insert_staged: Final = f"""
-INSERT INTO fastjobs_jobs ({_columns(at=True, key=True)})
+INSERT INTO {_S}fastjobs_jobs ({_columns(at=True, key=True)})
 SELECT queue, kind, args, priority, max_attempts,
        coalesce(state, 'available'), coalesce(run_at, now()), unique_key, keep_result, meta
-  FROM fastjobs_staged
+  FROM {_STAGED}
 {_SKIP_TAKEN_KEYS}"""
 
 # job_stage_clear: empty the staging table (a caller's transaction may stage again before commit).
-job_stage_clear: Final = "DELETE FROM fastjobs_staged"
+job_stage_clear: Final = f"DELETE FROM {_STAGED}"
 
 # job_copy: bulk insert of jobs due now into the current rotating slot.
-job_copy: Final = _copy(into="fastjobs_jobs_all", at=False, key=False)
+job_copy: Final = _copy(into=f"{_S}fastjobs_jobs_all", at=False, key=False)
 
 # job_copy_at: bulk insert of jobs that all share one run_at (and state), into slot 0.
-job_copy_at: Final = _copy(into="fastjobs_jobs", at=True, key=False)
+job_copy_at: Final = _copy(into=f"{_S}fastjobs_jobs", at=True, key=False)
 
 
 _section("Claims")
@@ -334,15 +442,15 @@ class _Choice:
                 f" + (${first + 1}::int8 - {CLAIM_MARK_MARGIN}) * interval '1 microsecond'"
             )
         limits = "concurrency IS NOT NULL OR rate IS NOT NULL"
-        limited = f"SELECT FROM fastjobs_queues WHERE name = {queue} AND ({limits})"
+        limited = f"SELECT FROM {_S}fastjobs_queues WHERE name = {queue} AND ({limits})"
         if fast:
             stopped = f"(paused_at IS NOT NULL OR {limits})"
         else:
             stopped = "paused_at IS NOT NULL"
-            room = f"fastjobs_room({queue}, {limit}{ending})"
+            room = f"{_S}fastjobs_room({queue}, {limit}{ending})"
             limit = f"CASE WHEN EXISTS ({limited})\n            THEN {room} ELSE {limit} END"
         return f""" WHERE state = 'available' AND queue = {queue} AND run_at <= now(){after}
-   AND NOT EXISTS (SELECT FROM fastjobs_queues WHERE name = {queue} AND {stopped})
+   AND NOT EXISTS (SELECT FROM {_S}fastjobs_queues WHERE name = {queue} AND {stopped})
  ORDER BY priority DESC, run_at, id
  LIMIT {limit}
    FOR UPDATE SKIP LOCKED"""
@@ -358,11 +466,11 @@ def _claim(
     """The state lane's claim: the jobs `choice` takes become running for `worker`, their attempt
     counted. The ids go through ARRAY(...): joined as a subquery instead, a large batch makes the
     planner hash-join it against a Seq Scan of the whole table."""
-    return f"""UPDATE fastjobs_jobs_all j
+    return f"""UPDATE {_S}fastjobs_jobs_all j
    SET state = 'running', attempt = {_next_attempt("j")},
        attempted_at = now(), attempted_by = {worker}
  WHERE j.id = ANY(ARRAY(
-           SELECT id FROM fastjobs_jobs_all
+           SELECT id FROM {_S}fastjobs_jobs_all
            {_indent(choice.where(queue=queue, limit=limit, first=first, ending=ending), 11)}))
 RETURNING {_returned(context=context, row="j")}"""
 
@@ -373,7 +481,7 @@ def _lock(*, choice: _Choice, context: bool) -> str:
     is written)."""
     return f"""
 SELECT {_returned(context=context, attempt=f"({_next_attempt('')})::smallint")}
-  FROM fastjobs_jobs_all
+  FROM {_S}fastjobs_jobs_all
 {choice.where(queue="$1", limit="$2", first=3, fast=True)}"""
 
 
@@ -441,7 +549,7 @@ def _outcome_state(attempt: str) -> str:
      THEN 'cancelled'
      WHEN f.error IS NOT NULL AND f.uncount = 0 AND f.state IN ('available', 'retryable')
           AND {attempt} >= j.max_attempts THEN 'discarded'
-     ELSE f.state END::fastjobs_state"""
+     ELSE f.state END::{_S}fastjobs_state"""
 
 
 # Results (migrations/006_results.sql). A job enqueued with keep_result
@@ -475,7 +583,7 @@ def _keep(*, completed: str | None, ended: str) -> str:
   FROM {completed} WHERE keep_result IS NOT NULL
 UNION ALL
 """
-    return f"""INSERT INTO fastjobs_results ({_result_columns()})
+    return f"""INSERT INTO {_S}fastjobs_results ({_result_columns()})
 {values}SELECT id, queue, kind, args, priority, state, NULL, errors, attempt,
        max_attempts, created_at, attempted_at, clock_timestamp(), {expires}
   FROM {ended} WHERE keep_result IS NOT NULL AND state IN ('discarded', 'cancelled')
@@ -510,7 +618,7 @@ SELECT {", ".join(["NULL"] * (returned.count(",") + 1))}
 # The one notification of the outcomes kept (a statement that kept none
 # sends none: the HAVING leaves no row for the WHERE to evaluate).
 _NOTIFY_KEPT: Final = f"""  FROM (SELECT string_agg(id::text, ',') AS ids FROM kept HAVING count(*) > 0) AS k
- WHERE pg_notify('fastjobs_result',
+ WHERE pg_notify('{RESULT_CHANNEL}',
                  CASE WHEN length(k.ids) <= {RESULT_PAYLOAD_MAX} THEN k.ids ELSE '' END)::text IS NULL"""
 
 
@@ -527,9 +635,9 @@ def _outcomes(*, keep: bool, fast: bool, results: bool) -> str:
         attempted = "j.attempted_at"
         first = "j.attempt = 1\n       AND j.attempted_by = $5 AND j.state::text = 'running'"
         record = "j.attempt = f.attempt\n       AND j.attempted_by = $5 AND j.state::text = 'running'"
-    complete, records = "DELETE FROM fastjobs_jobs_all j", " USING"
+    complete, records = f"DELETE FROM {_S}fastjobs_jobs_all j", " USING"
     if keep:  # kept as 'completed' rows, which the cleaner removes after the retention period
-        complete = "UPDATE fastjobs_jobs_all j SET state = 'completed', finalized_at = now()"
+        complete = f"UPDATE {_S}fastjobs_jobs_all j SET state = 'completed', finalized_at = now()"
         records = "  FROM"
     state = _outcome_state(attempt)
     later, later_returned, failed_returned, kept = "", "j.id", "j.id, j.queue, j.state", ""
@@ -549,11 +657,11 @@ def _outcomes(*, keep: bool, fast: bool, results: bool) -> str:
     RETURNING j.id
 ), completed_later AS (
     {complete}
-    {records} jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state{later})
+    {records} jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state {_S}fastjobs_state{later})
      WHERE f.state = 'completed' AND j.id = f.id AND {record}
     RETURNING {later_returned}
 ), failed AS (
-    UPDATE fastjobs_jobs_all j
+    UPDATE {_S}fastjobs_jobs_all j
        SET state = {_indent(state, 19)},
            run_at = CASE WHEN f.delay IS NULL THEN j.run_at
                          ELSE clock_timestamp() + make_interval(secs => f.delay) END,
@@ -568,7 +676,7 @@ def _outcomes(*, keep: bool, fast: bool, results: bool) -> str:
                               'at', clock_timestamp(), 'attempt', {attempt}, 'traceback', NULL,
                               'error', 'Cancel: cancellation requested before it could run again'))
                          ELSE j.errors END
-      FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state fastjobs_state,
+      FROM jsonb_to_recordset($2::jsonb) AS f(id bigint, attempt smallint, state {_S}fastjobs_state,
                                               delay float8, uncount smallint, error jsonb)
      WHERE f.state <> 'completed' AND j.id = f.id AND {record}
     RETURNING {failed_returned}{kept}"""
@@ -576,8 +684,8 @@ def _outcomes(*, keep: bool, fast: bool, results: bool) -> str:
 
 # The wake-up of each queue an outcome made available at once (Retry(0),
 # Snooze(0), a release): pg_notify returns void, so its branch yields no row.
-_WAKE: Final = """  FROM (SELECT DISTINCT queue FROM failed WHERE state = 'available') AS woken
- WHERE pg_notify('fastjobs', woken.queue)::text IS NULL"""
+_WAKE: Final = f"""  FROM (SELECT DISTINCT queue FROM failed WHERE state = 'available') AS woken
+ WHERE pg_notify('{NOTIFY_CHANNEL}', woken.queue)::text IS NULL"""
 
 
 def _finish_claim(*, keep: bool, choice: _Choice, context: bool, results: bool = False) -> str:
@@ -711,7 +819,7 @@ fast_rollback: Final = "ROLLBACK"
 # run, and its outcome is written by the state lane's statements. Returns the
 # row's id (none when the row is no longer the one claimed).
 job_hand_over: Final = f"""
-UPDATE fastjobs_jobs_all j
+UPDATE {_S}fastjobs_jobs_all j
    SET state = 'running', attempt = $3, attempted_at = now(), attempted_by = $2
  WHERE j.id = $1 AND j.state::text = 'available' AND {_next_attempt("j")} = $3
 RETURNING j.id"""
@@ -719,7 +827,7 @@ RETURNING j.id"""
 # queue_wake: wake the workers sleeping on queue $1 (sent at commit): jobs a
 # fast batch left unstarted (its deadline, a stop, a hand-over) are available
 # again without a write of their own that would wake them.
-queue_wake: Final = "SELECT pg_notify('fastjobs', $1)"
+queue_wake: Final = f"SELECT pg_notify('{NOTIFY_CHANNEL}', $1)"
 
 
 def _crashed(*, attempt: str, worker: str, at: str) -> str:
@@ -729,7 +837,7 @@ def _crashed(*, attempt: str, worker: str, at: str) -> str:
     ends = f"j.crashes + 1 >= $3 OR {attempt} >= j.max_attempts"
     return f"""state = CASE WHEN j.cancel_requested THEN 'cancelled'
                     WHEN {ends} THEN 'discarded'
-                    ELSE 'retryable' END::fastjobs_state,
+                    ELSE 'retryable' END::{_S}fastjobs_state,
        run_at = {at},
        finalized_at = CASE WHEN j.cancel_requested OR {ends}
                            THEN {at} END,
@@ -761,7 +869,7 @@ def _crashed(*, attempt: str, worker: str, at: str) -> str:
 # the releaser came, is charged a crash it did not cause.)
 job_crash_fast: Final = _ending(
     update=f"""
-UPDATE fastjobs_jobs_all j
+UPDATE {_S}fastjobs_jobs_all j
    SET crashes = j.crashes + 1,
        attempt = {_next_attempt("j")},
        attempted_at = now(), attempted_by = $1,
@@ -776,18 +884,18 @@ _section("Leader")
 # job_schedule_many: scheduled and retryable jobs whose time has come become
 # available, at most $1 per statement, oldest first; returns their queues so
 # waiting workers can be woken.
-job_schedule_many: Final = """
+job_schedule_many: Final = f"""
 WITH promoted AS (
-    UPDATE fastjobs_jobs_all SET state = 'available'
+    UPDATE {_S}fastjobs_jobs_all SET state = 'available'
      WHERE id = ANY(ARRAY(
-               SELECT id FROM fastjobs_jobs_all
+               SELECT id FROM {_S}fastjobs_jobs_all
                 WHERE state IN ('scheduled', 'retryable') AND run_at <= coalesce($2::timestamptz, now())
                 ORDER BY run_at
                 LIMIT $1
                   FOR UPDATE SKIP LOCKED))
     RETURNING queue
 )
-SELECT queue, count(*), pg_notify('fastjobs', queue) FROM promoted GROUP BY queue"""
+SELECT queue, count(*), pg_notify('{NOTIFY_CHANNEL}', queue) FROM promoted GROUP BY queue"""
 
 # leader_try_lock: become the leader if nobody is (session level: released when the session dies).
 leader_try_lock: Final = "SELECT pg_try_advisory_lock($1)"
@@ -852,25 +960,25 @@ SELECT set_config('synchronous_commit', 'off', false), set_config('enable_seqsca
        set_config('tcp_keepalives_count', '3', false)"""
 
 # worker_register: a worker process announces itself (or re-announces after a reconnect).
-worker_register: Final = """
-INSERT INTO fastjobs_workers (id, host, pid, queues) VALUES ($1, $2, $3, $4::text[])
+worker_register: Final = f"""
+INSERT INTO {_S}fastjobs_workers (id, host, pid, queues) VALUES ($1, $2, $3, $4::text[])
 ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), queues = excluded.queues"""
 
 # worker_heartbeat: one write per interval, never one per job, carrying the
 # worker's counters ($5, see stats.worker_counters) for the cluster view; a
 # row the cleaner pruned (the control connection was down for an hour) comes back.
-worker_heartbeat: Final = """
-INSERT INTO fastjobs_workers (id, host, pid, queues, counters) VALUES ($1, $2, $3, $4::text[], $5::jsonb)
+worker_heartbeat: Final = f"""
+INSERT INTO {_S}fastjobs_workers (id, host, pid, queues, counters) VALUES ($1, $2, $3, $4::text[], $5::jsonb)
 ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), counters = excluded.counters"""
 
 # worker_list: every registered worker for the cluster view, with its age and
 # its heartbeat's by the database's clock (hosts' clocks may disagree).
-worker_list: Final = """
+worker_list: Final = f"""
 SELECT id, host, pid, queues,
        extract(epoch FROM now() - started_at)::float8,
        extract(epoch FROM now() - heartbeat_at)::float8,
        counters
-  FROM fastjobs_workers
+  FROM {_S}fastjobs_workers
  ORDER BY host, started_at, id"""
 
 # worker_sleep: a worker is about to sleep on its LISTEN connection: inserts
@@ -879,14 +987,14 @@ SELECT id, host, pid, queues,
 # from more than an hour ahead (the server's clock went back). No FROM: a scan
 # of the sequence costs the hot loop's session (enable_seqscan off) a plan
 # above jit_above_cost, and 25-120 ms of JIT compilation per sleep.
-worker_sleep: Final = """
-SELECT setval('fastjobs_sleep_until',
-              greatest(least(coalesce(pg_sequence_last_value('fastjobs_sleep_until'), 0),
+worker_sleep: Final = f"""
+SELECT setval('{_S}fastjobs_sleep_until',
+              greatest(least(coalesce(pg_sequence_last_value('{_S}fastjobs_sleep_until'), 0),
                              (date_part('epoch', clock_timestamp()) * 1000 + 3600000)::bigint),
                        (date_part('epoch', clock_timestamp()) * 1000 + $1::float8 * 1000)::bigint))"""
 
 # worker_delete: a worker that stops cleanly removes its row.
-worker_delete: Final = "DELETE FROM fastjobs_workers WHERE id = $1"
+worker_delete: Final = f"DELETE FROM {_S}fastjobs_workers WHERE id = $1"
 
 
 _section("Maintenance")
@@ -899,15 +1007,15 @@ _section("Maintenance")
 # hand: no claim leaves one) counts as stale.
 job_rescue_many: Final = _ending(
     update=f"""
-UPDATE fastjobs_jobs_all j
+UPDATE {_S}fastjobs_jobs_all j
    SET crashes = j.crashes + 1,
        {_crashed(attempt="j.attempt", worker="j.attempted_by", at="$2::timestamptz")}
  WHERE j.id = ANY(ARRAY(
-           SELECT r.id FROM fastjobs_jobs_all r
+           SELECT r.id FROM {_S}fastjobs_jobs_all r
             WHERE r.state = 'running'
               AND (r.attempted_at < $2::timestamptz - make_interval(secs => $1)
                    OR r.attempted_at IS NULL)
-              AND NOT EXISTS (SELECT 1 FROM fastjobs_workers w
+              AND NOT EXISTS (SELECT 1 FROM {_S}fastjobs_workers w
                                WHERE w.id = r.attempted_by
                                  AND w.heartbeat_at >= $2::timestamptz - make_interval(secs => $1))
             LIMIT $4
@@ -929,8 +1037,8 @@ releaser_session: Final = (
 # got jobs back are woken once.
 job_release_unstarted: Final = f"""
 WITH released AS (
-    UPDATE fastjobs_jobs_all j
-       SET state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'available' END::fastjobs_state,
+    UPDATE {_S}fastjobs_jobs_all j
+       SET state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'available' END::{_S}fastjobs_state,
            attempt = greatest(attempt - 1, 0),
            finalized_at = CASE WHEN cancel_requested THEN now() END,
            errors = CASE WHEN cancel_requested
@@ -943,39 +1051,40 @@ WITH released AS (
 ), kept AS (
     {_indent(_keep(completed=None, ended="released"), 4)}
 )
-SELECT queue, count(*), CASE WHEN bool_or(state = 'available') THEN pg_notify('fastjobs', queue) END
+SELECT queue, count(*), CASE WHEN bool_or(state = 'available') THEN pg_notify('{NOTIFY_CHANNEL}', queue) END
   FROM released GROUP BY queue
 UNION ALL
 SELECT NULL, NULL, NULL
 {_NOTIFY_KEPT}"""
 
 # job_clean_completed_many: delete up to $2 completed or cancelled jobs finalized before $1.
-job_clean_completed_many: Final = """
-DELETE FROM fastjobs_jobs_all WHERE id IN (
-    SELECT id FROM fastjobs_jobs_all
+job_clean_completed_many: Final = f"""
+DELETE FROM {_S}fastjobs_jobs_all WHERE id IN (
+    SELECT id FROM {_S}fastjobs_jobs_all
      WHERE state IN ('completed', 'cancelled') AND finalized_at < $1
      LIMIT $2)"""
 
 # job_clean_discarded_many: delete up to $2 discarded jobs finalized before $1.
-job_clean_discarded_many: Final = """
-DELETE FROM fastjobs_jobs_all WHERE id IN (
-    SELECT id FROM fastjobs_jobs_all
+job_clean_discarded_many: Final = f"""
+DELETE FROM {_S}fastjobs_jobs_all WHERE id IN (
+    SELECT id FROM {_S}fastjobs_jobs_all
      WHERE state = 'discarded' AND finalized_at < $1
      LIMIT $2)"""
 
 # result_clean_many: delete up to $2 kept results (fastjobs_results) that expired before $1.
-result_clean_many: Final = """
-DELETE FROM fastjobs_results WHERE id IN (
-    SELECT id FROM fastjobs_results
+result_clean_many: Final = f"""
+DELETE FROM {_S}fastjobs_results WHERE id IN (
+    SELECT id FROM {_S}fastjobs_results
      WHERE expires_at < $1
      ORDER BY expires_at
      LIMIT $2)"""
 
 # worker_prune_many: rows of workers silent since before $1 that hold no running job.
-worker_prune_many: Final = """
-DELETE FROM fastjobs_workers w
+worker_prune_many: Final = f"""
+DELETE FROM {_S}fastjobs_workers w
  WHERE w.heartbeat_at < $1
-   AND NOT EXISTS (SELECT 1 FROM fastjobs_jobs_all j WHERE j.state = 'running' AND j.attempted_by = w.id)"""
+   AND NOT EXISTS (SELECT 1 FROM {_S}fastjobs_jobs_all j
+                    WHERE j.state = 'running' AND j.attempted_by = w.id)"""
 
 # periodic_advance: take tick $2 of periodic kind $1 if no leader has; a row
 # back means enqueue it, and says whether the kind was seen for the first time
@@ -983,14 +1092,14 @@ DELETE FROM fastjobs_workers w
 # for the first time records $3: its tick when that is to run, else the moment
 # it was first seen (not a whole minute, so never mistaken for a tick), from
 # which on its missed ticks are caught up.
-periodic_advance: Final = """
-INSERT INTO fastjobs_periodic (kind, last_tick) VALUES ($1, $3)
+periodic_advance: Final = f"""
+INSERT INTO {_S}fastjobs_periodic (kind, last_tick) VALUES ($1, $3)
 ON CONFLICT (kind) DO UPDATE SET last_tick = $2
- WHERE fastjobs_periodic.last_tick < $2
+ WHERE {_S}fastjobs_periodic.last_tick < $2
 RETURNING xmax = 0"""
 
 # periodic_list: the last tick recorded for each periodic kind.
-periodic_list: Final = "SELECT kind, last_tick FROM fastjobs_periodic ORDER BY kind"
+periodic_list: Final = f"SELECT kind, last_tick FROM {_S}fastjobs_periodic ORDER BY kind"
 
 # db_now: the database's clock, which every maintenance decision uses.
 db_now: Final = "SELECT now()"
@@ -1003,11 +1112,11 @@ _section("Operators")
 # cancel_requested and its worker is told on the fastjobs_cancel channel.
 job_cancel: Final = f"""
 WITH target AS (
-    SELECT id, state FROM fastjobs_jobs_all
+    SELECT id, state FROM {_S}fastjobs_jobs_all
      WHERE id = $1 AND state IN ('available', 'scheduled', 'retryable', 'running')
        FOR UPDATE
 ), changed AS (
-    UPDATE fastjobs_jobs_all j
+    UPDATE {_S}fastjobs_jobs_all j
        SET state = CASE WHEN t.state = 'running' THEN j.state ELSE 'cancelled' END,
            finalized_at = CASE WHEN t.state = 'running' THEN j.finalized_at ELSE now() END,
            cancel_requested = (t.state = 'running')
@@ -1018,13 +1127,13 @@ WITH target AS (
     {_indent(_keep(completed=None, ended="changed"), 4)}
 )
 SELECT c.state::text,
-       CASE WHEN c.state = 'running' THEN pg_notify('fastjobs_cancel', c.id::text)
-            WHEN EXISTS (SELECT FROM kept) THEN pg_notify('fastjobs_result', c.id::text) END
+       CASE WHEN c.state = 'running' THEN pg_notify('{CANCEL_CHANNEL}', c.id::text)
+            WHEN EXISTS (SELECT FROM kept) THEN pg_notify('{RESULT_CHANNEL}', c.id::text) END
   FROM changed c"""
 
 # job_cancel_requested: running jobs of worker $1 whose cancellation was requested.
-job_cancel_requested: Final = """
-SELECT id FROM fastjobs_jobs_all WHERE state = 'running' AND attempted_by = $1 AND cancel_requested"""
+job_cancel_requested: Final = f"""
+SELECT id FROM {_S}fastjobs_jobs_all WHERE state = 'running' AND attempted_by = $1 AND cancel_requested"""
 
 # job_retry: job $1 to run now. A retryable or scheduled job keeps its
 # attempts and limit; a discarded, cancelled or completed one comes back
@@ -1035,37 +1144,37 @@ SELECT id FROM fastjobs_jobs_all WHERE state = 'running' AND attempted_by = $1 A
 # and after, and wakes its queue's workers (an UPDATE fires no enqueue trigger).
 job_retry: Final = f"""
 WITH target AS (
-    SELECT id, state::text AS state, max_attempts FROM fastjobs_jobs_all
+    SELECT id, state::text AS state, max_attempts FROM {_S}fastjobs_jobs_all
      WHERE id = $1 AND state IN ('discarded', 'cancelled', 'completed', 'retryable', 'scheduled')
        FOR UPDATE
 ), forgotten AS (
-    DELETE FROM fastjobs_results r USING target t WHERE r.id = t.id
+    DELETE FROM {_S}fastjobs_results r USING target t WHERE r.id = t.id
 )
-UPDATE fastjobs_jobs_all j
+UPDATE {_S}fastjobs_jobs_all j
    SET state = 'available', run_at = now(), finalized_at = NULL, cancel_requested = false,
        max_attempts = CASE WHEN t.state IN ('retryable', 'scheduled') THEN j.max_attempts
                       ELSE greatest(j.max_attempts, {_next_attempt("j")}) END,
        crashes = CASE WHEN t.state IN ('retryable', 'scheduled') THEN j.crashes ELSE 0 END
   FROM target t
  WHERE j.id = t.id
-RETURNING t.state, j.attempt, t.max_attempts, j.max_attempts, pg_notify('fastjobs', j.queue)"""
+RETURNING t.state, j.attempt, t.max_attempts, j.max_attempts, pg_notify('{NOTIFY_CHANNEL}', j.queue)"""
 
 # job_discard: a job that is not running becomes discarded now (kept, with keep_result, as the
 # statements that end jobs keep them: _ending).
 job_discard: Final = _ending(
-    update="""
-UPDATE fastjobs_jobs_all j SET state = 'discarded', finalized_at = now()
+    update=f"""
+UPDATE {_S}fastjobs_jobs_all j SET state = 'discarded', finalized_at = now()
  WHERE j.id = $1 AND j.state IN ('available', 'scheduled', 'retryable', 'cancelled')""",
     returned="state::text",
 )
 
 # job_delete: a job that is not running is deleted now, with the outcome kept
 # of it (fastjobs_results); returns the state it was in.
-job_delete: Final = """
+job_delete: Final = f"""
 WITH forgotten AS (
-    DELETE FROM fastjobs_results WHERE id = $1
+    DELETE FROM {_S}fastjobs_results WHERE id = $1
 )
-DELETE FROM fastjobs_jobs_all
+DELETE FROM {_S}fastjobs_jobs_all
  WHERE id = $1 AND state IN ('available', 'scheduled', 'retryable', 'completed', 'discarded', 'cancelled')
 RETURNING state::text"""
 
@@ -1074,8 +1183,8 @@ RETURNING state::text"""
 # @>; NULL: any), above id $5, in id order, up to $6: the pages of `fastjobs
 # jobs retry|cancel|discard --state/--queue/...` and of the dashboard's bulk
 # actions, each id then acted on by job_retry, job_cancel, job_discard or job_delete.
-job_select_many: Final = """
-SELECT id FROM fastjobs_jobs_all
+job_select_many: Final = f"""
+SELECT id FROM {_S}fastjobs_jobs_all
  WHERE state::text = ANY($1::text[]) AND ($2::text IS NULL OR queue = $2) AND ($3::text IS NULL OR kind = $3)
    AND ($4::interval IS NULL OR created_at < now() - $4::interval) AND id > $5
    AND ($7::jsonb IS NULL OR args @> $7::jsonb)
@@ -1085,32 +1194,32 @@ SELECT id FROM fastjobs_jobs_all
 # job_kinds: every (queue, kind) of the jobs table and its count of pending
 # jobs, for `fastjobs stats` (kinds no live worker handles) and the
 # suggestions of `fastjobs jobs` when a --queue or --kind filter names none.
-job_kinds: Final = """
+job_kinds: Final = f"""
 SELECT queue, kind, count(*) FILTER (WHERE state IN ('available', 'scheduled', 'retryable'))
-  FROM fastjobs_jobs_all
+  FROM {_S}fastjobs_jobs_all
  GROUP BY queue, kind
  ORDER BY queue, kind"""
 
 # queue_pause: pause queue $1 (a claim takes none of its jobs from the
 # statement after this commits); when it was paused, already or now.
-queue_pause: Final = """
-INSERT INTO fastjobs_queues AS q (name, paused_at) VALUES ($1, now())
+queue_pause: Final = f"""
+INSERT INTO {_S}fastjobs_queues AS q (name, paused_at) VALUES ($1, now())
     ON CONFLICT (name) DO UPDATE SET paused_at = coalesce(q.paused_at, now()), updated_at = now()
 RETURNING paused_at"""
 
 # queue_resume: resume queue $1 and wake the workers sleeping on it (at
 # commit); a row comes back only when it was paused.
-queue_resume: Final = """
-UPDATE fastjobs_queues SET paused_at = NULL, updated_at = now()
+queue_resume: Final = f"""
+UPDATE {_S}fastjobs_queues SET paused_at = NULL, updated_at = now()
  WHERE name = $1 AND paused_at IS NOT NULL
-RETURNING pg_notify('fastjobs', name)"""
+RETURNING pg_notify('{NOTIFY_CHANNEL}', name)"""
 
 # queue_limit: set queue $1's concurrency to $2 when $3, its max_backlog to
 # $4 when $5, and its rate limit to $6 ("200/s") at $7 jobs a second when $8
 # (NULL: no limit), leaving the others as they were. A new max_backlog is
 # counted from the leader's next turn; a new rate starts with a full bucket.
-queue_limit: Final = """
-INSERT INTO fastjobs_queues AS q (name, concurrency, max_backlog, rate_limit, rate, tokens)
+queue_limit: Final = f"""
+INSERT INTO {_S}fastjobs_queues AS q (name, concurrency, max_backlog, rate_limit, rate, tokens)
 VALUES ($1, $2, $4, $6, $7::float8, coalesce(greatest($7::float8, 1.0), 0.0))
     ON CONFLICT (name) DO UPDATE
    SET concurrency = CASE WHEN $3 THEN $2 ELSE q.concurrency END,
@@ -1127,17 +1236,17 @@ VALUES ($1, $2, $4, $6, $7::float8, coalesce(greatest($7::float8, 1.0), 0.0))
 # holding jobs) with when it was paused (NULL: running), its jobs waiting
 # (available, scheduled, retryable) and running, its concurrency and
 # max_backlog, and the enqueues held back by it.
-queue_list: Final = """
+queue_list: Final = f"""
 SELECT name, max(paused_at), coalesce(sum(waiting), 0)::int8, coalesce(sum(running), 0)::int8,
        max(concurrency), max(rate_limit), max(max_backlog), coalesce(max(held_back), 0)
   FROM (SELECT name, paused_at, NULL::int8 AS waiting, NULL::int8 AS running, concurrency, rate_limit,
                max_backlog, held_back
-          FROM fastjobs_queues
+          FROM {_S}fastjobs_queues
         UNION ALL
         SELECT queue, NULL,
                count(*) FILTER (WHERE state IN ('available', 'scheduled', 'retryable')),
                count(*) FILTER (WHERE state = 'running'), NULL, NULL, NULL, NULL
-          FROM fastjobs_jobs_all
+          FROM {_S}fastjobs_jobs_all
          WHERE state IN ('available', 'scheduled', 'retryable', 'running')
          GROUP BY queue) AS known
  GROUP BY name
@@ -1146,43 +1255,43 @@ SELECT name, max(paused_at), coalesce(sum(waiting), 0)::int8, coalesce(sum(runni
 # queue_states: the queues an operator acted on: when paused (NULL:
 # running), their concurrency, rate limit, max_backlog, last backlog count and enqueues
 # held back, for `fastjobs stats` and the metrics.
-queue_states: Final = """
+queue_states: Final = f"""
 SELECT name, paused_at, concurrency, rate_limit, max_backlog, backlog, held_back
-  FROM fastjobs_queues
+  FROM {_S}fastjobs_queues
  ORDER BY name"""
 
 # queue_limited: the queues with a concurrency limit, which a worker's
 # heartbeat reads so its loop claims them a wave at a time (fastjobs.planner).
-queue_limited: Final = "SELECT name FROM fastjobs_queues WHERE concurrency IS NOT NULL"
+queue_limited: Final = f"SELECT name FROM {_S}fastjobs_queues WHERE concurrency IS NOT NULL"
 
 # queue_full: the queues whose backlog the leader found at their max_backlog
 # in the last $1 seconds (a count older than that, say with no leader, holds
 # no producer back), with that count and the limit; what producers read, at
 # most once a second each.
-queue_full: Final = """
-SELECT name, backlog, max_backlog FROM fastjobs_queues
+queue_full: Final = f"""
+SELECT name, backlog, max_backlog FROM {_S}fastjobs_queues
  WHERE backlog >= max_backlog AND backlog_at > now() - $1 * interval '1 second'"""
 
 # queue_held_back: add $2 to the enqueues queue $1 held back (a producer's
 # count since its last report).
-queue_held_back: Final = """
-UPDATE fastjobs_queues SET held_back = held_back + $2 WHERE name = $1"""
+queue_held_back: Final = f"""
+UPDATE {_S}fastjobs_queues SET held_back = held_back + $2 WHERE name = $1"""
 
 # queue_count_backlogs: the leader counts the backlog (available, scheduled,
 # retryable jobs) of each queue with a max_backlog, up to the limit (a count
 # past it says no more), so the count costs at most the limit's index
 # entries; the number of queues counted.
-queue_count_backlogs: Final = """
+queue_count_backlogs: Final = f"""
 WITH counted AS (
     SELECT q.name,
            (SELECT count(*)
-              FROM (SELECT 1 FROM fastjobs_jobs_all j
+              FROM (SELECT 1 FROM {_S}fastjobs_jobs_all j
                      WHERE j.queue = q.name AND j.state IN ('available', 'scheduled', 'retryable')
                      LIMIT q.max_backlog) AS upto) AS backlog
-      FROM fastjobs_queues q
+      FROM {_S}fastjobs_queues q
      WHERE q.max_backlog IS NOT NULL
 )
-UPDATE fastjobs_queues q SET backlog = counted.backlog, backlog_at = now()
+UPDATE {_S}fastjobs_queues q SET backlog = counted.backlog, backlog_at = now()
   FROM counted
  WHERE q.name = counted.name"""
 
@@ -1232,7 +1341,7 @@ def _reported_state(spaces: int) -> str:
 # discard name it as jobs list does.
 job_state: Final = f"""
 SELECT {_reported_state(7)} AS state
-  FROM fastjobs_jobs_all WHERE id = $1"""
+  FROM {_S}fastjobs_jobs_all WHERE id = $1"""
 
 # job_get: one job's row, for inspection and tests.
 job_get: Final = f"""
@@ -1240,7 +1349,7 @@ SELECT id, queue, kind, args, priority,
        {_reported_state(7)} AS state,
        run_at, attempt, max_attempts, created_at, attempted_at, finalized_at, attempted_by, errors,
        unique_key, meta, crashes, cancel_requested
-  FROM fastjobs_jobs_all WHERE id = $1"""
+  FROM {_S}fastjobs_jobs_all WHERE id = $1"""
 
 # job_list: jobs filtered by queue ($1), state ($2), kind ($3), newest first,
 # up to $4. A job in flight on the fast lane is 'running', in its row and for
@@ -1252,13 +1361,13 @@ job_list: Final = f"""
 WITH job AS (
     SELECT id, queue, kind, priority, attempt, max_attempts, run_at, created_at,
            {_reported_state(11)} AS state
-      FROM fastjobs_jobs_all
+      FROM {_S}fastjobs_jobs_all
      WHERE ($1::text IS NULL OR queue = $1) AND ($3::text IS NULL OR kind = $3)
-       AND ($2::fastjobs_state IS NULL OR state = $2 OR ($2 = 'running' AND state = 'available'))
+       AND ($2::{_S}fastjobs_state IS NULL OR state = $2 OR ($2 = 'running' AND state = 'available'))
 )
 SELECT id, queue, kind, state, priority, attempt, max_attempts, run_at, created_at
   FROM job
- WHERE $2::fastjobs_state IS NULL OR state = $2::fastjobs_state::text
+ WHERE $2::{_S}fastjobs_state IS NULL OR state = $2::{_S}fastjobs_state::text
  ORDER BY id DESC
  LIMIT $4"""
 # job_stats_by_queue: depth and oldest age (seconds) per queue and state, for
@@ -1282,7 +1391,7 @@ job_stats_by_queue: Final = f"""
 WITH job AS (
     SELECT queue, state, run_at, attempted_at, created_at,
            {_indent(_IN_FLIGHT, 11)} AS in_flight
-      FROM fastjobs_jobs_all
+      FROM {_S}fastjobs_jobs_all
 ), grouped AS (
     SELECT queue, state::text AS state, in_flight, count(*) AS count,
            min(CASE state WHEN 'available' THEN run_at
@@ -1308,11 +1417,11 @@ testing_jobs_in_states: Final = f"""
 WITH job AS (
     SELECT id, kind, queue, args, priority, run_at, attempt, max_attempts, errors, unique_key,
            {_reported_state(11)} AS state
-      FROM fastjobs_jobs_all
+      FROM {_S}fastjobs_jobs_all
 )
 SELECT id, kind, queue, args, priority, state, run_at, attempt, max_attempts, errors, unique_key
   FROM job
- WHERE state = ANY($1::fastjobs_state[]::text[])
+ WHERE state = ANY($1::{_S}fastjobs_state[]::text[])
  ORDER BY id"""
 
 
@@ -1328,22 +1437,22 @@ SELECT id, kind, queue, state, attempt, max_attempts, args, created_at, attempte
   FROM (SELECT id, kind, queue, state::text AS state, attempt, max_attempts, args, created_at,
                attempted_at, finalized_at, value, errors, NULL::int4 AS keep_result,
                expires_at <= now() AS expired, 0 AS source, priority
-          FROM fastjobs_results WHERE id = $1
+          FROM {_S}fastjobs_results WHERE id = $1
         UNION ALL
         SELECT id, kind, queue,
                {_reported_state(15)},
                attempt, max_attempts, args, created_at, attempted_at,
                finalized_at, NULL, errors, keep_result, false, 1, priority
-          FROM fastjobs_jobs_all WHERE id = $1) AS found
+          FROM {_S}fastjobs_jobs_all WHERE id = $1) AS found
  ORDER BY source
  LIMIT 1"""
 
 
 # result_get: the kept outcome of job $1 (fastjobs_results), for `fastjobs jobs show`.
-result_get: Final = """
+result_get: Final = f"""
 SELECT id, queue, kind, priority, state::text AS state, attempt, max_attempts, created_at,
        attempted_at, finalized_at, expires_at, args, errors, value AS result
-  FROM fastjobs_results WHERE id = $1"""
+  FROM {_S}fastjobs_results WHERE id = $1"""
 
 
 _section("Vacuum and rotation")
@@ -1351,7 +1460,9 @@ _section("Vacuum and rotation")
 # jobs_dead_rows: dead row versions of slot 0, fastjobs_jobs (the rotating
 # slots are truncated, never vacuumed), that the statistics know of (each
 # backend reports within a second or so), for the leader's vacuumer.
-jobs_dead_rows: Final = "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = 'fastjobs_jobs'::regclass"
+jobs_dead_rows: Final = (
+    f"SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = '{_S}fastjobs_jobs'::regclass"
+)
 
 # vacuum_jobs: the leader's VACUUM of slot 0 (fastjobs_jobs); it skips a table
 # another VACUUM (autovacuum, say) is working on instead of waiting. It
@@ -1361,7 +1472,7 @@ jobs_dead_rows: Final = "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid 
 # enqueue queues behind. Under the soak at 80% load, VACUUM spent its time in
 # the VacuumTruncate wait, workers in relation extension, and pickup latency
 # had stalls of 0.1-3 s (bench/RESULTS.md, latency under load).
-vacuum_jobs: Final = "VACUUM (SKIP_LOCKED, TRUNCATE false) fastjobs_jobs"
+vacuum_jobs: Final = f"VACUUM (SKIP_LOCKED, TRUNCATE false) {_S}fastjobs_jobs"
 
 # The rotation (fastjobs.maintenance.rotate_once): inserts through the parent go
 # to the slot fastjobs_slot names; every `interval` the leader empties the
@@ -1371,20 +1482,21 @@ vacuum_jobs: Final = "VACUUM (SKIP_LOCKED, TRUNCATE false) fastjobs_jobs"
 # migration_index_drop's index is): LOCK and TRUNCATE take no parameter.
 
 # slot_current: the rotating slot inserts go to now.
-slot_current: Final = "SELECT pg_sequence_last_value('fastjobs_slot')::int"
+slot_current: Final = f"SELECT pg_sequence_last_value('{_S}fastjobs_slot')::int"
 
 # slot_usage: the rotating slot inserts go to now, and the bytes the four
 # rotating slots take (tables, indexes, TOAST): the rotation runs only once
 # they are worth emptying (RotationConfig.worth). Each size takes and at once
 # releases an ACCESS SHARE lock, which nothing but a rotation conflicts with.
-slot_usage: Final = """
-SELECT pg_sequence_last_value('fastjobs_slot')::int,
-       (pg_total_relation_size('fastjobs_jobs_1') + pg_total_relation_size('fastjobs_jobs_2')
-        + pg_total_relation_size('fastjobs_jobs_3') + pg_total_relation_size('fastjobs_jobs_4'))::int8"""
+slot_usage: Final = f"""
+SELECT pg_sequence_last_value('{_S}fastjobs_slot')::int,
+       (pg_total_relation_size('{_S}fastjobs_jobs_1') + pg_total_relation_size('{_S}fastjobs_jobs_2')
+        + pg_total_relation_size('{_S}fastjobs_jobs_3')
+        + pg_total_relation_size('{_S}fastjobs_jobs_4'))::int8"""
 
 # slot_rows: the rows slot $1 still holds, counted up to $2 (a slot holding
 # more waits: a backlog drains oldest first, from the oldest slot).
-slot_rows: Final = "SELECT count(*) FROM (SELECT FROM fastjobs_jobs_all WHERE slot = $1 LIMIT $2) AS r"
+slot_rows: Final = f"SELECT count(*) FROM (SELECT FROM {_S}fastjobs_jobs_all WHERE slot = $1 LIMIT $2) AS r"
 
 # slot_lock_timeout: how long the rotation waits for its lock (this
 # transaction only). Enqueues never wait behind it (an insert locks only the
@@ -1422,15 +1534,15 @@ def _to_slot_0(*, moved: str, which: str, oldest_first: bool) -> str:
     order = "\n                ORDER BY id" if oldest_first else ""
     return f"""
 WITH {moved} AS (
-    DELETE FROM fastjobs_jobs_all j
+    DELETE FROM {_S}fastjobs_jobs_all j
      WHERE j.slot = $1::smallint AND j.id = ANY(ARRAY(
-               SELECT id FROM fastjobs_jobs_all
+               SELECT id FROM {_S}fastjobs_jobs_all
                 WHERE slot = $1::smallint AND {which}{order}
                 LIMIT $2
                   FOR UPDATE SKIP LOCKED))
     RETURNING {_row(alias="j", spaces=14)}
 )
-INSERT INTO fastjobs_jobs_all ({_row(alias="", spaces=31)}, slot)
+INSERT INTO {_S}fastjobs_jobs_all ({_row(alias="", spaces=31)}, slot)
 SELECT {_row(alias="", spaces=7)}, 0::smallint
   FROM {moved}"""
 
@@ -1440,10 +1552,10 @@ SELECT {_row(alias="", spaces=7)}, 0::smallint
 # retryable, finished) into slot 0, where the scheduler promotes and the
 # cleaner removes them.
 slot_move: Final = f"""
-INSERT INTO fastjobs_jobs_all ({_row(alias="", spaces=31)}, slot)
+INSERT INTO {_S}fastjobs_jobs_all ({_row(alias="", spaces=31)}, slot)
 SELECT {_row(alias="", spaces=7)},
        CASE WHEN state IN ('available', 'running') THEN $2::smallint ELSE 0::smallint END
-  FROM fastjobs_jobs_all
+  FROM {_S}fastjobs_jobs_all
  WHERE slot = $1::smallint"""
 
 # slot_settle: up to $2 settled rows (neither available nor running:
@@ -1469,23 +1581,24 @@ slot_evacuate: Final = _to_slot_0(moved="evacuated", which="state = 'available'"
 # settle and move steps read, delete and insert through fastjobs_jobs_all.
 # A role that was granted the tables but does not own them lacks the first
 # two (005 copies only fastjobs_jobs's grants, to the parent).
-slot_privileges: Final = """
+slot_privileges: Final = f"""
 SELECT array_agg(p.clause ORDER BY p.n) FILTER (WHERE NOT p.held), current_user::text
-  FROM (VALUES (1, 'TRUNCATE ON fastjobs_jobs_1', has_table_privilege('fastjobs_jobs_1', 'TRUNCATE')),
-               (2, 'TRUNCATE ON fastjobs_jobs_2', has_table_privilege('fastjobs_jobs_2', 'TRUNCATE')),
-               (3, 'TRUNCATE ON fastjobs_jobs_3', has_table_privilege('fastjobs_jobs_3', 'TRUNCATE')),
-               (4, 'TRUNCATE ON fastjobs_jobs_4', has_table_privilege('fastjobs_jobs_4', 'TRUNCATE')),
-               (5, 'UPDATE ON SEQUENCE fastjobs_slot', has_sequence_privilege('fastjobs_slot', 'UPDATE')),
-               (6, 'SELECT ON fastjobs_jobs_all', has_table_privilege('fastjobs_jobs_all', 'SELECT')),
-               (7, 'INSERT ON fastjobs_jobs_all', has_table_privilege('fastjobs_jobs_all', 'INSERT')),
-               (8, 'DELETE ON fastjobs_jobs_all', has_table_privilege('fastjobs_jobs_all', 'DELETE')))
+  FROM (VALUES
+        (1, 'TRUNCATE ON {_S}fastjobs_jobs_1', has_table_privilege('{_S}fastjobs_jobs_1', 'TRUNCATE')),
+        (2, 'TRUNCATE ON {_S}fastjobs_jobs_2', has_table_privilege('{_S}fastjobs_jobs_2', 'TRUNCATE')),
+        (3, 'TRUNCATE ON {_S}fastjobs_jobs_3', has_table_privilege('{_S}fastjobs_jobs_3', 'TRUNCATE')),
+        (4, 'TRUNCATE ON {_S}fastjobs_jobs_4', has_table_privilege('{_S}fastjobs_jobs_4', 'TRUNCATE')),
+        (5, 'UPDATE ON SEQUENCE {_S}fastjobs_slot', has_sequence_privilege('{_S}fastjobs_slot', 'UPDATE')),
+        (6, 'SELECT ON {_S}fastjobs_jobs_all', has_table_privilege('{_S}fastjobs_jobs_all', 'SELECT')),
+        (7, 'INSERT ON {_S}fastjobs_jobs_all', has_table_privilege('{_S}fastjobs_jobs_all', 'INSERT')),
+        (8, 'DELETE ON {_S}fastjobs_jobs_all', has_table_privilege('{_S}fastjobs_jobs_all', 'DELETE')))
        AS p(n, clause, held)"""
 
 # slot_truncate: empty the slot: its storage is freed at commit, whatever snapshot is open.
 slot_truncate: Final = "TRUNCATE {partition}"
 
 # slot_advance: inserts go to slot $1 from now on (seen by every session at once, without a commit).
-slot_advance: Final = "SELECT setval('fastjobs_slot', $1)"
+slot_advance: Final = f"SELECT setval('{_S}fastjobs_slot', $1)"
 
 
 _section("Monitoring")
@@ -1523,20 +1636,21 @@ SELECT source, ident, seconds, xid_age, detail FROM (
 
 # mvcc_tables: size, live and dead rows, and vacuums of fastjobs's tables
 # (the statistics collector's estimates, as autovacuum sees them).
-mvcc_tables: Final = """
+mvcc_tables: Final = f"""
 SELECT relname::text, n_live_tup, n_dead_tup, pg_table_size(relid), pg_indexes_size(relid),
        extract(epoch FROM last_autovacuum)::float8, extract(epoch FROM last_vacuum)::float8,
        autovacuum_count, extract(epoch FROM last_autoanalyze)::float8
   FROM pg_stat_user_tables
- WHERE schemaname = current_schema() AND relname LIKE 'fastjobs\\_%'
+ WHERE schemaname = {_SCHEMA_NAME} AND relname LIKE 'fastjobs\\_%'
  ORDER BY relname"""
 
 # database_identity: which database this is, nothing secret: the cluster's
 # system identifier and the database's name. A master records it in its
 # shared-memory file so `fastjobs stats` shows only the masters of its own
-# database, however each spelled its DSN.
+# database, however each spelled its DSN; and of its own schema, whose name a
+# schema's identity ends with (as its channels do).
 database_identity: Final = (
-    "SELECT system_identifier::text || '/' || current_database() FROM pg_control_system()"
+    f"SELECT system_identifier::text || '/' || current_database(){_IDENTITY} FROM pg_control_system()"
 )
 
 # metrics_session: the metrics process's connection gives up on a lock and
@@ -1562,28 +1676,28 @@ _section("Dashboard")
 # sample_write: the leader's sample at $1 (fastjobs.samples): per queue ($2),
 # the outcomes the workers' heartbeats have counted so far, completed ($3) and
 # failed ($4: retried or discarded), summed over every registered worker.
-sample_write: Final = """
-INSERT INTO fastjobs_samples (at, queue, completed, failed)
+sample_write: Final = f"""
+INSERT INTO {_S}fastjobs_samples (at, queue, completed, failed)
 SELECT $1, s.queue, s.completed, s.failed
   FROM unnest($2::text[], $3::int8[], $4::int8[]) AS s(queue, completed, failed)
 ON CONFLICT (at, queue) DO NOTHING"""
 
 # sample_prune: the samples taken before $1.
-sample_prune: Final = "DELETE FROM fastjobs_samples WHERE at < $1"
+sample_prune: Final = f"DELETE FROM {_S}fastjobs_samples WHERE at < $1"
 
 # sample_list: the samples taken since $1, by queue and time, for the overview's charts.
-sample_list: Final = """
-SELECT at, queue, completed, failed FROM fastjobs_samples WHERE at >= $1 ORDER BY queue, at"""
+sample_list: Final = f"""
+SELECT at, queue, completed, failed FROM {_S}fastjobs_samples WHERE at >= $1 ORDER BY queue, at"""
 
 # jobs_estimate: the rows of the jobs table's partitions and of the kept
 # results, as the statistics collector counts them (inserts and deletes as
 # they happen, no scan): whether the overview counts exactly or estimates.
-jobs_estimate: Final = """
-SELECT coalesce(sum(n_live_tup) FILTER (WHERE relid <> 'fastjobs_results'::regclass), 0)::int8,
-       coalesce(sum(n_live_tup) FILTER (WHERE relid = 'fastjobs_results'::regclass), 0)::int8
+jobs_estimate: Final = f"""
+SELECT coalesce(sum(n_live_tup) FILTER (WHERE relid <> '{_S}fastjobs_results'::regclass), 0)::int8,
+       coalesce(sum(n_live_tup) FILTER (WHERE relid = '{_S}fastjobs_results'::regclass), 0)::int8
   FROM pg_stat_user_tables
- WHERE relid IN (SELECT inhrelid FROM pg_inherits WHERE inhparent = 'fastjobs_jobs_all'::regclass)
-    OR relid = 'fastjobs_results'::regclass"""
+ WHERE relid IN (SELECT inhrelid FROM pg_inherits WHERE inhparent = '{_S}fastjobs_jobs_all'::regclass)
+    OR relid = '{_S}fastjobs_results'::regclass"""
 
 
 # The states the bounded count takes together: those one partial index holds
@@ -1606,7 +1720,7 @@ def _bounded_depth(states: tuple[str, ...]) -> str:
        min(CASE state WHEN 'available' THEN run_at WHEN 'running' THEN attempted_at ELSE created_at END)
          AS oldest
   FROM (SELECT state, queue, run_at, attempted_at, created_at
-          FROM fastjobs_jobs_all WHERE state IN ({listed}) LIMIT $1) AS found
+          FROM {_S}fastjobs_jobs_all WHERE state IN ({listed}) LIMIT $1) AS found
  GROUP BY state, queue"""
 
 
@@ -1636,12 +1750,12 @@ SELECT state, queue, count, CASE WHEN isfinite(oldest) THEN extract(epoch FROM n
 # jobs_depth_sampled: per queue and state, the jobs of a sample of $1 percent
 # of the jobs table's pages (TABLESAMPLE SYSTEM), and the oldest age among
 # them: the estimate of the states with more jobs than jobs_depth_bounded counts.
-jobs_depth_sampled: Final = """
+jobs_depth_sampled: Final = f"""
 SELECT queue, state::text, count(*)::int8,
        extract(epoch FROM now() - min(CASE state WHEN 'available' THEN run_at
                                                  WHEN 'running' THEN attempted_at
                                                  ELSE created_at END))::float8
-  FROM fastjobs_jobs_all TABLESAMPLE SYSTEM ($1::float4)
+  FROM {_S}fastjobs_jobs_all TABLESAMPLE SYSTEM ($1::float4)
  GROUP BY queue, state"""
 
 # job_page: a page of the jobs list. The newest $2 jobs below id $1 are read
@@ -1656,7 +1770,7 @@ job_page: Final = f"""
 WITH recent AS (
     SELECT id, queue, kind, args, priority, attempt, max_attempts, run_at, created_at,
            {_reported_state(11)} AS state
-      FROM fastjobs_jobs_all
+      FROM {_S}fastjobs_jobs_all
      WHERE id < $1
      ORDER BY id DESC
      LIMIT $2
@@ -1676,9 +1790,9 @@ SELECT m.id, m.queue, m.kind, m.state, m.priority, m.attempt, m.max_attempts, m.
  ORDER BY m.id DESC"""
 
 # result_list: the newest kept results (fastjobs_results), up to $1, for the engine page.
-result_list: Final = """
+result_list: Final = f"""
 SELECT id, queue, kind, state::text AS state, finalized_at, expires_at
-  FROM fastjobs_results
+  FROM {_S}fastjobs_results
  ORDER BY id DESC
  LIMIT $1"""
 
@@ -1695,13 +1809,13 @@ _section("Testing kit")
 # drain takes off $1: a job the drain runs and snoozes (or retries) for d is
 # due again d after the time it ran, not d after the real now, so it runs
 # again only if that is by $1 (as it would have, one step at a time).
-testing_shift_due: Final = """
+testing_shift_due: Final = f"""
 WITH next AS (
-  SELECT min(run_at) AS at FROM fastjobs_jobs_all
+  SELECT min(run_at) AS at FROM {_S}fastjobs_jobs_all
    WHERE state IN ('available', 'scheduled', 'retryable')
      AND ($2::text[] IS NULL OR queue = ANY($2::text[]))
 ), moved AS (
-  UPDATE fastjobs_jobs_all j SET run_at = j.run_at - (next.at - now())
+  UPDATE {_S}fastjobs_jobs_all j SET run_at = j.run_at - (next.at - now())
     FROM next
    WHERE next.at > now() AND next.at <= $1::timestamptz
      AND j.state IN ('available', 'scheduled', 'retryable') AND j.run_at <= $1::timestamptz
@@ -1713,15 +1827,15 @@ SELECT CASE WHEN next.at > now() AND next.at <= $1::timestamptz
   FROM next"""
 
 # testing_queues_due: the queues among $1 (NULL: all) with a job available now.
-testing_queues_due: Final = """
-SELECT DISTINCT queue FROM fastjobs_jobs_all
+testing_queues_due: Final = f"""
+SELECT DISTINCT queue FROM {_S}fastjobs_jobs_all
  WHERE state = 'available' AND run_at <= now() AND ($1::text[] IS NULL OR queue = ANY($1::text[]))
  ORDER BY queue"""
 
 # testing_notify_commit: the inline kit's own wake-up in the caller's
 # transaction, heard by that session at its commit (the insert trigger
 # notifies only while a worker sleeps).
-testing_notify_commit: Final = "NOTIFY fastjobs"
+testing_notify_commit: Final = f"NOTIFY {_channel(NOTIFY_CHANNEL)}"
 
 # testing_args_round_trip: job args as a worker reads them back (jsonb
 # normalises numbers: the float 1e16 comes back as the integer 10000000000000000).
@@ -1744,6 +1858,7 @@ NOT_PREPARABLE: Final = frozenset(
         "job_copy_staged",
         "job_stage_create",
         "migration_table_create",
+        "schema_create",
         "migration_index_drop",
         "listen_jobs",
         "listen_ping",

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import orjson
 import psycopg
 
-from . import database, enqueue, maintenance, sql
+from . import database, enqueue, maintenance, schema, sql
 from .context import JobContext, _async_job, _thread
 from .errors import FastjobsError
 from .executor import Executor
@@ -130,6 +130,9 @@ class Testing:
         self._saved = (app._dsn, app._testing)
         if self._dsn is not None:
             app.configure(dsn=self._dsn)
+            if app.schema is not None:  # the kit's databases are migrated without it
+                with database.connect(self._dsn) as conn:
+                    schema.migrate(conn, schema=app.schema)
         app._testing = self if self.mode == "inline" else None
         return self
 
@@ -199,12 +202,13 @@ class Testing:
                 # A fresh connection per round: the loop prepares its
                 # statements under fixed names, once per session.
                 with database.connect(self.app.dsn, autocommit=True) as conn:
+                    sql = self.app.sql  # the statements of the app's schema
                     with psycopg.RawCursor(conn) as cur:
                         if now is not None:
                             (shift,) = cur.execute(sql.testing_shift_due, (now, queues)).fetchone() or (None,)
                             if shift is not None:  # the clock moved to the next job: less of it is left
                                 now -= dt.timedelta(seconds=shift)
-                        maintenance.schedule_once(conn)
+                        maintenance.schedule_once(conn, sql=sql)
                         due = [row[0] for row in cur.execute(sql.testing_queues_due, (queues,))]
                         if queues is None:
                             due = [queue for queue in due if queue not in elsewhere]
@@ -214,7 +218,14 @@ class Testing:
                         # with seq scans off, the shift's would cost enough to be JIT-compiled.
                         cur.execute(sql.worker_session)
                     loop = core.BatchLoop(
-                        conn, self.app.runnable(), executor, WORKER_ID, due, batch_max=100, overlap=False
+                        conn,
+                        self.app.runnable(),
+                        executor,
+                        WORKER_ID,
+                        due,
+                        batch_max=100,
+                        overlap=False,
+                        sql=sql,
                     )
                     loop.prepare()
                     try:
@@ -360,7 +371,7 @@ class Testing:
             expected = (
                 _through_jsonb(conn, _dumps(self._stored(kind, args), kind)) if args is not None else None
             )
-            rows = cur.execute(sql.testing_jobs_in_states, (states,)).fetchall()
+            rows = cur.execute(self.app.sql.testing_jobs_in_states, (states,)).fetchall()
         jobs = [EnqueuedJob(*row) for row in rows]
         given = dict(args) if args is not None else None  # as the test wrote them
         spec = self.app.jobs.get(kind) if kind is not None else None
@@ -409,8 +420,8 @@ class Testing:
         # transaction that rolls back is undone with it. The jobs run while
         # psycopg holds `conn`'s lock: a handler using this very connection
         # object would wait forever (docs/guides/testing.md says so).
-        conn.execute(sql.listen_jobs)
-        conn.execute(sql.testing_notify_commit)
+        conn.execute(self.app.sql.listen_jobs)
+        conn.execute(self.app.sql.testing_notify_commit)
         if conn not in self._listening:
             conn.add_notify_handler(self._on_notify)
             self._listening.add(conn)
@@ -422,14 +433,14 @@ class Testing:
         if conn is None or conn.autocommit or not _in_transaction(conn):
             self._run_inline()
             return
-        await conn.execute(sql.listen_jobs)
-        await conn.execute(sql.testing_notify_commit)
+        await conn.execute(self.app.sql.listen_jobs)
+        await conn.execute(self.app.sql.testing_notify_commit)
         if conn not in self._listening:
             conn.add_notify_handler(self._on_notify)
             self._listening.add(conn)
 
     def _on_notify(self, note: psycopg.Notify) -> None:
-        if note.channel == sql.NOTIFY_CHANNEL and not self._draining and self.app._testing is self:
+        if note.channel == self.app.sql.NOTIFY_CHANNEL and not self._draining and self.app._testing is self:
             try:
                 self._run_inline()
             except Exception as exc:  # raised inside the caller's COMMIT, it would break their connection

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import psycopg
@@ -52,8 +53,11 @@ class VacuumConfig:
 class Vacuumer:
     """VACUUM of the jobs table, from a thread of the leader, while it leads (see VacuumConfig)."""
 
-    def __init__(self, dsn: str, config: VacuumConfig, leading: Callable[[], bool]) -> None:
+    def __init__(
+        self, dsn: str, config: VacuumConfig, leading: Callable[[], bool], sql: ModuleType = sql
+    ) -> None:
         self.dsn = dsn
+        self.sql = sql  # the catalogue of the app's schema
         self.config = config
         self.leading = leading
         self.runs = 0
@@ -89,7 +93,7 @@ class Vacuumer:
                         self._conn = database.connect(self.dsn, autocommit=True)
                     if time.monotonic() >= next_horizon:
                         next_horizon = time.monotonic() + self.config.horizon_interval
-                        for line in health(self._conn).warnings(self.config.horizon_warning):
+                        for line in health(self._conn, self.sql).warnings(self.config.horizon_warning):
                             logger.warning("leader: %s", line)
                     wait = self.vacuum_once(self._conn)
                 except (psycopg.Error, DatabaseUnavailable) as exc:
@@ -109,6 +113,7 @@ class Vacuumer:
         oldest snapshot; while that same snapshot stays open, another would
         scan the whole (growing) table for nothing, taking CPU from the drain.
         """
+        sql = self.sql
         with psycopg.RawCursor(conn) as cur:
             row = cur.execute(sql.jobs_dead_rows).fetchone()
             if row is None or row[0] < self.config.threshold:

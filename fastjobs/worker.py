@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import orjson
@@ -97,8 +98,10 @@ class Control(threading.Thread):
         rotator: leader.Rotator | None = None,
         handles: list[str] | None = None,
         limited: Callable[[frozenset[str]], None] | None = None,
+        sql: ModuleType = sql,
     ) -> None:
         super().__init__(name="fastjobs-control", daemon=True)
+        self.sql = sql  # the statements of the app's schema
         # Told at each heartbeat which queues have a concurrency limit (sql.queue_limited).
         self.limited = limited
         # The kinds this worker has handlers for: the heartbeat carries them, so that `fastjobs
@@ -146,7 +149,7 @@ class Control(threading.Thread):
                     # Notifications psycopg reads while it executes the
                     # heartbeat are handed here rather than lost.
                     conn.add_notify_handler(lambda n: self._ids([n.payload]))
-                    conn.execute(sql.listen_cancel)
+                    conn.execute(self.sql.listen_cancel)
                     next_beat = 0.0
                 now = time.monotonic()
                 if now >= next_beat:
@@ -195,10 +198,10 @@ class Control(threading.Thread):
 
     def _beat(self, conn: psycopg.Connection[Any]) -> None:
         with psycopg.RawCursor(conn) as cur:
-            cur.execute(sql.worker_heartbeat, (*self.register, self._counters()))
-            requested = {row[0] for row in cur.execute(sql.job_cancel_requested, (self.worker_id,))}
+            cur.execute(self.sql.worker_heartbeat, (*self.register, self._counters()))
+            requested = {row[0] for row in cur.execute(self.sql.job_cancel_requested, (self.worker_id,))}
             if self.limited is not None:
-                self.limited(frozenset(row[0] for row in cur.execute(sql.queue_limited)))
+                self.limited(frozenset(row[0] for row in cur.execute(self.sql.queue_limited)))
         # The poll covers whatever was announced; ids no longer running here
         # are dropped (in place: the hot loop holds this set).
         self._heard.clear()
@@ -212,7 +215,7 @@ class Control(threading.Thread):
         rotator = self.rotator
         assert rotator is not None
         with psycopg.RawCursor(conn) as cur:
-            row = cur.execute(sql.leader_try_lock, (sql.LEADER_LOCK_KEY,)).fetchone()
+            row = cur.execute(sql.leader_try_lock, (self.sql.LEADER_LOCK_KEY,)).fetchone()
             if not (row and row[0]):
                 return rotator.config.interval  # a leader, or another worker, rotates
             try:
@@ -225,7 +228,7 @@ class Control(threading.Thread):
                 wait = rotator.config.interval
             finally:
                 if not conn.broken:
-                    cur.execute(sql.leader_unlock, (sql.LEADER_LOCK_KEY,))
+                    cur.execute(sql.leader_unlock, (self.sql.LEADER_LOCK_KEY,))
         # Jitter: the in-process workers of one database try in turn, not in step.
         return wait * random.uniform(0.9, 1.1)
 
@@ -242,7 +245,7 @@ class Control(threading.Thread):
             # The notification goes to every worker; act only on our own running jobs.
             heard, self._heard = self._heard, set()
             with psycopg.RawCursor(conn) as cur:
-                mine = {row[0] for row in cur.execute(sql.job_cancel_requested, (self.worker_id,))}
+                mine = {row[0] for row in cur.execute(self.sql.job_cancel_requested, (self.worker_id,))}
             for job_id in heard & mine:
                 self.executor.cancel(job_id)
 
@@ -252,7 +255,7 @@ class Control(threading.Thread):
                 self._heard.add(int(payload))
 
 
-def _check_sleep_deadline(conn: psycopg.Connection[Any]) -> None:
+def _check_sleep_deadline(conn: psycopg.Connection[Any], sql: ModuleType = sql) -> None:
     """Move the sleep deadline to now (a no-op for the producers): a role that may not move it
     fails at start, with the grant it lacks, rather than at its first idle moment, restarting."""
     try:
@@ -280,9 +283,15 @@ class Listener:
     """
 
     def __init__(
-        self, dsn: str, queues: list[str], wake_fd: int | None = None, slot: Slot | None = None
+        self,
+        dsn: str,
+        queues: list[str],
+        wake_fd: int | None = None,
+        slot: Slot | None = None,
+        sql: ModuleType = sql,
     ) -> None:
         self.dsn = dsn
+        self.sql = sql  # the statements (and channels) of the app's schema
         self.queues = set(queues)
         self.wake_fd = wake_fd
         self.slot = slot
@@ -296,8 +305,8 @@ class Listener:
     def connect(self) -> bool:
         try:
             self.conn = database.connect(self.dsn, autocommit=True)
-            self.conn.execute(sql.listen_jobs)
-            self.conn.execute(sql.listen_ping)
+            self.conn.execute(self.sql.listen_jobs)
+            self.conn.execute(self.sql.listen_ping)
             self.last_check = time.monotonic()
             self.healthy_at = time.time()
             return True
@@ -353,7 +362,7 @@ class Listener:
         hit = pinged = False
         while (n := pgconn.notifies()) is not None:
             payload = n.extra.decode()
-            if n.relname == sql.PING_CHANNEL.encode():
+            if n.relname == self.sql.PING_CHANNEL.encode():
                 pinged = pinged or payload == self.ping
             elif payload in self.queues:
                 hit = True
@@ -367,7 +376,7 @@ class Listener:
         try:
             # Through libpq, not cursor.execute: psycopg would consume the
             # notification the ping triggers before _read could see it.
-            res = self.conn.pgconn.exec_params(sql.listener_ping.encode(), [self.ping.encode()])
+            res = self.conn.pgconn.exec_params(self.sql.listener_ping.encode(), [self.ping.encode()])
             if res.status != psycopg.pq.ExecStatus.TUPLES_OK:
                 raise psycopg.OperationalError(res.error_message.decode(errors="replace"))
             deadline = time.monotonic() + timeout
@@ -613,15 +622,16 @@ class Worker:
 
     def run(self) -> None:
         dsn = self.app.dsn
+        sql = self.app.sql  # the statements of the app's schema
         conn = database.connect(dsn, autocommit=True)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
-        listener = Listener(dsn, self.queues, self._wake_r, self.slot)
+        listener = Listener(dsn, self.queues, self._wake_r, self.slot, sql)
         try:
-            schema.check(conn)
+            schema.check(conn, sql)
             with psycopg.RawCursor(conn) as cur:
                 cur.execute(sql.worker_session)
-            _check_sleep_deadline(conn)
+            _check_sleep_deadline(conn, sql)
             listener.connect()
             register = (self.worker_id, self.host, os.getpid(), self.queues)
             with psycopg.RawCursor(conn) as cur:
@@ -644,6 +654,7 @@ class Worker:
                 counts=self.slot.counts_view() if self.slot is not None else None,
                 full_context=self.app.has_middleware,
                 fast_lane=self.config.fast_lane,
+                sql=sql,
             )
             if self.slot is not None:
                 self.executor.running = self.slot.slow_jobs()
@@ -655,7 +666,7 @@ class Worker:
             names = list(Labels(list(specs), [self.queues]).names(0))
             # Without a master there is no leader: this worker rotates when no other process does.
             rotator = (
-                leader.Rotator(self.config.rotation, who="worker")
+                leader.Rotator(self.config.rotation, who="worker", sql=sql)
                 if self.parent is None and self.config.rotate and self.config.rotation.enabled
                 else None
             )
@@ -675,6 +686,7 @@ class Worker:
                 rotator,
                 sorted(specs),
                 limited,
+                sql,
             )
             control.start()
             try:
@@ -702,6 +714,7 @@ class Worker:
             os.close(wake_w)
 
     def _loop(self, conn: psycopg.Connection[Any], listener: Listener) -> None:
+        sql = self.app.sql
         loop = self.loop
         assert loop is not None
         slot = self.slot
@@ -741,7 +754,7 @@ class Worker:
                     continue
                 if now >= next_schedule:
                     next_schedule = now + config.poll_interval
-                    if leader.schedule_once(conn):
+                    if leader.schedule_once(conn, sql=sql):
                         continue
                 if self.exit_when_empty and loop.recheck == float("inf"):
                     break

@@ -42,7 +42,8 @@ BEGIN
     IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'fastjobs_jobs'::regclass AND attname = 'slot') THEN
         ALTER TABLE fastjobs_jobs ADD COLUMN slot smallint NOT NULL DEFAULT 0;
     END IF;
-    IF NOT EXISTS (SELECT 1 FROM pg_constraint WHERE conname = 'fastjobs_jobs_slot_check') THEN
+    IF NOT EXISTS (SELECT 1 FROM pg_constraint
+                    WHERE conrelid = 'fastjobs_jobs'::regclass AND conname = 'fastjobs_jobs_slot_check') THEN
         ALTER TABLE fastjobs_jobs ADD CONSTRAINT fastjobs_jobs_slot_check CHECK (slot = 0) NOT VALID;
     END IF;
     IF EXISTS (SELECT 1 FROM pg_attribute

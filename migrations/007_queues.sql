@@ -40,11 +40,14 @@ CREATE TABLE IF NOT EXISTS fastjobs_queues (
 -- snapshot taken after that lock, so it sees every claim committed before.
 -- A finish statement that claims passes its worker and the outcomes it
 -- writes (its completed ids, its outcome records): the count cannot see
--- that statement's own writes, and leaves those jobs out.
+-- that statement's own writes, and leaves those jobs out. Its names are
+-- those of the schema it is created in (search_path FROM CURRENT: the
+-- migration's), not of its caller's search_path, which in a database of two
+-- fastjobs schemas (App(schema=...)) may find the other's tables.
 CREATE OR REPLACE FUNCTION fastjobs_room(
     q text, asked bigint, worker text DEFAULT NULL, done bigint[] DEFAULT '{}', outcomes jsonb DEFAULT '[]'
 ) RETURNS bigint
-LANGUAGE plpgsql VOLATILE AS $$
+LANGUAGE plpgsql VOLATILE SET search_path FROM CURRENT AS $$
 DECLARE
     limits fastjobs_queues%ROWTYPE;
     room bigint := asked;

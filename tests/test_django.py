@@ -330,6 +330,40 @@ def test_fastjobs_migrate_first_then_manage_py_migrate_does_nothing_to_it(empty_
     assert [r[0] for r in recorded] == ["0001_schema", "0002_results", "0003_queues", "0004_samples"]
 
 
+def test_options_schema_puts_fastjobs_tables_there_for_migrate_and_enqueue(empty_dsn):
+    """OPTIONS["SCHEMA"]: `manage.py migrate` creates the schema and fastjobs' tables in it (none
+    in public), and a task enqueued on Django's connection lands there."""
+    from django.test import override_settings
+
+    tasks = {
+        "default": {"BACKEND": "fastjobs.contrib.django.FastjobsBackend", "OPTIONS": {"SCHEMA": "dj_jobs"}}
+    }
+    _point_django_at(empty_dsn)
+    try:
+        with override_settings(TASKS=tasks):
+            backend = task_backends["default"]
+            assert isinstance(backend, FastjobsBackend) and backend.app.schema == "dj_jobs"
+            call_command("migrate", verbosity=0)
+            with transaction.atomic():
+                record.using(backend="default").enqueue(7)
+    finally:
+        connections.close_all()
+    with psycopg.connect(empty_dsn) as conn:
+        applied = conn.execute("SELECT version FROM dj_jobs.fastjobs_migrations ORDER BY version").fetchall()
+        assert [row[0] for row in applied] == [m.version for m in schema.migrations()]
+        assert conn.execute("SELECT to_regclass('public.fastjobs_jobs_all')").fetchone() == (None,)
+        assert conn.execute("SELECT kind FROM dj_jobs.fastjobs_jobs_all").fetchall() == [
+            ("shop.tasks.record",)
+        ]
+
+
+def test_a_bad_schema_option_is_refused_clearly():
+    with pytest.raises(ImproperlyConfigured, match=r"\['SCHEMA'\]: 'bad name' is not a schema name"):
+        FastjobsBackend(
+            "jobs", {"BACKEND": "fastjobs.contrib.django.FastjobsBackend", "OPTIONS": {"SCHEMA": "bad name"}}
+        )
+
+
 def test_the_django_migrations_keep_step_with_fastjobs_own():
     """A fastjobs migration needs a Django migration naming its version: the last one names the last."""
     from django.db.migrations.loader import MigrationLoader

@@ -81,6 +81,7 @@ def test_a_new_variant_is_one_line(monkeypatch):
     before, section, after = source.partition('\n_section("The fast lane")')
     line = "job_finish_claim_again: Final = _finish_claim(keep=False, choice=_AFTER_THE_MARK, context=False)"
     module = ModuleType("fastjobs_sql_with_a_variant")
+    module.__package__ = "fastjobs"  # its imports are the catalogue's
     monkeypatch.setitem(sys.modules, module.__name__, module)
     exec(compile(f"{before}\n{line}\n{section}{after}", "sql.py", "exec"), module.__dict__)
     statements, sections = module.STATEMENTS, module.SECTIONS

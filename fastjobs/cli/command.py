@@ -10,8 +10,9 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from .. import logs, queues, schema, sql
+from .. import database, logs, queues, schema
 from ..children import EXIT_BOOT_ERROR
 from ..errors import ConfigurationError, DatabaseUnavailable, FastjobsError, SchemaMissing
 from ..impl import FALLBACK
@@ -81,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
         help="PostgreSQL URL, or 'embedded' (default: FASTJOBS_DSN, DATABASE_URL; migrate, stats, jobs"
         " and bench fall back on the embedded PostgreSQL, warning)",
     )
+    parser.add_argument("--schema", help=_SCHEMA_HELP)
     add_log_arguments(parser)
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -312,7 +314,24 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="append one JSON line per measurement to PATH (default: no file is written)",
     )
+    _schema_everywhere(commands)
     return parser
+
+
+_SCHEMA_HELP = (
+    "the PostgreSQL schema of fastjobs' tables, for a database shared with other applications (default:"
+    " FASTJOBS_SCHEMA, else none: the search_path's); given before or after the command"
+)
+
+
+def _schema_everywhere(commands: Any) -> None:
+    """--schema after any command too (`fastjobs migrate --schema jobs`), as before it."""
+    for command in commands.choices.values():
+        nested = [a for a in command._actions if isinstance(a, argparse._SubParsersAction)]
+        if nested:
+            _schema_everywhere(nested[0])
+        else:
+            command.add_argument("--schema", default=argparse.SUPPRESS, help=_SCHEMA_HELP)
 
 
 def add_log_arguments(parser: argparse.ArgumentParser) -> None:
@@ -358,8 +377,8 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--leader-key",
         type=_int64,
-        default=sql.LEADER_LOCK_KEY,
-        help="advisory lock key of the leader election (pick one your application does not use)",
+        help="advisory lock key of the leader election (pick one your application does not use; default:"
+        " one of fastjobs' own, a schema's own with --schema)",
     )
     run.add_argument(
         "--leader-lease",
@@ -449,7 +468,7 @@ def _command(args: argparse.Namespace) -> int:
     if args.command == "bench":
         return bench_command(args)
     if args.command == "sql":
-        return sql_show_command(args.name)
+        return sql_show_command(args.name, database.resolve_schema(args.schema))
     if args.command == "web":
         return web_command(args)
     return 2

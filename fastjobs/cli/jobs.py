@@ -9,9 +9,10 @@ import json
 import logging
 import sys
 from collections.abc import Iterable
+from types import ModuleType
 from typing import Any
 
-from .. import control, database, logs, report, schema
+from .. import control, database, logs, report, schema, sql
 from ..app import App
 from ..errors import FastjobsError
 from ..maintenance import periodic_status
@@ -27,13 +28,14 @@ ACTS_ON = {name: control.ACTS_ON[name] for name in ("retry", "cancel", "discard"
 
 def jobs_command(args: argparse.Namespace) -> int:
     dsn = database.resolve_dsn(args.dsn, fallback=True)
+    statements = sql.of(database.resolve_schema(args.schema))
     with database.connect(dsn, autocommit=True) as conn:
-        schema.check(conn)
+        schema.check(conn, statements)
         command = args.jobs_command
         if command == "list":
             # One row more than asked says whether the listing was cut.
             rows = control.list_jobs(
-                conn, queue=args.queue, state=args.state, kind=args.kind, limit=args.limit + 1
+                conn, queue=args.queue, state=args.state, kind=args.kind, limit=args.limit + 1, sql=statements
             )
             more, rows = len(rows) > args.limit, rows[: args.limit]
             if args.json:
@@ -43,10 +45,10 @@ def jobs_command(args: argparse.Namespace) -> int:
             if more:
                 logger.info("the newest %d shown, and there are more: --limit N for more", args.limit)
             elif not rows and (args.kind or args.queue):
-                no_such_names(conn, args.queue, args.kind)
+                no_such_names(conn, args.queue, args.kind, statements)
             return 0
         if command == "show":
-            job = control.show(conn, args.id)
+            job = control.show(conn, args.id, statements)
             if args.json:
                 echo(json.dumps(job, default=str, indent=2))
                 return 0
@@ -70,17 +72,18 @@ def jobs_command(args: argparse.Namespace) -> int:
                 " --older-than), " + ("not both" if filtered else "and was given neither")
             )
         if filtered:
-            return _act_on_filtered(conn, args)
+            return _act_on_filtered(conn, args, statements)
         # Each job is done and reported on its own; one that cannot be is logged and makes the exit 1.
         failed = False
         for job_id in args.id:
             try:
                 if command == "retry":
-                    retried = control.retry(conn, job_id)
+                    retried = control.retry(conn, job_id, statements)
                     doc: dict[str, Any] = dataclasses.asdict(retried)
                     line = retried.describe()
                 else:
-                    state = {"cancel": control.cancel, "discard": control.discard}[command](conn, job_id)
+                    act = {"cancel": control.cancel, "discard": control.discard}[command]
+                    state = act(conn, job_id, statements)
                     doc, line = {"id": job_id, "state": state}, f"job {job_id}: {state}"
             except (FastjobsError, ValueError) as exc:
                 logger.error("%s", exc)
@@ -96,14 +99,14 @@ def did_you_mean(name: str, known: Iterable[str]) -> str:
     return f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
 
 
-def no_such_names(conn: Any, queue: str | None, kind: str | None) -> None:
+def no_such_names(conn: Any, queue: str | None, kind: str | None, statements: ModuleType = sql) -> None:
     """After a listing came back empty: warn about a --queue or --kind that names nothing known.
 
     Known are the queues and kinds of the jobs table and those live workers
     serve and handle (their heartbeats).
     """
-    rows = control.kinds(conn)
-    workers = [w for h in report.cluster(conn) for w in h.workers if not w.stale]
+    rows = control.kinds(conn, statements)
+    workers = [w for h in report.cluster(conn, sql=statements) for w in h.workers if not w.stale]
     queues = {q for q, _, _ in rows} | {q for w in workers for q in w.queues}
     kinds = {k for _, k, _ in rows} | {k for w in workers for k in w.counters.get("handles", [])}
     if queue is not None and queue not in queues:
@@ -121,7 +124,7 @@ def no_such_names(conn: Any, queue: str | None, kind: str | None) -> None:
         logger.warning("no kind %r: no job has it and no live worker handles it%s", kind, hint)
 
 
-def _act_on_filtered(conn: Any, args: argparse.Namespace) -> int:
+def _act_on_filtered(conn: Any, args: argparse.Namespace, statements: ModuleType = sql) -> int:
     """`fastjobs jobs retry|cancel|discard` by filter: count, confirm, then act on those jobs one by one.
 
     Each job goes through the single-id path (its statement, and the look again
@@ -130,7 +133,9 @@ def _act_on_filtered(conn: Any, args: argparse.Namespace) -> int:
     """
     command = args.jobs_command
     states = {args.state} if args.state else ACTS_ON[command]
-    ids = control.select(conn, states, queue=args.queue, kind=args.kind, older_than=args.older_than)
+    ids = control.select(
+        conn, states, queue=args.queue, kind=args.kind, older_than=args.older_than, sql=statements
+    )
     what = ", ".join(
         f"{name} {value}"
         for name, value in (
@@ -147,7 +152,7 @@ def _act_on_filtered(conn: Any, args: argparse.Namespace) -> int:
     if not ids:
         logger.info("no job matches (%s): nothing to %s", what, command)
         if args.queue or args.kind:
-            no_such_names(conn, args.queue, args.kind)
+            no_such_names(conn, args.queue, args.kind, statements)
         return 0
     if not args.yes and not _confirm(f"{command} {logs.plural(len(ids), 'job')} ({what})? [y/N] "):
         logger.info("nothing done")
@@ -156,7 +161,7 @@ def _act_on_filtered(conn: Any, args: argparse.Namespace) -> int:
     failed = 0
     for index, job_id in enumerate(ids, 1):
         try:
-            state, doc = control.act(conn, command, job_id)
+            state, doc = control.act(conn, command, job_id, statements)
         except (FastjobsError, ValueError) as exc:  # running now, finished meanwhile, a unique key held
             logger.warning("%s", exc)
             failed += 1
@@ -208,10 +213,10 @@ def _periodic_spec(app: App, module: str, name: str) -> JobSpec:
 
 
 def periodic_command(args: argparse.Namespace) -> int:
-    app = load_app(args.module, args.dsn)
+    app = load_app(args.module, args.dsn, args.schema)
     try:
         with database.connect(app.dsn, autocommit=True) as conn:
-            schema.check(conn)
+            schema.check(conn, app.sql)
             if args.periodic_command == "run":
                 spec = _periodic_spec(app, args.module, args.kind)
                 job_id = app.enqueue(spec.kind, conn=conn)
@@ -222,7 +227,7 @@ def periodic_command(args: argparse.Namespace) -> int:
                         f"job {job_id}: {spec.kind} enqueued on queue {spec.queue}; its schedule is as it was"
                     )
                 return 0
-            found = periodic_status(conn, [s for s in app.jobs.values() if s.cron])
+            found = periodic_status(conn, [s for s in app.jobs.values() if s.cron], sql=app.sql)
     finally:
         app.close()
     if args.json:

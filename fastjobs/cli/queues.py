@@ -7,7 +7,7 @@ import dataclasses
 import json
 from typing import Any
 
-from .. import database, queues, schema
+from .. import database, queues, schema, sql
 from .jobs import no_such_names
 from .table import Column, echo, safe, table, when
 
@@ -25,10 +25,11 @@ _QUEUES_COLUMNS: list[Column[queues.QueueInfo]] = [
 
 def queues_command(args: argparse.Namespace) -> int:
     dsn = database.resolve_dsn(args.dsn, fallback=True)
+    statements = sql.of(database.resolve_schema(args.schema))
     with database.connect(dsn, autocommit=True) as conn:
-        schema.check(conn)
+        schema.check(conn, statements)
         if args.queues_command == "list":
-            found = queues.list_queues(conn)
+            found = queues.list_queues(conn, statements)
             if args.json:
                 echo(json.dumps([dataclasses.asdict(q) for q in found], default=str, indent=2))
             elif found:
@@ -37,9 +38,9 @@ def queues_command(args: argparse.Namespace) -> int:
                 echo("(no queues: none holds a job or was paused)")
             return 0
         name = args.name
-        if name not in {q.name for q in queues.list_queues(conn)}:
+        if name not in {q.name for q in queues.list_queues(conn, statements)}:
             # Paused or resumed all the same: a queue may be paused before its first job.
-            no_such_names(conn, name, None)
+            no_such_names(conn, name, None, statements)
         if args.queues_command == "limit":
             limits = {
                 "concurrency": args.concurrency,
@@ -51,7 +52,7 @@ def queues_command(args: argparse.Namespace) -> int:
             }
             if not doc:
                 raise ValueError("give --concurrency, --rate-limit, --max-backlog or several")
-            queues.limit(conn, name, **doc)
+            queues.limit(conn, name, **doc, sql=statements)
             line = f"queue {name!r}: " + ", ".join(
                 f"no {field}"
                 if value is None
@@ -62,11 +63,11 @@ def queues_command(args: argparse.Namespace) -> int:
             )
             doc["queue"] = name
         elif args.queues_command == "pause":
-            since = queues.pause(conn, name)
+            since = queues.pause(conn, name, statements)
             doc = {"queue": name, "paused": True, "paused_at": since.isoformat()}
             line = f"queue {name!r}: paused since {when(since)}"
         else:
-            was = queues.resume(conn, name)
+            was = queues.resume(conn, name, statements)
             doc = {"queue": name, "paused": False, "was_paused": was}
             line = f"queue {name!r}: " + ("resumed" if was else "was not paused")
     echo(json.dumps(doc) if args.json else safe(line))

@@ -21,11 +21,11 @@ from ..worker import WorkerConfig, host_id
 logger = logging.getLogger("fastjobs.cli")
 
 
-def load_app(target: str, dsn: str | None = None) -> App:
+def load_app(target: str, dsn: str | None = None, schema: str | None = None) -> App:
     """Import `module` or `module:attr` and return its App; a clear error otherwise.
 
     With `dsn` (`fastjobs --dsn`), the App is pointed at that database
-    (`App.configure`), whatever its own DSN.
+    (`App.configure`), whatever its own DSN; with `schema` (`--schema`), at that schema.
     """
     module_name, _, attr = target.partition(":")
     sys.path.insert(0, os.getcwd())
@@ -49,13 +49,13 @@ def load_app(target: str, dsn: str | None = None) -> App:
                 f" name one as {module_name}:attribute"
             )
         app = apps[0]
-    if dsn:
-        app.configure(dsn=dsn)
+    if dsn or schema:
+        app.configure(dsn=dsn or None, schema=schema)
     return app
 
 
 def run_command(args: argparse.Namespace) -> int:
-    return run(args, lambda: load_app(args.module, args.dsn))
+    return run(args, lambda: load_app(args.module, args.dsn, args.schema))
 
 
 def run(args: argparse.Namespace, load: Callable[[], App], queues: Iterable[str] = ()) -> int:

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .. import control, database, queues, report, schema, scoreboard, stats
+from .. import control, database, queues, report, schema, scoreboard, sql, stats
 from ..abc import OUTCOMES
 from .table import Column, echo, safe, size, table, when
 
@@ -62,14 +62,15 @@ def _process_json(p: dict[str, float]) -> dict[str, Any]:
 
 def stats_command(args: argparse.Namespace) -> int:
     dsn = database.resolve_dsn(args.dsn, fallback=True)
+    statements = sql.of(database.resolve_schema(args.schema))
     with database.connect(dsn, autocommit=True) as conn:
-        schema.check(conn)
-        depths = report.queue_depths(conn)
-        steered = queues.states(conn)
-        health = report.health(conn)
-        identity = scoreboard.database_identity(conn, dsn)
-        hosts = report.cluster(conn)
-        unhandled = report.unhandled_kinds(control.kinds(conn), hosts)
+        schema.check(conn, statements)
+        depths = report.queue_depths(conn, statements)
+        steered = queues.states(conn, statements)
+        health = report.health(conn, statements)
+        identity = scoreboard.database_identity(conn, dsn, statements)
+        hosts = report.cluster(conn, sql=statements)
+        unhandled = report.unhandled_kinds(control.kinds(conn, statements), hosts)
     warnings = health.warnings(args.horizon_warning) + [u.warning() for u in unhandled]
     found, skipped = scoreboard.live_masters(None if args.all_masters else identity)
     for skip in skipped:

@@ -86,17 +86,18 @@ def bench_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def sql_show_command(name: str | None) -> int:
+def sql_show_command(name: str | None, schema_name: str | None = None) -> int:
     """Statement `name` as it is sent (its text, the leading newline of its literal aside; the three
     that name a table or an index, `{partition}` or `{index}`, have it filled in by psycopg.sql);
-    without a name, the names by section of fastjobs.sql (a family's members are one). No database."""
+    without a name, the names by section of fastjobs.sql (a family's members are one). No database.
+    With `schema_name` (--schema), as that schema's catalogue sends it."""
     if name is None:
         for title, names in sql.SECTIONS.items():
             echo(title)
             for statement in names:
                 echo(f"  {statement}")
         return 0
-    text = sql.STATEMENTS.get(name)
+    text = sql.of(schema_name).STATEMENTS.get(name)
     if text is None:
         hint = did_you_mean(name, sql.STATEMENTS) or "; `fastjobs sql show` lists them"
         raise ValueError(f"no statement named {name!r}{hint}")
@@ -105,13 +106,16 @@ def sql_show_command(name: str | None) -> int:
 
 
 def migrate_command(args: argparse.Namespace) -> int:
+    named = database.resolve_schema(args.schema)
     if args.sql:
-        sys.stdout.write(schema.script(args.since, args.lock_timeout))
+        sys.stdout.write(schema.script(args.since, args.lock_timeout, named))
         return 0
     dsn = database.resolve_dsn(args.dsn, fallback=True)
     with database.connect(dsn, application_name=schema.APPLICATION) as conn:
-        applied = schema.migrate(conn, dsn=dsn, lock_timeout=args.lock_timeout, retries=args.lock_retries)
-    where = database.describe(dsn)
+        applied = schema.migrate(
+            conn, dsn=dsn, lock_timeout=args.lock_timeout, retries=args.lock_retries, schema=named
+        )
+    where = database.describe(dsn) + ("" if named is None else f", schema {named}")
     if not applied:
         echo(f"fastjobs: schema at {where} is up to date")
     for m in applied:

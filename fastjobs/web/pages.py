@@ -21,7 +21,7 @@ from starlette.staticfiles import StaticFiles
 
 from .. import control, logs
 from .. import queues as fastjobs_queues
-from ..errors import JobNotFound
+from ..errors import ConfigurationError, JobNotFound
 from . import reads
 from .bulk import Operations
 from .security import CSRF_FIELD, Credentials, Guard, csrf_ok, csrf_token
@@ -397,7 +397,15 @@ def asgi_app(
     it requires nothing: put it behind your application's own
     authentication. `read_only` hides every form and refuses every write.
     Every write is a POST checked against a CSRF token.
+
+    An App with a schema of its own (`App(schema=...)`) is refused for now:
+    the dashboard's reads name the default schema's tables.
     """
+    if app.schema is not None:
+        raise ConfigurationError(
+            f"the dashboard does not show an App with a schema of its own yet ({app.schema!r}):"
+            " it reads the default schema's tables"
+        )
     dashboard = Dashboard(app, read_only=read_only)
     credentials = Credentials(auth, token) if auth or token else None
     return Guard(Starlette(routes=dashboard.routes()), credentials)

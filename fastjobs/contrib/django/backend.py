@@ -87,7 +87,9 @@ class FastjobsBackend(BaseTaskBackend):  # type: ignore[misc]  # django has no t
     installed app's `tasks` module, imported by `manage.py fastjobs_run`;
     "KEEP_RESULT", seconds a finished task's outcome is kept for
     `get_result` (default a day; fastjobs' results table, cleaned by the
-    leader).
+    leader); "SCHEMA", the PostgreSQL schema of fastjobs' tables in that
+    database (default FASTJOBS_SCHEMA, else none: the search_path's), which
+    `manage.py migrate` creates and migrates (docs/operations/schemas.md).
 
     Priorities are Django's -100..100, stored as they are: fastjobs runs a
     higher priority first, as Django means it, and a job of fastjobs' own at
@@ -108,7 +110,7 @@ class FastjobsBackend(BaseTaskBackend):  # type: ignore[misc]  # django has no t
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
         options = self.options
-        unknown = set(options) - {"DATABASE", "DSN", "KEEP_RESULT", "MAX_ATTEMPTS", "MODULES"}
+        unknown = set(options) - {"DATABASE", "DSN", "KEEP_RESULT", "MAX_ATTEMPTS", "MODULES", "SCHEMA"}
         if unknown:
             raise ImproperlyConfigured(f"TASKS[{alias!r}]['OPTIONS'] has unknown keys {sorted(unknown)}")
         self.database: str = options.get("DATABASE", DEFAULT_DB_ALIAS)
@@ -118,7 +120,10 @@ class FastjobsBackend(BaseTaskBackend):  # type: ignore[misc]  # django has no t
         self._dsn: str | None = options.get("DSN")
         # The App has no DSN until a worker or a test needs one (connect_app): enqueues go
         # through Django's connection.
-        self.app = fastjobs.App(self._dsn)
+        try:
+            self.app = fastjobs.App(self._dsn, schema=options.get("SCHEMA"))
+        except errors.ConfigurationError as exc:
+            raise ImproperlyConfigured(f"TASKS[{alias!r}]['OPTIONS']['SCHEMA']: {exc}") from None
         self.tasks: dict[str, Task] = {}
 
     # -- the task registry
