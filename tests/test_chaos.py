@@ -497,6 +497,7 @@ def backend_kind(query: str, leads: bool) -> str:
         query.startswith("LISTEN fastjobs_cancel")
         or "fastjobs_workers" in query
         or "cancel_requested" in query
+        or "fastjobs_queues WHERE concurrency IS NOT NULL" in query  # sql.queue_limited
     ):
         return "control"  # a worker's heartbeat and cancellation thread
     if query.startswith("LISTEN") or "fastjobs_ping" in query:
