@@ -25,6 +25,7 @@ def test_a_job_committed_late_behind_the_mark_is_claimed_after_it(app: App, dsn)
     [mark] = query(dsn, "SELECT run_at FROM fastjobs_jobs_all")
     with batch_loop(app, 10, full_claim_duty=1e-9) as loop:  # claims from the front: almost never
         assert loop.step() == 1 and seen == [1]
+        assert loop.step() == 0  # the first claim from the front was cold and rationed nothing
         for n, before in ((2, 0.05), (3, 1.0)):
             query(
                 dsn,

@@ -111,17 +111,25 @@ def test_queues_take_turns_and_an_idle_loop_tries_each_once_or_once_more_with_ou
 
 def test_claims_go_after_the_mark_until_a_claim_from_the_front_is_due_by_its_duty() -> None:
     p, clock = planner(duty=0.02)
-    _, _, _, mark, _ = claim(p, clock, 10, spent=0.01, priority=3)
+    _, _, _, mark, _ = claim(p, clock, 10, spent=0.05, priority=2)
     assert mark is None  # no mark yet: from the front
-    # The claim from the front took 10 ms: the next is due 10 * 0.98 / 0.02 = 490 ms later.
+    # The first claim from the front is cold (plans, caches) and rations nothing: the next is due at once.
+    _, _, _, mark, _ = claim(p, clock, 10, spent=0.01, priority=3)
+    assert mark is None
+    # That one took 10 ms: the next is due 10 * 0.98 / 0.02 = 490 ms later.
     _, _, _, mark, _ = claim(p, clock, 10, spent=0.001, priority=5)
     assert mark == (3, HOUR_US)
     clock.now += 0.48
     assert claim(p, clock, 10)[3] == (5, HOUR_US)  # the mark moves with each claim
     clock.now += 0.01
     assert claim(p, clock, 10)[3] is None
-    # A slow claim from the front is due again at most FULL_CLAIM_MAX_WAIT later.
-    clock.now += 1.0
+    # That one took 1 ms: due 49 ms later. One slow claim from the front is rationed by the lesser
+    # of its time and the last one's (1 ms again), two in a row by theirs, at most FULL_CLAIM_MAX_WAIT.
+    clock.now += 0.05
+    assert claim(p, clock, 10, spent=10.0)[3] is None
+    clock.now += 0.04
+    assert claim(p, clock, 10)[3] is not None
+    clock.now += 0.01
     assert claim(p, clock, 10, spent=10.0)[3] is None
     clock.now += FULL_CLAIM_MAX_WAIT - 0.01
     assert claim(p, clock, 10)[3] is not None
@@ -145,6 +153,8 @@ def test_a_mark_keeps_the_lowest_priority_and_its_latest_run_at_inside_timestamp
 
 def test_an_empty_claim_after_the_mark_asks_an_idle_loop_to_recheck_from_the_front_when_due() -> None:
     p, clock = planner(2, duty=0.5)
+    claim(p, clock, 3, spent=2.0)  # queue 0 from the front, cold: the next from the front due at once
+    claim(p, clock, 3, spent=0.5)  # queue 1 likewise
     claim(p, clock, 3, spent=2.0)  # queue 0 from the front: the next from the front due 2 s later
     claim(p, clock, 3, spent=0.5)  # queue 1: due 0.5 s later
     assert p.recheck == float("inf")
@@ -160,9 +170,9 @@ def test_an_empty_claim_after_the_mark_asks_an_idle_loop_to_recheck_from_the_fro
 
 def test_a_claim_sent_ahead_is_rationed_by_the_wait_for_it_not_the_handlers_time() -> None:
     p, clock = planner(duty=0.5)
-    claim(p, clock, 10)
+    claim(p, clock, 10, spent=1.0)
     clock.now += 1.0
-    assert p.next()[2] is None  # sent ahead, from the front
+    assert p.next()[2] is None  # sent ahead, from the front (the first, cold, rationed nothing)
     clock.now += 2.0  # the batch's handlers run while it is in flight
     p.ran(0, 10, 2.0, 0, False, True)
     clock.now += 0.1
