@@ -74,10 +74,14 @@ def test_the_bench_command_still_finds_its_subpackage():
 
 PUBLIC = [
     "fastjobs",
+    "fastjobs.contrib.otel",
+    "fastjobs.contrib.sqlalchemy",
     "fastjobs.errors",
     "fastjobs.leader",
     "fastjobs.maintenance",
     "fastjobs.middleware",
+    "fastjobs.queues",
+    "fastjobs.results",
     "fastjobs.retry",
     "fastjobs.testing",
     "fastjobs.types",

@@ -43,6 +43,8 @@ from ..context import JobContext
 from ..errors import Cancel, Snooze
 from ..middleware import Enqueue
 
+__all__ = ["META_KEY", "SYSTEM", "instrument"]
+
 SYSTEM = "fastjobs"
 # The key of a job's meta holding the trace context of the enqueue.
 META_KEY = "otel"
