@@ -52,10 +52,10 @@ class BatchLoop:
         batch_max: int = 1000,
         overlap: bool = True,
         progress: memoryview | None = None,
-        full_claim_duty: float = ...,
+        front_claim_duty: float = ...,
         running: memoryview | None = None,
         counts: memoryview | None = None,
-        full_context: bool = False,
+        whole_context: bool = False,
         fast_lane: bool = False,
         sql: ModuleType = ...,
     ) -> None: ...

@@ -22,8 +22,8 @@ import threading
 import orjson
 
 from fastjobs import guard, sql, stats
-from fastjobs import outcomes as handlers
-from fastjobs.abc import (BUCKETS_NS, COMPLETED, FULL_CLAIM_DUTY, HAND_BACK_AFTER, INT64_MAX,
+from fastjobs import outcomes
+from fastjobs.abc import (BUCKETS_NS, COMPLETED, FRONT_CLAIM_DUTY, HAND_BACK_AFTER, INT64_MAX,
                           OBSERVED_MAX_NS, PG_EPOCH_US, PICKUP_SUM, ROW, RUN_SUM)
 from fastjobs.args import dump_args as _dump_args_checked
 from fastjobs.errors import LoopError
@@ -91,19 +91,19 @@ cdef object _loads = orjson.loads
 cdef object _JSONDecodeError = orjson.JSONDecodeError
 cdef tuple _NO_ARGS = ()
 cdef object _iscoroutine = inspect.iscoroutine
-cdef object _release = handlers.release
-cdef object _discard = handlers.discard
-cdef object _unknown_kind = handlers.unknown_kind
-cdef object _tally = handlers.tally
-cdef object _cancelled = handlers.cancelled
-cdef object _completed = handlers.completed
-cdef object _kept = handlers.kept
-cdef object _encode = handlers.encode
-cdef object _isolate = handlers.isolate
-cdef object _say_stale = handlers.say_stale
-cdef object _started = handlers.started
-cdef object _say_rolled_back = handlers.say_rolled_back
-cdef frozenset _OUTCOME_ERROR_CLASSES = handlers.OUTCOME_ERROR_CLASSES
+cdef object _release = outcomes.release
+cdef object _discard = outcomes.discard
+cdef object _unknown_kind = outcomes.unknown_kind
+cdef object _tally = outcomes.tally
+cdef object _cancelled = outcomes.cancelled
+cdef object _completed = outcomes.completed
+cdef object _kept = outcomes.kept
+cdef object _encode = outcomes.encode
+cdef object _isolate = outcomes.isolate
+cdef object _say_stale = outcomes.say_stale
+cdef object _started = outcomes.started
+cdef object _say_rolled_back = outcomes.say_rolled_back
+cdef frozenset _OUTCOME_ERROR_CLASSES = outcomes.OUTCOME_ERROR_CLASSES
 cdef int _PG_DIAG_SQLSTATE = ord("C")
 cdef object _outcome_column = stats.outcome_column
 cdef object _count_slow = stats.count_slow
@@ -374,7 +374,7 @@ cdef class BatchLoop:
     cdef Py_ssize_t _other, _stride, _batch_base, _last_row
     # With full context (the app has middleware) the claim returns meta and
     # created_at too and each JobContext is filled whole (see the reference).
-    cdef bint _full_context
+    cdef bint _whole_context
     cdef str _queue_name
     # The fast lane: whether a fast batch's transaction is open, and when that
     # batch stops starting jobs.
@@ -413,8 +413,8 @@ cdef class BatchLoop:
 
     def __init__(self, conn, dict specs, executor, str worker_id, list queues, bint keep_completed=False,
                  Py_ssize_t batch_min=1, Py_ssize_t batch_max=1000, bint overlap=True, progress=None,
-                 double full_claim_duty=FULL_CLAIM_DUTY, running=None, counts=None,
-                 bint full_context=False, bint fast_lane=False, sql=sql):  # no-cython-lint: module default
+                 double front_claim_duty=FRONT_CLAIM_DUTY, running=None, counts=None,
+                 bint whole_context=False, bint fast_lane=False, sql=sql):  # no-cython-lint: module default
         self._conn = conn
         self._catalogue = sql  # the statements of the app's schema
         self._pgconn = <PGconn *><size_t>conn.pgconn.pgconn_ptr
@@ -424,26 +424,26 @@ cdef class BatchLoop:
         self._cancelled = executor.cancelled
         self._worker_id = worker_id.encode()
         self._queues = [q.encode() for q in queues]
-        self._full_context = full_context
+        self._whole_context = whole_context
         self._queue_name = None
-        finish = sql.FINISH_CONTEXT if full_context else sql.FINISH
+        finish = sql.FINISH_CONTEXT if whole_context else sql.FINISH
         name, text = finish[bool(keep_completed), False]
         self._statement, self._sql = name.encode(), text.encode()
         name, text = finish[bool(keep_completed), True]
         self._after_statement, self._after_sql = name.encode(), text.encode()
-        kept = sql.FINISH_CONTEXT_RESULTS if full_context else sql.FINISH_RESULTS
+        kept = sql.FINISH_CONTEXT_RESULTS if whole_context else sql.FINISH_RESULTS
         name, text = kept[bool(keep_completed), False]
         self._kept_statement, self._kept_sql = name.encode(), text.encode()
         name, text = kept[bool(keep_completed), True]
         self._kept_after_statement, self._kept_after_sql = name.encode(), text.encode()
         self.planner = Planner(
             fast_queues(specs, queues, fast_lane=fast_lane, keep_completed=keep_completed),
-            batch_min=batch_min, batch_max=batch_max, duty=full_claim_duty,
+            batch_min=batch_min, batch_max=batch_max, duty=front_claim_duty,
             pooled=lambda index: bool(executor.threads) and executor.pooled(self._queues[index]),
             widths=widths(specs, queues, executor.concurrency, executor.threads))
-        name, text = sql.LOCK[bool(full_context), False]
+        name, text = sql.LOCK[bool(whole_context), False]
         self._lock_statement, self._lock_sql = name.encode(), text.encode()
-        name, text = sql.LOCK[bool(full_context), True]
+        name, text = sql.LOCK[bool(whole_context), True]
         self._lock_after_statement, self._lock_after_sql = name.encode(), text.encode()
         self._tx = False
         self._deadline = 0.0
@@ -988,7 +988,7 @@ cdef class BatchLoop:
         self._executor.queue = queue  # the rows' queue, for the records of failures
         self._pooled = bool(self._executor.threads) and self._executor.pooled(queue)
         self._batch_base = index * self._stride
-        if self._full_context:
+        if self._whole_context:
             self._queue_name = queue.decode()
         # Take ownership of the claimed rows: _receive below fills self._rows anew.
         batch = self._rows
@@ -1114,7 +1114,7 @@ cdef class BatchLoop:
                 failures.append(self._tally(row, _discard(
                     job_id, attempt, f"args must be a JSON object, not {type(args).__name__}")))
                 continue
-            if self._full_context:
+            if self._whole_context:
                 # jsonb's binary format again; a NULL, non-object or undecodable meta (jsonb
                 # nests deeper than orjson reads) reads as {}: the job runs all the same.
                 meta = None
@@ -1194,7 +1194,7 @@ cdef class BatchLoop:
                 _observe(row + _RUN_SUM, _monotonic_ns() - began)
             if (not context.cancelled and (result is None or not _iscoroutine(result))
                     and PQgetisnull(rows, i, 7)):
-                # This loop's only shortcut (handlers.Executor.returned is the
+                # This loop's only shortcut (executor.Executor.returned is the
                 # rule): a plain return, not cancelled, of a job that keeps no
                 # result (keep_result NULL) completes the job inline, so a
                 # successful job costs no Python call beyond its handler.
@@ -1297,7 +1297,7 @@ cdef class BatchLoop:
         cdef const char *values[3]
         cdef list error = []
         cdef PGresult *res
-        cdef Py_ssize_t outcomes
+        cdef Py_ssize_t lost
         snprintf(id_text, sizeof(id_text), "%lld", <long long>_int8(PQgetvalue(self._batch, self._at, 0)))
         snprintf(attempt_text, sizeof(attempt_text), "%d", <int>_int2(PQgetvalue(self._batch, self._at, 3)))
         values[0] = id_text
@@ -1311,12 +1311,12 @@ cdef class BatchLoop:
             PQclear(res)
         self.planner.demote(self._batch_base // self._stride)
         if error:
-            outcomes = self._ndone + len(self._failures)
+            lost = self._ndone + len(self._failures)
             self._ndone = 0
             del self._failures[:]
             self._tx = False
             self._simple(b"ROLLBACK")
-            _say_rolled_back(outcomes, error[0])
+            _say_rolled_back(lost, error[0])
             return 0
         self._commit(True)
         return 0

@@ -15,9 +15,8 @@ import orjson
 import psycopg
 from psycopg import pq
 
-from . import guard, sql, stats
-from . import outcomes as handlers
-from .abc import COMPLETED, FULL_CLAIM_DUTY, HAND_BACK_AFTER, PG_EPOCH_US, PICKUP_SUM, ROW, RUN_SUM
+from . import guard, outcomes, sql, stats
+from .abc import COMPLETED, FRONT_CLAIM_DUTY, HAND_BACK_AFTER, PG_EPOCH_US, PICKUP_SUM, ROW, RUN_SUM
 from .args import dump_args as dump_args
 from .errors import LoopError
 from .executor import Executor
@@ -123,10 +122,10 @@ class BatchLoop:
         batch_max: int = 1000,
         overlap: bool = True,
         progress: memoryview | None = None,
-        full_claim_duty: float = FULL_CLAIM_DUTY,
+        front_claim_duty: float = FRONT_CLAIM_DUTY,
         running: memoryview | None = None,
         counts: memoryview | None = None,
-        full_context: bool = False,
+        whole_context: bool = False,
         fast_lane: bool = False,
         sql: ModuleType = sql,
     ) -> None:
@@ -160,12 +159,12 @@ class BatchLoop:
         self._executor = executor
         self._worker_id = worker_id.encode()
         self._queues = [q.encode() for q in queues]
-        # With `full_context` (the app has middleware) the claim returns each
+        # With `whole_context` (the app has middleware) the claim returns each
         # job's meta and created_at too, and each job's JobContext is filled
         # whole; without, neither costs a job anything.
-        self._full_context = full_context
-        finish = sql.FINISH_CONTEXT if full_context else sql.FINISH
-        kept = sql.FINISH_CONTEXT_RESULTS if full_context else sql.FINISH_RESULTS
+        self._whole_context = whole_context
+        finish = sql.FINISH_CONTEXT if whole_context else sql.FINISH
+        kept = sql.FINISH_CONTEXT_RESULTS if whole_context else sql.FINISH_RESULTS
         pairs = [table[keep_completed, after] for table in (finish, kept) for after in (False, True)]
         self._statements = {name: (name.encode(), text) for name, text in pairs}
         self._full_name, self._after_name, self._full_kept, self._after_kept = (
@@ -178,12 +177,12 @@ class BatchLoop:
             fast_queues(specs, queues, fast_lane=fast_lane, keep_completed=keep_completed),
             batch_min=batch_min,
             batch_max=batch_max,
-            duty=full_claim_duty,
+            duty=front_claim_duty,
             pooled=lambda index: bool(executor.threads) and executor.pooled(self._queues[index]),
             widths=widths(specs, queues, executor.concurrency, executor.threads),
         )
         # The fast lane's claims, from the front and after the mark (as the state lane's).
-        locks = [sql.LOCK[full_context, after] for after in (False, True)]
+        locks = [sql.LOCK[whole_context, after] for after in (False, True)]
         self._lock_names = tuple(name.encode() for name, _ in locks)
         if self.planner.any_fast:
             for name, text in locks:
@@ -209,7 +208,7 @@ class BatchLoop:
         self._job_began = 0.0
         self._batch: list[Row] = []
         self._at = -1
-        self._slow: list[handlers.SlowJob] = []
+        self._slow: list[outcomes.SlowJob] = []
         self._handed = False
         self._guard_error: LoopError | None = None
         self.overlap = overlap
@@ -343,14 +342,14 @@ class BatchLoop:
             self._end(wake)
 
     def _end(self, wake: bool) -> None:
-        done, failures = self._done[:], handlers.started(self._failures)
+        done, failures = self._done[:], outcomes.started(self._failures)
         wake = wake or len(failures) < len(self._failures)
         del self._done[:], self._failures[:]
         self._tx = False
         self._writing(failures)
         ids = ("{" + ",".join(map(str, done)) + "}").encode()
         name = b"job_finish_locked_many_results" if self.planner.keeping else b"job_finish_locked_many"
-        self._send_prepared(name, [ids, handlers.encode(failures), self._worker_id])
+        self._send_prepared(name, [ids, outcomes.encode(failures), self._worker_id])
         _, error, _ = self._results()
         if error is None and wake:
             self._send_prepared(b"queue_wake", [self._queues[self._batch_base // self._stride]])
@@ -358,12 +357,12 @@ class BatchLoop:
         if error is not None:
             self._simple(sql.fast_rollback)
             self.planner.demote(self._batch_base // self._stride)
-            handlers.say_rolled_back(len(done) + len(failures), error)
+            outcomes.say_rolled_back(len(done) + len(failures), error)
         else:
             self._simple(sql.fast_commit)
             self.completed += len(done)
             if failures:
-                completed, failed, retried, discarded = handlers.tally(failures)
+                completed, failed, retried, discarded = outcomes.tally(failures)
                 self.completed += completed
                 self.failed += failed
                 self.retried += retried
@@ -386,10 +385,10 @@ class BatchLoop:
         """Send the outcomes gathered so far and a claim: the planner's next (none by default)."""
         done = ("{" + ",".join(map(str, self._done)) + "}").encode()
         self._writing(self._failures)
-        failures = handlers.encode(self._failures)
+        failures = outcomes.encode(self._failures)
         self.completed += len(self._done)
         if self._failures:
-            completed, failed, retried, discarded = handlers.tally(self._failures)
+            completed, failed, retried, discarded = outcomes.tally(self._failures)
             self.completed += completed
             self.failed += failed
             self.retried += retried
@@ -427,7 +426,7 @@ class BatchLoop:
                 elif error is None:
                     error = res.error_message.decode(errors="replace")
                     state = res.error_field(pq.DiagnosticField.SQLSTATE) or b""
-                    isolatable = state[:2].decode() in handlers.OUTCOME_ERROR_CLASSES
+                    isolatable = state[:2].decode() in outcomes.OUTCOME_ERROR_CLASSES
         except psycopg.OperationalError:
             raise self._lost() from None
         self._in_flight = False
@@ -447,13 +446,13 @@ class BatchLoop:
                 if state == "completed":
                     self.completed -= 1
             self.stale += len(stale)
-            handlers.say_stale(stale[::-1])
+            outcomes.say_stale(stale[::-1])
         return int(n)
 
     def _write(self, done: list[int], failures: list[Outcome]) -> str | None:
         """Write outcomes alone, claiming nothing; the error if one of them is rejected."""
         ids = ("{" + ",".join(map(str, done)) + "}").encode()
-        params = [ids, handlers.encode(failures), self._queues[0], b"0", self._worker_id]
+        params = [ids, outcomes.encode(failures), self._queues[0], b"0", self._worker_id]
         self._send_prepared(self._full_kept, params)  # a hand-back's, or isolation's: rare, never unkept
         res, error, isolatable = self._results()
         if error is None:
@@ -474,7 +473,7 @@ class BatchLoop:
                 raise LoopError(error)
             # One outcome made PostgreSQL reject the statement, claim and
             # all: write the outcomes apart, then carry on with nothing claimed.
-            handlers.isolate(self._write, done, failures, error)
+            outcomes.isolate(self._write, done, failures, error)
             res = None
         self._sent_outcomes = ([], [])
         self._written()
@@ -489,7 +488,7 @@ class BatchLoop:
         rows: list[Row] = []
         for i in range(n):
             claimed = None
-            if self._full_context:
+            if self._whole_context:
                 claimed = (res.get_value(i, 8), _int(res.get_value(i, 9)), _int(res.get_value(i, 6)))
             rows.append(
                 (
@@ -585,7 +584,7 @@ class BatchLoop:
             self._commit()
         if self._in_flight:
             self._rows = self._receive()
-        self._failures.extend(handlers.release(row[0], row[3]) for row in self._rows)
+        self._failures.extend(outcomes.release(row[0], row[3]) for row in self._rows)
         self._rows = []
         if self._done or self._failures:
             self._send()
@@ -617,13 +616,13 @@ class BatchLoop:
             executor.keeping.clear()
         for index, (job_id, kind, raw, attempt, max_attempts, run_at, claimed_raw, keep) in enumerate(rows):
             if self.stopping:
-                failures.extend(handlers.release(row[0], row[3]) for row in rows[index:])
+                failures.extend(outcomes.release(row[0], row[3]) for row in rows[index:])
                 break
             if fast and time.monotonic() > self._deadline:
                 # Jobs slower than the queue's pace: the rest go back and the
                 # queue takes the state lane for a while.
                 self.planner.demote(self._batch_base // self._stride)
-                failures.extend(handlers.release(row[0], row[3]) for row in rows[index:])
+                failures.extend(outcomes.release(row[0], row[3]) for row in rows[index:])
                 break
             if self._running is not None:
                 self._progress[0] += 1
@@ -635,7 +634,7 @@ class BatchLoop:
             if spec is None:
                 failures.append(
                     self._tally(
-                        at, handlers.unknown_kind(job_id, kind, attempt, max_attempts, specs.values())
+                        at, outcomes.unknown_kind(job_id, kind, attempt, max_attempts, specs.values())
                     )
                 )
                 continue
@@ -643,12 +642,12 @@ class BatchLoop:
                 args = orjson.loads(raw[1:])
             except orjson.JSONDecodeError as exc:
                 failures.append(
-                    self._tally(at, handlers.discard(job_id, attempt, f"args do not decode: {exc}"))
+                    self._tally(at, outcomes.discard(job_id, attempt, f"args do not decode: {exc}"))
                 )
                 continue
             if type(args) is not dict:
                 reason = f"args must be a JSON object, not {type(args).__name__}"
-                failures.append(self._tally(at, handlers.discard(job_id, attempt, reason)))
+                failures.append(self._tally(at, outcomes.discard(job_id, attempt, reason)))
                 continue
             claimed = None
             if claimed_raw is not None:
@@ -663,7 +662,7 @@ class BatchLoop:
                     # A kind registered on another queue: it may not hold the
                     # transaction open. It goes back, and the queue to the state lane.
                     self.planner.demote(self._batch_base // self._stride)
-                    failures.append(handlers.release(job_id, attempt))
+                    failures.append(outcomes.release(job_id, attempt))
                     continue
                 slow.append((spec, job_id, args, attempt, max_attempts, claimed))
                 if keep:
@@ -671,7 +670,7 @@ class BatchLoop:
                 continue
             if executor.cancelled and job_id in executor.cancelled:
                 executor.cancelled.discard(job_id)
-                failures.append(self._tally(at, handlers.cancelled(job_id, attempt)))
+                failures.append(self._tally(at, outcomes.cancelled(job_id, attempt)))
                 continue
             context.id, context.kind, context.attempt, context.cancelled = job_id, kind, attempt, False
             began = time.perf_counter_ns() if at >= 0 else 0
@@ -697,8 +696,8 @@ class BatchLoop:
                     stats.observe(counts, at + RUN_SUM, time.perf_counter_ns() - began)
                 failures.append(self._tally(at, executor.raised(spec, job_id, attempt, max_attempts, exc)))
                 if not self._handed:
-                    failures.extend(handlers.release(row[0], row[3]) for row in rows[index + 1 :])
-                    failures.extend(handlers.release(job[1], job[3]) for job in slow)
+                    failures.extend(outcomes.release(row[0], row[3]) for row in rows[index + 1 :])
+                    failures.extend(outcomes.release(job[1], job[3]) for job in slow)
                 self.stopping = True
                 self.finish()
                 raise
@@ -707,7 +706,7 @@ class BatchLoop:
                 stats.observe(counts, at + RUN_SUM, time.perf_counter_ns() - began)
             outcome = executor.returned(spec, job_id, attempt, max_attempts, result)
             if outcome is None and keep:
-                outcome = handlers.kept(spec, job_id, attempt, max_attempts, result)
+                outcome = outcomes.kept(spec, job_id, attempt, max_attempts, result)
             if outcome is not None:
                 failures.append(self._tally(at, outcome))
             else:
@@ -716,7 +715,7 @@ class BatchLoop:
                 if attempt == 1:
                     done.append(job_id)
                 else:
-                    failures.append(handlers.completed(job_id, attempt))
+                    failures.append(outcomes.completed(job_id, attempt))
             if self._handed:
                 # The guard handed back the jobs behind this one (and wrote
                 # those run before it): this batch is over.
@@ -808,11 +807,11 @@ class BatchLoop:
         self.planner.demote(self._batch_base // self._stride)
         if error is not None:
             # The transaction is aborted: the whole batch runs again (at least once).
-            outcomes = len(self._done) + len(self._failures)
+            lost = len(self._done) + len(self._failures)
             del self._done[:], self._failures[:]
             self._tx = False
             self._simple(sql.fast_rollback)
-            handlers.say_rolled_back(outcomes, error)
+            outcomes.say_rolled_back(lost, error)
             return
         self._commit(wake=True)
 
@@ -823,16 +822,16 @@ class BatchLoop:
         failures: list[Outcome] = []
         if self._in_flight:
             ahead = self._receive()
-            releases += [handlers.release(row[0], row[3]) for row in ahead]
+            releases += [outcomes.release(row[0], row[3]) for row in ahead]
             self.planner.unmark(self.planner.index)
         if self._at >= 0:
-            releases += [handlers.release(row[0], row[3]) for row in self._batch[self._at + 1 :]]
-            releases += [handlers.release(job[1], job[3]) for job in self._slow]
+            releases += [outcomes.release(row[0], row[3]) for row in self._batch[self._at + 1 :]]
+            releases += [outcomes.release(job[1], job[3]) for job in self._slow]
             del self._slow[:]
             done, failures = self._done[:], self._failures[:]
             del self._done[:], self._failures[:]
             self.completed += len(done)
-            completed, failed, retried, discarded = handlers.tally(failures)
+            completed, failed, retried, discarded = outcomes.tally(failures)
             self.completed += completed
             self.failed += failed
             self.retried += retried
@@ -841,18 +840,18 @@ class BatchLoop:
             self.planner.unmark(self._batch_base // self._stride)
         else:
             # The executor's phase: it keeps the outcomes; the jobs it has not started come back.
-            releases += [handlers.release(job[1], job[3]) for job in self._executor.hand_back()]
+            releases += [outcomes.release(job[1], job[3]) for job in self._executor.hand_back()]
         failures += releases
         if not (done or failures):
             return
         self._writing(failures)
         error = self._write(done, failures)
         if error is not None:
-            handlers.isolate(self._write, done, failures, error)
+            outcomes.isolate(self._write, done, failures, error)
         self._written()
 
     def _attempts_of(
-        self, slow: list[handlers.SlowJob], slow_done: list[int], failures: list[Outcome], first: int
+        self, slow: list[outcomes.SlowJob], slow_done: list[int], failures: list[Outcome], first: int
     ) -> None:
         """Take the executor's completions with their attempts, and fill in those its releases lack."""
         if self._counts is not None:
@@ -875,4 +874,4 @@ class BatchLoop:
             if attempts[job_id] == 1:
                 self._done.append(job_id)
             else:
-                failures.append(handlers.completed(job_id, attempts[job_id]))
+                failures.append(outcomes.completed(job_id, attempts[job_id]))

@@ -71,8 +71,8 @@ KEEPING_CLAIMS = 3
 # entries of its slots for 50-170 ms, a stall of its worker that set the
 # pickup p99 (from the commit, two alternating 1-minute runs each: p99 27-36
 # ms at 10%, 14-17 ms at 2%; p50 2.4-3.7 ms against 0.8-2.1 ms).
-FULL_CLAIM_DUTY = 0.02
-FULL_CLAIM_MAX_WAIT = 10.0
+FRONT_CLAIM_DUTY = 0.02
+FRONT_CLAIM_MAX_WAIT = 10.0
 # A mark is kept only for a run_at a second or more inside timestamptz's range
 # (microseconds since 2000): the claim after it subtracts its margin, and
 # -infinity or 4713 BC would overflow.
@@ -174,10 +174,10 @@ class NewBatchLoop(Protocol):
         batch_max: int = ...,
         overlap: bool = ...,
         progress: memoryview | None = ...,  # the slot's float64 [0]: counts the jobs started
-        full_claim_duty: float = ...,
+        front_claim_duty: float = ...,
         running: memoryview | None = ...,  # the slot's int64 [0:3]: the job running, the outcomes written
         counts: memoryview | None = ...,  # the slot's int64 rows per (queue, kind): see ROW
-        full_context: bool = ...,  # claim meta and created_at, fill each JobContext whole (middleware)
+        whole_context: bool = ...,  # claim meta and created_at, fill each JobContext whole (middleware)
         fast_lane: bool = ...,  # short sync jobs take the fast lane (sql.job_lock_many)
         sql: ModuleType = ...,  # the statements of the app's schema (fastjobs.sql.of)
     ) -> BatchLoop: ...

@@ -58,7 +58,7 @@ def watch(loop: BatchLoop) -> None:
 
 
 def _run() -> None:
-    # Stop signals are the main thread's (see worker.Control.run).
+    # Stop signals are the main thread's (see worker.Heartbeat.run).
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGQUIT})
     while True:
         time.sleep(GUARD_TICK)

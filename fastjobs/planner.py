@@ -14,7 +14,7 @@ Its decisions (see docs/internals.md for the concepts):
   FAST_LANE_DEMOTE of a demotion;
 - where a claim starts: after the queue's mark (where its last claim
   ended), or from the front of the claim index as often as costs the
-  `duty` share of the loop's time (FULL_CLAIM_DUTY);
+  `duty` share of the loop's time (FRONT_CLAIM_DUTY);
 - the size: twice what the queue's last claim found, halving at most
   (SIZE_DECAY), between batch_min and batch_max, capped by the pace of the
   queue's last batch (BATCH_SECONDS; whole waves for async and pooled jobs);
@@ -32,8 +32,8 @@ from .abc import (
     BATCH_SECONDS,
     DEEP_CLAIM,
     FAST_LANE_DEMOTE,
-    FULL_CLAIM_DUTY,
-    FULL_CLAIM_MAX_WAIT,
+    FRONT_CLAIM_DUTY,
+    FRONT_CLAIM_MAX_WAIT,
     KEEPING_CLAIMS,
     MARK_RUN_AT_MAX,
     MARK_RUN_AT_MIN,
@@ -92,7 +92,7 @@ class Planner:
         "_front_took",
         "_limit",
         "_marks",
-        "_next_full",
+        "_next_front",
         "_pooled",
         "_proven",
         "_queues",
@@ -117,7 +117,7 @@ class Planner:
         *,
         batch_min: int = 1,
         batch_max: int = 1000,
-        duty: float = FULL_CLAIM_DUTY,
+        duty: float = FRONT_CLAIM_DUTY,
         pooled: Callable[[int], bool] = lambda index: False,
         clock: Callable[[], float] = time.monotonic,
         widths: list[int] | None = None,
@@ -149,7 +149,7 @@ class Planner:
         self._deep = [True] * n
         # Per queue: where its last claim ended, and when a claim from the front is due.
         self._marks: list[tuple[int, int] | None] = [None] * n
-        self._next_full = [0.0] * n
+        self._next_front = [0.0] * n
         # Per queue, what its last claim from the front took: the duty rations by the lesser of
         # that and the claim's own, so one slow claim does not put the next off 49 times as long.
         # The first is cold (plans, caches: 26 ms against 1.5 ms warm, seen under load), so the
@@ -242,7 +242,7 @@ class Planner:
             limit = min(limit, self._widths[index])
         now = self._clock()
         mark = self._marks[index]
-        if mark is not None and now >= self._next_full[index]:
+        if mark is not None and now >= self._next_front[index]:
             mark = None
         self._sent = (index, mark is None, now)
         self._limit = limit
@@ -264,12 +264,12 @@ class Planner:
             took = now - sent
             wait = min(took, self._front_took[index]) * (1.0 - self._duty) / self._duty
             self._front_took[index] = took
-            self._next_full[index] = now + min(wait, FULL_CLAIM_MAX_WAIT)
+            self._next_front[index] = now + min(wait, FRONT_CLAIM_MAX_WAIT)
         elif not n:
             # An empty claim after the mark may have missed a job behind it:
             # an idle loop claims from the front as soon as that is due (the
             # soonest over the queues tried wins; the loop resets it per step).
-            self.recheck = min(self.recheck, max(0.0, self._next_full[index] - now))
+            self.recheck = min(self.recheck, max(0.0, self._next_front[index] - now))
         if keeps:
             self.keeping = KEEPING_CLAIMS
         elif self.keeping:

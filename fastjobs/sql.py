@@ -399,7 +399,7 @@ _section("Claims")
 # 900,000 dead; a fast-lane claim from the front after a held snapshot spent
 # 42 ms walking a slot of only dead entries, 3,600 index pages). The hot loop
 # claims from the front only as often as that costs it 2% of its time
-# (fastjobs.abc.FULL_CLAIM_DUTY), which is nearly always when the index is
+# (fastjobs.abc.FRONT_CLAIM_DUTY), which is nearly always when the index is
 # clean; jobs behind the mark (promoted, retried, of another priority) wait
 # for that claim.
 

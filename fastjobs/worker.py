@@ -77,7 +77,7 @@ def make_worker_id(token: str, pid: int | None = None, host: str | None = None) 
     return f"{host or host_id()}:{pid or os.getpid()}:{token}"
 
 
-class Control(threading.Thread):
+class Heartbeat(threading.Thread):
     """The worker's second connection, on a thread: heartbeats and cancellations.
 
     It keeps the worker's row fresh while the main thread runs a long batch
@@ -652,7 +652,7 @@ class Worker:
                 progress=self.slot.progress_view() if self.slot is not None else None,
                 running=self.slot.running_view() if self.slot is not None else None,
                 counts=self.slot.counts_view() if self.slot is not None else None,
-                full_context=self.app.has_middleware,
+                whole_context=self.app.has_middleware,
                 fast_lane=self.config.fast_lane,
                 sql=sql,
             )
@@ -675,7 +675,7 @@ class Worker:
             def limited(names: frozenset[str]) -> None:
                 planner.limited = frozenset(i for i, queue in enumerate(queues) if queue in names)
 
-            control = Control(
+            control = Heartbeat(
                 dsn,
                 self.worker_id,
                 self.executor,

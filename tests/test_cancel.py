@@ -22,7 +22,7 @@ import fastjobs
 from fastjobs import App, JobNotFound, Worker, WorkerConfig, control
 from fastjobs.executor import Executor
 from fastjobs.impl import core
-from fastjobs.worker import Control
+from fastjobs.worker import Heartbeat
 
 from .helpers import WorkerThread, drain, query, wait_for
 
@@ -292,7 +292,7 @@ def test_a_job_cancelled_while_claimed_but_not_started_never_runs(app: App, dsn:
     worker_id = "test-cancel-worker"
     conn = psycopg.connect(dsn, autocommit=True)
     executor = Executor()
-    control = Control(dsn, worker_id, executor)
+    control = Heartbeat(dsn, worker_id, executor)
     errors: list[BaseException] = []
     try:
         loop = core.BatchLoop(

@@ -135,7 +135,7 @@ def test_a_job_in_flight_reads_running_in_jobs_list_and_stats(app: App, dsn: str
         release.wait(60)
 
     # Every claim from the front: the jobs below are moved behind the warm-up's mark.
-    with batch_loop(app, 1, fast_lane=True, full_claim_duty=1.0) as loop:
+    with batch_loop(app, 1, fast_lane=True, front_claim_duty=1.0) as loop:
         warm(app, loop)
         held = hold.enqueue(n=1)
         waiting = hold.enqueue(n=2)  # a batch of one: it waits, available
@@ -260,7 +260,7 @@ def test_jobs_a_slow_batch_gave_back_are_claimed_next_though_behind_its_mark(app
             time.sleep(3 * BATCH_SECONDS)
 
     # Claims from the front only when there is no mark: every other claim is after it.
-    with batch_loop(app, 6, fast_lane=True, full_claim_duty=1e-9) as loop:
+    with batch_loop(app, 6, fast_lane=True, front_claim_duty=1e-9) as loop:
         warm = app.enqueue("warm")
         query(dsn, "UPDATE fastjobs_jobs_all SET run_at = now() - interval '1 hour' WHERE id = %s", (warm,))
         assert loop.step() == 1 and loop.fast == 0  # the mark: an hour ago
@@ -407,14 +407,16 @@ def test_a_queue_takes_the_fast_lane_only_after_a_quick_batch(app: App, dsn: str
     """Its first batch takes the state lane; a slow one keeps it there (a long sync job polling
     current_job().cancelled can be told), a quick one moves it to the fast lane."""
     states: list[str] = []
+    # Connected once: a connection per job took over half BATCH_SECONDS on a loaded machine,
+    # and the quick batches were not quick.
+    other = psycopg.connect(dsn, autocommit=True)
 
     @app.job(kind="probe")
     def probe(n: int, sleep: float) -> None:
         time.sleep(sleep)
-        with psycopg.connect(dsn, autocommit=True) as other:
-            states.append(other.execute("SELECT state::text FROM fastjobs_jobs_all").fetchone()[0])  # type: ignore[index]
+        states.append(other.execute("SELECT state::text FROM fastjobs_jobs_all").fetchone()[0])  # type: ignore[index]
 
-    with batch_loop(app, 1, fast_lane=True) as loop:
+    with other, batch_loop(app, 1, fast_lane=True) as loop:
         for sleep in (BATCH_SECONDS, 0.0, 0.0, 0.0):
             probe.enqueue(n=1, sleep=sleep)
             assert loop.step() == 1

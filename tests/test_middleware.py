@@ -323,7 +323,7 @@ def _contexts(core: Any, dsn: str) -> list[dict[str, Any]]:
     try:
         with psycopg.connect(dsn, autocommit=True) as conn:
             loop = core.BatchLoop(
-                conn, app.runnable(), executor, "w", ["default"], batch_min=4, batch_max=4, full_context=True
+                conn, app.runnable(), executor, "w", ["default"], batch_min=4, batch_max=4, whole_context=True
             )
             loop.prepare()
             assert loop.step() == 4

@@ -15,7 +15,7 @@ from fastjobs.abc import (
     BATCH_SECONDS,
     DEEP_CLAIM,
     FAST_LANE_DEMOTE,
-    FULL_CLAIM_MAX_WAIT,
+    FRONT_CLAIM_MAX_WAIT,
     KEEPING_CLAIMS,
     MARK_RUN_AT_MAX,
     SIZE_DECAY,
@@ -124,14 +124,14 @@ def test_claims_go_after_the_mark_until_a_claim_from_the_front_is_due_by_its_dut
     clock.now += 0.01
     assert claim(p, clock, 10)[3] is None
     # That one took 1 ms: due 49 ms later. One slow claim from the front is rationed by the lesser
-    # of its time and the last one's (1 ms again), two in a row by theirs, at most FULL_CLAIM_MAX_WAIT.
+    # of its time and the last one's (1 ms again), two in a row by theirs, at most FRONT_CLAIM_MAX_WAIT.
     clock.now += 0.05
     assert claim(p, clock, 10, spent=10.0)[3] is None
     clock.now += 0.04
     assert claim(p, clock, 10)[3] is not None
     clock.now += 0.01
     assert claim(p, clock, 10, spent=10.0)[3] is None
-    clock.now += FULL_CLAIM_MAX_WAIT - 0.01
+    clock.now += FRONT_CLAIM_MAX_WAIT - 0.01
     assert claim(p, clock, 10)[3] is not None
     clock.now += 0.02
     assert claim(p, clock, 10)[3] is None

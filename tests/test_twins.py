@@ -500,7 +500,7 @@ def test_the_slot_views_come_together_or_not_at_all(core: Core, app: App) -> Non
 
 # The per-batch policy, scripted over many batches: what each step claimed, on which lane, and
 # the size it chose next, with the fast lane, full context and marks on. Claims after the mark
-# are kept for FULL_CLAIM_MAX_WAIT (full_claim_duty 1e-9), so which claims go from the front
+# are kept for FRONT_CLAIM_MAX_WAIT (front_claim_duty 1e-9), so which claims go from the front
 # depends on the script, not on the clock. Each entry: ("a"|"b", kind, jobs, priority) enqueues,
 # None steps once.
 POLICY: list[tuple[str, str, int, int] | None] = [
@@ -552,8 +552,8 @@ def _policy(core: Core, dsn: str) -> list[tuple[Any, ...]]:
             batch_min=1,
             batch_max=24,
             overlap=False,
-            full_claim_duty=1e-9,
-            full_context=True,
+            front_claim_duty=1e-9,
+            whole_context=True,
             fast_lane=True,
         )
         loop.prepare()
@@ -593,7 +593,7 @@ def test_the_twins_decide_each_batch_alike(twin_dsns: tuple[str, str], monkeypat
     A size is capped by the pace of its queue's last batch (BATCH_SECONDS), so a batch stretched
     by a loaded machine would change the next sizes of one twin: both twins ask the one planner,
     whose BATCH_SECONDS the script sets out of reach (a stall of minutes still proves a queue and
-    caps nothing). Should a stall outlast FULL_CLAIM_MAX_WAIT, the pair runs again, up to three
+    caps nothing). Should a stall outlast FRONT_CLAIM_MAX_WAIT, the pair runs again, up to three
     times, on fresh databases; a twin that decides otherwise differs every time."""
     monkeypatch.setattr(planner, "BATCH_SECONDS", 1000.0)
     python, c = _policy(_core_py, twin_dsns[0]), _policy(_core, twin_dsns[1])

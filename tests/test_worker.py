@@ -706,7 +706,7 @@ def test_claims_start_where_the_last_ended_and_look_from_the_front_when_idle(app
     claim's end is not claimed after it; an idle loop says when it should look again."""
     _, seen = handler_event(app, "behind")
     app.enqueue("behind", {"n": 1})
-    with batch_loop(app, 10, full_claim_duty=1e-9) as loop:
+    with batch_loop(app, 10, front_claim_duty=1e-9) as loop:
         assert loop.step() == 1 and seen == [1]
         assert loop.step() == 0  # the first claim from the front was cold and rationed nothing
         assert loop.recheck == float("inf")
