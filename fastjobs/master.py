@@ -28,6 +28,7 @@ from . import database, schema
 from .app import App
 from .children import EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK, Backoff, die_with, fork, how_it_ended
 from .errors import ConfigurationError, DatabaseUnavailable, FastjobsError, SchemaMissing
+from .heartbeat import host_id, make_worker_id
 from .impl import IMPLEMENTATION
 from .leader import Leader, LeaderConfig
 from .logs import job_fields, plural
@@ -35,7 +36,7 @@ from .metrics import MetricsProcess
 from .scoreboard import Labels, Scoreboard, database_identity
 from .sharding import shard
 from .stats import LEADER, WORKER, Card
-from .worker import Supervision, Worker, WorkerConfig, host_id, make_worker_id
+from .worker import Supervision, Worker, WorkerConfig
 
 # A child whose card has not been beaten this long is hung or stopped (it
 # beats every second, whatever length of job it runs): killed and replaced.

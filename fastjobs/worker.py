@@ -5,32 +5,28 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import random
-import select
 import signal
-import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any
 
-import orjson
 import psycopg
 from setproctitle import setproctitle
 
-from . import database, schema, sql
+from . import database, schema
 from . import maintenance as leader
 from .abc import BatchLoop
 from .app import App
-from .errors import ConfigurationError, DatabaseUnavailable, LoopError
+from .errors import ConfigurationError, LoopError
 from .executor import Executor
+from .heartbeat import Heartbeat, host_id, make_worker_id
 from .impl import core
+from .listener import Listener, check_sleep_deadline
 from .scoreboard import Labels
 from .stats import Card as Slot
-from .stats import worker_counters
 from .types import DEFAULT_QUEUE
 
 __all__ = [
@@ -40,10 +36,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-HEARTBEAT_INTERVAL = leader.HEARTBEAT_INTERVAL
 LISTENER_CHECK_INTERVAL = 30.0
-# A worker under a master looks this often whether its master is still there.
-PARENT_CHECK_INTERVAL = 0.5
 # An orphaned worker stops now when its grace is over, and exits this much later whatever it is doing.
 ORPHAN_EXIT_AFTER = 2.0
 # How long inserts keep notifying past the end of a worker's sleep
@@ -54,370 +47,6 @@ WAKE_MARGIN = 0.25
 # A worker whose predecessor died writing several failed jobs' outcomes runs
 # one job per batch this long, so the outcome that kills it is found alone.
 CAREFUL_FOR = 60.0
-
-
-def host_id(override: str | None = None) -> str:
-    """The name this host's workers go by in the cluster view: `override` (`fastjobs run --host-id`),
-    else FASTJOBS_HOST_ID, else the host name. ConfigurationError for one a worker id cannot carry."""
-    host = override or os.environ.get("FASTJOBS_HOST_ID") or socket.gethostname()
-    if not host.isprintable() or ":" in host or " " in host or len(host) > 255:
-        raise ConfigurationError(
-            f"the host id must be at most 255 printable characters without spaces or ':', not {host!r}"
-        )
-    return host
-
-
-def make_worker_id(token: str, pid: int | None = None, host: str | None = None) -> str:
-    """A worker's identity, `host:pid:token`: the one place it is built.
-
-    The token (chosen by the master per worker before it forks, or at random
-    here) makes it one no other process can share, even in containers that
-    share a hostname and pids; host and pid are there for people.
-    """
-    return f"{host or host_id()}:{pid or os.getpid()}:{token}"
-
-
-class Heartbeat(threading.Thread):
-    """The worker's second connection, on a thread: heartbeats and cancellations.
-
-    It keeps the worker's row fresh while the main thread runs a long batch
-    (so the rescuer never takes the jobs of a live worker) and hears
-    `app.cancel` of running jobs (NOTIFY, and a poll each heartbeat in case
-    a notification was missed) and passes them to the executor.
-    """
-
-    def __init__(
-        self,
-        dsn: str,
-        worker_id: str,
-        executor: Executor,
-        register: tuple[str, str, int, list[str]] | None = None,
-        watch: Callable[[], None] | None = None,
-        slot: Slot | None = None,
-        names: list[tuple[int, str, str]] | None = None,
-        rotator: leader.Rotator | None = None,
-        handles: list[str] | None = None,
-        limited: Callable[[frozenset[str]], None] | None = None,
-        sql: ModuleType = sql,
-    ) -> None:
-        super().__init__(name="fastjobs-control", daemon=True)
-        self.sql = sql  # the statements of the app's schema
-        # Told at each heartbeat which queues have a concurrency limit (sql.queue_limited).
-        self.limited = limited
-        # The kinds this worker has handlers for: the heartbeat carries them, so that `fastjobs
-        # stats` can flag pending kinds that no live worker handles.
-        self.handles = handles
-        # A worker without a leader rotates the slots here, off the hot loop, whenever it finds
-        # the leader's lock free (see Worker).
-        self.rotator = rotator
-        self.slot = slot  # beaten each turn: the master's watchdog reads it as "this process is alive"
-        # The slot's rows of counts per (queue, kind), named: the heartbeat carries them.
-        self.names = names or []
-        self._last_count: tuple[float, float] | None = None
-        self.dsn = dsn
-        self.worker_id = worker_id
-        self.executor = executor
-        # sql.worker_heartbeat's parameters: each heartbeat re-registers a pruned row.
-        self.register = register or (worker_id, host_id(), os.getpid(), [])
-        self.watch = watch  # called every PARENT_CHECK_INTERVAL (the worker's master-death check)
-        self._stop_event = threading.Event()
-        self._wake_r, self._wake_w = os.pipe()
-        self._heard: set[int] = set()  # job ids whose cancellation was announced
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
-        self.join(timeout=10)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
-
-    def run(self) -> None:
-        # Stop signals are the main thread's: taken here, they would run its
-        # handler even while it holds them (_signals_held) for its final writes.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGQUIT})
-        conn: psycopg.Connection[Any] | None = None
-        next_beat = 0.0
-        # The first try one interval in: a worker that drains and stops at once has nothing to rotate.
-        next_rotation = time.monotonic() + (self.rotator.config.interval if self.rotator else float("inf"))
-        while not self._stop_event.is_set():
-            if self.slot is not None and not self.executor.hung:
-                self.slot.beat()
-            try:
-                if conn is None:
-                    conn = database.connect(self.dsn, autocommit=True)
-                    # Notifications psycopg reads while it executes the
-                    # heartbeat are handed here rather than lost.
-                    conn.add_notify_handler(lambda n: self._ids([n.payload]))
-                    conn.execute(self.sql.listen_cancel)
-                    next_beat = 0.0
-                now = time.monotonic()
-                if now >= next_beat:
-                    next_beat = now + HEARTBEAT_INTERVAL
-                    self._beat(conn)
-                if now >= next_rotation:
-                    next_rotation = time.monotonic() + self._rotate(conn)
-                # At most a second between the slot's beats, whatever the heartbeat's
-                # interval, and PARENT_CHECK_INTERVAL between checks of the master.
-                wait = min(next_beat, next_rotation) - time.monotonic()
-                wait = max(0.0, min(wait, 1.0 if self.watch is None else PARENT_CHECK_INTERVAL))
-                readable, _, _ = select.select([conn.pgconn.socket, self._wake_r], [], [], wait)
-                if conn.pgconn.socket in readable:
-                    self._notified(conn)
-                if self.watch is not None:
-                    self.watch()
-            except (psycopg.Error, DatabaseUnavailable, OSError) as exc:
-                if self._stop_event.is_set():
-                    break
-                logger.warning("worker control connection failed, retrying: %s", exc)
-                if conn is not None:
-                    with contextlib.suppress(psycopg.Error):
-                        conn.close()
-                conn = None
-                if self.watch is None:
-                    self._stop_event.wait(HEARTBEAT_INTERVAL)
-                    continue
-                retry_at = time.monotonic() + HEARTBEAT_INTERVAL
-                while time.monotonic() < retry_at and not self._stop_event.wait(PARENT_CHECK_INTERVAL):
-                    self.watch()
-        if conn is not None:
-            with contextlib.suppress(psycopg.Error):
-                conn.close()
-
-    def _counters(self) -> str | None:
-        """The heartbeat's counters (stats.worker_counters); its rate is over the time since the last."""
-        doc: dict[str, Any] = {}
-        if self.slot is not None:
-            now, done = time.monotonic(), self.slot["completed"] + self.slot["failed"]
-            last, self._last_count = self._last_count, (now, done)
-            rate = (done - last[1]) / (now - last[0]) if last is not None and now > last[0] else 0.0
-            doc = worker_counters(self.slot, self.names, max(rate, 0.0))
-        if self.handles is not None:
-            doc["handles"] = self.handles
-        return orjson.dumps(doc).decode() if doc else None
-
-    def _beat(self, conn: psycopg.Connection[Any]) -> None:
-        with psycopg.RawCursor(conn) as cur:
-            cur.execute(self.sql.worker_heartbeat, (*self.register, self._counters()))
-            requested = {row[0] for row in cur.execute(self.sql.job_cancel_requested, (self.worker_id,))}
-            if self.limited is not None:
-                self.limited(frozenset(row[0] for row in cur.execute(self.sql.queue_limited)))
-        # The poll covers whatever was announced; ids no longer running here
-        # are dropped (in place: the hot loop holds this set).
-        self._heard.clear()
-        self.executor.cancelled &= requested
-        for job_id in requested:
-            self.executor.cancel(job_id)
-
-    def _rotate(self, conn: psycopg.Connection[Any]) -> float:
-        """One rotation try if the leader's lock is free, held only for the try (a `fastjobs run`
-        leader started later takes it at its next attempt); the seconds until the next try."""
-        rotator = self.rotator
-        assert rotator is not None
-        with psycopg.RawCursor(conn) as cur:
-            row = cur.execute(sql.leader_try_lock, (self.sql.LEADER_LOCK_KEY,)).fetchone()
-            if not (row and row[0]):
-                return rotator.config.interval  # a leader, or another worker, rotates
-            try:
-                _, wait = rotator.turn(conn)
-            except psycopg.Error as exc:
-                if conn.broken:
-                    raise
-                # Counted and logged; heartbeats and cancellations go on.
-                logger.error("worker rotator failed, the worker goes on: %s: %s", type(exc).__name__, exc)
-                wait = rotator.config.interval
-            finally:
-                if not conn.broken:
-                    cur.execute(sql.leader_unlock, (self.sql.LEADER_LOCK_KEY,))
-        # Jitter: the in-process workers of one database try in turn, not in step.
-        return wait * random.uniform(0.9, 1.1)
-
-    def _notified(self, conn: psycopg.Connection[Any]) -> None:
-        pgconn = conn.pgconn
-        pgconn.consume_input()
-        if pgconn.status != psycopg.pq.ConnStatus.OK:
-            raise psycopg.OperationalError("control connection lost")
-        payloads = []
-        while (n := pgconn.notifies()) is not None:
-            payloads.append(n.extra.decode())
-        self._ids(payloads)
-        if self._heard:
-            # The notification goes to every worker; act only on our own running jobs.
-            heard, self._heard = self._heard, set()
-            with psycopg.RawCursor(conn) as cur:
-                mine = {row[0] for row in cur.execute(self.sql.job_cancel_requested, (self.worker_id,))}
-            for job_id in heard & mine:
-                self.executor.cancel(job_id)
-
-    def _ids(self, payloads: list[str]) -> None:
-        for payload in payloads:
-            with contextlib.suppress(ValueError):
-                self._heard.add(int(payload))
-
-
-def _check_sleep_deadline(conn: psycopg.Connection[Any], sql: ModuleType = sql) -> None:
-    """Move the sleep deadline to now (a no-op for the producers): a role that may not move it
-    fails at start, with the grant it lacks, rather than at its first idle moment, restarting."""
-    try:
-        with psycopg.RawCursor(conn) as cur:
-            cur.execute(sql.worker_sleep, (0.0,))
-    except psycopg.errors.InsufficientPrivilege as exc:
-        raise ConfigurationError(
-            f"this role cannot move the workers' sleep deadline ({exc.diag.message_primary}):"
-            " GRANT UPDATE ON SEQUENCE fastjobs_sleep_until TO the role workers connect as"
-        ) from None
-
-
-class Listener:
-    """The worker's dedicated LISTEN connection.
-
-    Health is checked by a self-notification round trip (a ping on the
-    fastjobs_ping channel carrying this listener's id); a dead listener is
-    reconnected, and while it is down the worker simply polls.
-
-    Every change of its state is written to the worker's `slot` when it
-    happens, so `fastjobs stats` shows the connection as it is, busy or idle
-    (it once showed the value of the worker's last sleep). While the worker
-    is busy, `poll` reads the connection once a second: a lost listener shows
-    at once, and the server's notifications never pile up unread.
-    """
-
-    def __init__(
-        self,
-        dsn: str,
-        queues: list[str],
-        wake_fd: int | None = None,
-        slot: Slot | None = None,
-        sql: ModuleType = sql,
-    ) -> None:
-        self.dsn = dsn
-        self.sql = sql  # the statements (and channels) of the app's schema
-        self.queues = set(queues)
-        self.wake_fd = wake_fd
-        self.slot = slot
-        self.conn: psycopg.Connection[Any] | None = None
-        self.ping = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self.last_check = 0.0
-        self.healthy_at = 0.0  # time.time() of the last connect or ping that worked (for stats)
-        self.reconnects = 0
-        self._woken = False  # a wake-up read while checking, for the next wait
-
-    def connect(self) -> bool:
-        try:
-            self.conn = database.connect(self.dsn, autocommit=True)
-            self.conn.execute(self.sql.listen_jobs)
-            self.conn.execute(self.sql.listen_ping)
-            self.last_check = time.monotonic()
-            self.healthy_at = time.time()
-            return True
-        except (psycopg.Error, DatabaseUnavailable) as exc:
-            logger.warning("listener connection failed, polling meanwhile: %s", exc)
-            self.conn = None
-            return False
-        finally:
-            self._report()
-
-    def _report(self) -> None:
-        if self.slot is not None:
-            self.slot.listener(self.conn is not None, self.healthy_at, self.reconnects)
-
-    def close(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
-
-    def wait(self, timeout: float) -> bool:
-        """Sleep until a notification for one of our queues, a wake-up, or `timeout`; True if woken."""
-        if self._woken:
-            self._woken = False
-            return True
-        deadline = time.monotonic() + timeout
-        if self.conn is None and not self.connect():
-            self.reconnects += 1
-            self._report()
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            fds = [self.wake_fd] if self.wake_fd is not None else []
-            if self.conn is not None:
-                fds.append(self.conn.pgconn.socket)
-            readable, _, _ = select.select(fds, [], [], left)
-            if self.wake_fd is not None and self.wake_fd in readable:
-                return True
-            if self.conn is not None and readable:
-                try:
-                    if self._read()[0]:
-                        return True
-                except psycopg.Error:
-                    self._lost()
-
-    def _read(self) -> tuple[bool, bool]:
-        """Read what arrived: (a wake-up for our queues, our ping came back)."""
-        assert self.conn is not None
-        pgconn = self.conn.pgconn
-        pgconn.consume_input()
-        if pgconn.status != psycopg.pq.ConnStatus.OK:
-            raise psycopg.OperationalError("listener connection lost")
-        hit = pinged = False
-        while (n := pgconn.notifies()) is not None:
-            payload = n.extra.decode()
-            if n.relname == self.sql.PING_CHANNEL.encode():
-                pinged = pinged or payload == self.ping
-            elif payload in self.queues:
-                hit = True
-        return hit, pinged
-
-    def check(self, timeout: float = 5.0) -> bool:
-        """Self-notification round trip; reconnect when it does not come back in `timeout` seconds."""
-        self.last_check = time.monotonic()
-        if self.conn is None:
-            return self.connect()
-        try:
-            # Through libpq, not cursor.execute: psycopg would consume the
-            # notification the ping triggers before _read could see it.
-            res = self.conn.pgconn.exec_params(self.sql.listener_ping.encode(), [self.ping.encode()])
-            if res.status != psycopg.pq.ExecStatus.TUPLES_OK:
-                raise psycopg.OperationalError(res.error_message.decode(errors="replace"))
-            deadline = time.monotonic() + timeout
-            while True:
-                # libpq may have queued the ping already while reading the result.
-                hit, pinged = self._read()
-                self._woken = self._woken or hit
-                if pinged:
-                    self.healthy_at = time.time()
-                    self._report()
-                    return True
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                select.select([self.conn.pgconn.socket], [], [], left)
-        except psycopg.Error:
-            pass
-        self._lost()
-        return self.connect()
-
-    def poll(self) -> None:
-        """Read what arrived without waiting (the busy worker's look, once a second).
-
-        A wake-up is kept for the next `wait`; a lost connection is reported
-        now and made again when the worker next sleeps.
-        """
-        if self.conn is None:
-            return
-        try:
-            self._woken = self._read()[0] or self._woken
-        except psycopg.Error:
-            self._lost()
-
-    def _lost(self) -> None:
-        logger.warning("listener connection lost; reconnecting, polling meanwhile")
-        self.reconnects += 1
-        if self.conn is not None:
-            with contextlib.suppress(psycopg.Error):
-                self.conn.close()
-        self.conn = None
-        self._report()
 
 
 @contextlib.contextmanager
@@ -631,7 +260,7 @@ class Worker:
             schema.check(conn, sql)
             with psycopg.RawCursor(conn) as cur:
                 cur.execute(sql.worker_session)
-            _check_sleep_deadline(conn, sql)
+            check_sleep_deadline(conn, sql)
             listener.connect()
             register = (self.worker_id, self.host, os.getpid(), self.queues)
             with psycopg.RawCursor(conn) as cur:

@@ -21,8 +21,8 @@ import pytest
 import fastjobs
 from fastjobs import App, JobNotFound, Worker, WorkerConfig, control
 from fastjobs.executor import Executor
+from fastjobs.heartbeat import Heartbeat
 from fastjobs.impl import core
-from fastjobs.worker import Heartbeat
 
 from .helpers import WorkerThread, drain, query, wait_for
 

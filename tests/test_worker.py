@@ -18,9 +18,10 @@ from psycopg.types.json import Jsonb
 import fastjobs.worker
 from fastjobs import App, ConfigurationError
 from fastjobs.cli.command import _parser
+from fastjobs.listener import Listener
 from fastjobs.scoreboard import Scoreboard
 from fastjobs.stats import WORKER
-from fastjobs.worker import Listener, Worker, WorkerConfig
+from fastjobs.worker import Worker, WorkerConfig
 
 from .helpers import (
     OVERLAP,

@@ -12,11 +12,12 @@ from collections.abc import Callable, Iterable
 from ..app import App
 from ..children import EXIT_BOOT_ERROR
 from ..errors import ConfigurationError
+from ..heartbeat import host_id
 from ..leader import LeaderConfig
 from ..maintenance import RescuerConfig
 from ..master import Master
 from ..sharding import parse_queues, threaded_queues
-from ..worker import WorkerConfig, host_id
+from ..worker import WorkerConfig
 
 logger = logging.getLogger("fastjobs.cli")
 
