@@ -244,27 +244,27 @@ def test_the_jobs_list_reads_a_window_and_pages_by_id(app: App, dsn: str, monkey
     monkeypatch.setattr(reads, "PAGE", 4)
     monkeypatch.setattr(reads, "WINDOW", 10)
     with psycopg.connect(dsn, autocommit=True) as conn:
-        page = reads.jobs_page(conn, reads.Filters(), None)
+        page = reads.jobs_page(conn, reads.Filters(), None, sql)
         assert [j["id"] for j in page.jobs] == ids[::-1][:4] and page.next_before == ids[-4]
-        page = reads.jobs_page(conn, reads.Filters(), page.next_before)
+        page = reads.jobs_page(conn, reads.Filters(), page.next_before, sql)
         assert [j["id"] for j in page.jobs] == ids[::-1][4:8]
         # a filter matching one job in three: a page reads a window of 10 and stops there
         odd = reads.Filters(args={"tag": "odd"}, args_text='{"tag": "odd"}')
         seen: list[int] = []
         before = None
         for _ in range(20):
-            page = reads.jobs_page(conn, odd, before)
+            page = reads.jobs_page(conn, odd, before, sql)
             assert page.read <= 10
             seen += [j["id"] for j in page.jobs]
             before = page.next_before
             if before is None:
                 break
         assert seen == [i for n, i in enumerate(ids) if n % 2 == 1][::-1]
-        assert reads.jobs_page(conn, reads.Filters(state="completed"), None).jobs == []
+        assert reads.jobs_page(conn, reads.Filters(state="completed"), None, sql).jobs == []
         # nothing matches: each page reads its window and says where it stopped, down to the oldest
-        page = reads.jobs_page(conn, reads.Filters(kind="a.b", queue="nope"), None)
+        page = reads.jobs_page(conn, reads.Filters(kind="a.b", queue="nope"), None, sql)
         assert page.jobs == [] and page.read == 10 and page.window_end == page.next_before == ids[-10]
-        page = reads.jobs_page(conn, reads.Filters(kind="a.b", queue="nope"), ids[9])
+        page = reads.jobs_page(conn, reads.Filters(kind="a.b", queue="nope"), ids[9], sql)
         assert page.jobs == [] and page.read == 9 and page.next_before is None
 
 
@@ -273,13 +273,13 @@ def test_the_overview_estimates_big_states_and_counts_small_ones(app: App, dsn: 
     app.enqueue_many("a.b", [{"n": i} for i in range(40)])
     app.enqueue_many("a.b", [{"n": i} for i in range(3)], delay=600, queue="later")
     with psycopg.connect(dsn, autocommit=True) as conn:
-        exact, is_exact = reads.depths(conn, rows=43)
+        exact, is_exact = reads.depths(conn, 43, sql)
         assert is_exact and exact["default"].counts == {"available": 40}
         assert exact["later"].counts == {"scheduled": 3}
         # as on a big table: states of at most BOUND jobs counted, the others sampled (here: all pages)
         monkeypatch.setattr(reads, "BOUND", 10)
         monkeypatch.setattr(reads, "SAMPLE_ROWS", 10**9)
-        found, is_exact = reads.depths(conn, rows=reads.EXACT_BELOW)
+        found, is_exact = reads.depths(conn, reads.EXACT_BELOW, sql)
         assert not is_exact
         assert found["default"].counts == {"available": 40} and found["default"].estimated == {"available"}
         # "later" has no available job the sample found: estimated too, shown as fewer than `below`
@@ -315,7 +315,7 @@ def test_samples_sum_the_heartbeats_and_stay_bounded(dsn: str) -> None:
         # the overview's chart, per minute between samples: 60/30 s, a fall read as nothing, 30/60 s
         conn.execute("UPDATE fastjobs_samples SET at = at + (now() - %s)", (start,))  # into the last hour
         found: dict[str, reads.QueueRow] = {}
-        reads._charts(conn, found)
+        reads._charts(conn, found, sql)
         assert found["q1"].completed == [0.0, 30.0] and found["q1"].failed == [0.0, 0.0]
 
 
@@ -325,7 +325,8 @@ def test_control_delete_and_the_command_line_share_the_operation(app: App, dsn: 
     with psycopg.connect(dsn, autocommit=True) as conn:
         assert control.act(conn, "delete", ids[0]) == ("deleted", {"id": ids[0], "state": "deleted"})
         assert control.act(conn, "cancel", ids[1])[0] == "cancelled"
-        assert control.select(conn, control.ACTS_ON["delete"], args={"n": 2}) == [ids[2]]
+        selection = control.select(conn, control.ACTS_ON["delete"], args={"n": 2})
+        assert list(control.pages(conn, selection)) == [[ids[2]]]
         conn.execute("UPDATE fastjobs_jobs_all SET state = 'running' WHERE id = %s", (ids[2],))
         with pytest.raises(ValueError, match="running job cannot be deleted"):
             control.delete(conn, ids[2])
