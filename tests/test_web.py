@@ -583,6 +583,11 @@ CREATE TRIGGER held_outcome BEFORE UPDATE ON fastjobs_jobs_all FOR EACH ROW EXEC
 """
 
 
+def _engine_page_with(client: httpx.Client, text: str) -> str | None:
+    page = client.get("/engine").text
+    return page if text in page else None
+
+
 def test_a_slow_job_shows_on_the_engine_page_in_stats_and_metrics(
     masters: procs.Masters, app: App, dsn: str, tmp_path: Path
 ) -> None:
@@ -595,7 +600,7 @@ def test_a_slow_job_shows_on_the_engine_page_in_stats_and_metrics(
     master = masters.start("--processes", "1", "--metrics-port", str(port))
     with web(dsn, tmp_path) as base, _client(base) as client:
         page = wait_for(
-            lambda: (p := client.get("/engine").text) and 'id="slow"' in p and "<td>default</td>" in p and p,
+            lambda: _engine_page_with(client, '<tr class="slow-queue"><td>default</td>'),
             "the slow job on the engine page",
         )
         assert "none: no live worker has met a slow job" not in page
@@ -622,10 +627,10 @@ def test_careful_mode_shows_on_the_engine_page_and_in_stats(
     master = masters.start(
         "--processes", "1", "--queues", "default:2", "--rescue-after", "120", module="carefuljobs"
     )
+    sleeping = (
+        "SELECT pid FROM pg_stat_activity WHERE wait_event = 'PgSleep' AND datname = current_database()"
+    )
     try:
-        sleeping = (
-            "SELECT pid FROM pg_stat_activity WHERE wait_event = 'PgSleep' AND datname = current_database()"
-        )
         wait_for(lambda: db.execute(sleeping).fetchall(), "the worker to write the two failures")
         (pid,) = db.execute("SELECT pid FROM fastjobs_workers").fetchone()  # type: ignore[misc]
         os.kill(pid, signal.SIGKILL)
@@ -634,12 +639,7 @@ def test_careful_mode_shows_on_the_engine_page_and_in_stats(
         )
         with web(dsn, tmp_path) as base, _client(base) as client:
             page = wait_for(
-                lambda: (
-                    (p := client.get("/engine").text)
-                    and "no live worker started in careful mode" not in p
-                    and p
-                ),
-                "careful mode on the engine page",
+                lambda: _engine_page_with(client, 'class="careful-worker"'), "careful mode on the page"
             )
             assert re.search(r"ago</td><td>\d", page), page  # began ... ago, and the seconds left
         careful = procs.stats_json(dsn)["careful_workers"]
