@@ -221,11 +221,10 @@ def _print_events(slow: list[report.SlowEvents], careful: list[report.CarefulWor
         table(_SLOW_COLUMNS, slow)
     for c in careful:
         left = f"{logs.duration(c.left)} left" if c.left else "over"
+        line = f"careful mode: worker {c.worker} on {c.host} began {logs.duration(c.age)} ago ({left}):"
         echo(
-            safe(
-                f"\ncareful mode: worker {c.worker} on {c.host} began {logs.duration(c.age)} ago ({left}):"
-                " its predecessor died writing several failed jobs' outcomes; one job per batch"
-            )
+            "\n"
+            + safe(f"{line} its predecessor died writing several failed jobs' outcomes; one job per batch")
         )
 
 
