@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .abc import (
     BATCH_SECONDS,
@@ -338,7 +338,7 @@ class Planner:
         self.slow_jobs[index] += 1
         self._event_at[index] = time.time()
 
-    def events(self, queues: Sequence[str]) -> list[dict[str, object]]:
+    def events(self, queues: Sequence[str]) -> list[dict[str, Any]]:
         """Per queue of `queues` (this planner's, in order) with any: its slow jobs and demotions so
         far, the seconds since the last, and the seconds it still takes the state lane for them."""
         now, clock = time.time(), self._clock()
