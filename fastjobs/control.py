@@ -259,14 +259,16 @@ COUNT_PAGE = 100_000
 class Selection:
     """The jobs an operation by filter acts on: in `states`, matching the filters (created more than
     `older_than` ago, their args containing `args` as jsonb's @> does), with an id up to `ceiling`,
-    the highest when the selection was made: never a job enqueued after it."""
+    the highest when the selection was made: never a job enqueued after it. `first` is its first
+    page of ids, read then: a selection of one page costs one pass over the table, as before."""
 
     states: tuple[str, ...]
-    queue: str | None = None
-    kind: str | None = None
-    older_than: dt.timedelta | None = None
-    args: Any = None
-    ceiling: int = 0
+    queue: str | None
+    kind: str | None
+    older_than: dt.timedelta | None
+    args: Any
+    ceiling: int
+    first: tuple[int, ...] = ()
 
     def _params(self, after: int, limit: int) -> tuple[Any, ...]:
         contains = None if self.args is None else Jsonb(self.args)
@@ -281,6 +283,11 @@ class Selection:
             self.ceiling,
         )
 
+    def _page(self, cur: psycopg.RawCursor[Any], after: int, sql: ModuleType) -> list[int]:
+        if not self.states:
+            return []
+        return [int(row[0]) for row in cur.execute(sql.job_select_many, self._params(after, SELECT_PAGE))]
+
 
 def select(
     conn: psycopg.Connection[Any],
@@ -292,41 +299,43 @@ def select(
     args: Any = None,
     sql: ModuleType = sql,
 ) -> Selection:
-    """The selection of the jobs in `states` matching the filters, as of now (see Selection)."""
+    """The selection of the jobs in `states` matching the filters, as of now, with its first page
+    of ids (see Selection)."""
     with _cursor(conn) as cur:
         row = cur.execute(sql.job_id_ceiling).fetchone()
-    ceiling = int(row[0]) if row else 0
-    return Selection(tuple(sorted(states)), queue, kind, older_than, args, ceiling)
+        ceiling = int(row[0]) if row else 0
+        selection = Selection(tuple(sorted(states)), queue, kind, older_than, args, ceiling)
+        return dataclasses.replace(selection, first=tuple(selection._page(cur, 0, sql)))
 
 
 def count(conn: psycopg.Connection[Any], selection: Selection, sql: ModuleType = sql) -> int:
-    """The jobs `selection` matches now, counted COUNT_PAGE per statement (no snapshot held long)."""
-    total = after = 0
+    """The jobs `selection` matches: its first page, and those after it now, counted COUNT_PAGE per
+    statement (no snapshot held long); no statement when the first page was the last."""
+    total = len(selection.first)
+    if total < SELECT_PAGE:
+        return total
+    after = selection.first[-1]
     with _cursor(conn) as cur:
-        while selection.states:
+        while True:
             row = cur.execute(sql.job_count_many, selection._params(after, COUNT_PAGE)).fetchone()
             n, last = (int(row[0]), row[1]) if row else (0, None)
             total += n
             if n < COUNT_PAGE or last is None:
-                break
+                return total
             after = int(last)
-    return total
 
 
 def pages(conn: psycopg.Connection[Any], selection: Selection, sql: ModuleType = sql) -> Iterator[list[int]]:
-    """The ids `selection` matches, in id order, SELECT_PAGE per statement: each page is read when the
-    one before has been used, so a job is matched in the state it is in by then."""
-    after = 0
+    """The ids `selection` matches, in id order, SELECT_PAGE per statement after its first page:
+    each page is read when the one before has been used, so a job is matched in the state it is in
+    by then (and `act` names one that left those states meanwhile)."""
+    page = list(selection.first)
     with _cursor(conn) as cur:
-        while selection.states:
-            page = [
-                int(r[0]) for r in cur.execute(sql.job_select_many, selection._params(after, SELECT_PAGE))
-            ]
-            if page:
-                yield page
+        while page:
+            yield page
             if len(page) < SELECT_PAGE:
                 return
-            after = page[-1]
+            page = selection._page(cur, page[-1], sql)
 
 
 @dataclass(frozen=True, slots=True)
