@@ -1271,6 +1271,7 @@ cdef class BatchLoop:
             elif now - self._job_began < _HAND_BACK_AFTER or not self._holding():
                 return False
             self._handed = True
+            self.planner.handed_back(self._batch_base // self._stride)
             try:
                 if self._tx:
                     self._hand_over()

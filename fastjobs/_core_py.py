@@ -783,6 +783,7 @@ class BatchLoop:
             elif now - began < HAND_BACK_AFTER or not self._holding():
                 return False
             self._handed = True
+            self.planner.handed_back(self._batch_base // self._stride)
             try:
                 if self._tx:
                     self._hand_over()

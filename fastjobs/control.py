@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -250,8 +250,43 @@ def list_jobs(
         return cur.execute(sql.job_list, (queue, state, kind, limit)).fetchall()
 
 
-# Ids read per statement by `select`.
+# Ids an operation by filter reads per statement, and jobs it counts per statement.
 SELECT_PAGE = 10_000
+COUNT_PAGE = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """The jobs an operation by filter acts on: in `states`, matching the filters (created more than
+    `older_than` ago, their args containing `args` as jsonb's @> does), with an id up to `ceiling`,
+    the highest when the selection was made: never a job enqueued after it. `first` is its first
+    page of ids, read then: a selection of one page costs one pass over the table, as before."""
+
+    states: tuple[str, ...]
+    queue: str | None
+    kind: str | None
+    older_than: dt.timedelta | None
+    args: Any
+    ceiling: int
+    first: tuple[int, ...] = ()
+
+    def _params(self, after: int, limit: int) -> tuple[Any, ...]:
+        contains = None if self.args is None else Jsonb(self.args)
+        return (
+            list(self.states),
+            self.queue,
+            self.kind,
+            self.older_than,
+            after,
+            limit,
+            contains,
+            self.ceiling,
+        )
+
+    def _page(self, cur: psycopg.RawCursor[Any], after: int, sql: ModuleType) -> list[int]:
+        if not self.states:
+            return []
+        return [int(row[0]) for row in cur.execute(sql.job_select_many, self._params(after, SELECT_PAGE))]
 
 
 def select(
@@ -263,24 +298,71 @@ def select(
     older_than: dt.timedelta | None = None,
     args: Any = None,
     sql: ModuleType = sql,
-) -> list[int]:
-    """Ids of the jobs in `states` matching the filters (created more than `older_than` ago, their
-    args containing `args` as jsonb's @> does), in id order.
+) -> Selection:
+    """The selection of the jobs in `states` matching the filters, as of now, with its first page
+    of ids (see Selection)."""
+    with _cursor(conn) as cur:
+        row = cur.execute(sql.job_id_ceiling).fetchone()
+        ceiling = int(row[0]) if row else 0
+        selection = Selection(tuple(sorted(states)), queue, kind, older_than, args, ceiling)
+        return dataclasses.replace(selection, first=tuple(selection._page(cur, 0, sql)))
 
-    Read in pages, then acted on one by one with `retry`, `cancel` or `discard`
-    (their semantics, rotation-safe re-look included): the jobs acted on are
-    those counted, never ones enqueued after the count.
-    """
-    found: list[int] = []
+
+def count(conn: psycopg.Connection[Any], selection: Selection, sql: ModuleType = sql) -> int:
+    """The jobs `selection` matches: its first page, and those after it now, counted COUNT_PAGE per
+    statement (no snapshot held long); no statement when the first page was the last."""
+    total = len(selection.first)
+    if total < SELECT_PAGE:
+        return total
+    after = selection.first[-1]
     with _cursor(conn) as cur:
         while True:
-            after = found[-1] if found else 0
-            contains = None if args is None else Jsonb(args)
-            params = (sorted(states), queue, kind, older_than, after, SELECT_PAGE, contains)
-            page = [int(row[0]) for row in cur.execute(sql.job_select_many, params)]
-            found.extend(page)
+            row = cur.execute(sql.job_count_many, selection._params(after, COUNT_PAGE)).fetchone()
+            n, last = (int(row[0]), row[1]) if row else (0, None)
+            total += n
+            if n < COUNT_PAGE or last is None:
+                return total
+            after = int(last)
+
+
+def pages(conn: psycopg.Connection[Any], selection: Selection, sql: ModuleType = sql) -> Iterator[list[int]]:
+    """The ids `selection` matches, in id order, SELECT_PAGE per statement after its first page:
+    each page is read when the one before has been used, so a job is matched in the state it is in
+    by then (and `act` names one that left those states meanwhile)."""
+    page = list(selection.first)
+    with _cursor(conn) as cur:
+        while page:
+            yield page
             if len(page) < SELECT_PAGE:
-                return found
+                return
+            page = selection._page(cur, page[-1], sql)
+
+
+@dataclass(frozen=True, slots=True)
+class Acted:
+    """One job of an operation by filter: its state after and report (`act`'s), or why it was not
+    acted on (state None: running now, finished meanwhile, its unique key held)."""
+
+    id: int
+    state: str | None
+    report: dict[str, Any]
+    error: str = ""
+
+
+def act_by_filter(
+    conn: psycopg.Connection[Any], action: str, selection: Selection, sql: ModuleType = sql
+) -> Iterator[Acted]:
+    """Operation `action` (a key of ACTS_ON) on every job of `selection`, one by one through `act`
+    (each in its own transaction, the rotation's moves looked after), a page of ids at a time. The
+    caller stops by no longer iterating: the jobs not reached are left as they are."""
+    for page in pages(conn, selection, sql):
+        for job_id in page:
+            try:
+                state, report = act(conn, action, job_id, sql)
+            except (FastjobsError, ValueError) as exc:
+                yield Acted(job_id, None, {"id": job_id}, str(exc))
+            else:
+                yield Acted(job_id, state, report)
 
 
 def kinds(conn: psycopg.Connection[Any], sql: ModuleType = sql) -> list[tuple[str, str, int]]:

@@ -10,7 +10,7 @@ from .abc import (
     BUCKETS,
     OUTCOMES,
 )
-from .report import ROTATION_PROBLEMS, STALE_AFTER, ClusterHost, Health, QueueDepth
+from .report import ROTATION_PROBLEMS, STALE_AFTER, ClusterHost, Health, QueueDepth, engine_events
 from .scoreboard import Histogram, KindCounts, Scoreboard
 from .stats import LEADER, ROLES, WORKER, Card
 
@@ -252,6 +252,33 @@ def cluster_metrics(hosts: list[ClusterHost]) -> list[str]:
             for k in h.kinds
             for outcome in OUTCOMES
         ],
+    )
+    slow, careful = engine_events(hosts)
+    by_queue: dict[tuple[str, str], list[int]] = {}
+    for e in slow:
+        sums = by_queue.setdefault((e.host, e.queue), [0, 0])
+        sums[0] += e.slow_jobs
+        sums[1] += e.demotions
+    queue_tags = [
+        (f'host="{_escape(host)}",queue="{_escape(queue)}"', n) for (host, queue), n in by_queue.items()
+    ]
+    family(
+        "fastjobs_cluster_slow_jobs_total",
+        "counter",
+        "jobs that outran their bound (the guard handed back what their batch held), by host and queue",
+        [(t, n[0]) for t, n in queue_tags],
+    )
+    family(
+        "fastjobs_cluster_lane_demotions_total",
+        "counter",
+        "times a queue left the fast lane for the state lane, by host and queue",
+        [(t, n[1]) for t, n in queue_tags],
+    )
+    family(
+        "fastjobs_cluster_workers_careful",
+        "gauge",
+        "live workers in careful mode (one job per batch after a worker died writing outcomes), by host",
+        [(t, sum(c.host == h.host and c.left > 0 for c in careful)) for t, h in tagged],
     )
     return lines
 

@@ -77,9 +77,12 @@ class Heartbeat(threading.Thread):
         handles: list[str] | None = None,
         limited: Callable[[frozenset[str]], None] | None = None,
         sql: ModuleType = sql,
+        events: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         super().__init__(name="fastjobs-control", daemon=True)
         self.sql = sql  # the statements of the app's schema
+        # The engine's events the heartbeat carries (Worker.events): slow jobs, demotions, careful mode.
+        self.events = events
         # Told at each heartbeat which queues have a concurrency limit (sql.queue_limited).
         self.limited = limited
         # The kinds this worker has handlers for: the heartbeat carries them, so that `fastjobs
@@ -172,6 +175,8 @@ class Heartbeat(threading.Thread):
             doc = worker_counters(self.slot, self.names, max(rate, 0.0))
         if self.handles is not None:
             doc["handles"] = self.handles
+        if self.events is not None:
+            doc.update(self.events())
         return orjson.dumps(doc).decode() if doc else None
 
     def _beat(self, conn: psycopg.Connection[Any]) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .abc import (
     BATCH_SECONDS,
@@ -87,6 +87,7 @@ class Planner:
         "_clock",
         "_deep",
         "_duty",
+        "_event_at",
         "_fast",
         "_fast_ok",
         "_front_took",
@@ -103,12 +104,14 @@ class Planner:
         "_widths",
         "batch_max",
         "batch_min",
+        "demotions",
         "full",
         "index",
         "keeping",
         "limited",
         "recheck",
         "size",
+        "slow_jobs",
     )
 
     def __init__(
@@ -145,6 +148,12 @@ class Planner:
         # empty since a full one (DEEP_CLAIM: the fast lane saves a write per
         # job at two more round trips a claim, a gain on a backlog only).
         self._state_until = [0.0] * n
+        # Per queue, the engine's own events the worker's heartbeat carries to the cluster view
+        # (events()): its jobs that outran their bound, whose batch the guard handed back; its
+        # demotions to the state lane; and when the last of them happened (time.time()).
+        self.slow_jobs = [0] * n
+        self.demotions = [0] * n
+        self._event_at = [0.0] * n
         self._proven = [False] * n
         self._deep = [True] * n
         # Per queue: where its last claim ended, and when a claim from the front is due.
@@ -329,6 +338,29 @@ class Planner:
         self._state_until[index] = self._clock() + FAST_LANE_DEMOTE
         self._proven[index] = False
         self._marks[index] = None
+        self.demotions[index] += 1
+        self._event_at[index] = time.time()
+
+    def handed_back(self, index: int) -> None:
+        """A job of queue `index` outran its bound: the guard hands back what its batch holds."""
+        self.slow_jobs[index] += 1
+        self._event_at[index] = time.time()
+
+    def events(self, queues: Sequence[str]) -> list[dict[str, Any]]:
+        """Per queue of `queues` (this planner's, in order) with any: its slow jobs and demotions so
+        far, the seconds since the last, and the seconds it still takes the state lane for them."""
+        now, clock = time.time(), self._clock()
+        return [
+            {
+                "queue": queue,
+                "slow_jobs": self.slow_jobs[i],
+                "demotions": self.demotions[i],
+                "last_ago": round(now - self._event_at[i], 3),
+                "state_lane_left": round(max(self._state_until[i] - clock, 0.0), 3),
+            }
+            for i, queue in enumerate(queues)
+            if self._event_at[i]
+        ]
 
     def unmark(self, index: int) -> None:
         """Queue `index`'s next claim is from the front: jobs were released behind its mark."""

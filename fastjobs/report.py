@@ -139,6 +139,61 @@ def cluster(
 
 
 @dataclass(frozen=True, slots=True)
+class SlowEvents:
+    """A queue's slow-job events on one live worker, from its heartbeat (Planner.events)."""
+
+    host: str
+    worker: str
+    queue: str
+    slow_jobs: int  # its jobs that outran their bound: the guard handed back what their batch held
+    demotions: int  # times the queue left the fast lane for the state lane (a slow batch, a hand-over)
+    last_age: float  # seconds since the last of either, now
+    state_lane_left: float  # seconds the queue still takes the state lane for them, now (0: none)
+
+
+@dataclass(frozen=True, slots=True)
+class CarefulWorker:
+    """A live worker that started in careful mode (its predecessor died writing several failed jobs'
+    outcomes: one job per batch for worker.CAREFUL_FOR seconds, to find the job that kills it)."""
+
+    host: str
+    worker: str
+    age: float  # seconds since its careful mode began, now
+    left: float  # seconds of careful mode left, now (0: over)
+
+
+def engine_events(hosts: list[ClusterHost]) -> tuple[list[SlowEvents], list[CarefulWorker]]:
+    """The slow-job and careful-mode events the live workers' heartbeats carry, the latest first."""
+    slow: list[SlowEvents] = []
+    careful: list[CarefulWorker] = []
+    for h in hosts:
+        for w in h.workers:
+            if w.stale:
+                continue
+            later = w.heartbeat_age
+            for e in w.counters.get("slow", []):
+                slow.append(
+                    SlowEvents(
+                        h.host,
+                        w.id,
+                        str(e["queue"]),
+                        int(e["slow_jobs"]),
+                        int(e["demotions"]),
+                        float(e["last_ago"]) + later,
+                        max(float(e["state_lane_left"]) - later, 0.0),
+                    )
+                )
+            c = w.counters.get("careful")
+            if c:
+                careful.append(
+                    CarefulWorker(h.host, w.id, float(c["ago"]) + later, max(float(c["left"]) - later, 0.0))
+                )
+    slow.sort(key=lambda e: e.last_age)
+    careful.sort(key=lambda c: c.age)
+    return slow, careful
+
+
+@dataclass(frozen=True, slots=True)
 class UnhandledKind:
     """A kind with pending jobs on a queue that live workers serve, none of which has its handler."""
 

@@ -1180,16 +1180,25 @@ RETURNING state::text"""
 
 # job_select_many: ids of the jobs in states $1 of queue $2 and kind $3 (NULL:
 # any) created more than $4 ago (NULL: any time) whose args contain $7 (jsonb
-# @>; NULL: any), above id $5, in id order, up to $6: the pages of `fastjobs
+# @>; NULL: any), above id $5 and up to id $8, in id order, up to $6: the pages of `fastjobs
 # jobs retry|cancel|discard --state/--queue/...` and of the dashboard's bulk
 # actions, each id then acted on by job_retry, job_cancel, job_discard or job_delete.
 job_select_many: Final = f"""
 SELECT id FROM {_S}fastjobs_jobs_all
  WHERE state::text = ANY($1::text[]) AND ($2::text IS NULL OR queue = $2) AND ($3::text IS NULL OR kind = $3)
    AND ($4::interval IS NULL OR created_at < now() - $4::interval) AND id > $5
-   AND ($7::jsonb IS NULL OR args @> $7::jsonb)
+   AND ($7::jsonb IS NULL OR args @> $7::jsonb) AND id <= $8
  ORDER BY id
  LIMIT $6"""
+
+# job_count_many: job_select_many's page of up to $6 jobs, counted: how many
+# and the last id (the next page starts above it), so an operation by filter
+# counts what it will act on a bounded page per statement.
+job_count_many: Final = f"SELECT count(*), max(id) FROM ({job_select_many}) AS page"
+
+# job_id_ceiling: the highest job id now; an operation by filter acts on no
+# job above it (none enqueued after it began).
+job_id_ceiling: Final = f"SELECT coalesce(max(id), 0) FROM {_S}fastjobs_jobs_all"
 
 # job_kinds: every (queue, kind) of the jobs table and its count of pending
 # jobs, for `fastjobs stats` (kinds no live worker handles) and the

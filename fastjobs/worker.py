@@ -176,6 +176,7 @@ class Worker:
         self._orphaned_at: float | None = None
         self._orphan_lock = threading.Lock()
         self._wake_r = self._wake_w = -1  # the pipe that wakes a sleeping run(); open only during run()
+        self._careful_at = 0.0  # time.time() its careful mode began (0: never)
 
     def stop(self) -> None:
         """Stop claiming; safe from a signal handler and idempotent."""
@@ -249,6 +250,20 @@ class Worker:
                 )
                 os.kill(os.getpid(), signal.SIGQUIT)
 
+    def events(self) -> dict[str, Any]:
+        """The engine's events of this worker so far, for its heartbeat (report.cluster reads them):
+        per queue its slow jobs and demotions to the state lane (Planner.events), and its careful mode
+        (the seconds since it began and those left), each only once it happened. From another thread."""
+        found: dict[str, Any] = {}
+        loop = self.loop
+        slow = loop.planner.events(self.queues) if loop is not None else []
+        if slow:
+            found["slow"] = slow
+        if self._careful_at:
+            ago = time.time() - self._careful_at
+            found["careful"] = {"ago": round(ago, 3), "left": round(max(CAREFUL_FOR - ago, 0.0), 3)}
+        return found
+
     def run(self) -> None:
         dsn = self.app.dsn
         sql = self.app.sql  # the statements of the app's schema
@@ -316,6 +331,7 @@ class Worker:
                 sorted(specs),
                 limited,
                 sql,
+                self.events,
             )
             control.start()
             try:
@@ -358,6 +374,7 @@ class Worker:
             # One job per batch and no claim ahead: each statement then
             # carries at most one failed job's outcome (see Master._blame).
             careful_until = time.monotonic() + CAREFUL_FOR
+            self._careful_at = time.time()
             batch_min = loop.batch_min
             loop.batch_max, loop.overlap = 1, False
             loop.batch_min = 1

@@ -317,3 +317,20 @@ def test_a_claim_s_widths_are_its_threads_or_its_async_concurrency() -> None:
         pass
 
     assert widths(dict(app.jobs), ["a", "b", "c"], 50, {b"b": 4}) == [1, 4, 50]
+
+
+def test_the_planner_counts_slow_jobs_and_demotions_per_queue_for_the_heartbeat() -> None:
+    p, clock = planner(queues=3)
+    assert p.events(["a", "b", "c"]) == []  # nothing happened: the heartbeat carries nothing
+    p.handed_back(1)
+    p.demote(1)  # a fast-lane hand-over: a slow job and a demotion
+    p.demote(2)
+    clock.now += 20.0
+    found = {e["queue"]: e for e in p.events(["a", "b", "c"])}
+    assert sorted(found) == ["b", "c"]
+    assert (found["b"]["slow_jobs"], found["b"]["demotions"]) == (1, 1)
+    assert (found["c"]["slow_jobs"], found["c"]["demotions"]) == (0, 1)
+    assert found["b"]["state_lane_left"] == pytest.approx(FAST_LANE_DEMOTE - 20.0)
+    assert 0 <= found["c"]["last_ago"] < 5  # wall time: the heartbeat sends how long ago
+    clock.now += FAST_LANE_DEMOTE
+    assert all(e["state_lane_left"] == 0 for e in p.events(["a", "b", "c"]))

@@ -316,3 +316,18 @@ def test_the_cluster_views_sample_output_is_what_fastjobs_stats_prints(
         ]
     )
     assert capsys.readouterr().out.lstrip("\n") == sample
+
+
+def test_the_slow_jobs_sample_output_is_what_fastjobs_stats_prints(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The `fastjobs stats` sample of slow jobs and careful mode, printed from the events it shows."""
+    from fastjobs.cli import stats as stats_command
+    from fastjobs.report import CarefulWorker, SlowEvents
+
+    [sample] = [code for _, lang, code in BLOCKS if lang == "text" and code.startswith("slow jobs (handed")]
+    stats_command._print_events(
+        [SlowEvents("web-1", "web-1:4811:9f3c1a2b7d0e4c55", "reports", 3, 1, 12.2, 47.8)],
+        [CarefulWorker("web-2", "web-2:5133:5e0c9d2a41b7f806", 20.4, 39.6)],
+    )
+    assert capsys.readouterr().out.lstrip("\n") == sample

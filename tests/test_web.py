@@ -12,6 +12,7 @@ import datetime as dt
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -23,8 +24,11 @@ import httpx
 import psycopg
 import pytest
 
-from fastjobs import App, control, samples, sql
+from fastjobs import App, control, samples, schema, sql
+from fastjobs.cli import main
 from fastjobs.web import reads
+from fastjobs.web.bulk import Operations
+from tests import procs
 from tests.helpers import query
 from tests.procs import wait_for
 from tests.web_server import free_port, web
@@ -244,27 +248,27 @@ def test_the_jobs_list_reads_a_window_and_pages_by_id(app: App, dsn: str, monkey
     monkeypatch.setattr(reads, "PAGE", 4)
     monkeypatch.setattr(reads, "WINDOW", 10)
     with psycopg.connect(dsn, autocommit=True) as conn:
-        page = reads.jobs_page(conn, reads.Filters(), None)
+        page = reads.jobs_page(conn, reads.Filters(), None, sql)
         assert [j["id"] for j in page.jobs] == ids[::-1][:4] and page.next_before == ids[-4]
-        page = reads.jobs_page(conn, reads.Filters(), page.next_before)
+        page = reads.jobs_page(conn, reads.Filters(), page.next_before, sql)
         assert [j["id"] for j in page.jobs] == ids[::-1][4:8]
         # a filter matching one job in three: a page reads a window of 10 and stops there
         odd = reads.Filters(args={"tag": "odd"}, args_text='{"tag": "odd"}')
         seen: list[int] = []
         before = None
         for _ in range(20):
-            page = reads.jobs_page(conn, odd, before)
+            page = reads.jobs_page(conn, odd, before, sql)
             assert page.read <= 10
             seen += [j["id"] for j in page.jobs]
             before = page.next_before
             if before is None:
                 break
         assert seen == [i for n, i in enumerate(ids) if n % 2 == 1][::-1]
-        assert reads.jobs_page(conn, reads.Filters(state="completed"), None).jobs == []
+        assert reads.jobs_page(conn, reads.Filters(state="completed"), None, sql).jobs == []
         # nothing matches: each page reads its window and says where it stopped, down to the oldest
-        page = reads.jobs_page(conn, reads.Filters(kind="a.b", queue="nope"), None)
+        page = reads.jobs_page(conn, reads.Filters(kind="a.b", queue="nope"), None, sql)
         assert page.jobs == [] and page.read == 10 and page.window_end == page.next_before == ids[-10]
-        page = reads.jobs_page(conn, reads.Filters(kind="a.b", queue="nope"), ids[9])
+        page = reads.jobs_page(conn, reads.Filters(kind="a.b", queue="nope"), ids[9], sql)
         assert page.jobs == [] and page.read == 9 and page.next_before is None
 
 
@@ -273,13 +277,13 @@ def test_the_overview_estimates_big_states_and_counts_small_ones(app: App, dsn: 
     app.enqueue_many("a.b", [{"n": i} for i in range(40)])
     app.enqueue_many("a.b", [{"n": i} for i in range(3)], delay=600, queue="later")
     with psycopg.connect(dsn, autocommit=True) as conn:
-        exact, is_exact = reads.depths(conn, rows=43)
+        exact, is_exact = reads.depths(conn, 43, sql)
         assert is_exact and exact["default"].counts == {"available": 40}
         assert exact["later"].counts == {"scheduled": 3}
         # as on a big table: states of at most BOUND jobs counted, the others sampled (here: all pages)
         monkeypatch.setattr(reads, "BOUND", 10)
         monkeypatch.setattr(reads, "SAMPLE_ROWS", 10**9)
-        found, is_exact = reads.depths(conn, rows=reads.EXACT_BELOW)
+        found, is_exact = reads.depths(conn, reads.EXACT_BELOW, sql)
         assert not is_exact
         assert found["default"].counts == {"available": 40} and found["default"].estimated == {"available"}
         # "later" has no available job the sample found: estimated too, shown as fewer than `below`
@@ -315,7 +319,7 @@ def test_samples_sum_the_heartbeats_and_stay_bounded(dsn: str) -> None:
         # the overview's chart, per minute between samples: 60/30 s, a fall read as nothing, 30/60 s
         conn.execute("UPDATE fastjobs_samples SET at = at + (now() - %s)", (start,))  # into the last hour
         found: dict[str, reads.QueueRow] = {}
-        reads._charts(conn, found)
+        reads._charts(conn, found, sql)
         assert found["q1"].completed == [0.0, 30.0] and found["q1"].failed == [0.0, 0.0]
 
 
@@ -325,7 +329,8 @@ def test_control_delete_and_the_command_line_share_the_operation(app: App, dsn: 
     with psycopg.connect(dsn, autocommit=True) as conn:
         assert control.act(conn, "delete", ids[0]) == ("deleted", {"id": ids[0], "state": "deleted"})
         assert control.act(conn, "cancel", ids[1])[0] == "cancelled"
-        assert control.select(conn, control.ACTS_ON["delete"], args={"n": 2}) == [ids[2]]
+        selection = control.select(conn, control.ACTS_ON["delete"], args={"n": 2})
+        assert list(control.pages(conn, selection)) == [[ids[2]]]
         conn.execute("UPDATE fastjobs_jobs_all SET state = 'running' WHERE id = %s", (ids[2],))
         with pytest.raises(ValueError, match="running job cannot be deleted"):
             control.delete(conn, ids[2])
@@ -465,3 +470,181 @@ def test_the_engine_page_gives_each_queue_its_lane_and_why(dsn: str) -> None:
     assert found["quick"].lane == "fast" and "every kind is sync" in found["quick"].why
     assert found["slow"].lane == "state"
     assert found["slow"].why == f"{bounded.kind} is timeout=2.5, {waits.kind} is async"
+
+
+# -- an App in a schema of its own
+
+
+def test_the_dashboard_shows_the_jobs_of_its_apps_schema_not_the_default_ones(
+    app: App, dsn: str, tmp_path: Path
+) -> None:
+    """`fastjobs web --schema tenant` beside the default schema's jobs, whose ids are the same (each
+    schema has its own sequence): every page reads, and every write acts, in the tenant's schema."""
+    with psycopg.connect(dsn) as conn:
+        schema.migrate(conn, schema="tenant")
+    tenant = App(dsn, schema="tenant")
+    try:
+        tenant.declare("bill.charge", queue="billing")
+        app.declare("mail.send", queue="mailq")
+        mine = [tenant.enqueue("bill.charge", {"who": "tenant", "n": n}, delay=3600) for n in range(3)]
+        theirs = [app.enqueue("mail.send", {"who": "default", "n": n}, delay=3600) for n in range(3)]
+        assert mine == theirs  # the same ids: a page reading the wrong schema shows the wrong job
+        with web(dsn, tmp_path, "--schema", "tenant") as base, _client(base) as client:
+            for path in ("/", "/jobs", "/queues", "/engine", "/periodic"):
+                page = client.get(path)
+                assert page.status_code == 200, (path, page.text)
+                assert "mailq" not in page.text and "mail.send" not in page.text, path
+            assert "billing" in client.get("/").text
+            assert client.get("/jobs").text.count("bill.charge") == 3
+            job_page = client.get(f"/jobs/{mine[0]}").text
+            assert "bill.charge" in job_page and "tenant" in job_page
+            token = _csrf(client, f"/jobs/{mine[0]}")
+            assert client.post(f"/jobs/{mine[0]}/retry", data={"csrf": token}).status_code == 303
+            assert client.post("/queues", data={"action": "pause", "queue": "billing", "csrf": token})
+            started = client.post(
+                "/jobs/bulk",
+                data={"action": "cancel", "queue": "billing", "state": "scheduled", "csrf": token},
+            )
+            done = wait_for(lambda: _finished(client.get(started.headers["location"]).text), "the cancel")
+            assert "2 of 2 jobs: done." in done
+    finally:
+        tenant.close()
+    tenant_rows = query(dsn, "SELECT id, state::text FROM tenant.fastjobs_jobs_all ORDER BY id")
+    assert [r["state"] for r in tenant_rows] == ["available", "cancelled", "cancelled"]
+    assert query(dsn, "SELECT name FROM tenant.fastjobs_queues WHERE paused_at IS NOT NULL") == [
+        {"name": "billing"}
+    ]
+    default_rows = query(dsn, "SELECT state::text FROM fastjobs_jobs_all ORDER BY id")
+    assert [r["state"] for r in default_rows] == ["scheduled"] * 3
+    assert query(dsn, "SELECT name FROM fastjobs_queues") == []
+
+
+# -- operations by filter, page by page
+
+
+def test_an_operation_by_filter_goes_page_by_page_and_leaves_later_jobs(
+    app: App, dsn: str, monkeypatch: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Pages of 3 ids and counts of 4 jobs per statement over 10 matching jobs: the dashboard's
+    operation and the command line's act on every match, never on a job enqueued after the
+    selection, never reading more than a page of ids at a time."""
+    monkeypatch.setattr(control, "SELECT_PAGE", 3)
+    monkeypatch.setattr(control, "COUNT_PAGE", 4)
+    app.declare("a.b")
+    app.enqueue_many("a.b", [{"n": n, "tag": "x"} for n in range(10)], delay=3600)
+    ids = query_ids(dsn, "scheduled")
+    app.enqueue("a.b", {"tag": "y"}, delay=3600)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        selection = control.select(conn, control.ACTS_ON["cancel"], args={"tag": "x"})
+        later = app.enqueue("a.b", {"tag": "x"}, delay=3600)
+        assert control.count(conn, selection) == 10
+        assert [len(p) for p in control.pages(conn, selection)] == [3, 3, 3, 1]
+    # The dashboard's, on its thread.
+    operations = Operations(app.connection, lambda: app.sql)
+    op = operations.start("cancel", reads.Filters(args={"tag": "x"}, args_text='{"tag": "x"}'))
+    wait_for(lambda: not op.running, "the operation")
+    assert (op.selected, op.done, op.states, op.crashed) == (11, 11, {"cancelled": 11}, None)
+    assert later in query_ids(dsn, "cancelled")
+    # The command line's: 12 retried (the 11 cancelled and one more), page by page.
+    code = main(["--dsn", dsn, "jobs", "retry", "--state", "cancelled", "--yes"])
+    assert code == 0, capsys.readouterr().err
+    assert "retry of 11 jobs: 11 jobs available" in capsys.readouterr().err
+    assert set(query_ids(dsn, "available")) == {*ids, later}
+
+
+def query_ids(dsn: str, state: str) -> list[int]:
+    return [
+        int(r["id"]) for r in query(dsn, "SELECT id FROM fastjobs_jobs_all WHERE state::text = %s", (state,))
+    ]
+
+
+# -- the engine's own events, from a real worker
+
+CAREFUL = '''
+"""Jobs that fail, their failures held up by the database (SLOW_OUTCOME's trigger)."""
+
+from fjjobs import _record, app
+
+
+@app.job("poison")
+def poison(n):
+    _record(n)
+    raise RuntimeError("held-outcome")
+'''
+# A trigger that holds up the statement writing the poison jobs' failures, so the worker can be
+# killed while it writes them: a worker that dies writing several failed jobs' outcomes.
+SLOW_OUTCOME = """
+CREATE FUNCTION held_outcome() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.errors::text LIKE '%held-outcome%' THEN PERFORM pg_sleep(20); END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER held_outcome BEFORE UPDATE ON fastjobs_jobs_all FOR EACH ROW EXECUTE FUNCTION held_outcome();
+"""
+
+
+def _engine_page_with(client: httpx.Client, text: str) -> str | None:
+    page = client.get("/engine").text
+    return page if text in page else None
+
+
+def test_a_slow_job_shows_on_the_engine_page_in_stats_and_metrics(
+    masters: procs.Masters, app: App, dsn: str, tmp_path: Path
+) -> None:
+    """A job that runs 3 s in a batch of quick ones: the guard hands back the jobs behind it, and
+    the worker's heartbeat carries that to the engine page, `fastjobs stats` and the metrics."""
+    app.enqueue_many("record", ({"n": n} for n in range(40)))
+    app.enqueue("record", {"n": 99, "sleep": 3.0})
+    app.enqueue_many("record", ({"n": n} for n in range(100, 140)))
+    port = free_port()
+    master = masters.start("--processes", "1", "--metrics-port", str(port))
+    with web(dsn, tmp_path) as base, _client(base) as client:
+        page = wait_for(
+            lambda: _engine_page_with(client, '<tr class="slow-queue"><td>default</td>'),
+            "the slow job on the engine page",
+        )
+        assert "none: no live worker has met a slow job" not in page
+    found = procs.stats_json(dsn)["slow_jobs"]
+    assert [(e["queue"], e["slow_jobs"] >= 1) for e in found] == [("default", True)]
+    text = procs.cli(dsn, "stats").stdout
+    assert "slow jobs (handed back by the guard)" in text
+    metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    assert re.search(
+        r'^fastjobs_cluster_slow_jobs_total\{host="[^"]+",queue="default"\} [1-9]', metrics, re.M
+    )
+    assert master.stop() == 0, master.stderr()
+
+
+def test_careful_mode_shows_on_the_engine_page_and_in_stats(
+    masters: procs.Masters, app: App, dsn: str, db: psycopg.Connection[Any], tmp_path: Path
+) -> None:
+    """A worker killed while it writes two failed jobs' outcomes: its replacement runs in careful
+    mode, which the engine page and `fastjobs stats` show."""
+    (tmp_path / "carefuljobs.py").write_text(CAREFUL)
+    db.execute(SLOW_OUTCOME)
+    app.enqueue_many("poison", ({"n": n} for n in range(2)))
+    # Two threads: the first claim takes both; a long --rescue-after keeps them from running again.
+    master = masters.start(
+        "--processes", "1", "--queues", "default:2", "--rescue-after", "120", module="carefuljobs"
+    )
+    sleeping = (
+        "SELECT pid FROM pg_stat_activity WHERE wait_event = 'PgSleep' AND datname = current_database()"
+    )
+    try:
+        wait_for(lambda: db.execute(sleeping).fetchall(), "the worker to write the two failures")
+        (pid,) = db.execute("SELECT pid FROM fastjobs_workers").fetchone()  # type: ignore[misc]
+        os.kill(pid, signal.SIGKILL)
+        master.wait_stderr(
+            "died writing the outcomes of 2 failed jobs; its replacement runs one job per batch"
+        )
+        with web(dsn, tmp_path) as base, _client(base) as client:
+            page = wait_for(
+                lambda: _engine_page_with(client, 'class="careful-worker"'), "careful mode on the page"
+            )
+            assert re.search(r"ago</td><td>\d", page), page  # began ... ago, and the seconds left
+        careful = procs.stats_json(dsn)["careful_workers"]
+        assert len(careful) == 1 and 0 < careful[0]["left"] <= 60, careful
+        assert "careful mode: worker" in procs.cli(dsn, "stats").stdout
+        assert master.stop() == 0, master.stderr()
+    finally:
+        db.execute(f"SELECT pg_terminate_backend(pid) FROM ({sleeping}) AS s")

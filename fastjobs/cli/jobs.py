@@ -128,14 +128,16 @@ def _act_on_filtered(conn: Any, args: argparse.Namespace, statements: ModuleType
     """`fastjobs jobs retry|cancel|discard` by filter: count, confirm, then act on those jobs one by one.
 
     Each job goes through the single-id path (its statement, and the look again
-    by id when the rotation moved its row), in its own transaction: a long run
-    holds no lock for long, and the jobs acted on are those counted.
+    by id when the rotation moved its row), in its own transaction, page by page
+    (control.act_by_filter): a long run holds no lock for long nor every id in
+    memory, and no job enqueued after the count is acted on.
     """
     command = args.jobs_command
     states = {args.state} if args.state else ACTS_ON[command]
-    ids = control.select(
+    selection = control.select(
         conn, states, queue=args.queue, kind=args.kind, older_than=args.older_than, sql=statements
     )
+    matched = control.count(conn, selection, statements)
     what = ", ".join(
         f"{name} {value}"
         for name, value in (
@@ -149,31 +151,29 @@ def _act_on_filtered(conn: Any, args: argparse.Namespace, statements: ModuleType
         )
         if value
     )
-    if not ids:
+    if not matched:
         logger.info("no job matches (%s): nothing to %s", what, command)
         if args.queue or args.kind:
             no_such_names(conn, args.queue, args.kind, statements)
         return 0
-    if not args.yes and not _confirm(f"{command} {logs.plural(len(ids), 'job')} ({what})? [y/N] "):
+    if not args.yes and not _confirm(f"{command} {logs.plural(matched, 'job')} ({what})? [y/N] "):
         logger.info("nothing done")
         return 1
     done: dict[str, int] = {}
-    failed = 0
-    for index, job_id in enumerate(ids, 1):
-        try:
-            state, doc = control.act(conn, command, job_id, statements)
-        except (FastjobsError, ValueError) as exc:  # running now, finished meanwhile, a unique key held
-            logger.warning("%s", exc)
+    failed = reached = 0
+    for reached, acted in enumerate(control.act_by_filter(conn, command, selection, statements), 1):
+        if acted.state is None:  # running now, finished meanwhile, a unique key held
+            logger.warning("%s", acted.error)
             failed += 1
             continue
-        done[state] = done.get(state, 0) + 1
+        done[acted.state] = done.get(acted.state, 0) + 1
         if args.json:
-            echo(json.dumps(doc))
-        if index % _PROGRESS_EVERY == 0:
-            logger.info("%s of %s", f"{index:,}", logs.plural(len(ids), "job"))
+            echo(json.dumps(acted.report))
+        if reached % _PROGRESS_EVERY == 0:
+            logger.info("%s of %s", f"{reached:,}", logs.plural(matched, "job"))
     summary = ", ".join(f"{logs.plural(n, 'job')} {state}" for state, n in sorted(done.items())) or "none"
     left = f"; {logs.plural(failed, 'job')} not, each said why above" if failed else ""
-    logger.info("%s of %s: %s%s", command, logs.plural(len(ids), "job"), summary, left)
+    logger.info("%s of %s: %s%s", command, logs.plural(reached, "job"), summary, left)
     return 1 if failed else 0
 
 

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .. import control, database, queues, report, schema, scoreboard, sql, stats
+from .. import control, database, logs, queues, report, schema, scoreboard, sql, stats
 from ..abc import OUTCOMES
 from .table import Column, echo, safe, size, table, when
 
@@ -70,6 +70,7 @@ def stats_command(args: argparse.Namespace) -> int:
         health = report.health(conn, statements)
         identity = scoreboard.database_identity(conn, dsn, statements)
         hosts = report.cluster(conn, sql=statements)
+        slow, careful = report.engine_events(hosts)
         unhandled = report.unhandled_kinds(control.kinds(conn, statements), hosts)
     warnings = health.warnings(args.horizon_warning) + [u.warning() for u in unhandled]
     found, skipped = scoreboard.live_masters(None if args.all_masters else identity)
@@ -101,6 +102,8 @@ def stats_command(args: argparse.Namespace) -> int:
             "warnings": warnings,
             "cluster": [dataclasses.asdict(h) for h in hosts],
             "unhandled_kinds": [dataclasses.asdict(u) for u in unhandled],
+            "slow_jobs": [dataclasses.asdict(e) for e in slow],
+            "careful_workers": [dataclasses.asdict(c) for c in careful],
         }
         echo(json.dumps(doc, indent=2))
         return 0
@@ -136,6 +139,7 @@ def stats_command(args: argparse.Namespace) -> int:
         table(_process_columns(now), m["processes"])
         _print_kinds(m["kinds"])
     _print_cluster(hosts)
+    _print_events(slow, careful)
     _print_health(health, now)
     for line in warnings:
         echo(f"\n{safe(line)}")
@@ -195,6 +199,33 @@ def _print_cluster(hosts: list[report.ClusterHost]) -> None:
     for h in hosts:
         echo(f"\n  workers of {safe(h.host)}")
         table(_CLUSTER_WORKER_COLUMNS, h.workers, indent="  ")
+
+
+_SLOW_COLUMNS: list[Column[report.SlowEvents]] = [
+    Column("queue", lambda e: safe(e.queue)),
+    Column("slow jobs", lambda e: f"{e.slow_jobs:,}", ">"),
+    Column("demotions", lambda e: f"{e.demotions:,}", ">"),
+    Column("last", lambda e: f"{logs.duration(e.last_age)} ago", ">"),
+    Column(
+        "state lane", lambda e: f"{logs.duration(e.state_lane_left)} more" if e.state_lane_left else "-", ">"
+    ),
+    Column("worker", lambda e: safe(e.worker)),
+    Column("host", lambda e: safe(e.host)),
+]
+
+
+def _print_events(slow: list[report.SlowEvents], careful: list[report.CarefulWorker]) -> None:
+    """The engine's events the live workers' heartbeats carry: slow jobs and demotions, careful mode."""
+    if slow:
+        echo("\nslow jobs (handed back by the guard) and demotions to the state lane, per live worker")
+        table(_SLOW_COLUMNS, slow)
+    for c in careful:
+        left = f"{logs.duration(c.left)} left" if c.left else "over"
+        line = f"careful mode: worker {c.worker} on {c.host} began {logs.duration(c.age)} ago ({left}):"
+        echo(
+            "\n"
+            + safe(f"{line} its predecessor died writing several failed jobs' outcomes; one job per batch")
+        )
 
 
 def _listener(p: dict[str, Any], now: float) -> str:

@@ -34,9 +34,11 @@ def web_command(args: argparse.Namespace) -> int:
             f"fastjobs web needs the web extra: pip install 'fastjobs[web]' ({exc})"
         ) from None
     app = (
-        load_app(args.module, args.dsn) if args.module else App(database.resolve_dsn(args.dsn, fallback=True))
+        load_app(args.module, args.dsn, args.schema)
+        if args.module
+        else App(database.resolve_dsn(args.dsn, fallback=True), schema=args.schema)
     )
     with database.connect(app.dsn, autocommit=True) as conn:
-        schema.check(conn)
+        schema.check(conn, app.sql)
     web.serve(app, args.host, args.port, auth=args.auth, read_only=args.read_only)
     return 0

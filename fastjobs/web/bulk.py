@@ -1,10 +1,11 @@
 """The dashboard's operations by filter: retry, cancel, discard or delete every job a filter matches.
 
-The jobs are those of `fastjobs jobs retry|cancel|discard --state/--queue/...`:
-the same selection (control.select, read in pages of control.SELECT_PAGE ids),
-then each job through the same single-job operation (control.act), in a
-transaction of its own, from a thread of the server, so a page can show how
-far it is. The jobs acted on are those selected, never ones enqueued later.
+The jobs are those of `fastjobs jobs retry|cancel|discard --state/--queue/...`,
+through the same code: a selection (control.select), counted a bounded page
+per statement (control.count), then each job through the same single-job
+operation (control.act_by_filter: pages of control.SELECT_PAGE ids, each job
+in a transaction of its own), from a thread of the server, so a page can
+show how far it is. No job enqueued after the selection is acted on.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import psycopg
 
 from .. import control
-from ..errors import FastjobsError
 from .reads import Filters
 
 logger = logging.getLogger(__name__)
@@ -60,8 +61,9 @@ Connect = Callable[[], AbstractContextManager[psycopg.Connection[Any]]]
 class Operations:
     """The operations of one dashboard: started, run on threads, looked up by id."""
 
-    def __init__(self, connect: Connect) -> None:
+    def __init__(self, connect: Connect, catalogue: Callable[[], ModuleType]) -> None:
         self._connect = connect
+        self._sql = catalogue  # the statements of the app's schema (App.sql), as of each operation
         self._lock = threading.Lock()
         self._ids: Iterator[int] = itertools.count(1)
         self._operations: dict[int, Operation] = {}
@@ -89,23 +91,22 @@ class Operations:
         states = control.ACTS_ON[op.action]
         if f.state is not None:
             states = states & {f.state}
+        sql = self._sql()
         try:
             with self._connect() as conn:
-                ids = control.select(conn, states, queue=f.queue, kind=f.kind, args=f.args) if states else []
-                op.selected = len(ids)
-                logger.info("dashboard: %s of %d jobs (%s)", op.action, len(ids), f.describe())
-                for job_id in ids:
-                    if op.stop:
-                        break
-                    try:
-                        state, _ = control.act(conn, op.action, job_id)
-                    except (FastjobsError, ValueError) as exc:  # running now, finished meanwhile, a key held
+                selection = control.select(conn, states, queue=f.queue, kind=f.kind, args=f.args, sql=sql)
+                op.selected = control.count(conn, selection, sql)
+                logger.info("dashboard: %s of %d jobs (%s)", op.action, op.selected, f.describe())
+                for acted in control.act_by_filter(conn, op.action, selection, sql):
+                    if acted.state is None:
                         op.failed += 1
                         if len(op.errors) < MAX_ERRORS:
-                            op.errors.append(str(exc))
+                            op.errors.append(acted.error)
                     else:
-                        op.states[state] = op.states.get(state, 0) + 1
+                        op.states[acted.state] = op.states.get(acted.state, 0) + 1
                     op.done += 1
+                    if op.stop:
+                        break
         except Exception as exc:  # the database went away: said on the page and in the log
             logger.exception("dashboard: %s by filter (%s) failed", op.action, f.describe())
             op.crashed = f"{type(exc).__name__}: {exc}"

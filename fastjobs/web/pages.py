@@ -21,7 +21,7 @@ from starlette.staticfiles import StaticFiles
 
 from .. import control, logs
 from .. import queues as fastjobs_queues
-from ..errors import ConfigurationError, JobNotFound
+from ..errors import JobNotFound
 from . import reads
 from .bulk import Operations
 from .security import CSRF_FIELD, Credentials, Guard, csrf_ok, csrf_token
@@ -111,7 +111,7 @@ class Dashboard:
         self.app = app
         self.read_only = read_only
         self.env = _environment()
-        self.operations = Operations(app.connection)
+        self.operations = Operations(app.connection, lambda: app.sql)
 
     def render(self, request: Request, name: str, status: int = 200, **context: Any) -> HTMLResponse:
         base = request.scope.get("root_path", "")
@@ -147,7 +147,7 @@ class Dashboard:
 
     def overview(self, request: Request) -> Response:
         with self.app.connection() as conn:
-            found = reads.overview(conn, self.app.dsn)
+            found = reads.overview(conn, self.app.dsn, self.app.sql)
         return self.render(
             request, "overview.html", o=found, exact_below=reads.EXACT_BELOW, bound=reads.BOUND
         )
@@ -174,8 +174,8 @@ class Dashboard:
         before = request.query_params.get("before")
         cursor = int(before) if before and before.isdigit() and len(before) < 20 else None
         with self.app.connection() as conn:
-            page = reads.jobs_page(conn, filters, cursor)
-            total, _ = reads.estimate(conn)
+            page = reads.jobs_page(conn, filters, cursor, self.app.sql)
+            total, _ = reads.estimate(conn, self.app.sql)
         return self.render(
             request,
             "jobs.html",
@@ -194,7 +194,7 @@ class Dashboard:
             if job_id > BIGINT_MAX:
                 raise JobNotFound(f"no job with id {job_id}")
             with self.app.connection() as conn:
-                found = reads.job(conn, job_id)
+                found = reads.job(conn, job_id, self.app.sql)
         except JobNotFound as exc:
             return self.render(request, "error.html", status=404, message=str(exc))
         return self.render(request, "job.html", job=found, done=request.query_params.get("done"))
@@ -223,8 +223,8 @@ class Dashboard:
 
     def _queues_page(self, request: Request) -> Response:
         with self.app.connection() as conn:
-            rows, _ = reads.estimate(conn)
-            found, exact = reads.queue_rows(conn, rows)
+            rows, _ = reads.estimate(conn, self.app.sql)
+            found, exact = reads.queue_rows(conn, rows, self.app.sql)
         for spec in self.app.jobs.values():  # registered queues without jobs yet
             found.setdefault(spec.queue, reads.QueueRow(spec.queue))
         return self.render(
@@ -241,10 +241,10 @@ class Dashboard:
         try:
             with self.app.connection() as conn:
                 if action == "pause":
-                    since = fastjobs_queues.pause(conn, queue)
+                    since = fastjobs_queues.pause(conn, queue, self.app.sql)
                     done = f"queue {queue}: paused since {_when(since)}"
                 elif action == "resume":
-                    was = fastjobs_queues.resume(conn, queue)
+                    was = fastjobs_queues.resume(conn, queue, self.app.sql)
                     done = f"queue {queue}: resumed" if was else f"queue {queue}: was not paused"
                 elif action == "limit":
                     counts: dict[str, int | None] = {}
@@ -260,6 +260,7 @@ class Dashboard:
                         concurrency=counts["concurrency"],
                         max_backlog=counts["max_backlog"],
                         rate_limit=rate,
+                        sql=self.app.sql,
                     )
                     limits = {"concurrency": counts["concurrency"], "rate_limit": rate, **counts}
                     done = f"queue {queue}: " + ", ".join(
@@ -286,7 +287,7 @@ class Dashboard:
 
     def engine(self, request: Request) -> Response:
         with self.app.connection() as conn:
-            found = reads.engine(conn, self.app.dsn)
+            found = reads.engine(conn, self.app.dsn, self.app.sql)
         return self.render(
             request, "engine.html", e=found, lanes=reads.lanes(self.app), module=bool(self.app.jobs)
         )
@@ -321,7 +322,7 @@ class Dashboard:
             if job_id > BIGINT_MAX:
                 raise JobNotFound(f"no job with id {job_id}")
             with self.app.connection() as conn:
-                return control.act(conn, action, job_id)
+                return control.act(conn, action, job_id, self.app.sql)
 
         try:
             state, doc = await run_in_threadpool(act)
@@ -397,15 +398,9 @@ def asgi_app(
     it requires nothing: put it behind your application's own
     authentication. `read_only` hides every form and refuses every write.
     Every write is a POST checked against a CSRF token.
-
-    An App with a schema of its own (`App(schema=...)`) is refused for now:
-    the dashboard's reads name the default schema's tables.
+    An App with a schema of its own (`App(schema=...)`) shows that schema's
+    jobs, queues and workers.
     """
-    if app.schema is not None:
-        raise ConfigurationError(
-            f"the dashboard does not show an App with a schema of its own yet ({app.schema!r}):"
-            " it reads the default schema's tables"
-        )
     dashboard = Dashboard(app, read_only=read_only)
     credentials = Credentials(auth, token) if auth or token else None
     return Guard(Starlette(routes=dashboard.routes()), credentials)

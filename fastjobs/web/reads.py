@@ -5,12 +5,13 @@ from __future__ import annotations
 import datetime as dt
 import time
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg.types.json import Jsonb
 
-from .. import control, queues, report, scoreboard, sql, stats
+from .. import control, queues, report, scoreboard, stats
 from ..maintenance import PeriodicStatus, periodic_status
 from ..planner import fast_queues
 from ..types import JobState
@@ -64,20 +65,20 @@ class Overview:
     sampled_at: list[dt.datetime]  # the times of the charts' points
 
 
-def estimate(conn: psycopg.Connection[Any]) -> tuple[int, int]:
+def estimate(conn: psycopg.Connection[Any], sql: ModuleType) -> tuple[int, int]:
     """(jobs, kept results) as the statistics collector counts them: no scan."""
     with psycopg.RawCursor(conn) as cur:
         row = cur.execute(sql.jobs_estimate).fetchone()
     return (int(row[0]), int(row[1])) if row else (0, 0)
 
 
-def depths(conn: psycopg.Connection[Any], rows: int) -> tuple[dict[str, QueueRow], bool]:
+def depths(conn: psycopg.Connection[Any], rows: int, sql: ModuleType) -> tuple[dict[str, QueueRow], bool]:
     """Jobs per queue and state: exact below EXACT_BELOW rows, else exact for the states with at most
     BOUND jobs and estimated from a TABLESAMPLE for the others (marked in QueueRow.estimated)."""
     queues: dict[str, QueueRow] = {}
     with psycopg.RawCursor(conn) as cur:
         if rows < EXACT_BELOW:
-            for d in report.queue_depths(conn):
+            for d in report.queue_depths(conn, sql):
                 q = queues.setdefault(d.queue, QueueRow(d.queue))
                 q.counts[d.state] = d.count
                 if d.state == "available":
@@ -118,7 +119,7 @@ def depths(conn: psycopg.Connection[Any], rows: int) -> tuple[dict[str, QueueRow
     return queues, False
 
 
-def _charts(conn: psycopg.Connection[Any], queues: dict[str, QueueRow]) -> list[dt.datetime]:
+def _charts(conn: psycopg.Connection[Any], queues: dict[str, QueueRow], sql: ModuleType) -> list[dt.datetime]:
     """Each queue's completed and failed jobs per minute over the last hour, from the leader's samples.
 
     A sample holds the outcomes counted so far; a point is the difference
@@ -143,11 +144,11 @@ def _charts(conn: psycopg.Connection[Any], queues: dict[str, QueueRow]) -> list[
     return sorted(times)
 
 
-def queue_rows(conn: psycopg.Connection[Any], rows: int) -> tuple[dict[str, QueueRow], bool]:
+def queue_rows(conn: psycopg.Connection[Any], rows: int, sql: ModuleType) -> tuple[dict[str, QueueRow], bool]:
     """Every queue holding jobs or acted on (paused, limited): its depths (see `depths`) and its flow
     control, from fastjobs.queues."""
-    found, exact = depths(conn, rows)
-    for state in queues.states(conn):
+    found, exact = depths(conn, rows, sql)
+    for state in queues.states(conn, sql):
         q = found.setdefault(state.name, QueueRow(state.name))
         q.paused_at, q.concurrency, q.rate_limit, q.max_backlog, q.backlog, q.held_back = (
             state.paused_at,
@@ -160,22 +161,22 @@ def queue_rows(conn: psycopg.Connection[Any], rows: int) -> tuple[dict[str, Queu
     return found, exact
 
 
-def overview(conn: psycopg.Connection[Any], dsn: str) -> Overview:
+def overview(conn: psycopg.Connection[Any], dsn: str, sql: ModuleType) -> Overview:
     """The overview's figures, and the warnings `fastjobs stats` gives (the upkeep's from the masters
     on this host)."""
-    rows, results = estimate(conn)
-    queues, exact = queue_rows(conn, rows)
-    times = _charts(conn, queues)
-    hosts = report.cluster(conn)
-    health = report.health(conn)
-    warnings = health.warnings() + _upkeep_warnings(conn, dsn)
+    rows, results = estimate(conn, sql)
+    queues, exact = queue_rows(conn, rows, sql)
+    times = _charts(conn, queues, sql)
+    hosts = report.cluster(conn, sql=sql)
+    health = report.health(conn, sql)
+    warnings = health.warnings() + _upkeep_warnings(conn, dsn, sql)
     if exact:  # job_kinds groups the whole table: only where that is cheap
-        warnings += [u.warning() for u in report.unhandled_kinds(control.kinds(conn), hosts)]
+        warnings += [u.warning() for u in report.unhandled_kinds(control.kinds(conn, sql), hosts)]
     return Overview(rows, results, exact, [queues[k] for k in sorted(queues)], hosts, health, warnings, times)
 
 
-def _upkeep_warnings(conn: psycopg.Connection[Any], dsn: str) -> list[str]:
-    found, _ = scoreboard.live_masters(scoreboard.database_identity(conn, dsn), remove_stale=False)
+def _upkeep_warnings(conn: psycopg.Connection[Any], dsn: str, sql: ModuleType) -> list[str]:
+    found, _ = scoreboard.live_masters(scoreboard.database_identity(conn, dsn, sql), remove_stale=False)
     return report.upkeep_warnings(p for m in found for p in m.processes)
 
 
@@ -211,7 +212,9 @@ class JobsPage:
     window_end: int | None  # the lowest id read, when the window was read through without filling the page
 
 
-def jobs_page(conn: psycopg.Connection[Any], filters: Filters, before: int | None) -> JobsPage:
+def jobs_page(
+    conn: psycopg.Connection[Any], filters: Filters, before: int | None, sql: ModuleType
+) -> JobsPage:
     """Up to PAGE jobs matching `filters` below id `before`, newest first, among the WINDOW newest."""
     args = None if filters.args is None else Jsonb(filters.args)
     params = (
@@ -235,18 +238,18 @@ def jobs_page(conn: psycopg.Connection[Any], filters: Filters, before: int | Non
     return JobsPage(jobs, read, None, None)
 
 
-def job(conn: psycopg.Connection[Any], job_id: int) -> dict[str, Any]:
+def job(conn: psycopg.Connection[Any], job_id: int, sql: ModuleType) -> dict[str, Any]:
     """Every column of one job and its kept outcome (control.show); JobNotFound when there is none."""
-    return control.show(conn, job_id)
+    return control.show(conn, job_id, sql)
 
 
 def periodic(conn: psycopg.Connection[Any], app: App) -> tuple[list[PeriodicStatus], list[tuple[str, Any]]]:
     """The app's periodic jobs with schedule and next tick; and the kinds the database records ticks
     of that the app does not register (another application's, or one removed)."""
     specs = [s for s in app.jobs.values() if s.cron]
-    found = periodic_status(conn, specs)
+    found = periodic_status(conn, specs, sql=app.sql)
     with psycopg.RawCursor(conn) as cur:
-        recorded = cur.execute(sql.periodic_list).fetchall()
+        recorded = cur.execute(app.sql.periodic_list).fetchall()
     known = {s.kind for s in specs}
     return found, [(kind, tick) for kind, tick in recorded if kind not in known]
 
@@ -290,10 +293,12 @@ class Engine:
     health: report.Health
     results_estimate: int
     results: list[dict[str, Any]]
+    slow: list[report.SlowEvents]  # every live worker's, from its heartbeat
+    careful: list[report.CarefulWorker]
 
 
-def engine(conn: psycopg.Connection[Any], dsn: str) -> Engine:
-    found, _ = scoreboard.live_masters(scoreboard.database_identity(conn, dsn), remove_stale=False)
+def engine(conn: psycopg.Connection[Any], dsn: str, sql: ModuleType) -> Engine:
+    found, _ = scoreboard.live_masters(scoreboard.database_identity(conn, dsn, sql), remove_stale=False)
     now = time.time()
     masters = [
         {
@@ -313,12 +318,13 @@ def engine(conn: psycopg.Connection[Any], dsn: str) -> Engine:
         for m in found
     ]
     warnings = report.upkeep_warnings(p for m in found for p in m.processes)
-    health = report.health(conn)
+    health = report.health(conn, sql)
     warnings += health.warnings()
     with psycopg.RawCursor(conn) as plain:
         usage = plain.execute(sql.slot_usage).fetchone()
     with control.inspecting(conn) as cur:
         results = cur.execute(sql.result_list, (20,)).fetchall()
-    _, kept = estimate(conn)
+    _, kept = estimate(conn, sql)
+    slow, careful = report.engine_events(report.cluster(conn, sql=sql))
     assert usage is not None
-    return Engine(masters, warnings, int(usage[0]), int(usage[1]), health, kept, results)
+    return Engine(masters, warnings, int(usage[0]), int(usage[1]), health, kept, results, slow, careful)
