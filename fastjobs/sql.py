@@ -1300,6 +1300,31 @@ SELECT name, paused_at, concurrency, rate_limit, max_backlog, backlog, held_back
 # heartbeat reads so its loop claims them a wave at a time (fastjobs.planner).
 queue_limited: Final = f"SELECT name FROM {_S}fastjobs_queues WHERE concurrency IS NOT NULL"
 
+# key_limit: set kind $1's limits for key $2 ('': the kind as a whole; fastjobs.keys): its
+# concurrency to $3 when $4, its rate limit to $5 ("10/s") at $6 jobs a second when $7 (NULL: the
+# limit its jobs were enqueued with), leaving the other as it was. A new rate starts with a full
+# bucket (tokens NULL).
+key_limit: Final = f"""
+INSERT INTO {_S}fastjobs_limits AS l (kind, key, concurrency, rate_limit, rate)
+VALUES ($1, $2, $3, $5, $6::float8)
+    ON CONFLICT (kind, key) DO UPDATE
+   SET concurrency = CASE WHEN $4 THEN $3 ELSE l.concurrency END,
+       rate_limit = CASE WHEN $7 THEN $5 ELSE l.rate_limit END,
+       rate = CASE WHEN $7 THEN $6 ELSE l.rate END,
+       tokens = CASE WHEN $7 THEN NULL ELSE l.tokens END,
+       refilled_at = CASE WHEN $7 THEN now() ELSE l.refilled_at END,
+       updated_at = now()"""
+
+# key_limits: the limits an operator set per kind and key (key_limit), with each key's jobs
+# running, for `fastjobs queues keys` (by kind and key).
+key_limits: Final = f"""
+SELECT l.kind, l.key, l.concurrency, l.rate_limit,
+       (SELECT count(*) FROM {_S}fastjobs_jobs_all j
+         WHERE j.kind = l.kind AND j.limit_key = l.key AND j.state = 'running')
+  FROM {_S}fastjobs_limits l
+ WHERE l.concurrency IS NOT NULL OR l.rate_limit IS NOT NULL
+ ORDER BY l.kind, l.key"""
+
 # queue_full: the queues whose backlog the leader found at their max_backlog
 # in the last $1 seconds (a count older than that, say with no leader, holds
 # no producer back), with that count and the limit; what producers read, at
