@@ -107,7 +107,9 @@ def drain_once(dsn: str, jobs: int, processes: int, keys: int, limit: int, how: 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     dsn = sys.argv[1]
-    jobs, processes, repeat, keys, limit = (int(a) for a in [*sys.argv[2:], "100000", "4", "3", "1000", "5"][:5])
+    jobs, processes, repeat, keys, limit = (
+        int(a) for a in [*sys.argv[2:], "100000", "4", "3", "1000", "5"][:5]
+    )
     with psycopg.connect(dsn, autocommit=True) as conn:
         schema.migrate(conn, dsn=dsn)
     hows = ("unlimited", "unlimited_state", "keyed")
@@ -122,7 +124,12 @@ def main() -> None:
             logger.info("run %d %-16s %8.0f jobs/s", run + 1, how, jobs / seconds)
     median = {how: statistics.median(r) for how, r in rates.items()}
     logger.info(
-        "%s, %d jobs, %d processes, %d keys limited to %d each (%s)", IMPLEMENTATION, jobs, processes, keys, limit,
+        "%s, %d jobs, %d processes, %d keys limited to %d each (%s)",
+        IMPLEMENTATION,
+        jobs,
+        processes,
+        keys,
+        limit,
         os.environ.get("FASTJOBS_IMPL", "c"),
     )
     for how in hows:
@@ -135,7 +142,9 @@ def main() -> None:
             median[how] / median["unlimited"],
             median[how] / median["unlimited_state"],
         )
-    logger.info("keyed: at most %d jobs of one key running, sampled from the database (limit %d)", most, limit)
+    logger.info(
+        "keyed: at most %d jobs of one key running, sampled from the database (limit %d)", most, limit
+    )
 
 
 if __name__ == "__main__":

@@ -38,12 +38,15 @@ def declared(
     """A kind's limits as `@app.job` takes them (None: none); ValueError or TypeError saying why not."""
     if concurrency_key is None and concurrency_limit is None and rate_limit is None:
         return None
-    if concurrency_key is not None and not callable(concurrency_key):
-        if not isinstance(concurrency_key, str) or not concurrency_key:
-            raise TypeError(
-                f"{kind}: concurrency_key must be an argument's name or a callable of the args (a dict),"
-                f" not {concurrency_key!r}"
-            )
+    if not (
+        concurrency_key is None
+        or callable(concurrency_key)
+        or (isinstance(concurrency_key, str) and concurrency_key)
+    ):
+        raise TypeError(
+            f"{kind}: concurrency_key must be an argument's name or a callable of the args (a dict),"
+            f" not {concurrency_key!r}"
+        )
     _check_concurrency(concurrency_limit, "concurrency_limit")
     rate = None if rate_limit is None else per_second(rate_limit)
     return KeyLimit(concurrency_key, concurrency_limit, rate)

@@ -731,7 +731,13 @@ def _finish_claim(*, keep: bool, choice: _Choice, context: bool, results: bool =
     one-time filter: nothing to do in the usual batch). Claimed rows come first: an Append runs its
     branches in order."""
     claim = _claim(
-        queue="$3", limit="$4", worker="$5", choice=choice, first=6, context=context, ending=", $5, $1, $2",
+        queue="$3",
+        limit="$4",
+        worker="$5",
+        choice=choice,
+        first=6,
+        context=context,
+        ending=", $5, $1, $2",
         ended=("$1", "$2"),
     )
     width = len(_CLAIMED) + (len(_CONTEXT) if context else 0)
