@@ -480,7 +480,7 @@ def _claim(
     first: int,
     context: bool,
     ending: str = "",
-    ended: tuple[str, str] = ("'{}'", "'[]'"),
+    ended: tuple[str, str] = ("NULL", "NULL"),
 ) -> str:
     """The state lane's claim: the jobs `choice` takes become running for `worker`, their attempt
     counted. The ids go through ARRAY(...): joined as a subquery instead, a large batch makes the
