@@ -213,7 +213,7 @@ def test_a_limit_of_its_own_for_some_keys_from_code_and_the_command_line(app: Ap
     with batch_loop(app, 100, overlap=False) as loop:
         query(dsn, "UPDATE fastjobs_jobs_all SET state = 'running' WHERE args->>'n' = '0'")
         assert loop.step() == 0 + 2  # vip: 1 less the one running; std: 3 less 1
-    done = cli(dsn, "queues", "limit-key", "k", "vip", "--concurrency", "2", "--json")
+    done = cli(dsn, "queues", "key", "k", "vip", "--concurrency", "2", "--json")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"kind": "k", "key": "vip", "concurrency": 2}
     listed = cli(dsn, "queues", "keys", "--json")
@@ -222,7 +222,7 @@ def test_a_limit_of_its_own_for_some_keys_from_code_and_the_command_line(app: Ap
     ]
     app.limit_key("k", "vip", concurrency=None)  # back to the declared 3
     assert json.loads(cli(dsn, "queues", "keys", "--json").stdout) == []
-    bad = cli(dsn, "queues", "limit-key", "k", "vip", "--concurrency", "0")
+    bad = cli(dsn, "queues", "key", "k", "vip", "--concurrency", "0")
     assert bad.returncode == 2 and "expected a positive integer or none, not '0'" in bad.stderr
 
 

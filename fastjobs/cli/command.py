@@ -194,7 +194,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     limit.add_argument("--json", action="store_true")
     limit_key = queues_commands.add_parser(
-        "limit-key", help="set a kind's limits for one key (tenant) in place of those its jobs declared"
+        "key", help="set a kind's limits for one key (tenant) in place of those its jobs declared"
     )
     limit_key.add_argument("kind", help="the job kind")
     limit_key.add_argument("key", help="the key's value as its jobs carry it ('': the kind as a whole)")

@@ -33,7 +33,7 @@ _KEYS_COLUMNS: list[Column[keys.KeyInfo]] = [
 
 
 def _keys_command(args: argparse.Namespace, conn: Any, statements: Any) -> int:
-    """`fastjobs queues keys` and `fastjobs queues limit-key KIND KEY`."""
+    """`fastjobs queues keys` and `fastjobs queues key KIND KEY`."""
     if args.queues_command == "keys":
         found = keys.list_limits(conn, statements)
         if args.json:
@@ -58,7 +58,7 @@ def queues_command(args: argparse.Namespace) -> int:
     statements = sql.of(database.resolve_schema(args.schema))
     with database.connect(dsn, autocommit=True) as conn:
         schema.check(conn, statements)
-        if args.queues_command in ("keys", "limit-key"):
+        if args.queues_command in ("keys", "key"):
             return _keys_command(args, conn, statements)
         if args.queues_command == "list":
             found = queues.list_queues(conn, statements)
