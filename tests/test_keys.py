@@ -275,3 +275,16 @@ def test_keys_are_json_for_values_that_are_not_strings_and_bulk_enqueues_carry_t
         ("", None, 0),
     ]
     assert rows[-1]["limit_rate"] == pytest.approx(5 / 60)
+
+
+def test_a_queue_with_a_keyed_kind_never_takes_the_fast_lane(app: App) -> None:
+    from fastjobs.planner import fast_queues
+
+    app.job(kind="plain", queue="a")(lambda: None)
+    app.job(kind="keyed", queue="b", concurrency_key="n", concurrency_limit=1)(lambda n: None)
+    app.job(kind="rated", queue="c", rate_limit="1/s")(lambda: None)
+    assert fast_queues(app.jobs, ["a", "b", "c"], fast_lane=True, keep_completed=False) == [
+        True,
+        False,
+        False,
+    ]
