@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from fastjobs import App, sql
+from fastjobs import App, Cancel, Snooze, sql
 
 from . import procs
 from .helpers import batch_loop, by_state, query, warm
@@ -288,3 +288,29 @@ def test_a_queue_with_a_keyed_kind_never_takes_the_fast_lane(app: App) -> None:
         False,
         False,
     ]
+
+
+@pytest.mark.parametrize("fast_lane", [True, False])
+def test_failed_snoozed_and_cancelled_jobs_free_their_key_s_place(
+    app: App, dsn: str, fast_lane: bool
+) -> None:
+    calls: list[int] = []
+
+    def handler(tenant: str, n: int) -> None:
+        calls.append(n)
+        if n == 0:
+            raise RuntimeError("boom")  # retried later: retryable, not running
+        if n == 1:
+            raise Snooze(3600)
+        if n == 2:
+            raise Cancel("no")
+
+    app.job(kind="k", concurrency_key="tenant", concurrency_limit=1)(handler)
+    app.enqueue_many("k", ({"tenant": "a", "n": n} for n in range(4)))
+    with batch_loop(app, 10, fast_lane=fast_lane, overlap=False) as loop:
+        for _ in range(4):
+            assert loop.step() == 1  # the one place, freed by each outcome in turn
+        assert loop.step() == 0
+        loop.finish()
+    assert calls == [0, 1, 2, 3]
+    assert by_state(dsn) == {"retryable": 1, "scheduled": 1, "cancelled": 1}
