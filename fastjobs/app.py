@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, Unpack, overload
 
 import psycopg
 
-from . import control, enqueue, middleware, queues, results, schema, typed
+from . import control, enqueue, keys, middleware, queues, results, schema, typed
 from .connections import Connected
 from .cron import Cron
 from .enqueue import (
@@ -93,6 +93,9 @@ class App(Connected):
         cron: str | None = None,
         tz: str | None = None,
         keep_result: float | dt.timedelta | None = None,
+        concurrency_key: str | Callable[[dict[str, Any]], Any] | None = None,
+        concurrency_limit: int | None = None,
+        rate_limit: str | None = None,
     ) -> Callable[[Callable[P, R]], Job[P, R]]: ...
 
     def job(
@@ -108,6 +111,9 @@ class App(Connected):
         cron: str | None = None,
         tz: str | None = None,
         keep_result: float | dt.timedelta | None = None,
+        concurrency_key: str | Callable[[dict[str, Any]], Any] | None = None,
+        concurrency_limit: int | None = None,
+        rate_limit: str | None = None,
     ) -> Callable[[Callable[P, R]], Job[P, R]] | Job[P, R]:
         """Register a handler (`def` or `async def`); `@app.job` bare is `@app.job()`.
 
@@ -124,6 +130,12 @@ class App(Connected):
         `keep_result` (seconds or a timedelta) keeps each job's return value,
         or the errors it was discarded or cancelled with, that long after it
         ends, for `App.result` and `App.status` (docs/guides/results.md).
+        `concurrency_limit` lets at most that many of its jobs run at once
+        across the cluster, and `rate_limit` ("100/s", "1000/min") start at
+        most that many per period: per key when `concurrency_key` (an
+        argument's name, or a callable of the args dict) gives each job its
+        key, else for the kind as a whole; `limit_key` sets other limits for
+        some keys (docs/operations/keys.md).
         """
         func: Callable[P, R] | None = None
         if callable(kind):  # bare `@app.job`: the function came as `kind`
@@ -141,6 +153,7 @@ class App(Connected):
             raise ValueError("tz= is the time zone of a cron schedule: give cron= too")
         unique_by: bool | tuple[str, ...] = unique if isinstance(unique, bool) else tuple(unique)
         keep = check_keep_result(keep_result)
+        limits = keys.declared(kind or "@app.job", concurrency_key, concurrency_limit, rate_limit)
 
         def register(func: Callable[P, R]) -> Job[P, R]:
             name = kind or f"{func.__module__}.{func.__qualname__}"
@@ -160,6 +173,7 @@ class App(Connected):
                 cron=cron,
                 tz=tz,
                 keep_result=keep,
+                limit=limits,
             )
             self.jobs[name] = spec
             return Job(self, spec)
@@ -175,11 +189,15 @@ class App(Connected):
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         unique: bool | tuple[str, ...] | list[str] = False,
         keep_result: float | dt.timedelta | None = None,
+        concurrency_key: str | Callable[[dict[str, Any]], Any] | None = None,
+        concurrency_limit: int | None = None,
+        rate_limit: str | None = None,
     ) -> Job[..., None]:
         """Declare a kind whose handler runs in another service, so that this app may enqueue it.
 
         Its enqueues use these defaults (give the ones the handler is
-        registered with there); the args are not checked. This app's workers
+        registered with there, limits included: a job carries its key and
+        limits from its enqueue); the args are not checked. This app's workers
         never run it, nor serve its queue. Returns a handle to enqueue it with.
         """
         check_queue(queue)
@@ -200,6 +218,7 @@ class App(Connected):
             max_attempts=max_attempts,
             unique=unique if isinstance(unique, bool) else tuple(unique),
             keep_result=check_keep_result(keep_result),
+            limit=keys.declared(kind, concurrency_key, concurrency_limit, rate_limit),
         )
         self.declared[kind] = spec
         return Job(self, spec)
@@ -538,6 +557,22 @@ class App(Connected):
                 rate_limit=rate_limit,
                 sql=self._sql,
             )
+
+    def limit_key(
+        self,
+        kind: str | Job[..., Any],
+        key: str = "",
+        *,
+        concurrency: int | None = queues.UNCHANGED,
+        rate_limit: str | None = queues.UNCHANGED,
+        conn: Conn | None = None,
+    ) -> None:
+        """Set the limits of kind `kind`'s jobs with key `key` ('': the kind as a whole), stored in the
+        database, in place of those they were enqueued with, from the next claim: every worker, no
+        restart. None puts the declared limit back; a limit not given stays as it is (fastjobs.keys)."""
+        name = kind if isinstance(kind, str) else kind.kind
+        with schema.required(self.schema), self._on(self._adapted(conn)) as db:
+            keys.limit(db, name, key, concurrency=concurrency, rate_limit=rate_limit, sql=self._sql)
 
     def queues(self) -> list[QueueInfo]:
         """Every queue acted on or holding jobs: paused or not, its jobs waiting and running."""

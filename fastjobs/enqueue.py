@@ -6,6 +6,7 @@ import contextlib
 import datetime as dt
 import hashlib
 import math
+import struct
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from .types import (
     PRIORITY_MIN,
     ArgsSchema,
     JobSpec,
+    KeyLimit,
 )
 
 # Rows encoded per write to the COPY stream: bounded memory for any iterable,
@@ -61,6 +63,32 @@ class Options:
     args_schema: ArgsSchema | None = None
     keep_result: int | None = None  # seconds its outcome is kept in fastjobs_results
     wait_for_room: float | None = None  # seconds to wait while the queue is full (fastjobs.queues)
+    limit: KeyLimit | None = None  # the kind's limits per key (fastjobs.keys)
+
+
+# The longest limit key: the key is text, indexed with the kind.
+MAX_LIMIT_KEY = 512
+
+
+def limit_key_for(opts: Options, args: dict[str, Any]) -> str | None:
+    """The job's limit key (fastjobs.keys): None without limits; '' for limits on the kind as a whole;
+    else its key's value: a string as it is, any other value as JSON. ValueError saying what is wrong."""
+    limit = opts.limit
+    if limit is None:
+        return None
+    by = limit.key
+    if by is None:
+        return ""
+    if callable(by):
+        value = by(args)
+    elif by in args:
+        value = args[by]
+    else:
+        raise ValueError(f"{opts.kind}: its concurrency_key is the argument {by!r}, which this job lacks")
+    key = value if isinstance(value, str) else orjson.dumps(value).decode()
+    if len(key) > MAX_LIMIT_KEY:
+        raise ValueError(f"{opts.kind}: limit keys are at most {MAX_LIMIT_KEY} characters, not {len(key)}")
+    return key
 
 
 def unique_key_for(opts: Options, args: dict[str, Any]) -> str | None:
@@ -144,6 +172,7 @@ def options(
         spec.args_schema if spec else None,
         keep,
         wait_for_room,
+        spec.limit if spec else None,
     )
 
 
@@ -265,10 +294,13 @@ class InsertParams(NamedTuple):
     unique_key: str | None
     meta: str | None  # JSON
     keep_result: int | None  # seconds
+    limit_key: str | None = None  # its limits per key (fastjobs.keys): sql.job_insert's $11 to $13
+    limit_concurrency: int | None = None
+    limit_rate: float | None = None
 
     def due_now(self) -> bool:
-        """Whether sql.job_insert_now can take the job: due now, no unique key."""
-        return self.run_at is None and not self.delay and self.unique_key is None
+        """Whether sql.job_insert_now can take the job: due now, no unique key, no limit key."""
+        return self.run_at is None and not self.delay and self.unique_key is None and self.limit_key is None
 
     def now(self) -> tuple[str, str, str, int, int, str | None, int | None]:
         """sql.job_insert_now's parameters."""
@@ -290,6 +322,7 @@ def insert_params(opts: Options, args: Any, meta: bytes | None = None) -> Insert
         args = opts.args_schema.encode(args)
     data = core.dump_args(opts.kind, args, opts.params, opts.required)
     key = unique_key_for(opts, args) if opts.unique_key or opts.unique else None
+    limit = opts.limit
     return InsertParams(
         opts.queue,
         opts.kind,
@@ -301,6 +334,9 @@ def insert_params(opts: Options, args: Any, meta: bytes | None = None) -> Insert
         key,
         None if meta is None else meta.decode(),
         opts.keep_result,
+        limit_key_for(opts, args),
+        None if limit is None else limit.concurrency,
+        None if limit is None else limit.rate,
     )
 
 
@@ -477,19 +513,28 @@ _NULL = (-1).to_bytes(4, "big", signed=True)
 
 
 def _staged_chunks(opts: Options, rows: Iterable[Any], meta: bytes | None) -> Iterator[tuple[bytes, int]]:
-    """COPY data for fastjobs_staged: like copy_layout's, plus each row's unique key."""
+    """COPY data for fastjobs_staged: like copy_layout's, plus each row's unique key and limits."""
     _, prefix, suffix = _layout(opts, dt.datetime.now(dt.UTC))
-    prefix = (10).to_bytes(2, "big") + prefix[2:]
+    prefix = (13).to_bytes(2, "big") + prefix[2:]
     if len(suffix) == 12:  # priority and max_attempts only: state and run_at are NULL (defaults)
         suffix += _NULL + _NULL
     meta_field = _keep_field(opts) + _jsonb_field(meta)
+    limit = opts.limit
+    limits = _NULL + _NULL  # limit_concurrency and limit_rate, after each row's limit_key
+    if limit is not None:
+        limits = (_NULL if limit.concurrency is None else _field(limit.concurrency.to_bytes(4, "big"))) + (
+            _NULL if limit.rate is None else _field(struct.pack(">d", limit.rate))
+        )
     parts: list[bytes] = []
     count = 0
     for args in rows if opts.args_schema is None else opts.args_schema.encode_rows(rows):
         data = core.dump_args(opts.kind, args, opts.params, opts.required)
         key = unique_key_for(opts, dict(args))
         key_field = _NULL if key is None else _field(key.encode())
+        limit_key = limit_key_for(opts, dict(args))
+        limit_field = _NULL if limit_key is None else _field(limit_key.encode())
         parts += (prefix, (len(data) + 1).to_bytes(4, "big"), b"\x01", data, suffix, key_field, meta_field)
+        parts += (limit_field, limits)
         count += 1
         if count == COPY_CHUNK:
             yield b"".join(parts), count
@@ -505,7 +550,7 @@ def copy_many(
     meta: bytes | None = None,
     sql: ModuleType = sql,
 ) -> int:
-    if opts.unique:
+    if opts.unique or opts.limit:  # each row's own key: through the staging table
         return _copy_staged(conn, opts, rows, meta, sql)
     statement, prefix, suffix = copy_layout(opts, dt.datetime.now(dt.UTC), meta, sql)
     chunks = _chunks(opts, rows, prefix, suffix)
@@ -583,7 +628,7 @@ async def copy_many_async(
     meta: bytes | None = None,
     sql: ModuleType = sql,
 ) -> int:
-    if opts.unique:
+    if opts.unique or opts.limit:
         return await _copy_staged_async(conn, opts, rows, meta, sql)
     statement, prefix, suffix = copy_layout(opts, dt.datetime.now(dt.UTC), meta, sql)
     chunks = _chunks(opts, rows, prefix, suffix)

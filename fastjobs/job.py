@@ -14,7 +14,7 @@ import psycopg
 from . import enqueue, typed
 from .results import JobHandle
 from .retry import RetryPolicy
-from .types import JobSpec
+from .types import JobSpec, KeyLimit
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection as SAConnection
@@ -223,6 +223,7 @@ def spec_of(
     cron: str | None,
     tz: str | None,
     keep_result: int | None,
+    limit: KeyLimit | None = None,
 ) -> JobSpec:
     """The spec `func` is registered with as kind `name`: its signature and annotations read, and
     checked against `cron` (a cron job takes no args) and `unique` (keys are its arguments)."""
@@ -232,6 +233,9 @@ def spec_of(
         raise TypeError(f"{name}: a cron job is enqueued without args, but requires {sorted(required)}")
     if isinstance(unique, tuple) and params is not None and not params.issuperset(unique):
         raise TypeError(f"{name}: unique= names {sorted(set(unique) - params)}, not arguments of it")
+    by = limit.key if limit is not None else None
+    if isinstance(by, str) and params is not None and by not in params:
+        raise TypeError(f"{name}: concurrency_key= names {by!r}, not an argument of it")
     return JobSpec(
         kind=name,
         func=func,
@@ -248,4 +252,5 @@ def spec_of(
         tz=tz,
         args_schema=args_schema,
         keep_result=keep_result,
+        limit=limit,
     )

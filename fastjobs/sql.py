@@ -306,7 +306,13 @@ def _columns(*, at: bool, key: bool) -> str:
     and run_at; a keyed one its unique key too."""
     scheduled = ", state, run_at" if at else ""
     keyed = ", unique_key" if key else ""
-    return f"queue, kind, args, priority, max_attempts{scheduled}{keyed}, keep_result, meta"
+    limited = f", {_LIMIT_COLUMNS}" if key else ""
+    return f"queue, kind, args, priority, max_attempts{scheduled}{keyed}, keep_result, meta{limited}"
+
+
+# A job's limits per key (migrations/009_keys.sql): its key and the limits its kind declared. Written
+# by the inserts that take a unique key (job_insert, the staged ones), which every keyed job takes.
+_LIMIT_COLUMNS: Final = "limit_key, limit_concurrency, limit_rate"
 
 
 def _copy(*, into: str, at: bool, key: bool) -> str:
@@ -321,14 +327,15 @@ _SKIP_TAKEN_KEYS: Final = f"""ON CONFLICT (unique_key)
 
 # job_insert: one job, into slot 0 (fastjobs_jobs); scheduled when its run_at
 # ($6, or now + $7 seconds) is in the future; $9 its meta (enqueue
-# middleware's, or NULL), $10 its keep_result (seconds, or NULL). With a
+# middleware's, or NULL), $10 its keep_result (seconds, or NULL), $11 to $13
+# its limit key, concurrency and rate (_LIMIT_COLUMNS, or NULL). With a
 # unique key ($8) already taken, nothing is inserted and no row returned
 # (job_get_unique then finds the holder).
 job_insert: Final = f"""
 INSERT INTO {_S}fastjobs_jobs ({_columns(at=True, key=True)})
 SELECT $1, $2, $3::jsonb, $4, $5,
        CASE WHEN t.run_at > now() THEN 'scheduled' ELSE 'available' END::{_S}fastjobs_state,
-       t.run_at, $8, $10::int4, $9::jsonb
+       t.run_at, $8, $10::int4, $9::jsonb, $11, $12::int4, $13::float8
   FROM (SELECT coalesce($6::timestamptz,
                         now() + make_interval(secs => coalesce($7::float8, 0)))) AS t(run_at)
 {_SKIP_TAKEN_KEYS}
@@ -362,14 +369,16 @@ job_copy_staged: Final = _copy(into=_STAGED, at=True, key=True)
 job_stage_create: Final = f"""
 CREATE TEMP TABLE IF NOT EXISTS {_STAGED} (
     queue text, kind text, args jsonb, priority smallint, max_attempts smallint,
-    state {_S}fastjobs_state, run_at timestamptz, unique_key text, keep_result integer, meta jsonb
+    state {_S}fastjobs_state, run_at timestamptz, unique_key text, keep_result integer, meta jsonb,
+    limit_key text, limit_concurrency integer, limit_rate float8
 ) ON COMMIT DELETE ROWS"""
 
 # job_insert_staged: move staged jobs in, skipping keys already taken; one statement, one notification.
 job_insert_staged: Final = f"""
 INSERT INTO {_S}fastjobs_jobs ({_columns(at=True, key=True)})
 SELECT queue, kind, args, priority, max_attempts,
-       coalesce(state, 'available'), coalesce(run_at, now()), unique_key, keep_result, meta
+       coalesce(state, 'available'), coalesce(run_at, now()), unique_key, keep_result, meta,
+       {_LIMIT_COLUMNS}
   FROM {_STAGED}
 {_SKIP_TAKEN_KEYS}"""
 
@@ -442,14 +451,16 @@ class _Choice:
                 f" + (${first + 1}::int8 - {CLAIM_MARK_MARGIN}) * interval '1 microsecond'"
             )
         limits = "concurrency IS NOT NULL OR rate IS NOT NULL"
+        keyless = ""
         limited = f"SELECT FROM {_S}fastjobs_queues WHERE name = {queue} AND ({limits})"
         if fast:
             stopped = f"(paused_at IS NOT NULL OR {limits})"
+            keyless = "\n   AND limit_key IS NULL"  # a keyed job in flight there would not be counted
         else:
             stopped = "paused_at IS NOT NULL"
             room = f"{_S}fastjobs_room({queue}, {limit}{ending})"
             limit = f"CASE WHEN EXISTS ({limited})\n            THEN {room} ELSE {limit} END"
-        return f""" WHERE state = 'available' AND queue = {queue} AND run_at <= now(){after}
+        return f""" WHERE state = 'available' AND queue = {queue} AND run_at <= now(){after}{keyless}
    AND NOT EXISTS (SELECT FROM {_S}fastjobs_queues WHERE name = {queue} AND {stopped})
  ORDER BY priority DESC, run_at, id
  LIMIT {limit}
@@ -461,7 +472,15 @@ _AFTER_THE_MARK: Final = _Choice(after=True)
 
 
 def _claim(
-    *, queue: str, limit: str, worker: str, choice: _Choice, first: int, context: bool, ending: str = ""
+    *,
+    queue: str,
+    limit: str,
+    worker: str,
+    choice: _Choice,
+    first: int,
+    context: bool,
+    ending: str = "",
+    ended: tuple[str, str] = ("NULL", "NULL"),
 ) -> str:
     """The state lane's claim: the jobs `choice` takes become running for `worker`, their attempt
     counted. The ids go through ARRAY(...): joined as a subquery instead, a large batch makes the
@@ -470,9 +489,25 @@ def _claim(
    SET state = 'running', attempt = {_next_attempt("j")},
        attempted_at = now(), attempted_by = {worker}
  WHERE j.id = ANY(ARRAY(
-           SELECT id FROM {_S}fastjobs_jobs_all
-           {_indent(choice.where(queue=queue, limit=limit, first=first, ending=ending), 11)}))
+           WITH c AS (
+               SELECT id, kind, {_LIMIT_COLUMNS} FROM {_S}fastjobs_jobs_all
+               {_indent(choice.where(queue=queue, limit=limit, first=first, ending=ending), 15)})
+           SELECT id FROM c WHERE limit_key IS NULL
+           UNION ALL
+           {_indent(_keyed(worker=worker, ended=ended), 11)}))
 RETURNING {_returned(context=context, row="j")}"""
+
+
+def _keyed(*, worker: str, ended: tuple[str, str]) -> str:
+    """Of the candidates `c` with a limit key, those fastjobs_take lets the claim take (none: not
+    called when there are none, its arrays NULL); `ended`, of a finish statement, its completed ids
+    and outcome records: the jobs it ends, which its count of running jobs leaves out."""
+    done, outcomes = ended
+    arrays = ", ".join(f"array_agg({column})" for column in ("id", "kind", *_LIMIT_COLUMNS.split(", ")))
+    return f"""SELECT unnest({_S}fastjobs_take(
+           {arrays},
+           {worker}::text, coalesce({done}::bigint[], '{{}}'), coalesce({outcomes}::jsonb, '[]')))
+  FROM c WHERE limit_key IS NOT NULL"""
 
 
 def _lock(*, choice: _Choice, context: bool) -> str:
@@ -696,7 +731,14 @@ def _finish_claim(*, keep: bool, choice: _Choice, context: bool, results: bool =
     one-time filter: nothing to do in the usual batch). Claimed rows come first: an Append runs its
     branches in order."""
     claim = _claim(
-        queue="$3", limit="$4", worker="$5", choice=choice, first=6, context=context, ending=", $5, $1, $2"
+        queue="$3",
+        limit="$4",
+        worker="$5",
+        choice=choice,
+        first=6,
+        context=context,
+        ending=", $5, $1, $2",
+        ended=("$1", "$2"),
     )
     width = len(_CLAIMED) + (len(_CONTEXT) if context else 0)
     rest = ", NULL" * (width - 4)  # the columns after id, kind, args and attempt
@@ -1272,6 +1314,31 @@ SELECT name, paused_at, concurrency, rate_limit, max_backlog, backlog, held_back
 # queue_limited: the queues with a concurrency limit, which a worker's
 # heartbeat reads so its loop claims them a wave at a time (fastjobs.planner).
 queue_limited: Final = f"SELECT name FROM {_S}fastjobs_queues WHERE concurrency IS NOT NULL"
+
+# key_limit: set kind $1's limits for key $2 ('': the kind as a whole; fastjobs.keys): its
+# concurrency to $3 when $4, its rate limit to $5 ("10/s") at $6 jobs a second when $7 (NULL: the
+# limit its jobs were enqueued with), leaving the other as it was. A new rate starts with a full
+# bucket (tokens NULL).
+key_limit: Final = f"""
+INSERT INTO {_S}fastjobs_limits AS l (kind, key, concurrency, rate_limit, rate)
+VALUES ($1, $2, $3, $5, $6::float8)
+    ON CONFLICT (kind, key) DO UPDATE
+   SET concurrency = CASE WHEN $4 THEN $3 ELSE l.concurrency END,
+       rate_limit = CASE WHEN $7 THEN $5 ELSE l.rate_limit END,
+       rate = CASE WHEN $7 THEN $6 ELSE l.rate END,
+       tokens = CASE WHEN $7 THEN NULL ELSE l.tokens END,
+       refilled_at = CASE WHEN $7 THEN now() ELSE l.refilled_at END,
+       updated_at = now()"""
+
+# key_limits: the limits an operator set per kind and key (key_limit), with each key's jobs
+# running, for `fastjobs queues keys` (by kind and key).
+key_limits: Final = f"""
+SELECT l.kind, l.key, l.concurrency, l.rate_limit,
+       (SELECT count(*) FROM {_S}fastjobs_jobs_all j
+         WHERE j.kind = l.kind AND j.limit_key = l.key AND j.state = 'running')
+  FROM {_S}fastjobs_limits l
+ WHERE l.concurrency IS NOT NULL OR l.rate_limit IS NOT NULL
+ ORDER BY l.kind, l.key"""
 
 # queue_full: the queues whose backlog the leader found at their max_backlog
 # in the last $1 seconds (a count older than that, say with no leader, holds

@@ -16,6 +16,7 @@ __all__ = [
     "ArgsSchema",
     "JobSpec",
     "JobState",
+    "KeyLimit",
     "Outcome",
     "OutcomeKind",
 ]
@@ -57,6 +58,18 @@ class ArgsSchema(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class KeyLimit:
+    """A kind's limits per key (`@app.job(concurrency_key=..., concurrency_limit=..., rate_limit=...)`),
+    stored on each of its jobs at enqueue (fastjobs.keys)."""
+
+    # What its jobs are counted by: an argument's name, a callable of the args (a dict), or None:
+    # the kind as a whole.
+    key: str | Callable[[dict[str, Any]], Any] | None
+    concurrency: int | None  # at most this many of its jobs with one key running at once
+    rate: float | None  # at most this many of its jobs with one key started per second
+
+
+@dataclass(frozen=True, slots=True)
 class JobSpec:
     """A handler registered with `@app.job`, and the defaults of its jobs."""
 
@@ -86,6 +99,8 @@ class JobSpec:
     args_schema: ArgsSchema | None = None
     # Seconds its jobs keep their outcome in fastjobs_results (None: not kept).
     keep_result: int | None = None
+    # Its concurrency and rate limits per key or for the kind as a whole (None: none).
+    limit: KeyLimit | None = None
 
     @property
     def target(self) -> Callable[..., Any]:

@@ -246,8 +246,19 @@ CREATE TABLE IF NOT EXISTS u (x int);
 # --- migrations on a live system -----------------------------------------------------------------
 
 
+def roll_back_009(dsn: str) -> None:
+    """Undo what 009 adds to the jobs table (its index and checks go with the columns) and its record."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "ALTER TABLE fastjobs_jobs_all DROP COLUMN limit_key, DROP COLUMN limit_concurrency,"
+            " DROP COLUMN limit_rate"
+        )
+        conn.execute("DELETE FROM fastjobs_migrations WHERE version >= 9")
+
+
 def roll_back_006(dsn: str) -> None:
-    """Undo what 006 creates and its record: no results table, no keep_result column, 006 pending."""
+    """Undo what 006 and 009 create and their records: no results table, no keep_result column."""
+    roll_back_009(dsn)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("DROP TABLE fastjobs_results")
         conn.execute("ALTER TABLE fastjobs_jobs_all DROP COLUMN keep_result")
@@ -559,7 +570,13 @@ def test_005_applies_live_under_workers_and_producers_of_004_which_keep_working(
         wait_for(lambda: len(completed) > 200, "the old worker to drain")
         with psycopg.connect(dsn) as conn:
             applied = schema.migrate(conn, dsn=dsn, lock_timeout=0.5)
-        assert [m.label for m in applied] == ["005_rotation", "006_results", "007_queues", "008_samples"]
+        assert [m.label for m in applied] == [
+            "005_rotation",
+            "006_results",
+            "007_queues",
+            "008_samples",
+            "009_keys",
+        ]
         after, produced = len(completed), inserted["plain"]
         wait_for(lambda: len(completed) > after + 200, "the old worker to go on draining on 005")
         wait_for(lambda: inserted["plain"] > produced + 20, "the old producer to go on inserting on 005")

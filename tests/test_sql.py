@@ -222,10 +222,15 @@ def test_an_outcome_is_finalized_by_the_state_it_is_given(name):
 @pytest.mark.parametrize("name", ["job_finish_claim_many", "job_finish_claim_many_keep"])
 def test_the_finish_statements_claim_as_job_claim_many_does(name):
     """Their claim is job_claim_many's, its parameters $1, $2, $3 moved to $3, $4, $5; a limited
-    queue's room leaves out the jobs the statement itself ends (its worker, ids and records)."""
+    queue's room, and the count of a key's running jobs, leave out the jobs the statement itself
+    ends (its worker, ids and records)."""
     moved = {"1": "3", "2": "4", "3": "5"}
     claim = re.sub(r"\$(\d)", lambda m: "$" + moved[m[1]], " ".join(sql.job_claim_many.split()))
     claim = claim.replace("fastjobs_room($3, $4)", "fastjobs_room($3, $4, $5, $1, $2)")
+    claim = claim.replace(
+        "coalesce(NULL::bigint[], '{}'), coalesce(NULL::jsonb, '[]')",
+        "coalesce($1::bigint[], '{}'), coalesce($2::jsonb, '[]')",
+    )
     assert _parts(sql.STATEMENTS[name])[0]["claimed"] == claim
 
 

@@ -193,6 +193,29 @@ def _parser() -> argparse.ArgumentParser:
         help="jobs waiting past which enqueues are held back (none: no limit)",
     )
     limit.add_argument("--json", action="store_true")
+    limit_key = queues_commands.add_parser(
+        "key", help="set a kind's limits for one key (tenant) in place of those its jobs declared"
+    )
+    limit_key.add_argument("kind", help="the job kind")
+    limit_key.add_argument("key", help="the key's value as its jobs carry it ('': the kind as a whole)")
+    limit_key.add_argument(
+        "--concurrency",
+        type=backlog,
+        default=queues.UNCHANGED,
+        metavar="N",
+        help="at most N of its jobs with that key running at once, cluster-wide (none: as declared)",
+    )
+    limit_key.add_argument(
+        "--rate-limit",
+        type=rate,
+        default=queues.UNCHANGED,
+        metavar="N/PERIOD",
+        help="at most N of its jobs with that key started per period: 10/s, 600/min (none: as declared)",
+    )
+    limit_key.add_argument("--json", action="store_true")
+    queues_commands.add_parser(
+        "keys", help="the limits set per kind and key, with their jobs running"
+    ).add_argument("--json", action="store_true")
 
     periodic = commands.add_parser("periodic", help="the periodic (cron) jobs of MODULE")
     periodic_commands = periodic.add_subparsers(dest="periodic_command", required=True)

@@ -7,7 +7,7 @@ import dataclasses
 import json
 from typing import Any
 
-from .. import database, queues, schema, sql
+from .. import database, keys, queues, schema, sql
 from .jobs import no_such_names
 from .table import Column, echo, safe, table, when
 
@@ -23,11 +23,43 @@ _QUEUES_COLUMNS: list[Column[queues.QueueInfo]] = [
 ]
 
 
+_KEYS_COLUMNS: list[Column[keys.KeyInfo]] = [
+    Column("kind", lambda k: safe(k.kind)),
+    Column("key", lambda k: safe(k.key) if k.key else "(the kind)"),
+    Column("concurrency", lambda k: "" if k.concurrency is None else f"{k.concurrency:,}", ">"),
+    Column("rate_limit", lambda k: k.rate_limit or "", ">"),
+    Column("running", lambda k: f"{k.running:,}", ">"),
+]
+
+
+def _keys_command(args: argparse.Namespace, conn: Any, statements: Any) -> int:
+    """`fastjobs queues keys` and `fastjobs queues key KIND KEY`."""
+    if args.queues_command == "keys":
+        found = keys.list_limits(conn, statements)
+        if args.json:
+            echo(json.dumps([dataclasses.asdict(k) for k in found], indent=2))
+        elif found:
+            table(_KEYS_COLUMNS, found)
+        else:
+            echo("(no limits set per key: every key has the limits its jobs were enqueued with)")
+        return 0
+    limits = {"concurrency": args.concurrency, "rate_limit": args.rate_limit}
+    doc: dict[str, Any] = {field: value for field, value in limits.items() if value is not queues.UNCHANGED}
+    keys.limit(conn, args.kind, args.key, **doc, sql=statements)
+    line = f"kind {args.kind!r}, key {args.key!r}: " + ", ".join(
+        f"{field} as declared" if value is None else f"{field} {value}" for field, value in doc.items()
+    )
+    echo(json.dumps({"kind": args.kind, "key": args.key, **doc}) if args.json else safe(line))
+    return 0
+
+
 def queues_command(args: argparse.Namespace) -> int:
     dsn = database.resolve_dsn(args.dsn, fallback=True)
     statements = sql.of(database.resolve_schema(args.schema))
     with database.connect(dsn, autocommit=True) as conn:
         schema.check(conn, statements)
+        if args.queues_command in ("keys", "key"):
+            return _keys_command(args, conn, statements)
         if args.queues_command == "list":
             found = queues.list_queues(conn, statements)
             if args.json:

@@ -1,0 +1,316 @@
+"""Concurrency and rate limits per key and per kind (fastjobs.keys, migrations/009_keys.sql)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import textwrap
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import psycopg
+import pytest
+
+from fastjobs import App, Cancel, Snooze, sql
+
+from . import procs
+from .helpers import batch_loop, by_state, query, warm
+from .procs import cli
+
+KEYED = '''
+"""Keyed handlers for the property test: each execution is one row of `runs`, then a short sleep."""
+
+import os
+import random
+import time
+
+import psycopg
+
+import fastjobs
+
+app = fastjobs.App()
+_conn = {}
+
+
+def _record(n):
+    if os.getpid() not in _conn:
+        _conn.clear()
+        _conn[os.getpid()] = psycopg.connect(os.environ["FJ_TEST_RUNS_DSN"], autocommit=True)
+    _conn[os.getpid()].execute("INSERT INTO runs (n, pid) VALUES (%s, %s)", (n, os.getpid()))
+
+
+@app.job("tenant_job", queue="keyed", concurrency_key="tenant", concurrency_limit=3)
+def tenant_job(n, tenant, sleep):
+    _record(n)
+    time.sleep(sleep)
+
+
+@app.job("team_job", queue="keyed", concurrency_key=lambda args: args["team"] % 3, concurrency_limit=2)
+def team_job(n, team, sleep):
+    _record(n)
+    time.sleep(sleep)
+'''
+
+
+def _running_by_key(conn: psycopg.Connection[Any]) -> list[tuple[str, str, int]]:
+    return conn.execute(
+        "SELECT kind, limit_key, count(*)::int FROM fastjobs_jobs_all WHERE state = 'running'"
+        " AND limit_key IS NOT NULL GROUP BY kind, limit_key"
+    ).fetchall()
+
+
+def test_no_key_ever_runs_more_than_its_limit_across_processes_with_a_worker_killed(
+    masters: procs.Masters, app: App, db: psycopg.Connection[Any]
+) -> None:
+    """Randomized: jobs of two keyed kinds (an argument's key, a callable's) over random keys, one
+    key with a limit of its own (limit_key), drained by two masters of three worker processes,
+    one worker SIGKILLed mid-run. Sampled from the database while they run, no key ever has more
+    jobs running than its limit, the limit binds (some key reaches it), and every job runs."""
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    (masters.cwd / "fjkeys.py").write_text(textwrap.dedent(KEYED))
+    # The producer declares the kinds as the workers' module does: a job carries its key and limit.
+    app.job(kind="tenant_job", queue="keyed", concurrency_key="tenant", concurrency_limit=3)(
+        lambda n, tenant, sleep: None
+    )
+    app.job(kind="team_job", queue="keyed", concurrency_key=lambda a: a["team"] % 3, concurrency_limit=2)(
+        lambda n, team, sleep: None
+    )
+    tenants = [f"t{i}" for i in range(rng.randint(3, 8))]
+    jobs = []
+    for n in range(rng.randint(150, 250)):
+        sleep = rng.choice([0.0, 0.01, 0.03, 0.08])
+        if rng.random() < 0.6:
+            jobs.append(("tenant_job", {"n": n, "tenant": rng.choice(tenants), "sleep": sleep}))
+        else:
+            jobs.append(("team_job", {"n": n, "team": rng.randrange(9), "sleep": sleep}))
+    for kind, args in jobs:
+        app.enqueue(kind, args)
+    app.limit_key("tenant_job", tenants[0], concurrency=1)
+    limits = {("tenant_job", t): 3 for t in tenants} | {("tenant_job", tenants[0]): 1}
+    limits |= {("team_job", str(t)): 2 for t in range(3)}
+    seen: Counter[tuple[str, str]] = Counter()
+    over: list[tuple[str, str, int]] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        with psycopg.connect(app.dsn, autocommit=True) as conn:
+            while not done.is_set():
+                for kind, key, running in _running_by_key(conn):
+                    seen[kind, key] = max(seen[kind, key], running)
+                    if running > limits[kind, key]:
+                        over.append((kind, key, running))
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        options = ("--processes", "3", "--queues", "keyed", "--rescue-after", "5")
+        first = masters.start(*options, module="fjkeys")
+        second = masters.start(*options, module="fjkeys")
+        victim = first.wait_child("fastjobs: worker 1 ")
+        procs.wait_for(lambda: procs.count(db, "SELECT count(*) FROM runs") > 20 or None, "jobs to run")
+        os.kill(victim, signal.SIGKILL)
+        procs.wait_for(lambda: set(procs.runs(db)) == set(range(len(jobs))) or None, "every job", timeout=90)
+        procs.wait_for(lambda: not by_state(app.dsn) or None, "every job to end", timeout=30)
+        assert first.stop() == 0, first.stderr()
+        assert second.stop() == 0, second.stderr()
+    finally:
+        done.set()
+        sampler.join()
+    assert not over, (seed, over[:5])
+    assert any(seen[key] == limit for key, limit in limits.items() if limit > 1), (seed, seen)
+    assert set(seen) <= set(limits), seed
+    assert max(procs.runs(db).values()) <= 2, seed  # at least once: the killed worker's jobs again
+
+
+@pytest.mark.parametrize("fast_lane", [True, False])
+def test_a_claim_takes_no_more_of_a_key_than_its_limit_leaves(app: App, dsn: str, fast_lane: bool) -> None:
+    """Per key, a claim takes at most the limit less the key's jobs running, in claim order; jobs
+    without a key alongside are taken as before; completed jobs free their places. The queue keeps
+    to the state lane (a keyed job in flight on the fast lane would not be counted)."""
+    app.job(kind="warm")(lambda: None)
+    ran: list[tuple[str, int]] = []
+    keyed = app.job(kind="k", concurrency_key="tenant", concurrency_limit=2)(
+        lambda tenant, n: ran.append((tenant, n))
+    )
+    app.job(kind="free")(lambda n: ran.append(("free", n)))
+    with batch_loop(app, 100, fast_lane=fast_lane, overlap=False) as loop:
+        warm(app, loop)
+        keyed.enqueue_many([{"tenant": t, "n": n} for n in range(5) for t in ("a", "b")])
+        app.enqueue_many("free", ({"n": n} for n in range(3)))
+        query(
+            dsn,
+            "UPDATE fastjobs_jobs_all SET state = 'running' WHERE args->>'tenant' = 'b' AND args->>'n' = '0'",
+        )
+        assert loop.step() == 2 + 1 + 3  # a: 2 places; b: 2 less the one running; every free job
+        assert Counter(t for t, _ in ran) == {"a": 2, "b": 1, "free": 3}
+        assert [n for t, n in ran if t == "a"] == [0, 1]  # claim order within a key
+        assert loop.step() == 3  # the batch completed: a has 2 places again, b 1
+        assert loop.step() == 2  # a's last, and one of b's
+        assert loop.step() == 1  # b's last: b never had more than 2 running
+        assert loop.step() == 0
+        loop.finish()
+        assert loop.fast == 0
+    assert by_state(dsn) == {"running": 1}  # b's job 0, set running by hand
+
+
+def test_the_fast_lane_takes_no_keyed_job_even_from_a_worker_that_does_not_know_the_key(
+    app: App, dsn: str
+) -> None:
+    """A worker whose app declares the kind without its key (another version of the code) may
+    take the queue's fast lane: its lock skips every job that carries a key, and the state lane's
+    claim, whatever it knows, enforces the limit the job was enqueued with."""
+    producer = App(dsn)
+    producer.job(kind="k", concurrency_key="tenant", concurrency_limit=1)(lambda tenant, n: None)
+    producer.enqueue_many("k", ({"tenant": "a", "n": n} for n in range(3)))
+    producer.declare("plain")
+    producer.enqueue_many("plain", ({"n": n} for n in range(2)))
+    producer.close()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        cur = psycopg.RawCursor(conn)
+        with conn.transaction():
+            locked = cur.execute(sql.job_lock_many, ("default", 100)).fetchall()
+        assert sorted(row[1] for row in locked) == ["plain", "plain"]
+        claimed = cur.execute(sql.job_claim_many, ("default", 100, "w")).fetchall()
+        assert sorted(row[1] for row in claimed) == ["k", "plain", "plain"]  # one of tenant a's
+        assert cur.execute(sql.job_claim_many, ("default", 100, "w2")).fetchall() == []
+
+
+@pytest.mark.parametrize("fast_lane", [True, False])
+def test_a_rate_limit_per_kind_and_per_key_starts_at_most_a_bucket_of_one_second(
+    app: App, dsn: str, fast_lane: bool
+) -> None:
+    """rate_limit without a key: one bucket for the kind; with a key: one per key. Each starts full
+    (one second's worth) and refills at the rate, so the jobs started never run ahead of it."""
+    app.job(kind="warm")(lambda: None)
+    app.job(kind="paced", rate_limit="10/s")(lambda n: None)
+    app.job(kind="per_key", concurrency_key="tenant", rate_limit="4/s")(lambda tenant, n: None)
+    with batch_loop(app, 100, fast_lane=fast_lane, overlap=False) as loop:
+        warm(app, loop)
+        app.enqueue_many("paced", ({"n": n} for n in range(25)))
+        app.enqueue_many("per_key", ({"tenant": t, "n": n} for n in range(8) for t in ("a", "b")))
+        began = time.monotonic()
+        assert loop.step() == 10 + 4 + 4  # full buckets: the kind's 10, each key's 4
+        ran = 18
+        while ran < 25 + 16:
+            ran += loop.step()
+            assert ran <= 18 + 18 * (time.monotonic() - began) + 2  # never ahead of the rates
+        assert time.monotonic() - began >= 1.4  # 15 more of the kind at 10 a second
+        loop.finish()
+        assert loop.fast == 0
+    rows = query(dsn, "SELECT kind, key, rate_limit FROM fastjobs_limits ORDER BY kind, key")
+    assert [(r["kind"], r["key"]) for r in rows] == [("paced", ""), ("per_key", "a"), ("per_key", "b")]
+
+
+def test_a_limit_of_its_own_for_some_keys_from_code_and_the_command_line(app: App, dsn: str) -> None:
+    app.job(kind="k", concurrency_key="tenant", concurrency_limit=3)(lambda tenant, n: None)
+    app.enqueue_many("k", ({"tenant": t, "n": n} for n in range(4) for t in ("vip", "std")))
+    app.limit_key("k", "vip", concurrency=1)
+    with batch_loop(app, 100, overlap=False) as loop:
+        query(dsn, "UPDATE fastjobs_jobs_all SET state = 'running' WHERE args->>'n' = '0'")
+        assert loop.step() == 0 + 2  # vip: 1 less the one running; std: 3 less 1
+    done = cli(dsn, "queues", "key", "k", "vip", "--concurrency", "2", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"kind": "k", "key": "vip", "concurrency": 2}
+    listed = cli(dsn, "queues", "keys", "--json")
+    assert json.loads(listed.stdout) == [
+        {"kind": "k", "key": "vip", "concurrency": 2, "rate_limit": None, "running": 1}
+    ]
+    app.limit_key("k", "vip", concurrency=None)  # back to the declared 3
+    assert json.loads(cli(dsn, "queues", "keys", "--json").stdout) == []
+    bad = cli(dsn, "queues", "key", "k", "vip", "--concurrency", "0")
+    assert bad.returncode == 2 and "expected a positive integer or none, not '0'" in bad.stderr
+
+
+def test_bad_keys_and_limits_are_refused_with_a_clear_error_and_enqueue_nothing(app: App, dsn: str) -> None:
+    with pytest.raises(TypeError, match="concurrency_key= names 'tenant', not an argument of it"):
+        app.job(kind="a", concurrency_key="tenant", concurrency_limit=1)(lambda n: None)
+    with pytest.raises(TypeError, match="concurrency_key must be an argument's name or a callable"):
+        app.job(kind="b", concurrency_key=5, concurrency_limit=1)(lambda n: None)  # type: ignore[call-overload]
+    bads: list[Any] = [0, -1, True, 1.5, 2**31]
+    for bad in bads:
+        with pytest.raises(ValueError, match="concurrency_limit must be a positive integer"):
+            app.job(kind="c", concurrency_key="n", concurrency_limit=bad)(lambda n: None)
+    with pytest.raises(ValueError, match="rate_limit must read N/PERIOD"):
+        app.job(kind="d", rate_limit="fast")(lambda n: None)
+    job = app.job(kind="e", concurrency_key="tenant", concurrency_limit=1)(lambda tenant=None, **kw: None)
+    with pytest.raises(
+        ValueError, match="its concurrency_key is the argument 'tenant', which this job lacks"
+    ):
+        job.enqueue(other=1)
+    with pytest.raises(
+        ValueError, match="its concurrency_key is the argument 'tenant', which this job lacks"
+    ):
+        job.enqueue_many([{"tenant": "a"}, {"other": 1}])
+    with pytest.raises(ValueError, match="limit keys are at most 512 characters"):
+        job.enqueue(tenant="x" * 513)
+    assert by_state(dsn) == {}
+    with pytest.raises(ValueError, match="give concurrency=, rate_limit= or both"):
+        app.limit_key("e", "a")
+    with pytest.raises(ValueError, match="a limit key is a string"):
+        app.limit_key("e", 5, concurrency=1)  # type: ignore[arg-type]
+
+
+def test_keys_are_json_for_values_that_are_not_strings_and_bulk_enqueues_carry_them(
+    app: App, dsn: str
+) -> None:
+    job = app.job(kind="k", concurrency_key=lambda args: args["user"]["org"], concurrency_limit=2)(
+        lambda user: None
+    )
+    job.enqueue(user={"org": 7})
+    job.enqueue_many([{"user": {"org": "acme"}}, {"user": {"org": None}}])
+    app.job(kind="kind_wide", rate_limit="5/min")(lambda: None)
+    app.enqueue("kind_wide")
+    rows = query(
+        dsn, "SELECT kind, limit_key, limit_concurrency, limit_rate, slot FROM fastjobs_jobs_all ORDER BY id"
+    )
+    assert [(r["limit_key"], r["limit_concurrency"], r["slot"]) for r in rows] == [
+        ("7", 2, 0),
+        ("acme", 2, 0),
+        ("null", 2, 0),
+        ("", None, 0),
+    ]
+    assert rows[-1]["limit_rate"] == pytest.approx(5 / 60)
+
+
+def test_a_queue_with_a_keyed_kind_never_takes_the_fast_lane(app: App) -> None:
+    from fastjobs.planner import fast_queues
+
+    app.job(kind="plain", queue="a")(lambda: None)
+    app.job(kind="keyed", queue="b", concurrency_key="n", concurrency_limit=1)(lambda n: None)
+    app.job(kind="rated", queue="c", rate_limit="1/s")(lambda: None)
+    assert fast_queues(app.jobs, ["a", "b", "c"], fast_lane=True, keep_completed=False) == [
+        True,
+        False,
+        False,
+    ]
+
+
+@pytest.mark.parametrize("fast_lane", [True, False])
+def test_failed_snoozed_and_cancelled_jobs_free_their_key_s_place(
+    app: App, dsn: str, fast_lane: bool
+) -> None:
+    calls: list[int] = []
+
+    def handler(tenant: str, n: int) -> None:
+        calls.append(n)
+        if n == 0:
+            raise RuntimeError("boom")  # retried later: retryable, not running
+        if n == 1:
+            raise Snooze(3600)
+        if n == 2:
+            raise Cancel("no")
+
+    app.job(kind="k", concurrency_key="tenant", concurrency_limit=1)(handler)
+    app.enqueue_many("k", ({"tenant": "a", "n": n} for n in range(4)))
+    with batch_loop(app, 10, fast_lane=fast_lane, overlap=False) as loop:
+        for _ in range(4):
+            assert loop.step() == 1  # the one place, freed by each outcome in turn
+        assert loop.step() == 0
+        loop.finish()
+    assert calls == [0, 1, 2, 3]
+    assert by_state(dsn) == {"retryable": 1, "scheduled": 1, "cancelled": 1}
