@@ -93,6 +93,7 @@ class App(Connected):
         cron: str | None = None,
         tz: str | None = None,
         keep_result: float | dt.timedelta | None = None,
+        fair_key: str | Callable[[dict[str, Any]], object] | None = None,
     ) -> Callable[[Callable[P, R]], Job[P, R]]: ...
 
     def job(
@@ -108,6 +109,7 @@ class App(Connected):
         cron: str | None = None,
         tz: str | None = None,
         keep_result: float | dt.timedelta | None = None,
+        fair_key: str | Callable[[dict[str, Any]], object] | None = None,
     ) -> Callable[[Callable[P, R]], Job[P, R]] | Job[P, R]:
         """Register a handler (`def` or `async def`); `@app.job` bare is `@app.job()`.
 
@@ -124,6 +126,9 @@ class App(Connected):
         `keep_result` (seconds or a timedelta) keeps each job's return value,
         or the errors it was discarded or cancelled with, that long after it
         ends, for `App.result` and `App.status` (docs/guides/results.md).
+        `fair_key` (an argument's name, or a callable of the args dict) gives
+        each job a fairness key, computed at enqueue: its queue's claims take
+        keyed jobs round-robin across keys (docs/operations/queues.md).
         """
         func: Callable[P, R] | None = None
         if callable(kind):  # bare `@app.job`: the function came as `kind`
@@ -160,6 +165,7 @@ class App(Connected):
                 cron=cron,
                 tz=tz,
                 keep_result=keep,
+                fair_key=fair_key,
             )
             self.jobs[name] = spec
             return Job(self, spec)

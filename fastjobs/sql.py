@@ -300,18 +300,20 @@ UNIQUE_STATES: Final = "state IN ('available', 'scheduled', 'running', 'retryabl
 # without a key go through the parent into the current rotating slot.
 
 
-def _columns(*, at: bool, key: bool) -> str:
+def _columns(*, at: bool, key: bool, fair: bool = False) -> str:
     """The columns an insert writes, in the order of its values (and of encode_copy_rows's COPY rows):
     a job due now takes the table's defaults for the rest; one due at a time of its own has its state
-    and run_at; a keyed one its unique key too."""
+    and run_at; a keyed one its unique key too; one with a fairness key (`fair`) that key, last."""
     scheduled = ", state, run_at" if at else ""
     keyed = ", unique_key" if key else ""
-    return f"queue, kind, args, priority, max_attempts{scheduled}{keyed}, keep_result, meta"
+    fair_key = ", fair_key" if fair else ""
+    return f"queue, kind, args, priority, max_attempts{scheduled}{keyed}, keep_result, meta{fair_key}"
 
 
-def _copy(*, into: str, at: bool, key: bool) -> str:
-    """A binary COPY of jobs into `into`; rows are encoded by fastjobs._core.encode_copy_rows."""
-    return f"COPY {into} ({_columns(at=at, key=key)}) FROM STDIN (FORMAT BINARY)"
+def _copy(*, into: str, at: bool, key: bool, fair: bool = False) -> str:
+    """A binary COPY of jobs into `into`; rows are encoded by fastjobs._core.encode_copy_rows (and
+    fastjobs.enqueue, which appends each row's fairness key with `fair`)."""
+    return f"COPY {into} ({_columns(at=at, key=key, fair=fair)}) FROM STDIN (FORMAT BINARY)"
 
 
 # A key already taken inserts nothing: the conflict names the partial unique index by its predicate.
@@ -321,14 +323,14 @@ _SKIP_TAKEN_KEYS: Final = f"""ON CONFLICT (unique_key)
 
 # job_insert: one job, into slot 0 (fastjobs_jobs); scheduled when its run_at
 # ($6, or now + $7 seconds) is in the future; $9 its meta (enqueue
-# middleware's, or NULL), $10 its keep_result (seconds, or NULL). With a
-# unique key ($8) already taken, nothing is inserted and no row returned
-# (job_get_unique then finds the holder).
+# middleware's, or NULL), $10 its keep_result (seconds, or NULL), $11 its
+# fairness key (or NULL). With a unique key ($8) already taken, nothing is
+# inserted and no row returned (job_get_unique then finds the holder).
 job_insert: Final = f"""
-INSERT INTO {_S}fastjobs_jobs ({_columns(at=True, key=True)})
+INSERT INTO {_S}fastjobs_jobs ({_columns(at=True, key=True, fair=True)})
 SELECT $1, $2, $3::jsonb, $4, $5,
        CASE WHEN t.run_at > now() THEN 'scheduled' ELSE 'available' END::{_S}fastjobs_state,
-       t.run_at, $8, $10::int4, $9::jsonb
+       t.run_at, $8, $10::int4, $9::jsonb, $11::text
   FROM (SELECT coalesce($6::timestamptz,
                         now() + make_interval(secs => coalesce($7::float8, 0)))) AS t(run_at)
 {_SKIP_TAKEN_KEYS}
@@ -346,6 +348,12 @@ INSERT INTO {_S}fastjobs_jobs_all ({_columns(at=False, key=False)})
 VALUES ($1, $2, $3::jsonb, $4, $5, $7::int4, $6::jsonb)
 RETURNING id"""
 
+# job_insert_now_fair: job_insert_now's job with a fairness key ($8).
+job_insert_now_fair: Final = f"""
+INSERT INTO {_S}fastjobs_jobs_all ({_columns(at=False, key=False, fair=True)})
+VALUES ($1, $2, $3::jsonb, $4, $5, $7::int4, $6::jsonb, $8)
+RETURNING id"""
+
 # job_get_unique: the pending or running job holding unique key $1 (only slot 0 holds keys).
 job_get_unique: Final = f"""
 SELECT id FROM {_S}fastjobs_jobs
@@ -356,20 +364,21 @@ SELECT id FROM {_S}fastjobs_jobs
 _STAGED: Final = "fastjobs_staged" if SCHEMA is None else f'pg_temp."fastjobs_staged_{SCHEMA}"'
 
 # job_copy_staged: bulk unique jobs go through a temporary table, since COPY cannot skip conflicts.
-job_copy_staged: Final = _copy(into=_STAGED, at=True, key=True)
+job_copy_staged: Final = _copy(into=_STAGED, at=True, key=True, fair=True)
 
 # job_stage_create: the session's staging table for bulk unique enqueues, emptied at commit.
 job_stage_create: Final = f"""
 CREATE TEMP TABLE IF NOT EXISTS {_STAGED} (
     queue text, kind text, args jsonb, priority smallint, max_attempts smallint,
-    state {_S}fastjobs_state, run_at timestamptz, unique_key text, keep_result integer, meta jsonb
+    state {_S}fastjobs_state, run_at timestamptz, unique_key text, keep_result integer, meta jsonb,
+    fair_key text
 ) ON COMMIT DELETE ROWS"""
 
 # job_insert_staged: move staged jobs in, skipping keys already taken; one statement, one notification.
 job_insert_staged: Final = f"""
-INSERT INTO {_S}fastjobs_jobs ({_columns(at=True, key=True)})
+INSERT INTO {_S}fastjobs_jobs ({_columns(at=True, key=True, fair=True)})
 SELECT queue, kind, args, priority, max_attempts,
-       coalesce(state, 'available'), coalesce(run_at, now()), unique_key, keep_result, meta
+       coalesce(state, 'available'), coalesce(run_at, now()), unique_key, keep_result, meta, fair_key
   FROM {_STAGED}
 {_SKIP_TAKEN_KEYS}"""
 
@@ -381,6 +390,9 @@ job_copy: Final = _copy(into=f"{_S}fastjobs_jobs_all", at=False, key=False)
 
 # job_copy_at: bulk insert of jobs that all share one run_at (and state), into slot 0.
 job_copy_at: Final = _copy(into=f"{_S}fastjobs_jobs", at=True, key=False)
+# job_copy_fair, job_copy_at_fair: the same two for jobs with a fairness key, each row's last.
+job_copy_fair: Final = _copy(into=f"{_S}fastjobs_jobs_all", at=False, key=False, fair=True)
+job_copy_at_fair: Final = _copy(into=f"{_S}fastjobs_jobs", at=True, key=False, fair=True)
 
 
 _section("Claims")
@@ -441,19 +453,49 @@ class _Choice:
                 f" AND priority = ${first}\n   AND run_at >= timestamptz '2000-01-01 00:00:00+00'"
                 f" + (${first + 1}::int8 - {CLAIM_MARK_MARGIN}) * interval '1 microsecond'"
             )
-        limits = "concurrency IS NOT NULL OR rate IS NOT NULL"
-        limited = f"SELECT FROM {_S}fastjobs_queues WHERE name = {queue} AND ({limits})"
-        if fast:
-            stopped = f"(paused_at IS NOT NULL OR {limits})"
-        else:
-            stopped = "paused_at IS NOT NULL"
-            room = f"{_S}fastjobs_room({queue}, {limit}{ending})"
-            limit = f"CASE WHEN EXISTS ({limited})\n            THEN {room} ELSE {limit} END"
+        stopped, limit = _stopped_and_room(queue=queue, limit=limit, fast=fast, ending=ending)
         return f""" WHERE state = 'available' AND queue = {queue} AND run_at <= now(){after}
    AND NOT EXISTS (SELECT FROM {_S}fastjobs_queues WHERE name = {queue} AND {stopped})
+   AND NOT {_indent(_keyed(queue), 8)}
  ORDER BY priority DESC, run_at, id
  LIMIT {limit}
    FOR UPDATE SKIP LOCKED"""
+
+    def select(
+        self, columns: str, *, queue: str, limit: str, first: int, fast: bool = False, ending: str = ""
+    ) -> str:
+        """The `columns` of the jobs `where` takes (`where`'s parameters), or, while the queue has
+        jobs with a fairness key available, of those fastjobs_fair takes instead: round-robin across
+        keys, the mark aside (a fair claim starts at each key's front). One probe of the empty index
+        of keyed jobs per statement tells which, each branch's one-time filter."""
+        plain = self.where(queue=queue, limit=limit, first=first, fast=fast, ending=ending)
+        stopped, limit = _stopped_and_room(queue=queue, limit=limit, fast=fast, ending=ending)
+        return f"""SELECT * FROM (
+  SELECT {columns} FROM {_S}fastjobs_jobs_all
+  {_indent(plain, 2)}) AS queued
+UNION ALL
+SELECT {columns} FROM {_S}fastjobs_jobs_all
+ WHERE {_keyed(queue)}
+   AND NOT EXISTS (SELECT FROM {_S}fastjobs_queues WHERE name = {queue} AND {stopped})
+   AND id = ANY(ARRAY(SELECT {_S}fastjobs_fair({queue}, {limit})))"""
+
+
+def _stopped_and_room(*, queue: str, limit: str, fast: bool, ending: str) -> tuple[str, str]:
+    """What stops every claim of `queue` (a condition on its fastjobs_queues row) and how many it may
+    take (`limit`, or fastjobs_room's figure under a limit): see _Choice.where."""
+    limits = "concurrency IS NOT NULL OR rate IS NOT NULL"
+    if fast:
+        return f"(paused_at IS NOT NULL OR {limits})", limit
+    limited = f"SELECT FROM {_S}fastjobs_queues WHERE name = {queue} AND ({limits})"
+    room = f"{_S}fastjobs_room({queue}, {limit}{ending})"
+    return "paused_at IS NOT NULL", f"CASE WHEN EXISTS ({limited})\n            THEN {room} ELSE {limit} END"
+
+
+def _keyed(queue: str) -> str:
+    """Whether `queue` has jobs with a fairness key available (migrations/009_fair.sql): one probe of
+    the partial index that holds them, empty for a queue without any."""
+    return f"""EXISTS (SELECT FROM {_S}fastjobs_jobs_all
+         WHERE queue = {queue} AND state = 'available' AND fair_key IS NOT NULL)"""
 
 
 _FROM_THE_FRONT: Final = _Choice()
@@ -470,8 +512,7 @@ def _claim(
    SET state = 'running', attempt = {_next_attempt("j")},
        attempted_at = now(), attempted_by = {worker}
  WHERE j.id = ANY(ARRAY(
-           SELECT id FROM {_S}fastjobs_jobs_all
-           {_indent(choice.where(queue=queue, limit=limit, first=first, ending=ending), 11)}))
+           {_indent(choice.select("id", queue=queue, limit=limit, first=first, ending=ending), 11)}))
 RETURNING {_returned(context=context, row="j")}"""
 
 
@@ -479,10 +520,8 @@ def _lock(*, choice: _Choice, context: bool) -> str:
     """The fast lane's claim: lock up to $2 available jobs of queue $1 (the choice's parameters from
     $3); nothing is written. The attempt returned is the one this run makes (counted when its outcome
     is written)."""
-    return f"""
-SELECT {_returned(context=context, attempt=f"({_next_attempt('')})::smallint")}
-  FROM {_S}fastjobs_jobs_all
-{choice.where(queue="$1", limit="$2", first=3, fast=True)}"""
+    columns = _returned(context=context, attempt=f"({_next_attempt('')})::smallint")
+    return "\n" + choice.select(columns, queue="$1", limit="$2", first=3, fast=True)
 
 
 # job_claim_many: take up to $2 available jobs of queue $1 for worker $3, in
@@ -1517,7 +1556,7 @@ slot_lock: Final = "LOCK TABLE {partition} IN ACCESS EXCLUSIVE MODE"
 _ROW: Final = (
     ("id", "queue", "kind", "args", "priority", "state", "run_at", "attempt", "max_attempts"),
     ("created_at", "attempted_at", "finalized_at", "attempted_by", "errors", "unique_key"),
-    ("meta", "crashes", "cancel_requested", "keep_result"),
+    ("meta", "crashes", "cancel_requested", "keep_result", "fair_key"),
 )
 
 
@@ -1855,6 +1894,8 @@ NOT_PREPARABLE: Final = frozenset(
         "fast_rollback",
         "job_copy",
         "job_copy_at",
+        "job_copy_fair",
+        "job_copy_at_fair",
         "job_copy_staged",
         "job_stage_create",
         "migration_table_create",

@@ -86,6 +86,8 @@ class JobSpec:
     args_schema: ArgsSchema | None = None
     # Seconds its jobs keep their outcome in fastjobs_results (None: not kept).
     keep_result: int | None = None
+    # Its jobs' fairness key: an argument's name, or a callable of the args dict (None: no key).
+    fair_key: str | Callable[[dict[str, Any]], object] | None = None
 
     @property
     def target(self) -> Callable[..., Any]:
