@@ -18,9 +18,9 @@ ALTER TABLE fastjobs_jobs_all ADD COLUMN IF NOT EXISTS fair_key text;
 -- The ids of up to `asked` available jobs of queue q, locked (FOR UPDATE SKIP
 -- LOCKED), taken round-robin across its members at the highest priority due:
 -- each fairness key is a member, and the jobs without one together are one
--- more, first in turn (they are looked for among the first `asked` jobs of
--- that priority in queue order: an index of them would cost every job
--- without a key). A claim visits at most 256 members, in turn from where
+-- more, first in turn (they are looked for among as many of the first jobs
+-- of that priority, in queue order, as a member's share: an index of them
+-- would cost every job without a key, keyed queue or not). A claim visits at most 256 members, in turn from where
 -- the session's last fair claim of q stopped (a session setting, kept at
 -- commit: each worker's connection goes round on its own), and takes an
 -- equal share of `asked` from each, then fills what they lacked from the
@@ -29,7 +29,7 @@ ALTER TABLE fastjobs_jobs_all ADD COLUMN IF NOT EXISTS fair_key text;
 -- many keys or jobs wait. Its names are those of the schema it is created
 -- in, as fastjobs_room's.
 CREATE OR REPLACE FUNCTION fastjobs_fair(q text, asked bigint) RETURNS SETOF bigint
-LANGUAGE plpgsql VOLATILE SET search_path FROM CURRENT AS $$
+LANGUAGE plpgsql VOLATILE SET search_path FROM CURRENT SET enable_sort = off AS $$
 DECLARE
     cursor_name text := 'fastjobs.fair_' || md5(current_schema() || '/' || q);
     start text := current_setting(cursor_name, true);  -- NULL: none; '': the keyless; else 'k' || key
@@ -73,7 +73,6 @@ BEGIN
         after := next_key;
         last := 'k' || next_key;
     END LOOP;
-    PERFORM set_config(cursor_name, last, false);
     share := greatest(1, asked / (cardinality(members) + keyless::int));
     IF keyless THEN
         taken := ARRAY(
@@ -82,15 +81,19 @@ BEGIN
                        SELECT w.id
                          FROM (SELECT id, fair_key FROM fastjobs_jobs_all
                                 WHERE queue = q AND state = 'available' AND priority = top AND run_at <= now()
-                                ORDER BY run_at, id LIMIT asked) w
-                        WHERE w.fair_key IS NULL LIMIT share))
+                                ORDER BY run_at, id LIMIT share) w
+                        WHERE w.fair_key IS NULL))
                AND j.state = 'available'
                FOR UPDATE SKIP LOCKED);
     END IF;
     wanted := asked - cardinality(taken);
-    IF cardinality(members) > 0 AND wanted > 0 THEN
-        share := greatest(1, wanted / cardinality(members));
+    IF cardinality(members) > wanted THEN  -- the keyless took a share: the rest wait for the next claim
         members := members[1:wanted];
+        last := CASE WHEN wanted > 0 THEN 'k' || members[wanted] ELSE '' END;
+    END IF;
+    PERFORM set_config(cursor_name, last, false);
+    IF cardinality(members) > 0 THEN
+        share := greatest(1, wanted / cardinality(members));
         taken := taken || ARRAY(
             SELECT j.id FROM unnest(members) m(key) CROSS JOIN LATERAL (
                 SELECT id FROM fastjobs_jobs_all
