@@ -91,7 +91,6 @@ BEGIN
         members := members[1:wanted];
         last := CASE WHEN wanted > 0 THEN 'k' || members[wanted] ELSE '' END;
     END IF;
-    PERFORM set_config(cursor_name, last, false);
     IF cardinality(members) > 0 THEN
         share := greatest(1, wanted / cardinality(members));
         taken := taken || ARRAY(
@@ -113,6 +112,27 @@ BEGIN
                  LIMIT wanted);
         END IF;
     END IF;
+    IF cardinality(taken) = 0 AND keyless THEN  -- the keyless' turn found none: the next key's instead
+        SELECT fair_key INTO next_key FROM fastjobs_jobs_all
+         WHERE queue = q AND state = 'available' AND fair_key IS NOT NULL AND priority = top
+           AND fair_key > coalesce(members[cardinality(members)], after)
+         ORDER BY fair_key LIMIT 1;
+        IF next_key IS NULL THEN
+            SELECT fair_key INTO next_key FROM fastjobs_jobs_all
+             WHERE queue = q AND state = 'available' AND fair_key IS NOT NULL AND priority = top
+             ORDER BY fair_key LIMIT 1;
+        END IF;
+        IF next_key IS NOT NULL THEN
+            taken := ARRAY(
+                SELECT id FROM fastjobs_jobs_all
+                 WHERE queue = q AND state = 'available' AND fair_key = next_key AND priority = top
+                   AND run_at <= now()
+                 ORDER BY run_at, id LIMIT asked
+                   FOR UPDATE SKIP LOCKED);
+            last := 'k' || next_key;
+        END IF;
+    END IF;
+    PERFORM set_config(cursor_name, last, false);
     RETURN QUERY SELECT unnest(taken);
 END
 $$;
