@@ -54,10 +54,8 @@ def tenant(tenant, n):
     conn = _conn()
     if tenant == "A":
         _state["a"] += 1
-        if _state["a"] % 50 == 0:
-            conn.execute("INSERT INTO fair_runs (tenant, pid, a) VALUES ('A', %s, %s)", (os.getpid(), _state["a"]))
-    else:
-        conn.execute("INSERT INTO fair_runs (tenant, pid, a) VALUES ('B', %s, %s)", (os.getpid(), _state["a"]))
+    if tenant == "B" or _state["a"] % 50 == 0:
+        conn.execute("INSERT INTO fair_runs (tenant, pid, a) VALUES (%s, %s, %s)", (tenant, os.getpid(), _state["a"]))
 
 
 @app.job("keyed", queue="fair")
@@ -79,7 +77,18 @@ logger = logging.getLogger("fairness")
 @contextmanager
 def _running(dsn: str, folder: str) -> Iterator[None]:
     """`fastjobs run --processes 2` on queue `fair`, its workers idle and ready."""
-    command = [sys.executable, "-m", "fastjobs.cli", "--dsn", dsn, "run", "--processes", "2", "--queues", "fair"]
+    command = [
+        sys.executable,
+        "-m",
+        "fastjobs.cli",
+        "--dsn",
+        dsn,
+        "run",
+        "--processes",
+        "2",
+        "--queues",
+        "fair",
+    ]
     env = {**os.environ, "FAIR_DSN": dsn}
     master = subprocess.Popen([*command, "fairjobs"], cwd=folder, env=env, stderr=subprocess.DEVNULL)
     try:
@@ -97,7 +106,9 @@ def _reset(dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         schema.migrate(conn, dsn=dsn)
         conn.execute("DROP TABLE IF EXISTS fair_runs")
-        conn.execute("CREATE TABLE fair_runs (tenant text, pid int, a int, at timestamptz DEFAULT clock_timestamp())")
+        conn.execute(
+            "CREATE TABLE fair_runs (tenant text, pid int, a int, at timestamptz DEFAULT clock_timestamp())"
+        )
         conn.execute("TRUNCATE fastjobs_jobs_all")
         conn.execute("DELETE FROM fastjobs_workers")
 
@@ -118,7 +129,9 @@ def case(dsn: str, folder: str, fair: bool) -> dict[str, float]:
     app = App(dsn)  # the kind is the workers': enqueued with the call's key, or none
     with _running(dsn, folder), psycopg.connect(dsn, autocommit=True) as conn:
         a_key, b_key = ({"fair_key": "A"}, {"fair_key": "B"}) if fair else ({}, {})
-        app.enqueue_many("tenant", ({"tenant": "A", "n": n} for n in range(JOBS_COUNT)), queue="fair", **a_key)
+        app.enqueue_many(
+            "tenant", ({"tenant": "A", "n": n} for n in range(JOBS_COUNT)), queue="fair", **a_key
+        )
         app.enqueue_many("tenant", ({"tenant": "B", "n": n} for n in range(B_JOBS)), queue="fair", **b_key)
         row = conn.execute("SELECT clock_timestamp()").fetchone()
         assert row is not None
@@ -134,7 +147,8 @@ def case(dsn: str, folder: str, fair: bool) -> dict[str, float]:
         last = conn.execute("SELECT max(at) FROM fair_runs WHERE tenant = 'B'").fetchone()
         assert last is not None
         before = conn.execute(
-            "SELECT coalesce(sum(a), 0) FROM (SELECT max(a) AS a FROM fair_runs WHERE at <= %s GROUP BY pid) p",
+            "SELECT coalesce(sum(a), 0)"
+            " FROM (SELECT max(a) AS a FROM fair_runs WHERE at <= %s GROUP BY pid) AS p",
             (last[0],),
         ).fetchone()
         assert before is not None

@@ -62,7 +62,9 @@ class Options:
     keep_result: int | None = None  # seconds its outcome is kept in fastjobs_results
     wait_for_room: float | None = None  # seconds to wait while the queue is full (fastjobs.queues)
     fair_key: str | None = None  # the call's fairness key, for every job of it
-    fair_by: str | Callable[[dict[str, Any]], object] | None = None  # the kind's: an arg's name, or a callable
+    fair_by: str | Callable[[dict[str, Any]], object] | None = (
+        None  # the kind's: an arg's name, or a callable
+    )
 
 
 # The longest fairness key (a longer one is a mistake, an args dict, say, that a key costs an index entry of).

@@ -327,7 +327,13 @@ def test_fastjobs_migrate_first_then_manage_py_migrate_does_nothing_to_it(empty_
             "SELECT name FROM django_migrations WHERE app = 'fastjobs' ORDER BY id"
         ).fetchall()
     assert after == before
-    assert [r[0] for r in recorded] == ["0001_schema", "0002_results", "0003_queues", "0004_samples", "0005_fair"]
+    assert [r[0] for r in recorded] == [
+        "0001_schema",
+        "0002_results",
+        "0003_queues",
+        "0004_samples",
+        "0005_fair",
+    ]
 
 
 def test_options_schema_puts_fastjobs_tables_there_for_migrate_and_enqueue(empty_dsn):

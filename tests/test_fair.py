@@ -22,7 +22,9 @@ def _keys(dsn: str) -> dict[int, str | None]:
     return {row["n"]: row["fair_key"] for row in rows}
 
 
-def test_a_kind_s_fair_key_is_an_argument_or_a_callable_and_a_call_may_give_its_own(app: App, dsn: str) -> None:
+def test_a_kind_s_fair_key_is_an_argument_or_a_callable_and_a_call_may_give_its_own(
+    app: App, dsn: str
+) -> None:
     app.job(kind="by_name", fair_key="tenant")(lambda n, tenant=None: None)
     app.job(kind="by_callable", fair_key=lambda args: args["org"]["id"])(lambda n, org: None)
     app.job(kind="plain")(lambda n: None)
@@ -69,7 +71,7 @@ def test_a_bad_fair_key_is_refused_with_a_clear_error_and_nothing_is_enqueued(ap
     with pytest.raises(TypeError, match="fair_key= names 'tenant', not an argument of it"):
         app.job(kind="wrong", fair_key="tenant")(lambda n: None)
     with pytest.raises(TypeError, match="an argument's name or a callable"):
-        app.job(kind="wrong3", fair_key=3)(lambda n: None)  # type: ignore[arg-type]
+        app.job(kind="wrong3", fair_key=3)(lambda n: None)  # type: ignore[call-overload]
     app.job(kind="k", fair_key="tenant")(lambda n, tenant: None)
     with pytest.raises(TypeError, match="a fairness key must be a string or an int, not dict"):
         app.enqueue("k", {"n": 1, "tenant": {"id": 1}})
@@ -157,7 +159,9 @@ def test_jobs_without_a_key_take_one_turn_among_the_keys_and_a_queue_without_key
         loop.finish()
 
 
-def test_a_claim_visits_at_most_256_keys_and_the_next_goes_on_from_where_it_stopped(app: App, dsn: str) -> None:
+def test_a_claim_visits_at_most_256_keys_and_the_next_goes_on_from_where_it_stopped(
+    app: App, dsn: str
+) -> None:
     """A claim's cost is bounded by the keys it visits (256 at most, whatever it asks for), and the
     claims take turns from where the last stopped: with 500 keys of 3 jobs each, the first 490
     jobs run are of 490 different keys (claims from the first key each time would take the first

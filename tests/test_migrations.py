@@ -559,7 +559,13 @@ def test_005_applies_live_under_workers_and_producers_of_004_which_keep_working(
         wait_for(lambda: len(completed) > 200, "the old worker to drain")
         with psycopg.connect(dsn) as conn:
             applied = schema.migrate(conn, dsn=dsn, lock_timeout=0.5)
-        assert [m.label for m in applied] == ["005_rotation", "006_results", "007_queues", "008_samples", "009_fair"]
+        assert [m.label for m in applied] == [
+            "005_rotation",
+            "006_results",
+            "007_queues",
+            "008_samples",
+            "009_fair",
+        ]
         after, produced = len(completed), inserted["plain"]
         wait_for(lambda: len(completed) > after + 200, "the old worker to go on draining on 005")
         wait_for(lambda: inserted["plain"] > produced + 20, "the old producer to go on inserting on 005")
