@@ -55,7 +55,8 @@ def tenant(tenant, n):
     if tenant == "A":
         _state["a"] += 1
     if tenant == "B" or _state["a"] % 50 == 0:
-        conn.execute("INSERT INTO fair_runs (tenant, pid, a) VALUES (%s, %s, %s)", (tenant, os.getpid(), _state["a"]))
+        row = (tenant, os.getpid(), _state["a"])
+        conn.execute("INSERT INTO fair_runs (tenant, pid, a) VALUES (%s, %s, %s)", row)
 
 
 @app.job("keyed", queue="fair")
