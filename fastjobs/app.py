@@ -298,7 +298,7 @@ class App(Connected):
         opts = enqueue.options(kind, self._spec(kind), **options)
         params = enqueue.insert_params(opts, args)  # bad args fail before a connection is taken
         db: psycopg.Connection[Any] | None = enqueue.adapt(conn)
-        self._backpressure.check(opts.queue, opts.wait_for_room, db)
+        self._backpressure.check(opts.queue, opts.wait_for_room, db, opts.keyed)
         if not self._enqueue_middleware:
             return JobHandle(self._insert(params, db), self)
         if db is not None:
@@ -343,7 +343,7 @@ class App(Connected):
         """
         opts = enqueue.options(kind, self._spec(kind), **options)
         db = self._adapted(conn)
-        self._backpressure.check(opts.queue, opts.wait_for_room, db)
+        self._backpressure.check(opts.queue, opts.wait_for_room, db, opts.keyed)
         if not self._enqueue_middleware:
             count = self._copy(opts, args_iterable, None, db)
         else:
@@ -388,7 +388,7 @@ class App(Connected):
             if conn is None or isinstance(conn, psycopg.AsyncConnection)
             else await enqueue.adapt_async(conn)
         )
-        await self._backpressure.check_async(opts.queue, opts.wait_for_room, db)
+        await self._backpressure.check_async(opts.queue, opts.wait_for_room, db, opts.keyed)
         if not self._enqueue_middleware_async:
             return JobHandle(await self._insert_async(params, db), self)
         if db is not None:
@@ -429,7 +429,7 @@ class App(Connected):
         db: psycopg.AsyncConnection[Any] | None = await enqueue.adapt_async(conn)
         if db is not None:
             enqueue.check_conn(db, psycopg.AsyncConnection)
-        await self._backpressure.check_async(opts.queue, opts.wait_for_room, db)
+        await self._backpressure.check_async(opts.queue, opts.wait_for_room, db, opts.keyed)
         if not self._enqueue_middleware_async:
             count = await self._copy_async(opts, args_iterable, None, db)
         else:

@@ -62,9 +62,13 @@ class Options:
     keep_result: int | None = None  # seconds its outcome is kept in fastjobs_results
     wait_for_room: float | None = None  # seconds to wait while the queue is full (fastjobs.queues)
     fair_key: str | None = None  # the call's fairness key, for every job of it
-    fair_by: str | Callable[[dict[str, Any]], object] | None = (
-        None  # the kind's: an arg's name, or a callable
-    )
+    # The kind's fairness key: an argument's name, or a callable of the args.
+    fair_by: str | Callable[[dict[str, Any]], object] | None = None
+
+    @property
+    def keyed(self) -> bool:
+        """Whether the jobs may have fairness keys (their queue is marked fair: fastjobs.queues)."""
+        return self.fair_key is not None or self.fair_by is not None
 
 
 # The longest fairness key (a longer one is a mistake, an args dict, say, that a key costs an index entry of).
@@ -334,7 +338,7 @@ def insert_params(opts: Options, args: Any, meta: bytes | None = None) -> Insert
         args = opts.args_schema.encode(args)
     data = core.dump_args(opts.kind, args, opts.params, opts.required)
     key = unique_key_for(opts, args) if opts.unique_key or opts.unique else None
-    fair = fair_key_for(opts, args) if opts.fair_key is not None or opts.fair_by is not None else None
+    fair = fair_key_for(opts, args) if opts.keyed else None
     return InsertParams(
         opts.queue,
         opts.kind,
@@ -589,7 +593,7 @@ def _copy_of(
     opts: Options, rows: Iterable[Any], meta: bytes | None, sql: ModuleType
 ) -> tuple[str, Iterator[tuple[bytes, int]]]:
     """The COPY statement of a bulk enqueue without unique keys, and its data."""
-    if opts.fair_key is not None or opts.fair_by is not None:
+    if opts.keyed:
         return _fair_copy(opts, rows, meta, sql)
     statement, prefix, suffix = copy_layout(opts, dt.datetime.now(dt.UTC), meta, sql)
     return statement, _chunks(opts, rows, prefix, suffix)

@@ -441,7 +441,8 @@ class _Choice:
 
     def where(self, *, queue: str, limit: str, first: int, fast: bool = False, ending: str = "") -> str:
         """Up to `limit` available jobs of `queue` due now, in claim order, skipping rows others hold;
-        none while the queue is paused; with a concurrency or rate limit, no more than fastjobs_room
+        none while the queue is paused, or is marked fair and has keyed jobs available (then
+        select's fastjobs_fair takes them); with a concurrency or rate limit, no more than fastjobs_room
         allows on the state lane (`fast`: none, since a job in flight there is not counted as running),
         whose count leaves out the jobs a finish statement ends (`ending`: its worker, completed ids
         and outcome records, which the count cannot see: they are this statement's own writes).
@@ -454,9 +455,9 @@ class _Choice:
                 f" + (${first + 1}::int8 - {CLAIM_MARK_MARGIN}) * interval '1 microsecond'"
             )
         stopped, limit = _stopped_and_room(queue=queue, limit=limit, fast=fast, ending=ending)
+        fair = f"fair AND {_S}fastjobs_fair_keyed(name)"  # of the row: asked only when it is marked
         return f""" WHERE state = 'available' AND queue = {queue} AND run_at <= now(){after}
-   AND NOT EXISTS (SELECT FROM {_S}fastjobs_queues WHERE name = {queue} AND {stopped})
-   AND NOT {_indent(_keyed(queue), 8)}
+   AND NOT EXISTS (SELECT FROM {_S}fastjobs_queues WHERE name = {queue} AND ({stopped} OR {fair}))
  ORDER BY priority DESC, run_at, id
  LIMIT {limit}
    FOR UPDATE SKIP LOCKED"""
@@ -466,18 +467,19 @@ class _Choice:
     ) -> str:
         """The `columns` of the jobs `where` takes (`where`'s parameters), or, while the queue has
         jobs with a fairness key available, of those fastjobs_fair takes instead: round-robin across
-        keys, the mark aside (a fair claim starts at each key's front). One probe of the empty index
-        of keyed jobs per statement tells which, each branch's one-time filter."""
+        keys, the mark aside (a fair claim starts at each key's front). Which, the queue's row says
+        (each branch's one-time filter, the lookup of the paused test): a queue never given a keyed
+        job (queue_fair marks it) claims as before; one marked asks fastjobs_fair_keyed too, a probe
+        of the index of keyed jobs, planned once per session (a function)."""
         plain = self.where(queue=queue, limit=limit, first=first, fast=fast, ending=ending)
         stopped, limit = _stopped_and_room(queue=queue, limit=limit, fast=fast, ending=ending)
         return f"""SELECT * FROM (
   SELECT {columns} FROM {_S}fastjobs_jobs_all
   {_indent(plain, 2)}) AS queued
 UNION ALL
-SELECT {columns} FROM {_S}fastjobs_jobs_all
- WHERE {_keyed(queue)}
-   AND NOT EXISTS (SELECT FROM {_S}fastjobs_queues WHERE name = {queue} AND {stopped})
-   AND id = ANY(ARRAY(SELECT {_S}fastjobs_fair({queue}, {limit})))"""
+SELECT {columns} FROM {_S}fastjobs_fair({queue}, {limit})
+ WHERE EXISTS (SELECT FROM {_S}fastjobs_queues
+                WHERE name = {queue} AND fair AND NOT {stopped} AND {_S}fastjobs_fair_keyed(name))"""
 
 
 def _stopped_and_room(*, queue: str, limit: str, fast: bool, ending: str) -> tuple[str, str]:
@@ -489,13 +491,6 @@ def _stopped_and_room(*, queue: str, limit: str, fast: bool, ending: str) -> tup
     limited = f"SELECT FROM {_S}fastjobs_queues WHERE name = {queue} AND ({limits})"
     room = f"{_S}fastjobs_room({queue}, {limit}{ending})"
     return "paused_at IS NOT NULL", f"CASE WHEN EXISTS ({limited})\n            THEN {room} ELSE {limit} END"
-
-
-def _keyed(queue: str) -> str:
-    """Whether `queue` has jobs with a fairness key available (migrations/009_fair.sql): one probe of
-    the partial index that holds them, empty for a queue without any."""
-    return f"""EXISTS (SELECT FROM {_S}fastjobs_jobs_all
-         WHERE queue = {queue} AND state = 'available' AND fair_key IS NOT NULL)"""
 
 
 _FROM_THE_FRONT: Final = _Choice()
@@ -1298,6 +1293,13 @@ queue_states: Final = f"""
 SELECT name, paused_at, concurrency, rate_limit, max_backlog, backlog, held_back
   FROM {_S}fastjobs_queues
  ORDER BY name"""
+
+# queue_fair: mark queue $1 fair: a producer process enqueueing its first keyed
+# jobs into it says so once (fastjobs.queues.FairQueues); from then on its claims
+# ask fastjobs_fair_keyed whether keyed jobs wait (sql._Choice.select).
+queue_fair: Final = f"""
+INSERT INTO {_S}fastjobs_queues AS q (name, fair) VALUES ($1, true)
+ON CONFLICT (name) DO UPDATE SET fair = true, updated_at = now() WHERE NOT q.fair"""
 
 # queue_limited: the queues with a concurrency limit, which a worker's
 # heartbeat reads so its loop claims them a wave at a time (fastjobs.planner).

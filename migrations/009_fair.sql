@@ -5,7 +5,7 @@
 -- keyed jobs available, its claims take them round-robin across keys
 -- (fastjobs_fair) instead of in queue order, so one key's backlog does not
 -- hold back another's jobs; a queue without one claims as before
--- (sql._Choice.select: the test is one probe of the empty index below).
+-- (sql._Choice.select).
 --
 -- Live: the column is added to the partitioned parent, nullable without a
 -- default (a catalogue change, no row touched), under ACCESS EXCLUSIVE for
@@ -15,8 +15,13 @@
 
 ALTER TABLE fastjobs_jobs_all ADD COLUMN IF NOT EXISTS fair_key text;
 
--- The ids of up to `asked` available jobs of queue q, locked (FOR UPDATE SKIP
--- LOCKED), taken round-robin across its members at the highest priority due:
+-- A queue that was ever given keyed jobs (a producer marks it at its first:
+-- sql.queue_fair). Only a marked queue's claims look for keyed jobs, so a
+-- queue never given one pays nothing for fairness.
+ALTER TABLE fastjobs_queues ADD COLUMN IF NOT EXISTS fair boolean NOT NULL DEFAULT false;
+
+-- Up to `asked` available jobs of queue q, locked (FOR UPDATE SKIP LOCKED),
+-- whole rows, taken round-robin across its members at the highest priority due:
 -- each fairness key is a member, and the jobs without one together are one
 -- more, first in turn (they are looked for among as many of the first jobs
 -- of that priority, in queue order, as a member's share: an index of them
@@ -28,7 +33,7 @@ ALTER TABLE fastjobs_jobs_all ADD COLUMN IF NOT EXISTS fair_key text;
 -- visits (an index descent each on fastjobs_jobs_*_fair_idx), not by how
 -- many keys or jobs wait. Its names are those of the schema it is created
 -- in, as fastjobs_room's.
-CREATE OR REPLACE FUNCTION fastjobs_fair(q text, asked bigint) RETURNS SETOF bigint
+CREATE OR REPLACE FUNCTION fastjobs_fair(q text, asked bigint) RETURNS SETOF fastjobs_jobs_all
 LANGUAGE plpgsql VOLATILE SET search_path FROM CURRENT SET enable_sort = off AS $$
 DECLARE
     cursor_name text := 'fastjobs.fair_' || md5(current_schema() || '/' || q);
@@ -133,7 +138,18 @@ BEGIN
         END IF;
     END IF;
     PERFORM set_config(cursor_name, last, false);
-    RETURN QUERY SELECT unnest(taken);
+    RETURN QUERY SELECT * FROM fastjobs_jobs_all WHERE id = ANY(taken);
+END
+$$;
+
+-- Whether queue q has jobs with a fairness key available: one probe of the
+-- partial indexes below. A function, so the claim statements that ask it (of
+-- a queue marked fair: sql._Choice.select) are planned as cheaply as before:
+-- its query is planned once per session, not with each claim's.
+CREATE OR REPLACE FUNCTION fastjobs_fair_keyed(q text) RETURNS boolean
+LANGUAGE plpgsql STABLE SET search_path FROM CURRENT AS $$
+BEGIN
+    RETURN EXISTS (SELECT FROM fastjobs_jobs_all WHERE queue = q AND state = 'available' AND fair_key IS NOT NULL);
 END
 $$;
 
