@@ -246,8 +246,19 @@ CREATE TABLE IF NOT EXISTS u (x int);
 # --- migrations on a live system -----------------------------------------------------------------
 
 
+def roll_back_009(dsn: str) -> None:
+    """Undo what 009 creates and its record: no fair claim, no fair_key column (nor its indexes)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DROP FUNCTION fastjobs_fair(text, bigint), fastjobs_fair_keyed(text)")
+        conn.execute("ALTER TABLE fastjobs_jobs_all DROP COLUMN fair_key")
+        conn.execute("ALTER TABLE fastjobs_queues DROP COLUMN fair")
+        conn.execute("DELETE FROM fastjobs_migrations WHERE version >= 9")
+
+
 def roll_back_006(dsn: str) -> None:
-    """Undo what 006 creates and its record: no results table, no keep_result column, 006 pending."""
+    """Undo what 006 (and 009) create and their records: no results table, no keep_result column,
+    006 pending."""
+    roll_back_009(dsn)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("DROP TABLE fastjobs_results")
         conn.execute("ALTER TABLE fastjobs_jobs_all DROP COLUMN keep_result")
