@@ -1,4 +1,4 @@
-"""Fair sharing within a queue (issue 26 §4, migrations/009_fair.sql): keyed jobs are claimed
+"""Fair sharing within a queue (issue 26 §4, migrations/010_fair.sql): keyed jobs are claimed
 round-robin across their keys, on both lanes and loops, by several worker processes."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
--- 009_fair: fair sharing within a queue, round-robin across the jobs' fairness keys.
+-- 010_fair: fair sharing within a queue, round-robin across the jobs' fairness keys.
 --
 -- A job enqueued with a fairness key (@app.job(fair_key=...), or
 -- enqueue(..., fair_key=...)) carries it in fair_key. While a queue has
