@@ -96,6 +96,7 @@ class App(Connected):
         concurrency_key: str | Callable[[dict[str, Any]], Any] | None = None,
         concurrency_limit: int | None = None,
         rate_limit: str | None = None,
+        fair_key: str | Callable[[dict[str, Any]], object] | None = None,
     ) -> Callable[[Callable[P, R]], Job[P, R]]: ...
 
     def job(
@@ -114,6 +115,7 @@ class App(Connected):
         concurrency_key: str | Callable[[dict[str, Any]], Any] | None = None,
         concurrency_limit: int | None = None,
         rate_limit: str | None = None,
+        fair_key: str | Callable[[dict[str, Any]], object] | None = None,
     ) -> Callable[[Callable[P, R]], Job[P, R]] | Job[P, R]:
         """Register a handler (`def` or `async def`); `@app.job` bare is `@app.job()`.
 
@@ -136,6 +138,9 @@ class App(Connected):
         argument's name, or a callable of the args dict) gives each job its
         key, else for the kind as a whole; `limit_key` sets other limits for
         some keys (docs/operations/keys.md).
+        `fair_key` (an argument's name, or a callable of the args dict) gives
+        each job a fairness key, computed at enqueue: its queue's claims take
+        keyed jobs round-robin across keys (docs/operations/queues.md).
         """
         func: Callable[P, R] | None = None
         if callable(kind):  # bare `@app.job`: the function came as `kind`
@@ -174,6 +179,7 @@ class App(Connected):
                 tz=tz,
                 keep_result=keep,
                 limit=limits,
+                fair_key=fair_key,
             )
             self.jobs[name] = spec
             return Job(self, spec)
@@ -311,7 +317,7 @@ class App(Connected):
         opts = enqueue.options(kind, self._spec(kind), **options)
         params = enqueue.insert_params(opts, args)  # bad args fail before a connection is taken
         db: psycopg.Connection[Any] | None = enqueue.adapt(conn)
-        self._backpressure.check(opts.queue, opts.wait_for_room, db)
+        self._backpressure.check(opts.queue, opts.wait_for_room, db, opts.keyed)
         if not self._enqueue_middleware:
             return JobHandle(self._insert(params, db), self)
         if db is not None:
@@ -356,7 +362,7 @@ class App(Connected):
         """
         opts = enqueue.options(kind, self._spec(kind), **options)
         db = self._adapted(conn)
-        self._backpressure.check(opts.queue, opts.wait_for_room, db)
+        self._backpressure.check(opts.queue, opts.wait_for_room, db, opts.keyed)
         if not self._enqueue_middleware:
             count = self._copy(opts, args_iterable, None, db)
         else:
@@ -401,7 +407,7 @@ class App(Connected):
             if conn is None or isinstance(conn, psycopg.AsyncConnection)
             else await enqueue.adapt_async(conn)
         )
-        await self._backpressure.check_async(opts.queue, opts.wait_for_room, db)
+        await self._backpressure.check_async(opts.queue, opts.wait_for_room, db, opts.keyed)
         if not self._enqueue_middleware_async:
             return JobHandle(await self._insert_async(params, db), self)
         if db is not None:
@@ -442,7 +448,7 @@ class App(Connected):
         db: psycopg.AsyncConnection[Any] | None = await enqueue.adapt_async(conn)
         if db is not None:
             enqueue.check_conn(db, psycopg.AsyncConnection)
-        await self._backpressure.check_async(opts.queue, opts.wait_for_room, db)
+        await self._backpressure.check_async(opts.queue, opts.wait_for_room, db, opts.keyed)
         if not self._enqueue_middleware_async:
             count = await self._copy_async(opts, args_iterable, None, db)
         else:

@@ -8,7 +8,7 @@ import hashlib
 import math
 import struct
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -64,6 +64,14 @@ class Options:
     keep_result: int | None = None  # seconds its outcome is kept in fastjobs_results
     wait_for_room: float | None = None  # seconds to wait while the queue is full (fastjobs.queues)
     limit: KeyLimit | None = None  # the kind's limits per key (fastjobs.keys)
+    fair_key: str | None = None  # the call's fairness key, for every job of it
+    # The kind's fairness key: an argument's name, or a callable of the args.
+    fair_by: str | Callable[[dict[str, Any]], object] | None = None
+
+    @property
+    def keyed(self) -> bool:
+        """Whether the jobs may have fairness keys (their queue is marked fair: fastjobs.queues)."""
+        return self.fair_key is not None or self.fair_by is not None
 
 
 # The longest limit key: the key is text, indexed with the kind.
@@ -91,6 +99,33 @@ def limit_key_for(opts: Options, args: dict[str, Any]) -> str | None:
     return key
 
 
+# The longest fairness key (a longer one is a mistake, an args dict, say, that a key costs an index entry of).
+FAIR_KEY_MAX = 256
+
+
+def fair_key_of(value: object) -> str | None:
+    """A fairness key as stored: a string (an int's decimal), or None for no key; ValueError or
+    TypeError saying why for anything else."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, str):
+        raise TypeError(f"a fairness key must be a string or an int, not {type(value).__name__}")
+    if not value or len(value) > FAIR_KEY_MAX:
+        raise ValueError(f"a fairness key must be 1 to {FAIR_KEY_MAX} characters, not {value!r}")
+    return value
+
+
+def fair_key_for(opts: Options, args: dict[str, Any]) -> str | None:
+    """The job's fairness key: the call's, or the one its kind derives from the args (a missing
+    argument, or None, gives none)."""
+    if opts.fair_key is not None or opts.fair_by is None:
+        return opts.fair_key
+    by = opts.fair_by
+    return fair_key_of(args.get(by) if isinstance(by, str) else by(args))
+
+
 def unique_key_for(opts: Options, args: dict[str, Any]) -> str | None:
     """The job's unique key: the explicit one, or one derived from the args the kind names."""
     if opts.unique_key is not None or not opts.unique:
@@ -113,6 +148,7 @@ def options(
     unique_key: str | None = None,
     keep_result: float | dt.timedelta | None = None,
     wait_for_room: float | None = None,
+    fair_key: str | int | None = None,
 ) -> Options:
     """Validate everything but the arguments; each bad value raises with its reason."""
     if unique_key is not None and (not isinstance(unique_key, str) or not unique_key):
@@ -173,6 +209,8 @@ def options(
         keep,
         wait_for_room,
         spec.limit if spec else None,
+        fair_key_of(fair_key),
+        spec.fair_key if spec else None,
     )
 
 
@@ -297,10 +335,27 @@ class InsertParams(NamedTuple):
     limit_key: str | None = None  # its limits per key (fastjobs.keys): sql.job_insert's $11 to $13
     limit_concurrency: int | None = None
     limit_rate: float | None = None
+    fair_key: str | None = None  # its fairness key: sql.job_insert's $14
 
     def due_now(self) -> bool:
-        """Whether sql.job_insert_now can take the job: due now, no unique key, no limit key."""
-        return self.run_at is None and not self.delay and self.unique_key is None and self.limit_key is None
+        """Whether sql.job_insert_now can take the job: due now, no unique, limit or fairness key."""
+        return (
+            self.run_at is None
+            and not self.delay
+            and self.unique_key is None
+            and self.limit_key is None
+            and self.fair_key is None
+        )
+
+    def direct(self, sql: ModuleType) -> tuple[str, tuple[Any, ...]] | None:
+        """The plain INSERT of a job due now without a unique or limit key and its parameters:
+        sql.job_insert_now, or sql.job_insert_now_fair with a fairness key; None for the others
+        (sql.job_insert's: keyed jobs live in slot 0)."""
+        if self.run_at is not None or self.delay or self.unique_key is not None or self.limit_key is not None:
+            return None
+        if self.fair_key is None:
+            return sql.job_insert_now, self.now()
+        return sql.job_insert_now_fair, (*self.now(), self.fair_key)
 
     def now(self) -> tuple[str, str, str, int, int, str | None, int | None]:
         """sql.job_insert_now's parameters."""
@@ -323,6 +378,7 @@ def insert_params(opts: Options, args: Any, meta: bytes | None = None) -> Insert
     data = core.dump_args(opts.kind, args, opts.params, opts.required)
     key = unique_key_for(opts, args) if opts.unique_key or opts.unique else None
     limit = opts.limit
+    fair = fair_key_for(opts, args) if opts.keyed else None
     return InsertParams(
         opts.queue,
         opts.kind,
@@ -337,6 +393,7 @@ def insert_params(opts: Options, args: Any, meta: bytes | None = None) -> Insert
         limit_key_for(opts, args),
         None if limit is None else limit.concurrency,
         None if limit is None else limit.rate,
+        fair,
     )
 
 
@@ -407,8 +464,9 @@ def insert(conn: psycopg.Connection[Any], params: InsertParams, sql: ModuleType 
     # Tuples whatever the caller's connection's row factory (dict_row made
     # row[0] a KeyError after the INSERT ran: a caller retrying enqueued twice).
     with schema.required(sql.SCHEMA), psycopg.RawCursor(conn, row_factory=tuple_row) as cur:
-        if params.due_now():
-            row = cur.execute(sql.job_insert_now, params.now()).fetchone()
+        direct = params.direct(sql)
+        if direct is not None:
+            row = cur.execute(*direct).fetchone()
             assert row is not None
             return int(row[0])
         for _ in range(_UNIQUE_TRIES):
@@ -425,8 +483,9 @@ async def insert_async(
 ) -> int:
     with schema.required(sql.SCHEMA):
         async with psycopg.AsyncRawCursor(conn, row_factory=tuple_row) as cur:
-            if params.due_now():
-                await cur.execute(sql.job_insert_now, params.now())
+            direct = params.direct(sql)
+            if direct is not None:
+                await cur.execute(*direct)
                 row = await cur.fetchone()
                 assert row is not None
                 return int(row[0])
@@ -512,10 +571,40 @@ def _atomic(conn: psycopg.Connection[Any]) -> contextlib.AbstractContextManager[
 _NULL = (-1).to_bytes(4, "big", signed=True)
 
 
+def _text_field(text: str | None) -> bytes:
+    """A binary COPY text field: NULL, or the text."""
+    return _NULL if text is None else _field(text.encode())
+
+
+def _row_chunks(
+    opts: Options, rows: Iterable[Any], prefix: bytes, fields: Callable[[dict[str, Any], bytes], list[bytes]]
+) -> Iterator[tuple[bytes, int]]:
+    """COPY data of rows built here, one by one: each is `prefix` then what `fields` makes of its
+    args and their JSON (for the columns that differ from row to row, computed from the args)."""
+    parts: list[bytes] = []
+    count = 0
+    for args in rows if opts.args_schema is None else opts.args_schema.encode_rows(rows):
+        data = core.dump_args(opts.kind, args, opts.params, opts.required)
+        parts.append(prefix)
+        parts += fields(dict(args), data)
+        count += 1
+        if count == COPY_CHUNK:
+            yield b"".join(parts), count
+            parts, count = [], 0
+    if count:
+        yield b"".join(parts), count
+
+
+def _args_field(data: bytes) -> list[bytes]:
+    """The binary COPY jsonb field of a row's args, in parts."""
+    return [(len(data) + 1).to_bytes(4, "big"), b"\x01", data]
+
+
 def _staged_chunks(opts: Options, rows: Iterable[Any], meta: bytes | None) -> Iterator[tuple[bytes, int]]:
-    """COPY data for fastjobs_staged: like copy_layout's, plus each row's unique key and limits."""
+    """COPY data for fastjobs_staged: like copy_layout's, plus each row's unique key, limits per key
+    and fairness key."""
     _, prefix, suffix = _layout(opts, dt.datetime.now(dt.UTC))
-    prefix = (13).to_bytes(2, "big") + prefix[2:]
+    prefix = (14).to_bytes(2, "big") + prefix[2:]
     if len(suffix) == 12:  # priority and max_attempts only: state and run_at are NULL (defaults)
         suffix += _NULL + _NULL
     meta_field = _keep_field(opts) + _jsonb_field(meta)
@@ -525,22 +614,41 @@ def _staged_chunks(opts: Options, rows: Iterable[Any], meta: bytes | None) -> It
         limits = (_NULL if limit.concurrency is None else _field(limit.concurrency.to_bytes(4, "big"))) + (
             _NULL if limit.rate is None else _field(struct.pack(">d", limit.rate))
         )
-    parts: list[bytes] = []
-    count = 0
-    for args in rows if opts.args_schema is None else opts.args_schema.encode_rows(rows):
-        data = core.dump_args(opts.kind, args, opts.params, opts.required)
-        key = unique_key_for(opts, dict(args))
-        key_field = _NULL if key is None else _field(key.encode())
-        limit_key = limit_key_for(opts, dict(args))
-        limit_field = _NULL if limit_key is None else _field(limit_key.encode())
-        parts += (prefix, (len(data) + 1).to_bytes(4, "big"), b"\x01", data, suffix, key_field, meta_field)
-        parts += (limit_field, limits)
-        count += 1
-        if count == COPY_CHUNK:
-            yield b"".join(parts), count
-            parts, count = [], 0
-    if count:
-        yield b"".join(parts), count
+
+    def fields(args: dict[str, Any], data: bytes) -> list[bytes]:
+        key = _text_field(unique_key_for(opts, args))
+        limit_key = _text_field(limit_key_for(opts, args))
+        fair = _text_field(fair_key_for(opts, args))
+        return [*_args_field(data), suffix, key, meta_field, limit_key, limits, fair]
+
+    return _row_chunks(opts, rows, prefix, fields)
+
+
+def _fair_copy(
+    opts: Options, rows: Iterable[Any], meta: bytes | None, sql: ModuleType
+) -> tuple[str, Iterator[tuple[bytes, int]]]:
+    """The COPY of jobs with a fairness key (sql.job_copy_fair, job_copy_at_fair) and its data: a
+    call's own key ends every row's suffix; a kind's is computed from each row's args."""
+    statement, prefix, suffix = copy_layout(opts, dt.datetime.now(dt.UTC), meta, sql)
+    statement = sql.job_copy_fair if statement == sql.job_copy else sql.job_copy_at_fair
+    prefix = (int.from_bytes(prefix[:2], "big") + 1).to_bytes(2, "big") + prefix[2:]
+    if opts.fair_key is not None or opts.fair_by is None:
+        return statement, _chunks(opts, rows, prefix, suffix + _text_field(opts.fair_key))
+
+    def fields(args: dict[str, Any], data: bytes) -> list[bytes]:
+        return [*_args_field(data), suffix, _text_field(fair_key_for(opts, args))]
+
+    return statement, _row_chunks(opts, rows, prefix, fields)
+
+
+def _copy_of(
+    opts: Options, rows: Iterable[Any], meta: bytes | None, sql: ModuleType
+) -> tuple[str, Iterator[tuple[bytes, int]]]:
+    """The COPY statement of a bulk enqueue without unique keys, and its data."""
+    if opts.keyed:
+        return _fair_copy(opts, rows, meta, sql)
+    statement, prefix, suffix = copy_layout(opts, dt.datetime.now(dt.UTC), meta, sql)
+    return statement, _chunks(opts, rows, prefix, suffix)
 
 
 def copy_many(
@@ -552,8 +660,7 @@ def copy_many(
 ) -> int:
     if opts.unique or opts.limit:  # each row's own key: through the staging table
         return _copy_staged(conn, opts, rows, meta, sql)
-    statement, prefix, suffix = copy_layout(opts, dt.datetime.now(dt.UTC), meta, sql)
-    chunks = _chunks(opts, rows, prefix, suffix)
+    statement, chunks = _copy_of(opts, rows, meta, sql)
     first = next(chunks, None)  # bad args in the first chunk fail before the COPY starts
     if first is None:
         return 0
@@ -630,8 +737,7 @@ async def copy_many_async(
 ) -> int:
     if opts.unique or opts.limit:
         return await _copy_staged_async(conn, opts, rows, meta, sql)
-    statement, prefix, suffix = copy_layout(opts, dt.datetime.now(dt.UTC), meta, sql)
-    chunks = _chunks(opts, rows, prefix, suffix)
+    statement, chunks = _copy_of(opts, rows, meta, sql)
     first = next(chunks, None)
     if first is None:
         return 0

@@ -47,6 +47,7 @@ class BulkOptions(TypedDict, total=False):
     max_attempts: int | None
     keep_result: float | dt.timedelta | None  # seconds the outcome is kept (App.result)
     wait_for_room: float | None  # seconds to wait while the queue is at its max_backlog (else QueueFull)
+    fair_key: str | int | None  # the jobs' fairness key, in place of the kind's (fair_key=)
 
 
 class EnqueueOptions(BulkOptions, total=False):
@@ -224,9 +225,11 @@ def spec_of(
     tz: str | None,
     keep_result: int | None,
     limit: KeyLimit | None = None,
+    fair_key: str | Callable[[dict[str, Any]], object] | None = None,
 ) -> JobSpec:
     """The spec `func` is registered with as kind `name`: its signature and annotations read, and
-    checked against `cron` (a cron job takes no args) and `unique` (keys are its arguments)."""
+    checked against `cron` (a cron job takes no args), `unique` (keys are its arguments) and
+    `fair_key` (an argument's name, or a callable of the args)."""
     params, required = signature(func)
     args_schema = typed.schema(name, func)  # an annotation it cannot store fails here
     if cron is not None and required:
@@ -236,6 +239,11 @@ def spec_of(
     by = limit.key if limit is not None else None
     if isinstance(by, str) and params is not None and by not in params:
         raise TypeError(f"{name}: concurrency_key= names {by!r}, not an argument of it")
+    if isinstance(fair_key, str):
+        if params is not None and fair_key not in params:
+            raise TypeError(f"{name}: fair_key= names {fair_key!r}, not an argument of it")
+    elif fair_key is not None and not callable(fair_key):
+        raise TypeError(f"{name}: fair_key= must be an argument's name or a callable of the args dict")
     return JobSpec(
         kind=name,
         func=func,
@@ -253,4 +261,5 @@ def spec_of(
         args_schema=args_schema,
         keep_result=keep_result,
         limit=limit,
+        fair_key=fair_key,
     )

@@ -201,7 +201,8 @@ class Backpressure:
     waits up to `wait` seconds for room, looking again every WAIT_STEP, and
     raises QueueFull if none came. The enqueues held back are counted and
     added to the queue's held_back at the next read, or at once when the
-    producer gives up.
+    producer gives up. With `fair` (the enqueue's jobs have fairness keys) it
+    also marks the queue fair, once per queue and process (sql.queue_fair).
     """
 
     def __init__(
@@ -217,13 +218,18 @@ class Backpressure:
         self._read_at = -REFRESH
         self._held: Counter[str] = Counter()
         self._lock = threading.Lock()
+        self._fair: set[str] = set()  # the queues this process marked fair
 
-    def check(self, queue: str, wait: float | None, conn: psycopg.Connection[Any] | None = None) -> None:
+    def check(
+        self, queue: str, wait: float | None, conn: psycopg.Connection[Any] | None = None, fair: bool = False
+    ) -> None:
         """Return once `queue` has room (at once unless it is full); QueueFull after `wait` seconds.
 
         The read goes through fastjobs' own pool, or `conn` (the caller's)
-        when the App has no DSN of its own.
+        when the App has no DSN of its own; so does the mark of a fair queue.
         """
+        if fair and queue not in self._fair:
+            self._mark(queue, conn)
         if time.monotonic() - self._read_at >= REFRESH:
             self._refresh(conn, force=False)
         if queue not in self._full:
@@ -241,9 +247,15 @@ class Backpressure:
             raise
 
     async def check_async(
-        self, queue: str, wait: float | None, conn: psycopg.AsyncConnection[Any] | None = None
+        self,
+        queue: str,
+        wait: float | None,
+        conn: psycopg.AsyncConnection[Any] | None = None,
+        fair: bool = False,
     ) -> None:
         """`check` for coroutines; two concurrent reads may both go to the database."""
+        if fair and queue not in self._fair:
+            await self._mark_async(queue, conn)
         if time.monotonic() - self._read_at >= REFRESH:
             await self._refresh_async(conn)
         if queue not in self._full:
@@ -273,6 +285,30 @@ class Backpressure:
                         caller.transaction()
                     ):  # a savepoint: a failed read leaves the caller's transaction be
                         self._read(caller)
+
+    def _mark(self, queue: str, caller: psycopg.Connection[Any] | None) -> None:
+        with schema.required(self.sql.SCHEMA):
+            try:
+                with self._connection() as own, _cursor(own) as cur:
+                    cur.execute(self.sql.queue_fair, (queue,))
+            except ConfigurationError:
+                if caller is None:
+                    raise
+                with caller.transaction(), _cursor(caller) as cur:
+                    cur.execute(self.sql.queue_fair, (queue,))
+        self._fair.add(queue)
+
+    async def _mark_async(self, queue: str, caller: psycopg.AsyncConnection[Any] | None) -> None:
+        with schema.required(self.sql.SCHEMA):
+            try:
+                async with self._connection_async() as own, psycopg.AsyncRawCursor(own) as cur:
+                    await cur.execute(self.sql.queue_fair, (queue,))
+            except ConfigurationError:
+                if caller is None:
+                    raise
+                async with caller.transaction(), psycopg.AsyncRawCursor(caller) as cur:
+                    await cur.execute(self.sql.queue_fair, (queue,))
+        self._fair.add(queue)
 
     def _read(self, conn: psycopg.Connection[Any]) -> None:
         """Read the full queues, and report the enqueues held back since the last read (under the lock)."""

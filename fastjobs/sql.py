@@ -300,14 +300,17 @@ UNIQUE_STATES: Final = "state IN ('available', 'scheduled', 'running', 'retryabl
 # without a key go through the parent into the current rotating slot.
 
 
-def _columns(*, at: bool, key: bool) -> str:
+def _columns(*, at: bool, key: bool, fair: bool = False) -> str:
     """The columns an insert writes, in the order of its values (and of encode_copy_rows's COPY rows):
     a job due now takes the table's defaults for the rest; one due at a time of its own has its state
-    and run_at; a keyed one its unique key too."""
+    and run_at; a keyed one its unique key too; one with a fairness key (`fair`) that key, last."""
     scheduled = ", state, run_at" if at else ""
     keyed = ", unique_key" if key else ""
     limited = f", {_LIMIT_COLUMNS}" if key else ""
-    return f"queue, kind, args, priority, max_attempts{scheduled}{keyed}, keep_result, meta{limited}"
+    fair_key = ", fair_key" if fair else ""
+    return (
+        f"queue, kind, args, priority, max_attempts{scheduled}{keyed}, keep_result, meta{limited}{fair_key}"
+    )
 
 
 # A job's limits per key (migrations/009_keys.sql): its key and the limits its kind declared. Written
@@ -315,9 +318,10 @@ def _columns(*, at: bool, key: bool) -> str:
 _LIMIT_COLUMNS: Final = "limit_key, limit_concurrency, limit_rate"
 
 
-def _copy(*, into: str, at: bool, key: bool) -> str:
-    """A binary COPY of jobs into `into`; rows are encoded by fastjobs._core.encode_copy_rows."""
-    return f"COPY {into} ({_columns(at=at, key=key)}) FROM STDIN (FORMAT BINARY)"
+def _copy(*, into: str, at: bool, key: bool, fair: bool = False) -> str:
+    """A binary COPY of jobs into `into`; rows are encoded by fastjobs._core.encode_copy_rows (and
+    fastjobs.enqueue, which appends each row's fairness key with `fair`)."""
+    return f"COPY {into} ({_columns(at=at, key=key, fair=fair)}) FROM STDIN (FORMAT BINARY)"
 
 
 # A key already taken inserts nothing: the conflict names the partial unique index by its predicate.
@@ -328,14 +332,14 @@ _SKIP_TAKEN_KEYS: Final = f"""ON CONFLICT (unique_key)
 # job_insert: one job, into slot 0 (fastjobs_jobs); scheduled when its run_at
 # ($6, or now + $7 seconds) is in the future; $9 its meta (enqueue
 # middleware's, or NULL), $10 its keep_result (seconds, or NULL), $11 to $13
-# its limit key, concurrency and rate (_LIMIT_COLUMNS, or NULL). With a
-# unique key ($8) already taken, nothing is inserted and no row returned
-# (job_get_unique then finds the holder).
+# its limit key, concurrency and rate (_LIMIT_COLUMNS, or NULL), $14 its
+# fairness key (or NULL). With a unique key ($8) already taken, nothing is
+# inserted and no row returned (job_get_unique then finds the holder).
 job_insert: Final = f"""
-INSERT INTO {_S}fastjobs_jobs ({_columns(at=True, key=True)})
+INSERT INTO {_S}fastjobs_jobs ({_columns(at=True, key=True, fair=True)})
 SELECT $1, $2, $3::jsonb, $4, $5,
        CASE WHEN t.run_at > now() THEN 'scheduled' ELSE 'available' END::{_S}fastjobs_state,
-       t.run_at, $8, $10::int4, $9::jsonb, $11, $12::int4, $13::float8
+       t.run_at, $8, $10::int4, $9::jsonb, $11, $12::int4, $13::float8, $14::text
   FROM (SELECT coalesce($6::timestamptz,
                         now() + make_interval(secs => coalesce($7::float8, 0)))) AS t(run_at)
 {_SKIP_TAKEN_KEYS}
@@ -353,6 +357,12 @@ INSERT INTO {_S}fastjobs_jobs_all ({_columns(at=False, key=False)})
 VALUES ($1, $2, $3::jsonb, $4, $5, $7::int4, $6::jsonb)
 RETURNING id"""
 
+# job_insert_now_fair: job_insert_now's job with a fairness key ($8).
+job_insert_now_fair: Final = f"""
+INSERT INTO {_S}fastjobs_jobs_all ({_columns(at=False, key=False, fair=True)})
+VALUES ($1, $2, $3::jsonb, $4, $5, $7::int4, $6::jsonb, $8)
+RETURNING id"""
+
 # job_get_unique: the pending or running job holding unique key $1 (only slot 0 holds keys).
 job_get_unique: Final = f"""
 SELECT id FROM {_S}fastjobs_jobs
@@ -363,22 +373,22 @@ SELECT id FROM {_S}fastjobs_jobs
 _STAGED: Final = "fastjobs_staged" if SCHEMA is None else f'pg_temp."fastjobs_staged_{SCHEMA}"'
 
 # job_copy_staged: bulk unique jobs go through a temporary table, since COPY cannot skip conflicts.
-job_copy_staged: Final = _copy(into=_STAGED, at=True, key=True)
+job_copy_staged: Final = _copy(into=_STAGED, at=True, key=True, fair=True)
 
 # job_stage_create: the session's staging table for bulk unique enqueues, emptied at commit.
 job_stage_create: Final = f"""
 CREATE TEMP TABLE IF NOT EXISTS {_STAGED} (
     queue text, kind text, args jsonb, priority smallint, max_attempts smallint,
     state {_S}fastjobs_state, run_at timestamptz, unique_key text, keep_result integer, meta jsonb,
-    limit_key text, limit_concurrency integer, limit_rate float8
+    limit_key text, limit_concurrency integer, limit_rate float8, fair_key text
 ) ON COMMIT DELETE ROWS"""
 
 # job_insert_staged: move staged jobs in, skipping keys already taken; one statement, one notification.
 job_insert_staged: Final = f"""
-INSERT INTO {_S}fastjobs_jobs ({_columns(at=True, key=True)})
+INSERT INTO {_S}fastjobs_jobs ({_columns(at=True, key=True, fair=True)})
 SELECT queue, kind, args, priority, max_attempts,
        coalesce(state, 'available'), coalesce(run_at, now()), unique_key, keep_result, meta,
-       {_LIMIT_COLUMNS}
+       {_LIMIT_COLUMNS}, fair_key
   FROM {_STAGED}
 {_SKIP_TAKEN_KEYS}"""
 
@@ -390,6 +400,9 @@ job_copy: Final = _copy(into=f"{_S}fastjobs_jobs_all", at=False, key=False)
 
 # job_copy_at: bulk insert of jobs that all share one run_at (and state), into slot 0.
 job_copy_at: Final = _copy(into=f"{_S}fastjobs_jobs", at=True, key=False)
+# job_copy_fair, job_copy_at_fair: the same two for jobs with a fairness key, each row's last.
+job_copy_fair: Final = _copy(into=f"{_S}fastjobs_jobs_all", at=False, key=False, fair=True)
+job_copy_at_fair: Final = _copy(into=f"{_S}fastjobs_jobs", at=True, key=False, fair=True)
 
 
 _section("Claims")
@@ -438,7 +451,8 @@ class _Choice:
 
     def where(self, *, queue: str, limit: str, first: int, fast: bool = False, ending: str = "") -> str:
         """Up to `limit` available jobs of `queue` due now, in claim order, skipping rows others hold;
-        none while the queue is paused; with a concurrency or rate limit, no more than fastjobs_room
+        none while the queue is paused, or is marked fair and has keyed jobs available (then
+        select's fastjobs_fair takes them); with a concurrency or rate limit, no more than fastjobs_room
         allows on the state lane (`fast`: none, since a job in flight there is not counted as running),
         whose count leaves out the jobs a finish statement ends (`ending`: its worker, completed ids
         and outcome records, which the count cannot see: they are this statement's own writes).
@@ -450,21 +464,49 @@ class _Choice:
                 f" AND priority = ${first}\n   AND run_at >= timestamptz '2000-01-01 00:00:00+00'"
                 f" + (${first + 1}::int8 - {CLAIM_MARK_MARGIN}) * interval '1 microsecond'"
             )
-        limits = "concurrency IS NOT NULL OR rate IS NOT NULL"
-        keyless = ""
-        limited = f"SELECT FROM {_S}fastjobs_queues WHERE name = {queue} AND ({limits})"
-        if fast:
-            stopped = f"(paused_at IS NOT NULL OR {limits})"
-            keyless = "\n   AND limit_key IS NULL"  # a keyed job in flight there would not be counted
-        else:
-            stopped = "paused_at IS NOT NULL"
-            room = f"{_S}fastjobs_room({queue}, {limit}{ending})"
-            limit = f"CASE WHEN EXISTS ({limited})\n            THEN {room} ELSE {limit} END"
+        stopped, limit = _stopped_and_room(queue=queue, limit=limit, fast=fast, ending=ending)
+        keyless = (
+            "\n   AND limit_key IS NULL" if fast else ""
+        )  # a keyed job in flight there would not be counted
+        fair = f"fair AND {_S}fastjobs_fair_keyed(name)"  # of the row: asked only when it is marked
         return f""" WHERE state = 'available' AND queue = {queue} AND run_at <= now(){after}{keyless}
-   AND NOT EXISTS (SELECT FROM {_S}fastjobs_queues WHERE name = {queue} AND {stopped})
+   AND NOT EXISTS (SELECT FROM {_S}fastjobs_queues WHERE name = {queue} AND ({stopped} OR {fair}))
  ORDER BY priority DESC, run_at, id
  LIMIT {limit}
    FOR UPDATE SKIP LOCKED"""
+
+    def select(
+        self, columns: str, *, queue: str, limit: str, first: int, fast: bool = False, ending: str = ""
+    ) -> str:
+        """The `columns` of the jobs `where` takes (`where`'s parameters), or, while the queue has
+        jobs with a fairness key available, of those fastjobs_fair takes instead: round-robin across
+        keys, the mark aside (a fair claim starts at each key's front). Which, the queue's row says
+        (each branch's one-time filter, the lookup of the paused test): a queue never given a keyed
+        job (queue_fair marks it) claims as before; one marked asks fastjobs_fair_keyed too, a probe
+        of the index of keyed jobs, planned once per session (a function)."""
+        plain = self.where(queue=queue, limit=limit, first=first, fast=fast, ending=ending)
+        stopped, limit = _stopped_and_room(queue=queue, limit=limit, fast=fast, ending=ending)
+        keyless = (
+            "\n   AND limit_key IS NULL" if fast else ""
+        )  # as in where: limits per key are counted on the state lane
+        return f"""SELECT * FROM (
+  SELECT {columns} FROM {_S}fastjobs_jobs_all
+  {_indent(plain, 2)}) AS queued
+UNION ALL
+SELECT {columns} FROM {_S}fastjobs_fair({queue}, {limit})
+ WHERE EXISTS (SELECT FROM {_S}fastjobs_queues
+                WHERE name = {queue} AND fair AND NOT {stopped} AND {_S}fastjobs_fair_keyed(name)){keyless}"""
+
+
+def _stopped_and_room(*, queue: str, limit: str, fast: bool, ending: str) -> tuple[str, str]:
+    """What stops every claim of `queue` (a condition on its fastjobs_queues row) and how many it may
+    take (`limit`, or fastjobs_room's figure under a limit): see _Choice.where."""
+    limits = "concurrency IS NOT NULL OR rate IS NOT NULL"
+    if fast:
+        return f"(paused_at IS NOT NULL OR {limits})", limit
+    limited = f"SELECT FROM {_S}fastjobs_queues WHERE name = {queue} AND ({limits})"
+    room = f"{_S}fastjobs_room({queue}, {limit}{ending})"
+    return "paused_at IS NOT NULL", f"CASE WHEN EXISTS ({limited})\n            THEN {room} ELSE {limit} END"
 
 
 _FROM_THE_FRONT: Final = _Choice()
@@ -485,13 +527,15 @@ def _claim(
     """The state lane's claim: the jobs `choice` takes become running for `worker`, their attempt
     counted. The ids go through ARRAY(...): joined as a subquery instead, a large batch makes the
     planner hash-join it against a Seq Scan of the whole table."""
+    candidates = choice.select(
+        f"id, kind, {_LIMIT_COLUMNS}", queue=queue, limit=limit, first=first, ending=ending
+    )
     return f"""UPDATE {_S}fastjobs_jobs_all j
    SET state = 'running', attempt = {_next_attempt("j")},
        attempted_at = now(), attempted_by = {worker}
  WHERE j.id = ANY(ARRAY(
            WITH c AS (
-               SELECT id, kind, {_LIMIT_COLUMNS} FROM {_S}fastjobs_jobs_all
-               {_indent(choice.where(queue=queue, limit=limit, first=first, ending=ending), 15)})
+               {_indent(candidates, 15)})
            SELECT id FROM c WHERE limit_key IS NULL
            UNION ALL
            {_indent(_keyed(worker=worker, ended=ended), 11)}))
@@ -514,10 +558,8 @@ def _lock(*, choice: _Choice, context: bool) -> str:
     """The fast lane's claim: lock up to $2 available jobs of queue $1 (the choice's parameters from
     $3); nothing is written. The attempt returned is the one this run makes (counted when its outcome
     is written)."""
-    return f"""
-SELECT {_returned(context=context, attempt=f"({_next_attempt('')})::smallint")}
-  FROM {_S}fastjobs_jobs_all
-{choice.where(queue="$1", limit="$2", first=3, fast=True)}"""
+    columns = _returned(context=context, attempt=f"({_next_attempt('')})::smallint")
+    return "\n" + choice.select(columns, queue="$1", limit="$2", first=3, fast=True)
 
 
 # job_claim_many: take up to $2 available jobs of queue $1 for worker $3, in
@@ -1311,6 +1353,13 @@ SELECT name, paused_at, concurrency, rate_limit, max_backlog, backlog, held_back
   FROM {_S}fastjobs_queues
  ORDER BY name"""
 
+# queue_fair: mark queue $1 fair: a producer process enqueueing its first keyed
+# jobs into it says so once (fastjobs.queues.FairQueues); from then on its claims
+# ask fastjobs_fair_keyed whether keyed jobs wait (sql._Choice.select).
+queue_fair: Final = f"""
+INSERT INTO {_S}fastjobs_queues AS q (name, fair) VALUES ($1, true)
+ON CONFLICT (name) DO UPDATE SET fair = true, updated_at = now() WHERE NOT q.fair"""
+
 # queue_limited: the queues with a concurrency limit, which a worker's
 # heartbeat reads so its loop claims them a wave at a time (fastjobs.planner).
 queue_limited: Final = f"SELECT name FROM {_S}fastjobs_queues WHERE concurrency IS NOT NULL"
@@ -1593,7 +1642,7 @@ slot_lock: Final = "LOCK TABLE {partition} IN ACCESS EXCLUSIVE MODE"
 _ROW: Final = (
     ("id", "queue", "kind", "args", "priority", "state", "run_at", "attempt", "max_attempts"),
     ("created_at", "attempted_at", "finalized_at", "attempted_by", "errors", "unique_key"),
-    ("meta", "crashes", "cancel_requested", "keep_result"),
+    ("meta", "crashes", "cancel_requested", "keep_result", "fair_key"),
 )
 
 
@@ -1931,6 +1980,8 @@ NOT_PREPARABLE: Final = frozenset(
         "fast_rollback",
         "job_copy",
         "job_copy_at",
+        "job_copy_fair",
+        "job_copy_at_fair",
         "job_copy_staged",
         "job_stage_create",
         "migration_table_create",

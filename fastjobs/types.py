@@ -101,6 +101,8 @@ class JobSpec:
     keep_result: int | None = None
     # Its concurrency and rate limits per key or for the kind as a whole (None: none).
     limit: KeyLimit | None = None
+    # Its jobs' fairness key: an argument's name, or a callable of the args dict (None: no key).
+    fair_key: str | Callable[[dict[str, Any]], object] | None = None
 
     @property
     def target(self) -> Callable[..., Any]:

@@ -246,8 +246,19 @@ CREATE TABLE IF NOT EXISTS u (x int);
 # --- migrations on a live system -----------------------------------------------------------------
 
 
+def roll_back_010(dsn: str) -> None:
+    """Undo what 010 creates and its record: no fair claim, no fair_key column (nor its indexes)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DROP FUNCTION fastjobs_fair(text, bigint), fastjobs_fair_keyed(text)")
+        conn.execute("ALTER TABLE fastjobs_jobs_all DROP COLUMN fair_key")
+        conn.execute("ALTER TABLE fastjobs_queues DROP COLUMN fair")
+        conn.execute("DELETE FROM fastjobs_migrations WHERE version >= 10")
+
+
 def roll_back_009(dsn: str) -> None:
-    """Undo what 009 adds to the jobs table (its index and checks go with the columns) and its record."""
+    """Undo what 009 and 010 add to the jobs table (009's index and checks go with its columns) and
+    their records."""
+    roll_back_010(dsn)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(
             "ALTER TABLE fastjobs_jobs_all DROP COLUMN limit_key, DROP COLUMN limit_concurrency,"
@@ -257,7 +268,7 @@ def roll_back_009(dsn: str) -> None:
 
 
 def roll_back_006(dsn: str) -> None:
-    """Undo what 006 and 009 create and their records: no results table, no keep_result column."""
+    """Undo what 006, 009 and 010 create and their records: no results table, no keep_result column."""
     roll_back_009(dsn)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("DROP TABLE fastjobs_results")
@@ -576,6 +587,7 @@ def test_005_applies_live_under_workers_and_producers_of_004_which_keep_working(
             "007_queues",
             "008_samples",
             "009_keys",
+            "010_fair",
         ]
         after, produced = len(completed), inserted["plain"]
         wait_for(lambda: len(completed) > after + 200, "the old worker to go on draining on 005")
