@@ -314,3 +314,28 @@ def test_failed_snoozed_and_cancelled_jobs_free_their_key_s_place(
         loop.finish()
     assert calls == [0, 1, 2, 3]
     assert by_state(dsn) == {"retryable": 1, "scheduled": 1, "cancelled": 1}
+
+
+@pytest.mark.parametrize("fast_lane", [True, False])
+def test_a_kind_limited_per_key_and_shared_fairly_keeps_both(app: App, dsn: str, fast_lane: bool) -> None:
+    """A kind with a fairness key and a limit per key: A's backlog, enqueued first, does not hold B's
+    jobs back (the fair claim takes both keys), and no claim takes more of a key than its limit
+    leaves (the limit counts them on the state lane, whatever the loop's lane)."""
+    app.job(kind="warm")(lambda: None)
+    ran: list[tuple[str, int]] = []
+    both = app.job(kind="k", fair_key="tenant", concurrency_key="tenant", concurrency_limit=2)(
+        lambda tenant, n: ran.append((tenant, n))
+    )
+    with batch_loop(app, 100, fast_lane=fast_lane, overlap=False) as loop:
+        warm(app, loop)
+        both.enqueue_many([{"tenant": "A", "n": n} for n in range(300)])
+        both.enqueue_many([{"tenant": "B", "n": n} for n in range(5)])
+        assert loop.step() == 4  # 2 of each key: B's are not behind A's 300 (a claim's 100 candidates)
+        assert Counter(t for t, _ in ran) == {"A": 2, "B": 2}
+        while loop.step():
+            pass
+        loop.finish()
+        assert loop.fast == 0
+    assert [n for t, n in ran if t == "A"] == list(range(300))
+    assert [n for t, n in ran if t == "B"] == list(range(5))
+    assert by_state(dsn) == {}
