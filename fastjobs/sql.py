@@ -432,6 +432,12 @@ _section("Claims")
 _CLAIMED: Final = ("id", "kind", "args", "attempt", "max_attempts", "priority", "run_at", "keep_result")
 _CONTEXT: Final = ("meta", "created_at")
 
+# Claim order: which jobs a claim takes, and the order a batch runs in (DESIGN: higher priority
+# first, FIFO by run_at, id inside one). The candidates are read in that order, but an UPDATE
+# returns its rows as it finds them by id, and a fair claim's as its keys take turns: every claim
+# sorts what it returns (_in_claim_order), at most a batch of rows in memory.
+_CLAIM_ORDER: Final = "priority DESC, run_at, id"
+
 
 def _returned(*, context: bool, row: str = "", attempt: str = "") -> str:
     """The claimed columns, of table alias `row` if given; `attempt` in place of the attempt column."""
@@ -471,7 +477,7 @@ class _Choice:
         fair = f"fair AND {_S}fastjobs_fair_keyed(name)"  # of the row: asked only when it is marked
         return f""" WHERE state = 'available' AND queue = {queue} AND run_at <= now(){after}{keyless}
    AND NOT EXISTS (SELECT FROM {_S}fastjobs_queues WHERE name = {queue} AND ({stopped} OR {fair}))
- ORDER BY priority DESC, run_at, id
+ ORDER BY {_CLAIM_ORDER}
  LIMIT {limit}
    FOR UPDATE SKIP LOCKED"""
 
@@ -513,6 +519,11 @@ _FROM_THE_FRONT: Final = _Choice()
 _AFTER_THE_MARK: Final = _Choice(after=True)
 
 
+def _in_claim_order(rows: str, *, context: bool) -> str:
+    """The claimed columns of `rows` (the claimed CTE, or the locked rows as a subquery), in claim order."""
+    return f"SELECT {_returned(context=context)} FROM {rows}\n ORDER BY {_CLAIM_ORDER}"
+
+
 def _claim(
     *,
     queue: str,
@@ -525,8 +536,9 @@ def _claim(
     ended: tuple[str, str] = ("NULL", "NULL"),
 ) -> str:
     """The state lane's claim: the jobs `choice` takes become running for `worker`, their attempt
-    counted. The ids go through ARRAY(...): joined as a subquery instead, a large batch makes the
-    planner hash-join it against a Seq Scan of the whole table."""
+    counted; an UPDATE, the CTE `claimed` of a statement that returns it _in_claim_order. The ids
+    go through ARRAY(...): joined as a subquery instead, a large batch makes the planner hash-join
+    it against a Seq Scan of the whole table."""
     candidates = choice.select(
         f"id, kind, {_LIMIT_COLUMNS}", queue=queue, limit=limit, first=first, ending=ending
     )
@@ -556,18 +568,21 @@ def _keyed(*, worker: str, ended: tuple[str, str]) -> str:
 
 def _lock(*, choice: _Choice, context: bool) -> str:
     """The fast lane's claim: lock up to $2 available jobs of queue $1 (the choice's parameters from
-    $3); nothing is written. The attempt returned is the one this run makes (counted when its outcome
-    is written)."""
-    columns = _returned(context=context, attempt=f"({_next_attempt('')})::smallint")
-    return "\n" + choice.select(columns, queue="$1", limit="$2", first=3, fast=True)
+    $3), in claim order; nothing is written. The attempt returned is the one this run makes (counted
+    when its outcome is written)."""
+    columns = _returned(context=context, attempt=f"({_next_attempt('')})::smallint AS attempt")
+    locked = choice.select(columns, queue="$1", limit="$2", first=3, fast=True)
+    return "\n" + _in_claim_order(f"(\n  {_indent(locked, 2)}) AS locked", context=context)
 
 
 # job_claim_many: take up to $2 available jobs of queue $1 for worker $3, in
 # claim order, skipping rows other workers hold; the attempt is counted here.
 # Priority and run_at come back so the hot loop knows where the claim ended.
-job_claim_many: Final = "\n" + _claim(
-    queue="$1", limit="$2", worker="$3", choice=_FROM_THE_FRONT, first=4, context=False
+job_claim_many: Final = f"""
+WITH claimed AS (
+    {_indent(_claim(queue="$1", limit="$2", worker="$3", choice=_FROM_THE_FRONT, first=4, context=False), 4)}
 )
+{_in_claim_order("claimed", context=False)}"""
 
 # job_lock_many, job_lock_after (after the mark), and their _context variants:
 # the fast lane's claim (see its section).
@@ -770,8 +785,8 @@ def _finish_claim(*, keep: bool, choice: _Choice, context: bool, results: bool =
     queue $3 for worker $5 (LIMIT 0: none), the choice's parameters from $6. It returns the claimed
     rows, and after them one row per outcome that did not apply (stale), kind NULL, the outcome's
     state in args; each of those branches runs only when its count of applied rows falls short (a
-    one-time filter: nothing to do in the usual batch). Claimed rows come first: an Append runs its
-    branches in order."""
+    one-time filter: nothing to do in the usual batch). Claimed rows come first, in claim order: an
+    Append runs its branches in order."""
     claim = _claim(
         queue="$3",
         limit="$4",
@@ -790,7 +805,7 @@ def _finish_claim(*, keep: bool, choice: _Choice, context: bool, results: bool =
 ), claimed AS (
     {_indent(claim, 4)}
 )
-SELECT {_returned(context=context)} FROM claimed
+({_in_claim_order("claimed", context=context)})
 UNION ALL
 SELECT c.id, NULL, to_jsonb('completed'::text), 1::smallint{rest}
   FROM unnest($1::bigint[]) AS c(id)
