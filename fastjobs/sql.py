@@ -446,6 +446,15 @@ def _returned(*, context: bool, row: str = "", attempt: str = "") -> str:
     return ", ".join(attempt if column == "attempt" and attempt else prefix + column for column in columns)
 
 
+# Whether the claim holds the turn of the group of a keyed job's key (migration 011): the
+# groups its transaction holds and those it passed over are bits of a setting, read here, so
+# fastjobs_in_turn (PL/pgSQL, which tries the group's lock) is called once per group, not per job.
+_GROUPS_SEEN: Final = "coalesce(nullif(current_setting('fastjobs.key_groups', true), ''), '0')::int4"
+_IN_TURN: Final = f"""CASE WHEN {_GROUPS_SEEN} & (65537 << {_S}fastjobs_key_group(kind, limit_key)) = 0
+             THEN {_S}fastjobs_in_turn(kind, limit_key)
+             ELSE {_GROUPS_SEEN} & (1 << {_S}fastjobs_key_group(kind, limit_key)) <> 0 END"""
+
+
 @dataclass(frozen=True)
 class _Choice:
     """Which available jobs a claim takes: the claims' variants. Every family that claims (the
@@ -471,9 +480,10 @@ class _Choice:
                 f" + (${first + 1}::int8 - {CLAIM_MARK_MARGIN}) * interval '1 microsecond'"
             )
         stopped, limit = _stopped_and_room(queue=queue, limit=limit, fast=fast, ending=ending)
-        keyless = (
-            "\n   AND limit_key IS NULL" if fast else ""
-        )  # a keyed job in flight there would not be counted
+        # The fast lane takes no keyed job (one in flight there would not be counted); the state
+        # lane only those of the groups of keys whose turn its claim holds (_IN_TURN), and the
+        # test of a job without a key stops at its first operand.
+        keyless = "\n   AND limit_key IS NULL" if fast else f"\n   AND (limit_key IS NULL OR {_IN_TURN})"
         fair = f"fair AND {_S}fastjobs_fair_keyed(name)"  # of the row: asked only when it is marked
         return f""" WHERE state = 'available' AND queue = {queue} AND run_at <= now(){after}{keyless}
    AND NOT EXISTS (SELECT FROM {_S}fastjobs_queues WHERE name = {queue} AND ({stopped} OR {fair}))
