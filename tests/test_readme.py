@@ -3,6 +3,7 @@ written, and every option their command lines name exists."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import socket
@@ -147,16 +148,21 @@ def _options(command: str) -> tuple[list[str], list[str]]:
     return subcommand, options
 
 
+# Once per subcommand and worker process: 49 documented lines name 22 subcommands, and each
+# `--help` is an interpreter start importing the CLI (1-2 s on a loaded machine).
+@functools.cache
+def _help(*subcommand: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fastjobs.cli", *subcommand, "--help"], capture_output=True, text=True
+    )
+
+
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_option_a_documented_command_names_exists(command):
     subcommand, options = _options(command)
-    helps = subprocess.run(
-        [sys.executable, "-m", "fastjobs.cli", *subcommand, "--help"], capture_output=True, text=True
-    )
+    helps = _help(*subcommand)
     assert helps.returncode == 0, helps.stderr
-    global_help = subprocess.run(
-        [sys.executable, "-m", "fastjobs.cli", "--help"], capture_output=True, text=True
-    ).stdout
+    global_help = _help().stdout
     for option in options:
         assert option in helps.stdout or option in global_help, f"{command}: {option} is not an option"
 
