@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, Unpack, overload
 
 import psycopg
 
-from . import control, enqueue, keys, middleware, queues, results, schema, typed
+from . import bulk, control, enqueue, keys, middleware, queues, results, schema, typed
 from .connections import Connected
 from .cron import Cron
 from .enqueue import (
@@ -370,7 +370,7 @@ class App(Connected):
             with middleware.chain_target(db, self.connection) as target:
 
                 def copy() -> int:
-                    return enqueue.copy_many(
+                    return bulk.copy_many(
                         target, opts, args_iterable, enqueue.dump_meta(call.meta), self._sql
                     )
 
@@ -387,7 +387,7 @@ class App(Connected):
         conn: psycopg.Connection[Any] | None,
     ) -> int:
         with self._on(conn) as db:
-            return enqueue.copy_many(db, opts, rows, meta, self._sql)
+            return bulk.copy_many(db, opts, rows, meta, self._sql)
 
     async def enqueue_async(
         self,
@@ -456,7 +456,7 @@ class App(Connected):
             async with middleware.chain_target_async(db, self.connection_async) as target:
 
                 async def copy() -> int:
-                    return await enqueue.copy_many_async(
+                    return await bulk.copy_many_async(
                         target, opts, args_iterable, enqueue.dump_meta(call.meta), self._sql
                     )
 
@@ -473,9 +473,9 @@ class App(Connected):
         conn: psycopg.AsyncConnection[Any] | None,
     ) -> int:
         if conn is not None:
-            return await enqueue.copy_many_async(conn, opts, rows, meta, self._sql)
+            return await bulk.copy_many_async(conn, opts, rows, meta, self._sql)
         async with self.connection_async() as own:
-            return await enqueue.copy_many_async(own, opts, rows, meta, self._sql)
+            return await bulk.copy_many_async(own, opts, rows, meta, self._sql)
 
     def periodic(
         self,
