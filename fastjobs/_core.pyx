@@ -1,5 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""The hot path in C: `_core_py.py` is its readable reference, name for name.
+"""The hot path in C: `_core_py.py` is its readable reference, name for name (its libpq calls, fast lane
+and hand-back in `_libpq_py.py`, `_fast_lane_py.py` and `_hand_back_py.py`).
 
 BatchLoop drives the connection psycopg opened through libpq directly
 (`conn.pgconn.pgconn_ptr`, psycopg's documented seam): sound only because
