@@ -78,7 +78,7 @@ cdef extern from "<endian.h>" nogil:
 
 IMPLEMENTATION = "c"
 
-# The slot's int64 fields the loop writes (fastjobs.stats.RUNNING_*), as C constants.
+# The card's int64 fields the loop writes (fastjobs.stats.RUNNING_*), as C constants.
 cdef enum:
     _RUNNING_JOB = 0
     _RUNNING_WRITING = 1
@@ -366,7 +366,7 @@ cdef class BatchLoop:
     cdef long long[::1] _running_view
     cdef long long *_running
     cdef bint _write_failed
-    # Counts per (queue, kind) in the slot (see the reference): the cached
+    # Counts per (queue, kind) in the card (see the reference): the cached
     # kind's row offset, the batch's queue's first row, a queue's span.
     cdef long long[::1] _counts_view
     cdef long long *_counts
@@ -474,7 +474,7 @@ cdef class BatchLoop:
         self._text_cap = 0
         self._last_kind = None
         if (progress is None) != (running is None):
-            raise ValueError("progress and running are the one slot's: pass both or neither")
+            raise ValueError("progress and running are the one card's: pass both or neither")
         if running is not None:
             self._progress_view = progress
             self._progress = &self._progress_view[0]
@@ -485,8 +485,8 @@ cdef class BatchLoop:
         self._stride = self._other + _ROW
         self._batch_base = self._last_row = 0
         if counts is not None and len(counts) < len(queues) * self._stride:
-            # The master lays the slot out from its own plan: stores past its end would land
-            # in the next slot. A kind registered after it planned is such a mismatch.
+            # The master lays the card out from its own plan: stores past its end would land
+            # in the next card. A kind registered after it planned is such a mismatch.
             raise ValueError(f"the counts view holds {len(counts)} cells; these queues and kinds"
                              f" need {len(queues) * self._stride}")
         if counts is not None and len(counts):
@@ -685,7 +685,7 @@ cdef class BatchLoop:
         return 0
 
     cdef int _writing(self, list failures) except -1:
-        """Note in the slot the failed jobs' outcomes the statement about to be sent carries."""
+        """Note in the card the failed jobs' outcomes the statement about to be sent carries."""
         if self._running != NULL and not self._write_failed:
             self._running[_RUNNING_WRITING] = len(failures)
             if failures:

@@ -93,7 +93,7 @@ class BatchLoop:
         # many failed jobs' outcomes it carries, and the job when there is
         # one, so a worker that dies writing an outcome implicates that job alone.
         if (progress is None) != (running is None):
-            raise ValueError("progress and running are the one slot's: pass both or neither")
+            raise ValueError("progress and running are the one card's: pass both or neither")
         self._progress: Any = progress
         self._running: Any = running
         # Counts per (queue, kind) (fastjobs.abc.ROW), plain stores per job:
@@ -221,7 +221,7 @@ class BatchLoop:
         guard.watch(self)
 
     def _writing(self, failures: Sequence[Outcome]) -> None:
-        """Note in the slot the failed jobs' outcomes the statement about to be sent carries."""
+        """Note in the card the failed jobs' outcomes the statement about to be sent carries."""
         if self._running is not None and not self._write_failed:
             self._running[RUNNING_WRITING] = len(failures)
             if failures:
