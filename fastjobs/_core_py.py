@@ -14,7 +14,24 @@ import psycopg
 from psycopg import pq
 
 from . import _fast_lane_py, _hand_back_py, _libpq_py, guard, outcomes, sql, stats
-from .abc import COMPLETED, FRONT_CLAIM_DUTY, PG_EPOCH_US, PICKUP_SUM, ROW, RUN_SUM
+from .abc import (
+    COL_ARGS,
+    COL_ATTEMPT,
+    COL_CREATED_AT,
+    COL_ID,
+    COL_KEEP_RESULT,
+    COL_KIND,
+    COL_MAX_ATTEMPTS,
+    COL_META,
+    COL_PRIORITY,
+    COL_RUN_AT,
+    COMPLETED,
+    FRONT_CLAIM_DUTY,
+    PG_EPOCH_US,
+    PICKUP_SUM,
+    ROW,
+    RUN_SUM,
+)
 from .args import dump_args as dump_args
 from .args import encode_copy_rows as encode_copy_rows
 from .errors import LoopError
@@ -259,12 +276,12 @@ class BatchLoop:
     def _claimed(self, res: Any) -> int:
         """How many rows of `res` are claimed jobs; the stale outcomes after them are counted and logged."""
         n = res.ntuples
-        if n and res.get_value(n - 1, 1) is None:
+        if n and res.get_value(n - 1, COL_KIND) is None:
             stale = []
-            while n and res.get_value(n - 1, 1) is None:
+            while n and res.get_value(n - 1, COL_KIND) is None:
                 n -= 1
-                state = orjson.loads(res.get_value(n, 2)[1:])
-                stale.append((_int(res.get_value(n, 0)), _int(res.get_value(n, 3)), state))
+                state = orjson.loads(res.get_value(n, COL_ARGS)[1:])
+                stale.append((_int(res.get_value(n, COL_ID)), _int(res.get_value(n, COL_ATTEMPT)), state))
                 if state == "completed":
                     self.completed -= 1
             self.stale += len(stale)
@@ -311,17 +328,18 @@ class BatchLoop:
         for i in range(n):
             claimed = None
             if self._whole_context:
-                claimed = (res.get_value(i, 8), _int(res.get_value(i, 9)), _int(res.get_value(i, 6)))
+                meta, created = res.get_value(i, COL_META), _int(res.get_value(i, COL_CREATED_AT))
+                claimed = (meta, created, _int(res.get_value(i, COL_RUN_AT)))
             rows.append(
                 (
-                    _int(res.get_value(i, 0)),
-                    res.get_value(i, 1).decode(),
-                    res.get_value(i, 2),
-                    _int(res.get_value(i, 3)),
-                    _int(res.get_value(i, 4)),
-                    _int(res.get_value(i, 6)),
+                    _int(res.get_value(i, COL_ID)),
+                    res.get_value(i, COL_KIND).decode(),
+                    res.get_value(i, COL_ARGS),
+                    _int(res.get_value(i, COL_ATTEMPT)),
+                    _int(res.get_value(i, COL_MAX_ATTEMPTS)),
+                    _int(res.get_value(i, COL_RUN_AT)),
                     claimed,
-                    res.get_value(i, 7) is not None,
+                    res.get_value(i, COL_KEEP_RESULT) is not None,
                 )
             )
         return rows
@@ -333,7 +351,7 @@ class BatchLoop:
         """
         lowest, latest = 1 << 15, 0
         for i in range(len(rows)):
-            priority, run_at = _int(res.get_value(i, 5)), _int(res.get_value(i, 6))
+            priority, run_at = _int(res.get_value(i, COL_PRIORITY)), _int(res.get_value(i, COL_RUN_AT))
             if priority < lowest:
                 lowest, latest = priority, run_at
             elif priority == lowest and run_at > latest:

@@ -79,6 +79,16 @@ FRONT_CLAIM_MAX_WAIT = 10.0
 MARK_RUN_AT_MIN = -211_813_488_000_000_000 + 1_000_000
 MARK_RUN_AT_MAX = 9_223_371_331_200_000_000 - 1_000_000
 
+# A claimed row's columns, in the order the claim and finish statements return them (sql._returned)
+# and the hot loops read them at these offsets; META and CREATED_AT only with context (a whole
+# JobContext). A stale outcome's row after the claimed ones has a NULL kind and its state in args.
+CLAIMED_COLUMNS = ("id", "kind", "args", "attempt", "max_attempts", "priority", "run_at", "keep_result")
+CONTEXT_COLUMNS = ("meta", "created_at")
+(
+    COL_ID, COL_KIND, COL_ARGS, COL_ATTEMPT, COL_MAX_ATTEMPTS, COL_PRIORITY, COL_RUN_AT, COL_KEEP_RESULT,
+    COL_META, COL_CREATED_AT,
+) = range(len(CLAIMED_COLUMNS + CONTEXT_COLUMNS))  # fmt: skip
+
 # A worker's counts per (queue, kind), in its stats card: one row of int64
 # cells per queue it serves times (its kinds + one for every other kind),
 # written by the hot loop with plain stores (see stats.KindTable). A row: the
