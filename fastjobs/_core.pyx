@@ -1,5 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""The hot path in C: `_core_py.py` is its readable reference, name for name.
+"""The hot path in C: `_core_py.py` is its readable reference, name for name (its libpq calls, fast lane
+and hand-back in `_libpq_py.py`, `_fast_lane_py.py` and `_hand_back_py.py`).
 
 BatchLoop drives the connection psycopg opened through libpq directly
 (`conn.pgconn.pgconn_ptr`, psycopg's documented seam): sound only because
@@ -23,8 +24,10 @@ import orjson
 
 from fastjobs import guard, sql, stats
 from fastjobs import outcomes
-from fastjobs.abc import (BUCKETS_NS, COMPLETED, FRONT_CLAIM_DUTY, HAND_BACK_AFTER, INT64_MAX,
-                          OBSERVED_MAX_NS, PG_EPOCH_US, PICKUP_SUM, ROW, RUN_SUM)
+from fastjobs.abc import (BUCKETS_NS, COL_ARGS, COL_ATTEMPT, COL_CREATED_AT, COL_ID, COL_KEEP_RESULT,
+                          COL_KIND, COL_MAX_ATTEMPTS, COL_META, COL_PRIORITY, COL_RUN_AT, COMPLETED,
+                          FRONT_CLAIM_DUTY, HAND_BACK_AFTER, INT64_MAX, OBSERVED_MAX_NS, PG_EPOCH_US,
+                          PICKUP_SUM, ROW, RUN_SUM)
 from fastjobs.args import dump_args as _dump_args_checked
 from fastjobs.errors import LoopError
 from fastjobs.planner import Planner, fast_queues, widths
@@ -77,13 +80,28 @@ cdef extern from "<endian.h>" nogil:
 
 IMPLEMENTATION = "c"
 
-# The slot's int64 fields the loop writes (fastjobs.stats.RUNNING_*), as C constants.
+# The card's int64 fields the loop writes (fastjobs.stats.RUNNING_*), as C constants.
 cdef enum:
     _RUNNING_JOB = 0
     _RUNNING_WRITING = 1
     _RUNNING_SUSPECT = 2
 if (stats.RUNNING_JOB, stats.RUNNING_WRITING, stats.RUNNING_SUSPECT) != (0, 1, 2):
     raise ImportError("fastjobs.stats.RUNNING_* changed: rebuild _core with them")
+# A claimed row's columns (fastjobs.abc.COL_*), as C constants.
+cdef enum:
+    _COL_ID = 0
+    _COL_KIND = 1
+    _COL_ARGS = 2
+    _COL_ATTEMPT = 3
+    _COL_MAX_ATTEMPTS = 4
+    _COL_PRIORITY = 5
+    _COL_RUN_AT = 6
+    _COL_KEEP_RESULT = 7
+    _COL_META = 8
+    _COL_CREATED_AT = 9
+if (COL_ID, COL_KIND, COL_ARGS, COL_ATTEMPT, COL_MAX_ATTEMPTS, COL_PRIORITY, COL_RUN_AT, COL_KEEP_RESULT,
+        COL_META, COL_CREATED_AT) != tuple(range(10)):
+    raise ImportError("fastjobs.abc.COL_* changed: rebuild _core with them")
 cdef double _HAND_BACK_AFTER = HAND_BACK_AFTER
 cdef double _INF = float("inf")
 cdef object _dumps = orjson.dumps
@@ -365,7 +383,7 @@ cdef class BatchLoop:
     cdef long long[::1] _running_view
     cdef long long *_running
     cdef bint _write_failed
-    # Counts per (queue, kind) in the slot (see the reference): the cached
+    # Counts per (queue, kind) in the card (see the reference): the cached
     # kind's row offset, the batch's queue's first row, a queue's span.
     cdef long long[::1] _counts_view
     cdef long long *_counts
@@ -473,7 +491,7 @@ cdef class BatchLoop:
         self._text_cap = 0
         self._last_kind = None
         if (progress is None) != (running is None):
-            raise ValueError("progress and running are the one slot's: pass both or neither")
+            raise ValueError("progress and running are the one card's: pass both or neither")
         if running is not None:
             self._progress_view = progress
             self._progress = &self._progress_view[0]
@@ -484,8 +502,8 @@ cdef class BatchLoop:
         self._stride = self._other + _ROW
         self._batch_base = self._last_row = 0
         if counts is not None and len(counts) < len(queues) * self._stride:
-            # The master lays the slot out from its own plan: stores past its end would land
-            # in the next slot. A kind registered after it planned is such a mismatch.
+            # The master lays the card out from its own plan: stores past its end would land
+            # in the next card. A kind registered after it planned is such a mismatch.
             raise ValueError(f"the counts view holds {len(counts)} cells; these queues and kinds"
                              f" need {len(queues) * self._stride}")
         if counts is not None and len(counts):
@@ -684,7 +702,7 @@ cdef class BatchLoop:
         return 0
 
     cdef int _writing(self, list failures) except -1:
-        """Note in the slot the failed jobs' outcomes the statement about to be sent carries."""
+        """Note in the card the failed jobs' outcomes the statement about to be sent carries."""
         if self._running != NULL and not self._write_failed:
             self._running[_RUNNING_WRITING] = len(failures)
             if failures:
@@ -854,13 +872,14 @@ cdef class BatchLoop:
         cdef int n = PQntuples(res)
         cdef list stale
         cdef str state
-        if n and PQgetisnull(res, n - 1, 1):
+        if n and PQgetisnull(res, n - 1, _COL_KIND):
             stale = []
-            while n and PQgetisnull(res, n - 1, 1):
+            while n and PQgetisnull(res, n - 1, _COL_KIND):
                 n -= 1
                 # jsonb's binary format: a version byte, then the JSON text.
-                state = _loads(PQgetvalue(res, n, 2)[1:PQgetlength(res, n, 2)])
-                stale.append((_int8(PQgetvalue(res, n, 0)), _int2(PQgetvalue(res, n, 3)), state))
+                state = _loads(PQgetvalue(res, n, _COL_ARGS)[1:PQgetlength(res, n, _COL_ARGS)])
+                stale.append((_int8(PQgetvalue(res, n, _COL_ID)), _int2(PQgetvalue(res, n, _COL_ATTEMPT)),
+                              state))
                 if state == "completed":
                     self.completed -= 1
             self.stale += len(stale)
@@ -942,13 +961,13 @@ cdef class BatchLoop:
         cdef int64_t run_at, latest = 0
         cdef bint keeps = False
         for i in range(n):
-            priority = _int2(PQgetvalue(self._rows, i, 5))
-            run_at = _int8(PQgetvalue(self._rows, i, 6))
+            priority = _int2(PQgetvalue(self._rows, i, _COL_PRIORITY))
+            run_at = _int8(PQgetvalue(self._rows, i, _COL_RUN_AT))
             if priority < lowest:
                 lowest, latest = priority, run_at
             elif priority == lowest and run_at > latest:
                 latest = run_at
-            if not keeps and not PQgetisnull(self._rows, i, 7):
+            if not keeps and not PQgetisnull(self._rows, i, _COL_KEEP_RESULT):
                 keeps = True
         self.planner.claimed(n, lowest, latest, keeps)
         return 0
@@ -1034,8 +1053,8 @@ cdef class BatchLoop:
         if self._in_flight:
             self._receive()
         for i in range(self._nrows):
-            self._failures.append(_release(_int8(PQgetvalue(self._rows, i, 0)),
-                                           _int2(PQgetvalue(self._rows, i, 3))))
+            self._failures.append(_release(_int8(PQgetvalue(self._rows, i, _COL_ID)),
+                                           _int2(PQgetvalue(self._rows, i, _COL_ATTEMPT))))
         if self._rows != NULL:
             PQclear(self._rows)
             self._rows = NULL
@@ -1068,21 +1087,22 @@ cdef class BatchLoop:
         if self._executor.keeping:
             self._executor.keeping.clear()
         for i in range(n):
-            job_id = _int8(PQgetvalue(rows, i, 0))
+            job_id = _int8(PQgetvalue(rows, i, _COL_ID))
             if self.stopping or (fast and _monotonic() > self._deadline):
                 if not self.stopping:
                     # Jobs slower than the queue's pace: see the reference.
                     self.planner.demote(self._batch_base // self._stride)
                 for j in range(i, n):
-                    failures.append(_release(_int8(PQgetvalue(rows, j, 0)), _int2(PQgetvalue(rows, j, 3))))
+                    failures.append(_release(_int8(PQgetvalue(rows, j, _COL_ID)),
+                                             _int2(PQgetvalue(rows, j, _COL_ATTEMPT))))
                 break
             if self._running != NULL:
                 self._progress[0] += 1
                 self._running[_RUNNING_JOB] = job_id
-            kind = PQgetvalue(rows, i, 1)
-            kind_len = PQgetlength(rows, i, 1)
-            attempt = _int2(PQgetvalue(rows, i, 3))
-            max_attempts = _int2(PQgetvalue(rows, i, 4))
+            kind = PQgetvalue(rows, i, _COL_KIND)
+            kind_len = PQgetlength(rows, i, _COL_KIND)
+            attempt = _int2(PQgetvalue(rows, i, _COL_ATTEMPT))
+            max_attempts = _int2(PQgetvalue(rows, i, _COL_MAX_ATTEMPTS))
             if (self._last_kind is None or PyBytes_GET_SIZE(self._last_kind) != kind_len
                     or memcmp(PyBytes_AS_STRING(self._last_kind), kind, kind_len) != 0):
                 self._last_kind = PyBytes_FromStringAndSize(kind, kind_len)
@@ -1095,7 +1115,7 @@ cdef class BatchLoop:
                     self._last_fast = not self._last_spec.is_async and self._last_spec.timeout is None
             if self._counts != NULL:
                 row = self._counts + self._batch_base + self._last_row
-                _observe(row + _PICKUP_SUM, _latency_ns(claimed_us, _int8(PQgetvalue(rows, i, 6))))
+                _observe(row + _PICKUP_SUM, _latency_ns(claimed_us, _int8(PQgetvalue(rows, i, _COL_RUN_AT))))
             spec = self._last_spec
             if spec is None:
                 failures.append(self._tally(row, _unknown_kind(
@@ -1103,8 +1123,8 @@ cdef class BatchLoop:
                     self._specs.values())))
                 continue
             # jsonb's binary format: a version byte, then the JSON text.
-            raw = PQgetvalue(rows, i, 2)
-            raw_len = PQgetlength(rows, i, 2)
+            raw = PQgetvalue(rows, i, _COL_ARGS)
+            raw_len = PQgetlength(rows, i, _COL_ARGS)
             try:
                 args = _loads(PyBytes_FromStringAndSize(raw + 1, raw_len - 1))
             except _JSONDecodeError as exc:
@@ -1118,14 +1138,14 @@ cdef class BatchLoop:
                 # jsonb's binary format again; a NULL, non-object or undecodable meta (jsonb
                 # nests deeper than orjson reads) reads as {}: the job runs all the same.
                 meta = None
-                if not PQgetisnull(rows, i, 8):
-                    raw = PQgetvalue(rows, i, 8)
+                if not PQgetisnull(rows, i, _COL_META):
+                    raw = PQgetvalue(rows, i, _COL_META)
                     try:
-                        meta = _loads(PyBytes_FromStringAndSize(raw + 1, PQgetlength(rows, i, 8) - 1))
+                        meta = _loads(PyBytes_FromStringAndSize(raw + 1, PQgetlength(rows, i, _COL_META) - 1))
                     except _JSONDecodeError:
                         meta = None
-                claimed = (meta if type(meta) is dict else {}, _int8(PQgetvalue(rows, i, 9)),
-                           _int8(PQgetvalue(rows, i, 6)))
+                claimed = (meta if type(meta) is dict else {}, _int8(PQgetvalue(rows, i, _COL_CREATED_AT)),
+                           _int8(PQgetvalue(rows, i, _COL_RUN_AT)))
             if not self._last_fast or self._pooled:
                 if fast:
                     # May not hold the transaction open: see the reference.
@@ -1133,7 +1153,7 @@ cdef class BatchLoop:
                     failures.append(_release(job_id, attempt))
                     continue
                 slow.append((spec, job_id, args, attempt, max_attempts, claimed))
-                if not PQgetisnull(rows, i, 7):  # keep_result: see the reference
+                if not PQgetisnull(rows, i, _COL_KEEP_RESULT):  # keep_result: see the reference
                     self._executor.keeping.add(job_id)
                 continue
             if self._cancelled and job_id in self._cancelled:
@@ -1180,8 +1200,8 @@ cdef class BatchLoop:
                     row, self._executor.raised(spec, job_id, attempt, max_attempts, exc)))
                 if not self._handed:
                     for j in range(i + 1, n):
-                        failures.append(_release(_int8(PQgetvalue(rows, j, 0)),
-                                                 _int2(PQgetvalue(rows, j, 3))))
+                        failures.append(_release(_int8(PQgetvalue(rows, j, _COL_ID)),
+                                                 _int2(PQgetvalue(rows, j, _COL_ATTEMPT))))
                     for job in slow:
                         failures.append(_release(job[1], job[3]))
                 self.stopping = True
@@ -1193,7 +1213,7 @@ cdef class BatchLoop:
             if row != NULL:
                 _observe(row + _RUN_SUM, _monotonic_ns() - began)
             if (not context.cancelled and (result is None or not _iscoroutine(result))
-                    and PQgetisnull(rows, i, 7)):
+                    and PQgetisnull(rows, i, _COL_KEEP_RESULT)):
                 # This loop's only shortcut (executor.Executor.returned is the
                 # rule): a plain return, not cancelled, of a job that keeps no
                 # result (keep_result NULL) completes the job inline, so a
@@ -1204,7 +1224,7 @@ cdef class BatchLoop:
                 self._add_done(job_id, attempt)
             else:
                 outcome = self._executor.returned(spec, job_id, attempt, max_attempts, result)
-                if outcome is None and not PQgetisnull(rows, i, 7):
+                if outcome is None and not PQgetisnull(rows, i, _COL_KEEP_RESULT):
                     outcome = _kept(spec, job_id, attempt, max_attempts, result)
                 if outcome is None:
                     if row != NULL:
@@ -1299,8 +1319,10 @@ cdef class BatchLoop:
         cdef list error = []
         cdef PGresult *res
         cdef Py_ssize_t lost
-        snprintf(id_text, sizeof(id_text), "%lld", <long long>_int8(PQgetvalue(self._batch, self._at, 0)))
-        snprintf(attempt_text, sizeof(attempt_text), "%d", <int>_int2(PQgetvalue(self._batch, self._at, 3)))
+        snprintf(id_text, sizeof(id_text), "%lld",
+                 <long long>_int8(PQgetvalue(self._batch, self._at, _COL_ID)))
+        snprintf(attempt_text, sizeof(attempt_text), "%d",
+                 <int>_int2(PQgetvalue(self._batch, self._at, _COL_ATTEMPT)))
         values[0] = id_text
         values[1] = PyBytes_AS_STRING(self._worker_id)
         values[2] = attempt_text
@@ -1331,8 +1353,8 @@ cdef class BatchLoop:
         if self._in_flight:
             self._receive()
             for i in range(self._nrows):
-                releases.append(_release(_int8(PQgetvalue(self._rows, i, 0)),
-                                         _int2(PQgetvalue(self._rows, i, 3))))
+                releases.append(_release(_int8(PQgetvalue(self._rows, i, _COL_ID)),
+                                         _int2(PQgetvalue(self._rows, i, _COL_ATTEMPT))))
             if self._rows != NULL:
                 PQclear(self._rows)
                 self._rows = NULL
@@ -1340,8 +1362,8 @@ cdef class BatchLoop:
             self.planner.unmark(self.planner.index)
         if self._at >= 0:
             for i in range(self._at + 1, self._batch_n):
-                releases.append(_release(_int8(PQgetvalue(self._batch, i, 0)),
-                                         _int2(PQgetvalue(self._batch, i, 3))))
+                releases.append(_release(_int8(PQgetvalue(self._batch, i, _COL_ID)),
+                                         _int2(PQgetvalue(self._batch, i, _COL_ATTEMPT))))
             for job in self._slow:
                 releases.append(_release(job[1], job[3]))
             del self._slow[:]

@@ -1,13 +1,11 @@
-"""The hot path in plain Python: the readable reference `_core.pyx` matches name for name."""
+"""The hot path in plain Python: the readable reference `_core.pyx` matches name for name (three of its
+sections in modules of their own: `_libpq_py`, `_fast_lane_py`, `_hand_back_py`)."""
 
 from __future__ import annotations
 
-import contextlib
-import select
-import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -15,9 +13,27 @@ import orjson
 import psycopg
 from psycopg import pq
 
-from . import guard, outcomes, sql, stats
-from .abc import COMPLETED, FRONT_CLAIM_DUTY, HAND_BACK_AFTER, PG_EPOCH_US, PICKUP_SUM, ROW, RUN_SUM
+from . import _fast_lane_py, _hand_back_py, _libpq_py, guard, outcomes, sql, stats
+from .abc import (
+    COL_ARGS,
+    COL_ATTEMPT,
+    COL_CREATED_AT,
+    COL_ID,
+    COL_KEEP_RESULT,
+    COL_KIND,
+    COL_MAX_ATTEMPTS,
+    COL_META,
+    COL_PRIORITY,
+    COL_RUN_AT,
+    COMPLETED,
+    FRONT_CLAIM_DUTY,
+    PG_EPOCH_US,
+    PICKUP_SUM,
+    ROW,
+    RUN_SUM,
+)
 from .args import dump_args as dump_args
+from .args import encode_copy_rows as encode_copy_rows
 from .errors import LoopError
 from .executor import Executor
 from .planner import Planner, fast_queues, widths
@@ -26,8 +42,6 @@ from .types import JobSpec, Outcome
 
 IMPLEMENTATION = "python"
 
-_JSONB_VERSION = b"\x01"
-
 # A claimed job: id, kind, args (binary jsonb), attempt, max_attempts, run_at
 # (binary timestamptz: microseconds since 2000), with full context its meta
 # (binary jsonb, or None), created_at and run_at, and whether it keeps its
@@ -35,66 +49,8 @@ _JSONB_VERSION = b"\x01"
 Row = tuple[int, str, bytes, int, int, int, "tuple[bytes | None, int, int] | None", bool]
 
 
-def encode_copy_rows(
-    kind: str,
-    rows: Iterator[Any],
-    prefix: bytes,
-    suffix: bytes,
-    limit: int,
-    params: frozenset[str] | None,
-    required: frozenset[str],
-) -> tuple[bytes, int]:
-    """Encode up to `limit` rows of binary COPY data: prefix, the args as jsonb, suffix.
-
-    Every column but args is the same for the whole call, so the caller
-    encodes it once into prefix and suffix. Returns the data and the row count
-    (0 when `rows` is exhausted).
-    """
-    parts: list[bytes] = []
-    count = 0
-    for args in rows:
-        data = dump_args(kind, args, params, required)
-        parts.append(prefix)
-        parts.append((len(data) + 1).to_bytes(4, "big"))
-        parts.append(_JSONB_VERSION)
-        parts.append(data)
-        parts.append(suffix)
-        count += 1
-        if count == limit:
-            break
-    return b"".join(parts), count
-
-
 def _int(value: bytes) -> int:
     return int.from_bytes(value, "big", signed=True)
-
-
-# The signals whose Python handlers wait while the fast lane's transaction
-# begins or ends (all but the faults a process must not outlive): a stop-now
-# raised while its statement was in flight left the reply unread, finish()
-# took it for a claim, and the batch rolled back to run again. `_core` skips
-# running the handlers in its waits instead; either way they run once the
-# transaction's end is read.
-_DEFERRED = signal.valid_signals() - {
-    signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT,
-}  # fmt: skip
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
-
-
-def _wait(pgconn: Any, write: bool = False) -> None:
-    fd = pgconn.socket
-    if write:
-        select.select([fd], [fd], [])
-    else:
-        select.select([fd], [], [])
 
 
 class BatchLoop:
@@ -109,6 +65,23 @@ class BatchLoop:
     Which queue, which lane, how many and from where are the Planner's
     (fastjobs.planner), asked once per claim and once per batch.
     """
+
+    # Three of _core.pyx's sections are modules of their own here, functions of the loop that
+    # become its methods under the C class's names: the libpq calls, the fast lane's transaction
+    # and the hand-back.
+    _lost = _libpq_py._lost
+    _send_prepared = _libpq_py._send_prepared
+    _simple = _libpq_py._simple
+    _results = _libpq_py._results
+    _lock = _fast_lane_py._lock
+    _commit = _fast_lane_py._commit
+    _end = _fast_lane_py._end
+    _fast = _fast_lane_py._fast
+    _returned = _hand_back_py._returned
+    hand_back = _hand_back_py.hand_back
+    _holding = _hand_back_py._holding
+    _hand_over = _hand_back_py._hand_over
+    _hand_back_state = _hand_back_py._hand_back_state
 
     def __init__(
         self,
@@ -137,7 +110,7 @@ class BatchLoop:
         # many failed jobs' outcomes it carries, and the job when there is
         # one, so a worker that dies writing an outcome implicates that job alone.
         if (progress is None) != (running is None):
-            raise ValueError("progress and running are the one slot's: pass both or neither")
+            raise ValueError("progress and running are the one card's: pass both or neither")
         self._progress: Any = progress
         self._running: Any = running
         # Counts per (queue, kind) (fastjobs.abc.ROW), plain stores per job:
@@ -264,114 +237,8 @@ class BatchLoop:
                 raise LoopError(res.error_message.decode(errors="replace"))
         guard.watch(self)
 
-    def _lost(self) -> LoopError:
-        """The error of a failed libpq call: libpq's message, without psycopg's prefix (as in C)."""
-        self._in_flight = False
-        return LoopError(self._pgconn.error_message.decode(errors="replace"))
-
-    def _send_prepared(self, name: bytes, params: list[bytes]) -> None:
-        try:
-            self._pgconn.send_query_prepared(name, params, result_format=1)
-            while self._pgconn.flush():
-                _wait(self._pgconn, write=True)
-                self._pgconn.consume_input()
-        except psycopg.OperationalError:
-            raise self._lost() from None
-
-    def _simple(self, text: str) -> None:
-        """Run a statement without parameters or rows (the fast lane's BEGIN, COMMIT, ROLLBACK)."""
-        try:
-            self._pgconn.send_query(text.encode())
-            while self._pgconn.flush():
-                _wait(self._pgconn, write=True)
-                self._pgconn.consume_input()
-            error = None
-            while True:
-                self._pgconn.consume_input()
-                while self._pgconn.is_busy():
-                    _wait(self._pgconn)
-                    self._pgconn.consume_input()
-                res = self._pgconn.get_result()
-                if res is None:
-                    break
-                if res.status != pq.ExecStatus.COMMAND_OK and error is None:
-                    error = res.error_message.decode(errors="replace")
-        except psycopg.OperationalError:
-            raise self._lost() from None
-        if error is not None:
-            raise LoopError(error)
-
-    def _lock(self) -> list[Row]:
-        """The fast lane's claim: BEGIN, lock the planner's next; the transaction stays open if any came."""
-        if self._done or self._failures:
-            # Outcomes of the state lane still held go first, by its own statement.
-            self._send()
-            self._receive()
-        index, limit, mark = self.planner.next()
-        params = [self._queues[index], str(limit).encode()]
-        if mark is not None:
-            params += [str(mark[0]).encode(), str(mark[1]).encode()]
-        with _quiet():
-            self._simple(sql.fast_begin)
-            self._send_prepared(self._lock_names[mark is not None], params)
-            res, error, _ = self._results()
-            if error is not None:
-                with contextlib.suppress(LoopError):
-                    self._simple(sql.fast_rollback)
-                raise LoopError(error)
-            n = res.ntuples
-            if not n:
-                self._simple(sql.fast_commit)
-            else:
-                self._tx = True
-        rows = self._rows_of(res, n)
-        self._plan(res, rows)
-        self.claimed += n
-        return rows
-
-    def _commit(self, wake: bool = False) -> None:
-        """Write the fast batch's outcomes in its transaction and commit it (releases are left as they were).
-
-        A statement PostgreSQL rejects rolls the batch back (its jobs run
-        again: at least once) and moves the queue to the state lane, whose
-        statement isolates a bad outcome. Jobs it leaves unstarted (released,
-        or behind a handed-over job: `wake`) wake the queue's sleeping workers.
-        The lists are emptied in place: the batch running holds them.
-        """
-        with _quiet():
-            self._end(wake)
-
-    def _end(self, wake: bool) -> None:
-        done, failures = self._done[:], outcomes.started(self._failures)
-        wake = wake or len(failures) < len(self._failures)
-        del self._done[:], self._failures[:]
-        self._tx = False
-        self._writing(failures)
-        ids = ("{" + ",".join(map(str, done)) + "}").encode()
-        name = b"job_finish_locked_many_results" if self.planner.keeping else b"job_finish_locked_many"
-        self._send_prepared(name, [ids, outcomes.encode(failures), self._worker_id])
-        _, error, _ = self._results()
-        if error is None and wake:
-            self._send_prepared(b"queue_wake", [self._queues[self._batch_base // self._stride]])
-            _, error, _ = self._results()
-        if error is not None:
-            self._simple(sql.fast_rollback)
-            self.planner.demote(self._batch_base // self._stride)
-            outcomes.say_rolled_back(len(done) + len(failures), error)
-        else:
-            self._simple(sql.fast_commit)
-            self.completed += len(done)
-            if failures:
-                completed, failed, retried, discarded = outcomes.tally(failures)
-                self.completed += completed
-                self.failed += failed
-                self.retried += retried
-                self.discarded += discarded
-            self.fast += len(done) + len(failures)
-        self._written()
-
     def _writing(self, failures: Sequence[Outcome]) -> None:
-        """Note in the slot the failed jobs' outcomes the statement about to be sent carries."""
+        """Note in the card the failed jobs' outcomes the statement about to be sent carries."""
         if self._running is not None and not self._write_failed:
             self._running[RUNNING_WRITING] = len(failures)
             if failures:
@@ -406,43 +273,15 @@ class BatchLoop:
         self._in_flight = True
         self._limit = limit
 
-    def _results(self) -> tuple[Any, str | None, bool]:
-        """The in-flight statement's result: (rows, None, _) or (None, error, whether an outcome is why)."""
-        pgconn = self._pgconn
-        result = None
-        error = None
-        isolatable = False
-        try:
-            pgconn.consume_input()
-            while True:
-                while pgconn.is_busy():
-                    _wait(pgconn)
-                    pgconn.consume_input()
-                res = pgconn.get_result()
-                if res is None:
-                    break
-                if res.status == pq.ExecStatus.TUPLES_OK:
-                    result = res
-                elif error is None:
-                    error = res.error_message.decode(errors="replace")
-                    state = res.error_field(pq.DiagnosticField.SQLSTATE) or b""
-                    isolatable = state[:2].decode() in outcomes.OUTCOME_ERROR_CLASSES
-        except psycopg.OperationalError:
-            raise self._lost() from None
-        self._in_flight = False
-        if error is None and result is None:
-            error = pgconn.error_message.decode(errors="replace")
-        return (None if error is not None else result), error, isolatable
-
     def _claimed(self, res: Any) -> int:
         """How many rows of `res` are claimed jobs; the stale outcomes after them are counted and logged."""
         n = res.ntuples
-        if n and res.get_value(n - 1, 1) is None:
+        if n and res.get_value(n - 1, COL_KIND) is None:
             stale = []
-            while n and res.get_value(n - 1, 1) is None:
+            while n and res.get_value(n - 1, COL_KIND) is None:
                 n -= 1
-                state = orjson.loads(res.get_value(n, 2)[1:])
-                stale.append((_int(res.get_value(n, 0)), _int(res.get_value(n, 3)), state))
+                state = orjson.loads(res.get_value(n, COL_ARGS)[1:])
+                stale.append((_int(res.get_value(n, COL_ID)), _int(res.get_value(n, COL_ATTEMPT)), state))
                 if state == "completed":
                     self.completed -= 1
             self.stale += len(stale)
@@ -489,17 +328,18 @@ class BatchLoop:
         for i in range(n):
             claimed = None
             if self._whole_context:
-                claimed = (res.get_value(i, 8), _int(res.get_value(i, 9)), _int(res.get_value(i, 6)))
+                meta, created = res.get_value(i, COL_META), _int(res.get_value(i, COL_CREATED_AT))
+                claimed = (meta, created, _int(res.get_value(i, COL_RUN_AT)))
             rows.append(
                 (
-                    _int(res.get_value(i, 0)),
-                    res.get_value(i, 1).decode(),
-                    res.get_value(i, 2),
-                    _int(res.get_value(i, 3)),
-                    _int(res.get_value(i, 4)),
-                    _int(res.get_value(i, 6)),
+                    _int(res.get_value(i, COL_ID)),
+                    res.get_value(i, COL_KIND).decode(),
+                    res.get_value(i, COL_ARGS),
+                    _int(res.get_value(i, COL_ATTEMPT)),
+                    _int(res.get_value(i, COL_MAX_ATTEMPTS)),
+                    _int(res.get_value(i, COL_RUN_AT)),
                     claimed,
-                    res.get_value(i, 7) is not None,
+                    res.get_value(i, COL_KEEP_RESULT) is not None,
                 )
             )
         return rows
@@ -511,7 +351,7 @@ class BatchLoop:
         """
         lowest, latest = 1 << 15, 0
         for i in range(len(rows)):
-            priority, run_at = _int(res.get_value(i, 5)), _int(res.get_value(i, 6))
+            priority, run_at = _int(res.get_value(i, COL_PRIORITY)), _int(res.get_value(i, COL_RUN_AT))
             if priority < lowest:
                 lowest, latest = priority, run_at
             elif priority == lowest and run_at > latest:
@@ -559,23 +399,6 @@ class BatchLoop:
         planner.ran(index, len(rows), ran, wave, self._pooled, self._in_flight)
         if self._in_flight:
             self._rows = self._receive()
-        return len(rows)
-
-    def _fast(self, rows: list[Row], index: int) -> int:
-        """Run a fast-lane batch in its transaction, then write its outcomes and commit.
-
-        No claim is sent ahead: it would share the transaction, and the commit
-        would unlock its rows. The batch stops starting jobs at the planner's
-        deadline (the rest stay available, untouched).
-        """
-        began = time.perf_counter()
-        self._deadline = self.planner.deadline()
-        try:
-            self._run(rows)
-        finally:
-            if self._tx:
-                self._commit()
-        self.planner.ran_fast(index, len(rows), time.perf_counter() - began)
         return len(rows)
 
     def finish(self) -> None:
@@ -743,113 +566,6 @@ class BatchLoop:
         if self._guard_error is not None:
             error, self._guard_error = self._guard_error, None
             raise error
-
-    def _returned(self) -> None:
-        """This thread is back from a handler: the guard, if it is handing the batch back, finishes first.
-
-        A stop-now signal (KeyboardInterrupt) raised while it waits still waits:
-        the guard is using the connection the loop's final writes need.
-        """
-        try:
-            self._guard_lock.acquire()
-        except BaseException:
-            self._guard_lock.acquire()
-            self._job_began = 0.0
-            self._guard_lock.release()
-            raise
-        self._job_began = 0.0
-        self._guard_lock.release()
-
-    def hand_back(self) -> bool:
-        """From the guard's thread: when a handler outran its bound, hand back what its batch holds.
-
-        On the fast lane, past the batch's deadline: the job running becomes
-        a running state-lane job, the outcomes so far are written and the
-        transaction commits (the jobs behind it are free again, untouched).
-        On the state lane, once the job has run HAND_BACK_AFTER: the jobs
-        behind it and the batch claimed ahead are released (uncounted), with
-        the outcomes so far. Either way the batch is over when the handler
-        returns; its outcome is written by the state lane's next statement.
-        """
-        if not self._job_began or self._handed:
-            return False
-        with self._guard_lock:
-            began, now = self._job_began, time.monotonic()
-            if not began or self._handed:
-                return False
-            if self._tx:
-                if now <= self._deadline:
-                    return False
-            elif now - began < HAND_BACK_AFTER or not self._holding():
-                return False
-            self._handed = True
-            self.planner.handed_back(self._batch_base // self._stride)
-            try:
-                if self._tx:
-                    self._hand_over()
-                else:
-                    self._hand_back_state()
-            except LoopError as exc:
-                self._guard_error = exc
-            return True
-
-    def _holding(self) -> bool:
-        """Whether the state-lane batch running holds anything a hand-back would give or write."""
-        if self._in_flight or self._at < 0:  # the executor's phase: it knows which jobs have not started
-            return True
-        return bool(self._at + 1 < len(self._batch) or self._slow or self._done or self._failures)
-
-    def _hand_over(self) -> None:
-        """The fast lane's hand-back: the job running leaves the transaction, which commits."""
-        job_id, attempt = self._batch[self._at][0], self._batch[self._at][3]
-        params = [str(job_id).encode(), self._worker_id, str(attempt).encode()]
-        self._send_prepared(b"job_hand_over", params)
-        _, error, _ = self._results()
-        self.planner.demote(self._batch_base // self._stride)
-        if error is not None:
-            # The transaction is aborted: the whole batch runs again (at least once).
-            lost = len(self._done) + len(self._failures)
-            del self._done[:], self._failures[:]
-            self._tx = False
-            self._simple(sql.fast_rollback)
-            outcomes.say_rolled_back(lost, error)
-            return
-        self._commit(wake=True)
-
-    def _hand_back_state(self) -> None:
-        """The state lane's hand-back: release what waits behind the job running, write what ran."""
-        releases: list[Outcome] = []
-        done: list[int] = []
-        failures: list[Outcome] = []
-        if self._in_flight:
-            ahead = self._receive()
-            releases += [outcomes.release(row[0], row[3]) for row in ahead]
-            self.planner.unmark(self.planner.index)
-        if self._at >= 0:
-            releases += [outcomes.release(row[0], row[3]) for row in self._batch[self._at + 1 :]]
-            releases += [outcomes.release(job[1], job[3]) for job in self._slow]
-            del self._slow[:]
-            done, failures = self._done[:], self._failures[:]
-            del self._done[:], self._failures[:]
-            self.completed += len(done)
-            completed, failed, retried, discarded = outcomes.tally(failures)
-            self.completed += completed
-            self.failed += failed
-            self.retried += retried
-            self.discarded += discarded
-            # The jobs released lie behind the mark this batch's claim set.
-            self.planner.unmark(self._batch_base // self._stride)
-        else:
-            # The executor's phase: it keeps the outcomes; the jobs it has not started come back.
-            releases += [outcomes.release(job[1], job[3]) for job in self._executor.hand_back()]
-        failures += releases
-        if not (done or failures):
-            return
-        self._writing(failures)
-        error = self._write(done, failures)
-        if error is not None:
-            outcomes.isolate(self._write, done, failures, error)
-        self._written()
 
     def _attempts_of(
         self, slow: list[outcomes.SlowJob], slow_done: list[int], failures: list[Outcome], first: int

@@ -79,7 +79,17 @@ FRONT_CLAIM_MAX_WAIT = 10.0
 MARK_RUN_AT_MIN = -211_813_488_000_000_000 + 1_000_000
 MARK_RUN_AT_MAX = 9_223_371_331_200_000_000 - 1_000_000
 
-# A worker's counts per (queue, kind), in its stats slot: one row of int64
+# A claimed row's columns, in the order the claim and finish statements return them (sql._returned)
+# and the hot loops read them at these offsets; META and CREATED_AT only with context (a whole
+# JobContext). A stale outcome's row after the claimed ones has a NULL kind and its state in args.
+CLAIMED_COLUMNS = ("id", "kind", "args", "attempt", "max_attempts", "priority", "run_at", "keep_result")
+CONTEXT_COLUMNS = ("meta", "created_at")
+(
+    COL_ID, COL_KIND, COL_ARGS, COL_ATTEMPT, COL_MAX_ATTEMPTS, COL_PRIORITY, COL_RUN_AT, COL_KEEP_RESULT,
+    COL_META, COL_CREATED_AT,
+) = range(len(CLAIMED_COLUMNS + CONTEXT_COLUMNS))  # fmt: skip
+
+# A worker's counts per (queue, kind), in its stats card: one row of int64
 # cells per queue it serves times (its kinds + one for every other kind),
 # written by the hot loop with plain stores (see stats.KindTable). A row: the
 # outcome counters, then two histograms of nanoseconds, each a sum and
@@ -115,7 +125,7 @@ class BatchLoop(Protocol):
 
     A statement or connection failure raises errors.LoopError. The counters
     count outcomes as they are sent (a stale one is taken back when PostgreSQL
-    drops it); the worker copies them into its stats slot after each batch.
+    drops it); the worker copies them into its stats card after each batch.
     """
 
     claimed: int
@@ -173,10 +183,10 @@ class NewBatchLoop(Protocol):
         batch_min: int = ...,
         batch_max: int = ...,
         overlap: bool = ...,
-        progress: memoryview | None = ...,  # the slot's float64 [0]: counts the jobs started
+        progress: memoryview | None = ...,  # the card's float64 [0]: counts the jobs started
         front_claim_duty: float = ...,
-        running: memoryview | None = ...,  # the slot's int64 [0:3]: the job running, the outcomes written
-        counts: memoryview | None = ...,  # the slot's int64 rows per (queue, kind): see ROW
+        running: memoryview | None = ...,  # the card's int64 [0:3]: the job running, the outcomes written
+        counts: memoryview | None = ...,  # the card's int64 rows per (queue, kind): see ROW
         whole_context: bool = ...,  # claim meta and created_at, fill each JobContext whole (middleware)
         fast_lane: bool = ...,  # short sync jobs take the fast lane (sql.job_lock_many)
         sql: ModuleType = ...,  # the statements of the app's schema (fastjobs.sql.of)

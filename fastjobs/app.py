@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, Unpack, overload
 
 import psycopg
 
-from . import control, enqueue, keys, middleware, queues, results, schema, typed
-from .connections import Connected
+from . import bulk, control, enqueue, keys, middleware, queues, schema, typed
 from .cron import Cron
 from .enqueue import (
     InsertParams,
@@ -25,7 +24,7 @@ from .errors import UnknownKind
 from .job import AsyncConn, BulkOptions, Conn, EnqueueOptions, Job, P, R, close_kinds, spec_of
 from .middleware import EnqueueMiddleware, JobMiddleware
 from .queues import QueueInfo
-from .results import JobHandle, JobStatus
+from .results import JobHandle, JobResults
 from .retry import RetryPolicy
 from .types import DEFAULT_MAX_ATTEMPTS, DEFAULT_PRIORITY, DEFAULT_QUEUE, JobSpec
 
@@ -35,7 +34,7 @@ if TYPE_CHECKING:
 M = TypeVar("M", bound=Callable[..., Any])
 
 
-class App(Connected):
+class App(JobResults):
     """A set of registered jobs and the database they live in.
 
     The DSN is resolved on first use: `dsn` > FASTJOBS_DSN > DATABASE_URL;
@@ -370,7 +369,7 @@ class App(Connected):
             with middleware.chain_target(db, self.connection) as target:
 
                 def copy() -> int:
-                    return enqueue.copy_many(
+                    return bulk.copy_many(
                         target, opts, args_iterable, enqueue.dump_meta(call.meta), self._sql
                     )
 
@@ -387,7 +386,7 @@ class App(Connected):
         conn: psycopg.Connection[Any] | None,
     ) -> int:
         with self._on(conn) as db:
-            return enqueue.copy_many(db, opts, rows, meta, self._sql)
+            return bulk.copy_many(db, opts, rows, meta, self._sql)
 
     async def enqueue_async(
         self,
@@ -445,9 +444,7 @@ class App(Connected):
         """`enqueue_many` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs'), or a
         SQLAlchemy AsyncConnection or AsyncSession on psycopg 3."""
         opts = enqueue.options(kind, self._spec(kind), **options)
-        db: psycopg.AsyncConnection[Any] | None = await enqueue.adapt_async(conn)
-        if db is not None:
-            enqueue.check_conn(db, psycopg.AsyncConnection)
+        db = await self._adapted_async(conn)
         await self._backpressure.check_async(opts.queue, opts.wait_for_room, db, opts.keyed)
         if not self._enqueue_middleware_async:
             count = await self._copy_async(opts, args_iterable, None, db)
@@ -456,7 +453,7 @@ class App(Connected):
             async with middleware.chain_target_async(db, self.connection_async) as target:
 
                 async def copy() -> int:
-                    return await enqueue.copy_many_async(
+                    return await bulk.copy_many_async(
                         target, opts, args_iterable, enqueue.dump_meta(call.meta), self._sql
                     )
 
@@ -472,10 +469,8 @@ class App(Connected):
         meta: bytes | None,
         conn: psycopg.AsyncConnection[Any] | None,
     ) -> int:
-        if conn is not None:
-            return await enqueue.copy_many_async(conn, opts, rows, meta, self._sql)
-        async with self.connection_async() as own:
-            return await enqueue.copy_many_async(own, opts, rows, meta, self._sql)
+        async with self._on_async(conn) as db:
+            return await bulk.copy_many_async(db, opts, rows, meta, self._sql)
 
     def periodic(
         self,
@@ -584,36 +579,3 @@ class App(Connected):
         """Every queue acted on or holding jobs: paused or not, its jobs waiting and running."""
         with schema.required(self.schema), self.connection() as own:
             return queues.list_queues(own, self._sql)
-
-    def status(self, job_id: int, *, conn: Conn | None = None) -> JobStatus:
-        """What job `job_id` is now, without waiting: from the jobs table, or from the kept results
-        (a job enqueued with keep_result, after it ended). Raises JobNotFound when neither has it."""
-        with self._on(self._adapted(conn)) as db:
-            return results.status(db, job_id, self._sql)
-
-    async def status_async(self, job_id: int, *, conn: AsyncConn | None = None) -> JobStatus:
-        """`status` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs')."""
-        db: psycopg.AsyncConnection[Any] | None = await enqueue.adapt_async(conn)
-        if db is not None:
-            enqueue.check_conn(db, psycopg.AsyncConnection)
-            return await results.status_async(db, job_id, self._sql)
-        async with self.connection_async() as own:
-            return await results.status_async(own, job_id, self._sql)
-
-    def result(self, job_id: int, timeout: float | None = None) -> Any:
-        """The value job `job_id` returned, waiting for it to finish (at most `timeout` seconds).
-
-        Only a job enqueued with keep_result keeps it. Raises JobFailed (with
-        the job's `errors`) if the job was discarded, JobCancelled if it was
-        cancelled, TimeoutError (leaving the job alone) if it did not finish
-        in time, and JobNotFound, saying why, if there is nothing to wait
-        for: no such job, one without keep_result, or a result expired. The
-        wait issues no query: it is woken by the notification of its outcome.
-        """
-        with self.connection() as own:
-            return results.wait(own, job_id, timeout, self._sql)
-
-    async def result_async(self, job_id: int, timeout: float | None = None) -> Any:
-        """`result` in an event loop, on one of fastjobs' async connections."""
-        async with self.connection_async() as own:
-            return await results.wait_async(own, job_id, timeout, self._sql)

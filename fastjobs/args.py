@@ -1,12 +1,12 @@
 """A job's arguments: checked against its handler's signature and serialised for jsonb.
 
-The Python hot path uses `dump_args` as it is; the C one (`_core.pyx`) runs
-its fast checks inline and falls back to it for the exact error message.
+The Python hot path uses `dump_args` and `encode_copy_rows` as they are; the C one (`_core.pyx`) runs
+its fast checks inline and falls back to `dump_args` for the exact error message.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import orjson
@@ -36,6 +36,39 @@ def dump_args(kind: str, args: Any, params: frozenset[str] | None, required: fro
     if b"\\u0000" in data and _has_nul(args):
         raise _error(kind, "strings cannot contain NUL (\\x00): PostgreSQL's jsonb cannot store it")
     return data
+
+
+_JSONB_VERSION = b"\x01"
+
+
+def encode_copy_rows(
+    kind: str,
+    rows: Iterator[Any],
+    prefix: bytes,
+    suffix: bytes,
+    limit: int,
+    params: frozenset[str] | None,
+    required: frozenset[str],
+) -> tuple[bytes, int]:
+    """Encode up to `limit` rows of binary COPY data: prefix, the args as jsonb, suffix.
+
+    Every column but args is the same for the whole call, so the caller
+    encodes it once into prefix and suffix. Returns the data and the row count
+    (0 when `rows` is exhausted).
+    """
+    parts: list[bytes] = []
+    count = 0
+    for args in rows:
+        data = dump_args(kind, args, params, required)
+        parts.append(prefix)
+        parts.append((len(data) + 1).to_bytes(4, "big"))
+        parts.append(_JSONB_VERSION)
+        parts.append(data)
+        parts.append(suffix)
+        count += 1
+        if count == limit:
+            break
+    return b"".join(parts), count
 
 
 def _error(kind: str, detail: str) -> TypeError:

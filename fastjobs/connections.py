@@ -17,7 +17,7 @@ import psycopg
 from . import database, enqueue, sql
 
 if TYPE_CHECKING:
-    from .job import Conn
+    from .job import AsyncConn, Conn
 
 
 def finish(idle: list[Any]) -> None:
@@ -201,6 +201,25 @@ class Connected:
             yield conn
         else:
             with self.connection() as own:
+                yield own
+
+    @staticmethod
+    async def _adapted_async(conn: AsyncConn | None) -> psycopg.AsyncConnection[Any] | None:
+        """`_adapted` for the async methods."""
+        db: psycopg.AsyncConnection[Any] | None = await enqueue.adapt_async(conn)
+        if db is not None:
+            enqueue.check_conn(db, psycopg.AsyncConnection)
+        return db
+
+    @contextlib.asynccontextmanager
+    async def _on_async(
+        self, conn: psycopg.AsyncConnection[Any] | None
+    ) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """`_on` for the async methods."""
+        if conn is not None:
+            yield conn
+        else:
+            async with self.connection_async() as own:
                 yield own
 
     @contextlib.contextmanager

@@ -22,8 +22,7 @@ from . import database, sql
 from . import maintenance as leader
 from .errors import ConfigurationError, DatabaseUnavailable
 from .executor import Executor
-from .stats import Card as Slot
-from .stats import worker_counters
+from .stats import Card, worker_counters
 
 logger = logging.getLogger("fastjobs.worker")  # the name users filter on: these run in the worker
 
@@ -71,7 +70,7 @@ class Heartbeat(threading.Thread):
         executor: Executor,
         register: tuple[str, str, int, list[str]] | None = None,
         watch: Callable[[], None] | None = None,
-        slot: Slot | None = None,
+        card: Card | None = None,
         names: list[tuple[int, str, str]] | None = None,
         rotator: leader.Rotator | None = None,
         handles: list[str] | None = None,
@@ -91,8 +90,8 @@ class Heartbeat(threading.Thread):
         # A worker without a leader rotates the slots here, off the hot loop, whenever it finds
         # the leader's lock free (see Worker).
         self.rotator = rotator
-        self.slot = slot  # beaten each turn: the master's watchdog reads it as "this process is alive"
-        # The slot's rows of counts per (queue, kind), named: the heartbeat carries them.
+        self.card = card  # beaten each turn: the master's watchdog reads it as "this process is alive"
+        # The card's rows of counts per (queue, kind), named: the heartbeat carries them.
         self.names = names or []
         self._last_count: tuple[float, float] | None = None
         self.dsn = dsn
@@ -122,8 +121,8 @@ class Heartbeat(threading.Thread):
         # The first try one interval in: a worker that drains and stops at once has nothing to rotate.
         next_rotation = time.monotonic() + (self.rotator.config.interval if self.rotator else float("inf"))
         while not self._stop_event.is_set():
-            if self.slot is not None and not self.executor.hung:
-                self.slot.beat()
+            if self.card is not None and not self.executor.hung:
+                self.card.beat()
             try:
                 if conn is None:
                     conn = database.connect(self.dsn, autocommit=True)
@@ -138,7 +137,7 @@ class Heartbeat(threading.Thread):
                     self._beat(conn)
                 if now >= next_rotation:
                     next_rotation = time.monotonic() + self._rotate(conn)
-                # At most a second between the slot's beats, whatever the heartbeat's
+                # At most a second between the card's beats, whatever the heartbeat's
                 # interval, and PARENT_CHECK_INTERVAL between checks of the master.
                 wait = min(next_beat, next_rotation) - time.monotonic()
                 wait = max(0.0, min(wait, 1.0 if self.watch is None else PARENT_CHECK_INTERVAL))
@@ -168,11 +167,11 @@ class Heartbeat(threading.Thread):
     def _counters(self) -> str | None:
         """The heartbeat's counters (stats.worker_counters); its rate is over the time since the last."""
         doc: dict[str, Any] = {}
-        if self.slot is not None:
-            now, done = time.monotonic(), self.slot["completed"] + self.slot["failed"]
+        if self.card is not None:
+            now, done = time.monotonic(), self.card["completed"] + self.card["failed"]
             last, self._last_count = self._last_count, (now, done)
             rate = (done - last[1]) / (now - last[0]) if last is not None and now > last[0] else 0.0
-            doc = worker_counters(self.slot, self.names, max(rate, 0.0))
+            doc = worker_counters(self.card, self.names, max(rate, 0.0))
         if self.handles is not None:
             doc["handles"] = self.handles
         if self.events is not None:

@@ -15,7 +15,7 @@ import psycopg
 
 from . import database, sql
 from .errors import ConfigurationError, DatabaseUnavailable
-from .stats import Card as Slot
+from .stats import Card
 
 logger = logging.getLogger("fastjobs.worker")  # the name users filter on: these run in the worker
 
@@ -42,7 +42,7 @@ class Listener:
     fastjobs_ping channel carrying this listener's id); a dead listener is
     reconnected, and while it is down the worker simply polls.
 
-    Every change of its state is written to the worker's `slot` when it
+    Every change of its state is written to the worker's `card` when it
     happens, so `fastjobs stats` shows the connection as it is, busy or idle
     (it once showed the value of the worker's last sleep). While the worker
     is busy, `poll` reads the connection once a second: a lost listener shows
@@ -54,14 +54,14 @@ class Listener:
         dsn: str,
         queues: list[str],
         wake_fd: int | None = None,
-        slot: Slot | None = None,
+        card: Card | None = None,
         sql: ModuleType = sql,
     ) -> None:
         self.dsn = dsn
         self.sql = sql  # the statements (and channels) of the app's schema
         self.queues = set(queues)
         self.wake_fd = wake_fd
-        self.slot = slot
+        self.card = card
         self.conn: psycopg.Connection[Any] | None = None
         self.ping = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.last_check = 0.0
@@ -85,8 +85,8 @@ class Listener:
             self._report()
 
     def _report(self) -> None:
-        if self.slot is not None:
-            self.slot.listener(self.conn is not None, self.healthy_at, self.reconnects)
+        if self.card is not None:
+            self.card.listener(self.conn is not None, self.healthy_at, self.reconnects)
 
     def close(self) -> None:
         if self.conn is not None:

@@ -496,7 +496,7 @@ class Master:
             ),
             worker_id=worker_id,
             supervision=Supervision(
-                parent=self.pid, slot=card, title=title, careful=child.careful, host=self.host
+                parent=self.pid, card=card, title=title, careful=child.careful, host=self.host
             ),
         )
         worker.install_signals()

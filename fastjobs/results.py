@@ -24,10 +24,12 @@ from psycopg.rows import tuple_row
 from psycopg.types.json import set_json_loads
 
 from . import schema, sql
+from .connections import Connected
 from .errors import JobCancelled, JobFailed, JobNotFound
 
 if TYPE_CHECKING:
     from .app import App
+    from .job import AsyncConn, Conn
 
 __all__ = ["JobHandle", "JobStatus"]
 
@@ -214,6 +216,39 @@ async def wait_async(
             finally:
                 if not conn.closed:
                     await cur.execute(sql.unlisten_result)
+
+
+class JobResults(Connected):
+    """The App's reads of what became of a job: its status now, or its result once it ends."""
+
+    def status(self, job_id: int, *, conn: Conn | None = None) -> JobStatus:
+        """What job `job_id` is now, without waiting: from the jobs table, or from the kept results
+        (a job enqueued with keep_result, after it ended). Raises JobNotFound when neither has it."""
+        with self._on(self._adapted(conn)) as db:
+            return status(db, job_id, self._sql)
+
+    async def status_async(self, job_id: int, *, conn: AsyncConn | None = None) -> JobStatus:
+        """`status` on a `psycopg.AsyncConnection` (the caller's, or one of fastjobs')."""
+        async with self._on_async(await self._adapted_async(conn)) as db:
+            return await status_async(db, job_id, self._sql)
+
+    def result(self, job_id: int, timeout: float | None = None) -> Any:
+        """The value job `job_id` returned, waiting for it to finish (at most `timeout` seconds).
+
+        Only a job enqueued with keep_result keeps it. Raises JobFailed (with
+        the job's `errors`) if the job was discarded, JobCancelled if it was
+        cancelled, TimeoutError (leaving the job alone) if it did not finish
+        in time, and JobNotFound, saying why, if there is nothing to wait
+        for: no such job, one without keep_result, or a result expired. The
+        wait issues no query: it is woken by the notification of its outcome.
+        """
+        with self.connection() as own:
+            return wait(own, job_id, timeout, self._sql)
+
+    async def result_async(self, job_id: int, timeout: float | None = None) -> Any:
+        """`result` in an event loop, on one of fastjobs' async connections."""
+        async with self.connection_async() as own:
+            return await wait_async(own, job_id, timeout, self._sql)
 
 
 class JobHandle(int):

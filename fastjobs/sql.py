@@ -71,6 +71,7 @@ from dataclasses import dataclass
 from types import MappingProxyType, ModuleType
 from typing import Final
 
+from .abc import CLAIMED_COLUMNS, CONTEXT_COLUMNS
 from .errors import ConfigurationError
 
 # Where each section of the catalogue starts: its title and how many module
@@ -425,12 +426,12 @@ _section("Claims")
 # clean; jobs behind the mark (promoted, retried, of another priority) wait
 # for that claim.
 
-# What a claim returns of each job, in the order the hot loops decode it; with
+# What a claim returns of each job, in the order the hot loops decode it (fastjobs.abc.COL_*); with
 # context (the app has middleware, which fills each JobContext) its meta and
 # created_at too. keep_result (NULL for most jobs) tells the loops which jobs'
 # return values to send with their outcomes. Any other worker claims without, so a job pays for neither.
-_CLAIMED: Final = ("id", "kind", "args", "attempt", "max_attempts", "priority", "run_at", "keep_result")
-_CONTEXT: Final = ("meta", "created_at")
+_CLAIMED: Final = CLAIMED_COLUMNS
+_CONTEXT: Final = CONTEXT_COLUMNS
 
 # Claim order: which jobs a claim takes, and the order a batch runs in (DESIGN: higher priority
 # first, FIFO by run_at, id inside one). The candidates are read in that order, but an UPDATE

@@ -26,7 +26,7 @@ from .heartbeat import Heartbeat, host_id, make_worker_id
 from .impl import core
 from .listener import Listener, check_sleep_deadline
 from .scoreboard import Labels
-from .stats import Card as Slot
+from .stats import Card
 from .types import DEFAULT_QUEUE
 
 __all__ = [
@@ -122,7 +122,7 @@ class Supervision:
     """What a worker under a master gets from it besides its settings (see Master._child_main)."""
 
     parent: int  # the master's pid: the worker stops when it is gone
-    slot: Slot  # its shared-memory slot: beats, counters, the running jobs
+    card: Card  # its shared-memory card: beats, counters, the running jobs
     title: str  # process title prefix; the live rate is appended each second
     careful: bool = False  # one job per batch for CAREFUL_FOR seconds (see Master._blame)
     host: str = ""  # host_id() as the master resolved it
@@ -136,7 +136,7 @@ class Worker:
     uncounted, and every outcome is written before `run` returns.
 
     `config` holds its settings. Under a master (`supervision`: the master's
-    pid, the worker's slot, title and careful start), SIGTERM and SIGINT only ever mean a graceful
+    pid, the worker's card, title and careful start), SIGTERM and SIGINT only ever mean a graceful
     stop, however often they come: Ctrl-C, systemd and `kill -PGID` signal the
     whole process group, and the master relays the same stop. Only the master
     decides to stop now, with SIGQUIT. A worker whose master died
@@ -165,7 +165,7 @@ class Worker:
         self.executor = Executor(config.concurrency, config.threads)
         self.exit_when_empty = exit_when_empty
         self.on_ready = on_ready
-        self.slot = supervision.slot if supervision is not None else None
+        self.card = supervision.card if supervision is not None else None
         self.parent = supervision.parent if supervision is not None else None
         self.title = supervision.title if supervision is not None else None
         self.careful = supervision is not None and supervision.careful
@@ -270,7 +270,7 @@ class Worker:
         conn = database.connect(dsn, autocommit=True)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
-        listener = Listener(dsn, self.queues, self._wake_r, self.slot, sql)
+        listener = Listener(dsn, self.queues, self._wake_r, self.card, sql)
         try:
             schema.check(conn, sql)
             with psycopg.RawCursor(conn) as cur:
@@ -293,15 +293,15 @@ class Worker:
                 batch_min=min(self.config.batch_max, max(self.config.threads.values(), default=1)),
                 batch_max=self.config.batch_max,
                 overlap=self.config.overlap,
-                progress=self.slot.progress_view() if self.slot is not None else None,
-                running=self.slot.running_view() if self.slot is not None else None,
-                counts=self.slot.counts_view() if self.slot is not None else None,
+                progress=self.card.progress_view() if self.card is not None else None,
+                running=self.card.running_view() if self.card is not None else None,
+                counts=self.card.counts_view() if self.card is not None else None,
                 whole_context=self.app.has_middleware,
                 fast_lane=self.config.fast_lane,
                 sql=sql,
             )
-            if self.slot is not None:
-                self.executor.running = self.slot.slow_jobs()
+            if self.card is not None:
+                self.executor.running = self.card.slow_jobs()
             self.loop.stopping = self._stop
             self.loop.prepare()
             self.executor.worker = self.worker_id  # for the records of its jobs' failures
@@ -325,7 +325,7 @@ class Worker:
                 self.executor,
                 register,
                 watch,
-                self.slot,
+                self.card,
                 names,
                 rotator,
                 sorted(specs),
@@ -339,11 +339,11 @@ class Worker:
                     self.on_ready()
                 self._loop(conn, listener)
             except (LoopError, psycopg.Error):
-                if self.slot is not None and conn.pgconn.status == psycopg.pq.ConnStatus.BAD:
+                if self.card is not None and conn.pgconn.status == psycopg.pq.ConnStatus.BAD:
                     # The session was lost (terminated, a failover) with outcomes in
                     # flight: a statement PostgreSQL rejects implicates its one failed
                     # job (Master._blame), a lost connection no job.
-                    self.slot.clear_writing()
+                    self.card.clear_writing()
                 raise
             finally:
                 control.stop()
@@ -362,7 +362,7 @@ class Worker:
         sql = self.app.sql
         loop = self.loop
         assert loop is not None
-        slot = self.slot
+        card = self.card
         config = self.config
         next_schedule = 0.0 if config.schedule else float("inf")
         next_title = time.monotonic() + 1.0
@@ -383,15 +383,15 @@ class Worker:
                 began = time.monotonic()
                 ran = loop.step()
                 now = time.monotonic()
-                if slot is not None:
-                    slot.record(loop, now - began if ran else 0.0)
+                if card is not None:
+                    card.record(loop, now - began if ran else 0.0)
                 if now >= next_title:
                     next_title = now + 1.0
                     self._check_parent()  # the fallback to the control thread's check
                     listener.poll()
-                    if self.title is not None and slot is not None:
-                        # The rate the master writes into the slot each second.
-                        setproctitle(f"{self.title} {slot['rate']:,.0f} jobs/s")
+                    if self.title is not None and card is not None:
+                        # The rate the master writes into the card each second.
+                        setproctitle(f"{self.title} {card['rate']:,.0f} jobs/s")
                     if careful_until and now >= careful_until:
                         careful_until = 0.0
                         loop.batch_max, loop.overlap = config.batch_max, config.overlap
@@ -422,10 +422,10 @@ class Worker:
                 if now - listener.last_check >= LISTENER_CHECK_INTERVAL:
                     listener.check()
                 listener.wait(sleep)
-                if slot is not None:
-                    slot.beat()
+                if card is not None:
+                    card.beat()
         except (LoopError, psycopg.Error):
-            # A statement failed: its outcomes are not written, and the slot
+            # A statement failed: its outcomes are not written, and the card
             # keeps naming the one failed job they held (Master._blame).
             written = False
             raise
@@ -434,10 +434,10 @@ class Worker:
             # A second stop signal must not cut the final writes short.
             with _signals_held():
                 loop.finish()
-            if slot is not None:
+            if card is not None:
                 if written:
                     # Every outcome is written, those of the jobs whose handlers stopped
                     # the worker too: the master charges a crash to no job (it would to
-                    # every job the slot names, sql.job_crash_fast).
-                    slot.clear_jobs()
-                slot.record(loop, 0.0)
+                    # every job the card names, sql.job_crash_fast).
+                    card.clear_jobs()
+                card.record(loop, 0.0)

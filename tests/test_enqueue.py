@@ -13,7 +13,7 @@ import pytest
 from psycopg.pq import TransactionStatus
 from psycopg.rows import RowFactory, class_row, dict_row, namedtuple_row
 
-from fastjobs import App, enqueue
+from fastjobs import App, bulk
 
 
 def send_email(user_id: int, email: str, retries: int = 3) -> None:
@@ -186,7 +186,7 @@ def test_args_may_be_any_mapping(app: App, dsn):
 
 def test_enqueue_many_inserts_every_row_in_order_over_several_copy_chunks(app: App, dsn):
     rows = [{"n": i, "text": f"row {i} ✓"} for i in range(20_000)]
-    assert 2 * enqueue.COPY_CHUNK < 20_000
+    assert 2 * bulk.COPY_CHUNK < 20_000
 
     assert app.enqueue_many("bulk", rows, queue="q", priority=-1, max_attempts=2) == 20_000
 
@@ -197,7 +197,7 @@ def test_enqueue_many_inserts_every_row_in_order_over_several_copy_chunks(app: A
     }
 
 
-@pytest.mark.parametrize("size", [enqueue.COPY_CHUNK - 1, enqueue.COPY_CHUNK, enqueue.COPY_CHUNK + 1])
+@pytest.mark.parametrize("size", [bulk.COPY_CHUNK - 1, bulk.COPY_CHUNK, bulk.COPY_CHUNK + 1])
 def test_enqueue_many_at_the_chunk_boundary(app: App, dsn, size):
     assert app.enqueue_many("k", ({"n": i} for i in range(size))) == size
     assert [r["args"]["n"] for r in _jobs(dsn)] == list(range(size))
@@ -461,7 +461,7 @@ def test_unserialisable_args_with_conn_insert_nothing(app: App, dsn, args, type_
 
 def _rows_with_a_bad_one(total: int = 16_000, bad: int = 15_000) -> Iterator[dict[str, Any]]:
     """A bulk whose bad row is in the last COPY chunk, after earlier chunks were sent."""
-    assert bad >= enqueue.COPY_CHUNK
+    assert bad >= bulk.COPY_CHUNK
     for i in range(total):
         yield {"n": {1, 2}} if i == bad else {"n": i}
 

@@ -19,7 +19,7 @@ import psycopg
 import pydantic
 import pytest
 
-from fastjobs import App, enqueue, typed
+from fastjobs import App, bulk, typed
 from fastjobs.errors import InvalidArguments
 
 from .helpers import by_state, drain, insert_raw, jobs
@@ -303,11 +303,9 @@ def test_a_msgspec_error_names_the_path_inside_the_struct(app: App):
 
 def test_a_bulk_enqueue_is_all_or_nothing_and_names_the_row(app: App, dsn):
     job = app.job()(send)
-    rows = [{"user": USER, "when": NOW}] * (enqueue.COPY_CHUNK + 10)
-    rows[enqueue.COPY_CHUNK + 5] = {"user": USER, "when": NOW.replace(tzinfo=None)}  # past the first chunk
-    with pytest.raises(
-        ValueError, match=rf"^{KIND}: row {enqueue.COPY_CHUNK + 5}: argument 'when' must carry"
-    ):
+    rows = [{"user": USER, "when": NOW}] * (bulk.COPY_CHUNK + 10)
+    rows[bulk.COPY_CHUNK + 5] = {"user": USER, "when": NOW.replace(tzinfo=None)}  # past the first chunk
+    with pytest.raises(ValueError, match=rf"^{KIND}: row {bulk.COPY_CHUNK + 5}: argument 'when' must carry"):
         job.enqueue_many(rows)
     assert jobs(dsn) == []
     with psycopg.connect(dsn) as conn:  # in the caller's transaction, which stays usable

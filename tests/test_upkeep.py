@@ -89,10 +89,10 @@ class Rotations:
 
 class LeaderThread:
     def __init__(self, app: App, config: LeaderConfig) -> None:
-        self.slots = Scoreboard.create(1)
-        self.slot = self.slots[0]
-        self.slot.claim(LEADER, 0)
-        self.leader = Leader(app, config, card=self.slot)
+        self.cards = Scoreboard.create(1)
+        self.card = self.cards[0]
+        self.card.claim(LEADER, 0)
+        self.leader = Leader(app, config, card=self.card)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -109,7 +109,7 @@ class LeaderThread:
     def __exit__(self, *exc: object) -> None:
         self.leader.stop()
         self.thread.join(10)
-        self.slots.close(unlink=True)
+        self.cards.close(unlink=True)
         assert not self.thread.is_alive()
 
 
@@ -137,9 +137,9 @@ def test_a_leader_that_may_not_rotate_names_the_grants_and_runs_its_other_servic
             assert leader.error is None
             assert leader.thread.is_alive()
             assert leader.leader.rotator.problem == ROTATION_PRIVILEGES
-            assert leader.slot["rotation_problem"] == ROTATION_PRIVILEGES
-            warnings = upkeep_warnings([leader.slot.as_dict()])
-            metrics = prometheus(leader.slots, None)
+            assert leader.card["rotation_problem"] == ROTATION_PRIVILEGES
+            warnings = upkeep_warnings([leader.card.as_dict()])
+            metrics = prometheus(leader.cards, None)
         assert any(
             "GRANT TRUNCATE ON fastjobs_jobs_1 TO" in m and "GRANT UPDATE ON SEQUENCE fastjobs_slot TO" in m
             for m in caplog.messages
@@ -165,7 +165,7 @@ def test_with_the_documented_grants_a_granted_role_rotates(dsn: str, granted: st
             wait_for(lambda: rotations.count() >= SLOTS, "a whole turn of rotations")
             assert leader.leader.rotator.problem == ROTATION_OK
             assert leader.error is None and not leader.leader.failures
-        assert upkeep_warnings([leader.slot.as_dict()]) == []
+        assert upkeep_warnings([leader.card.as_dict()]) == []
     finally:
         app.close()
     with psycopg.connect(dsn) as conn:
@@ -205,9 +205,9 @@ def test_a_failing_service_is_counted_and_the_others_run_on(
             wait_for(ran, "the periodic and scheduler services")
             wait_for(lambda: leader.leader.failures.get("cleaner", 0) >= 1, "the cleaner's failure")
             assert leader.error is None
-            assert leader.slot["services_failing"] == 1
-            warnings = upkeep_warnings([leader.slot.as_dict()])
-            metrics = prometheus(leader.slots, None)
+            assert leader.card["services_failing"] == 1
+            warnings = upkeep_warnings([leader.card.as_dict()])
+            metrics = prometheus(leader.cards, None)
         assert any("leader cleaner failed" in m and "permission denied" in m for m in caplog.messages)
         assert any("1 maintenance service(s)" in w for w in warnings)
         assert 'fastjobs_maintenance_services_failing{role="leader",index="0"} 1' in metrics
@@ -360,20 +360,20 @@ def test_fastjobs_stats_warns_when_the_leading_leader_cannot_rotate(dsn: str) ->
     work, and why, is a warning in its output (and in --json)."""
     with psycopg.connect(dsn) as conn:
         identity = database_identity(conn, dsn)
-    slots = Scoreboard.create(1, identity)
+    cards = Scoreboard.create(1, identity)
     try:
-        slot = slots[0]
-        slot.claim(LEADER, 0)
-        slot["leading"] = 1.0
-        slot["rotation_problem"] = ROTATION_DEFERRED
+        card = cards[0]
+        card.claim(LEADER, 0)
+        card["leading"] = 1.0
+        card["rotation_problem"] = ROTATION_DEFERRED
         warnings = procs.stats_json(dsn)["warnings"]
         assert any("the rotation cannot do its work (deferred; not rotated yet)" in w for w in warnings), (
             warnings
         )
-        slot["rotation_problem"] = ROTATION_OK
+        card["rotation_problem"] = ROTATION_OK
         assert procs.stats_json(dsn)["warnings"] == []
     finally:
-        slots.close(unlink=True)
+        cards.close(unlink=True)
 
 
 def test_the_rotation_waits_out_a_fast_batch() -> None:

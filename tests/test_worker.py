@@ -624,13 +624,13 @@ def test_listener_check_on_a_healthy_connection(app: App, listener):
 
 def test_the_listener_writes_each_change_of_its_state_to_the_slot(app: App, dsn):
     """What `fastjobs stats` shows: written when it changes, not when the worker next sleeps."""
-    slots = Scoreboard.create(1)
-    slot = slots[0]
-    slot.claim(WORKER, 0)
-    made = Listener(dsn, ["default"], slot=slot)
+    cards = Scoreboard.create(1)
+    card = cards[0]
+    card.claim(WORKER, 0)
+    made = Listener(dsn, ["default"], card=card)
     try:
         assert made.connect() and made.conn is not None
-        assert (slot["listening"], slot["listener_reconnects"]) == (1, 0) and slot["listener_ok"] > 0
+        assert (card["listening"], card["listener_reconnects"]) == (1, 0) and card["listener_ok"] > 0
         query(dsn, "SELECT pg_terminate_backend(%s)", (made.conn.info.backend_pid,))
 
         def polled(done: Callable[[], bool]) -> Callable[[], bool]:
@@ -641,17 +641,17 @@ def test_the_listener_writes_each_change_of_its_state_to_the_slot(app: App, dsn)
             return check
 
         # A busy worker polls once a second: the loss shows without a sleep on the listener.
-        assert wait_for(polled(lambda: slot["listening"] == 0))
-        assert slot["listener_reconnects"] == 1 and made.conn is None
+        assert wait_for(polled(lambda: card["listening"] == 0))
+        assert card["listener_reconnects"] == 1 and made.conn is None
         assert made.wait(0) is False  # the worker's next sleep makes it again
-        assert (slot["listening"], slot["listener_reconnects"]) == (1, 1)
+        assert (card["listening"], card["listener_reconnects"]) == (1, 1)
         asleep(dsn)  # as the sleeping worker's deadline: enqueues notify
         app.enqueue("anything")  # a wake-up read by a poll is kept for the next sleep
         assert wait_for(polled(lambda: made._woken))
         assert made.wait(60) is True
     finally:
         made.close()
-        slots.close(unlink=True)
+        cards.close(unlink=True)
 
 
 def test_listener_check_reconnects_a_terminated_listener(app: App, dsn, listener):

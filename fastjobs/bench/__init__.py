@@ -27,7 +27,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import make_conninfo
 
-from .. import database, enqueue, schema, sql
+from .. import bulk, database, enqueue, schema, sql
 from ..app import App
 from ..context import current_job
 from ..errors import FastjobsError
@@ -71,10 +71,10 @@ def _reset(dsn: str) -> None:
 
 def raw_copy_data(rows: list[dict[str, Any]], kind: str = BENCH_KIND) -> bytes:
     """Rows of `kind` as binary COPY data for sql.job_copy, encoded before any clock starts."""
-    _, prefix, suffix = enqueue.copy_layout(enqueue.options(kind, None), dt.datetime.now(dt.UTC))
+    _, prefix, suffix = bulk.copy_layout(enqueue.options(kind, None), dt.datetime.now(dt.UTC))
     body: bytes
     body, _ = core.encode_copy_rows(kind, iter(rows), prefix, suffix, len(rows), None, frozenset())
-    return enqueue.COPY_HEADER + body + enqueue.COPY_TRAILER
+    return bulk.COPY_HEADER + body + bulk.COPY_TRAILER
 
 
 def _raw_copy(dsn: str, rows: list[dict[str, Any]]) -> float:

@@ -171,20 +171,7 @@ def _parser() -> argparse.ArgumentParser:
         "limit", help="limit the queue's jobs running at once, or hold producers back past a backlog"
     )
     limit.add_argument("name", help="the queue")
-    limit.add_argument(
-        "--concurrency",
-        type=backlog,
-        default=queues.UNCHANGED,
-        metavar="N",
-        help="at most N of its jobs running at once, cluster-wide (none: no limit)",
-    )
-    limit.add_argument(
-        "--rate-limit",
-        type=rate,
-        default=queues.UNCHANGED,
-        metavar="N/PERIOD",
-        help="at most N of its jobs started per period, cluster-wide: 200/s, 1000/min, 50/h (none: no limit)",
-    )
+    _limit_arguments(limit, "its jobs", "200/s, 1000/min, 50/h", "no limit")
     limit.add_argument(
         "--max-backlog",
         type=backlog,
@@ -198,20 +185,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     limit_key.add_argument("kind", help="the job kind")
     limit_key.add_argument("key", help="the key's value as its jobs carry it ('': the kind as a whole)")
-    limit_key.add_argument(
-        "--concurrency",
-        type=backlog,
-        default=queues.UNCHANGED,
-        metavar="N",
-        help="at most N of its jobs with that key running at once, cluster-wide (none: as declared)",
-    )
-    limit_key.add_argument(
-        "--rate-limit",
-        type=rate,
-        default=queues.UNCHANGED,
-        metavar="N/PERIOD",
-        help="at most N of its jobs with that key started per period: 10/s, 600/min (none: as declared)",
-    )
+    _limit_arguments(limit_key, "its jobs with that key", "10/s, 600/min", "as declared")
     limit_key.add_argument("--json", action="store_true")
     queues_commands.add_parser(
         "keys", help="the limits set per kind and key, with their jobs running"
@@ -345,6 +319,24 @@ _SCHEMA_HELP = (
     "the PostgreSQL schema of fastjobs' tables, for a database shared with other applications (default:"
     " FASTJOBS_SCHEMA, else none: the search_path's); given before or after the command"
 )
+
+
+def _limit_arguments(parser: argparse.ArgumentParser, whose: str, rates: str, none: str) -> None:
+    """The --concurrency and --rate-limit of `queues limit` and `queues key`."""
+    parser.add_argument(
+        "--concurrency",
+        type=backlog,
+        default=queues.UNCHANGED,
+        metavar="N",
+        help=f"at most N of {whose} running at once, cluster-wide (none: {none})",
+    )
+    parser.add_argument(
+        "--rate-limit",
+        type=rate,
+        default=queues.UNCHANGED,
+        metavar="N/PERIOD",
+        help=f"at most N of {whose} started per period, cluster-wide: {rates} (none: {none})",
+    )
 
 
 def _schema_everywhere(commands: Any) -> None:
