@@ -173,6 +173,18 @@ async def connect_async(dsn: str, **kwargs: Any) -> psycopg.AsyncConnection[Any]
         return await psycopg.AsyncConnection.connect(dsn, **kwargs)
 
 
+# The server answered but has no such database: a new user's first `fastjobs migrate` before any
+# `createdb`. The server's words name it; the hint says the step, since migrate creates tables only.
+_NO_DATABASE = re.compile(r'database "([^"]+)" does not exist')
+
+
 def unavailable_message(dsn: str, exc: BaseException) -> str:
     reason = _scrub(str(exc).strip(), dsn)
-    return f"cannot connect to PostgreSQL at {describe(dsn)}: {reason}"
+    message = f"cannot connect to PostgreSQL at {describe(dsn)}: {reason}"
+    missing = _NO_DATABASE.search(reason)
+    if missing:
+        message += (
+            f"; create the database first (`createdb {missing.group(1)}` with the DSN's host and user,"
+            " or CREATE DATABASE in psql), then `fastjobs migrate` creates fastjobs' tables in it"
+        )
+    return message

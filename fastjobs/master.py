@@ -566,7 +566,7 @@ class Master:
         from setproctitle import setproctitle
 
         state = "stopping" if self.stopping else f"{total:,.0f} jobs/s"
-        setproctitle(f"fastjobs: master [{len(self.plan)} workers] {state}")
+        setproctitle(f"fastjobs: master [{plural(len(self.plan), 'worker')}] {state}")
 
     def _start_metrics(self) -> None:
         """Fork the metrics process before any worker; FastjobsError if it cannot listen."""

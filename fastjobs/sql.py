@@ -432,12 +432,27 @@ _section("Claims")
 _CLAIMED: Final = ("id", "kind", "args", "attempt", "max_attempts", "priority", "run_at", "keep_result")
 _CONTEXT: Final = ("meta", "created_at")
 
+# Claim order: which jobs a claim takes, and the order a batch runs in (DESIGN: higher priority
+# first, FIFO by run_at, id inside one). The candidates are read in that order, but an UPDATE
+# returns its rows as it finds them by id, and a fair claim's as its keys take turns: every claim
+# sorts what it returns (_in_claim_order), at most a batch of rows in memory.
+_CLAIM_ORDER: Final = "priority DESC, run_at, id"
+
 
 def _returned(*, context: bool, row: str = "", attempt: str = "") -> str:
     """The claimed columns, of table alias `row` if given; `attempt` in place of the attempt column."""
     columns = _CLAIMED + _CONTEXT if context else _CLAIMED
     prefix = f"{row}." if row else ""
     return ", ".join(attempt if column == "attempt" and attempt else prefix + column for column in columns)
+
+
+# Whether the claim holds the turn of the group of a keyed job's key (migration 011): the
+# groups its transaction holds and those it passed over are bits of a setting, read here, so
+# fastjobs_in_turn (PL/pgSQL, which tries the group's lock) is called once per group, not per job.
+_GROUPS_SEEN: Final = "coalesce(nullif(current_setting('fastjobs.key_groups', true), ''), '0')::int4"
+_IN_TURN: Final = f"""CASE WHEN {_GROUPS_SEEN} & (65537 << {_S}fastjobs_key_group(kind, limit_key)) = 0
+             THEN {_S}fastjobs_in_turn(kind, limit_key)
+             ELSE {_GROUPS_SEEN} & (1 << {_S}fastjobs_key_group(kind, limit_key)) <> 0 END"""
 
 
 @dataclass(frozen=True)
@@ -463,13 +478,14 @@ class _Choice:
                 f" + (${first + 1}::int8 - {CLAIM_MARK_MARGIN}) * interval '1 microsecond'"
             )
         stopped = _stopped(fast=fast)
-        keyless = (
-            "\n   AND limit_key IS NULL" if fast else ""
-        )  # a keyed job in flight there would not be counted
+        # The fast lane takes no keyed job (one in flight there would not be counted); the state
+        # lane only those of the groups of keys whose turn its claim holds (_IN_TURN), and the
+        # test of a job without a key stops at its first operand.
+        keyless = "\n   AND limit_key IS NULL" if fast else f"\n   AND (limit_key IS NULL OR {_IN_TURN})"
         fair = f"fair AND {_S}fastjobs_fair_keyed(name)"  # of the row: asked only when it is marked
         return f""" WHERE state = 'available' AND queue = {queue} AND run_at <= now(){after}{keyless}
    AND NOT EXISTS (SELECT FROM {_S}fastjobs_queues WHERE name = {queue} AND ({stopped} OR {fair}))
- ORDER BY priority DESC, run_at, id
+ ORDER BY {_CLAIM_ORDER}
  LIMIT {limit}
    FOR UPDATE SKIP LOCKED"""
 
@@ -534,6 +550,11 @@ _FROM_THE_FRONT: Final = _Choice()
 _AFTER_THE_MARK: Final = _Choice(after=True)
 
 
+def _in_claim_order(rows: str, *, context: bool) -> str:
+    """The claimed columns of `rows` (the claimed CTE, or the locked rows as a subquery), in claim order."""
+    return f"SELECT {_returned(context=context)} FROM {rows}\n ORDER BY {_CLAIM_ORDER}"
+
+
 def _claim(
     *,
     queue: str,
@@ -546,8 +567,9 @@ def _claim(
     ended: tuple[str, str] = ("NULL", "NULL"),
 ) -> str:
     """The state lane's claim: the jobs `choice` takes become running for `worker`, their attempt
-    counted. The ids go through ARRAY(...): joined as a subquery instead, a large batch makes the
-    planner hash-join it against a Seq Scan of the whole table."""
+    counted; an UPDATE, the CTE `claimed` of a statement that returns it _in_claim_order. The ids
+    go through ARRAY(...): joined as a subquery instead, a large batch makes the planner hash-join
+    it against a Seq Scan of the whole table."""
     candidates = choice.select(
         f"id, kind, {_LIMIT_COLUMNS}", queue=queue, limit=limit, first=first, ending=ending
     )
@@ -577,18 +599,21 @@ def _keyed(*, worker: str, ended: tuple[str, str]) -> str:
 
 def _lock(*, choice: _Choice, context: bool) -> str:
     """The fast lane's claim: lock up to $2 available jobs of queue $1 (the choice's parameters from
-    $3); nothing is written. The attempt returned is the one this run makes (counted when its outcome
-    is written)."""
-    columns = _returned(context=context, attempt=f"({_next_attempt('')})::smallint")
-    return "\n" + choice.select(columns, queue="$1", limit="$2", first=3, fast=True)
+    $3), in claim order; nothing is written. The attempt returned is the one this run makes (counted
+    when its outcome is written)."""
+    columns = _returned(context=context, attempt=f"({_next_attempt('')})::smallint AS attempt")
+    locked = choice.select(columns, queue="$1", limit="$2", first=3, fast=True)
+    return "\n" + _in_claim_order(f"(\n  {_indent(locked, 2)}) AS locked", context=context)
 
 
 # job_claim_many: take up to $2 available jobs of queue $1 for worker $3, in
 # claim order, skipping rows other workers hold; the attempt is counted here.
 # Priority and run_at come back so the hot loop knows where the claim ended.
-job_claim_many: Final = "\n" + _claim(
-    queue="$1", limit="$2", worker="$3", choice=_FROM_THE_FRONT, first=4, context=False
+job_claim_many: Final = f"""
+WITH claimed AS (
+    {_indent(_claim(queue="$1", limit="$2", worker="$3", choice=_FROM_THE_FRONT, first=4, context=False), 4)}
 )
+{_in_claim_order("claimed", context=False)}"""
 
 # job_lock_many, job_lock_after (after the mark), and their _context variants:
 # the fast lane's claim (see its section).
@@ -791,8 +816,8 @@ def _finish_claim(*, keep: bool, choice: _Choice, context: bool, results: bool =
     queue $3 for worker $5 (LIMIT 0: none), the choice's parameters from $6. It returns the claimed
     rows, and after them one row per outcome that did not apply (stale), kind NULL, the outcome's
     state in args; each of those branches runs only when its count of applied rows falls short (a
-    one-time filter: nothing to do in the usual batch). Claimed rows come first: an Append runs its
-    branches in order."""
+    one-time filter: nothing to do in the usual batch). Claimed rows come first, in claim order: an
+    Append runs its branches in order."""
     claim = _claim(
         queue="$3",
         limit="$4",
@@ -811,7 +836,7 @@ def _finish_claim(*, keep: bool, choice: _Choice, context: bool, results: bool =
 ), claimed AS (
     {_indent(claim, 4)}
 )
-SELECT {_returned(context=context)} FROM claimed
+({_in_claim_order("claimed", context=context)})
 UNION ALL
 SELECT c.id, NULL, to_jsonb('completed'::text), 1::smallint{rest}
   FROM unnest($1::bigint[]) AS c(id)
@@ -1184,9 +1209,9 @@ DELETE FROM {_S}fastjobs_results WHERE id IN (
      ORDER BY expires_at
      LIMIT $2)"""
 
-# The class of the advisory locks fastjobs_take holds, one per stripe of the keys it takes from
-# (abs(hashtext(kind || ':' || key) % 128)), to its claim's commit (migrations/009_keys.sql).
-_KEY_STRIPE_LOCK: Final = "1718382455"
+# The class of the advisory locks a claim holds, one per group of the keys it takes from
+# (fastjobs_key_group), to its commit (fastjobs_in_turn, migrations/011_key_groups.sql).
+_KEY_GROUP_LOCK: Final = "1718382456"
 
 
 # key_bucket_clean_many: of the next $4 rows of fastjobs_limits after kind $2 and key $3 (in key
@@ -1197,7 +1222,7 @@ _KEY_STRIPE_LOCK: Final = "1718382455"
 # refills one token in an hour, a rate of at least 1/s a bucket in a second. So a bucket left alone
 # for at least a second is full when it held a whole token, and after 3,600 s per token it lacked of
 # one otherwise, whatever its rate. A key's next claim makes its row again, its bucket full: nothing a
-# claim could take is lost. A row is deleted only under its stripe's lock (pg_try_advisory_xact_lock,
+# claim could take is lost. A row is deleted only under its key group's lock (pg_try_advisory_xact_lock,
 # skipped when a claim holds it): fastjobs_take makes a key's row, then takes its tokens, and a row
 # deleted between the two would let that claim take the key's jobs without counting any.
 key_bucket_clean_many: Final = f"""
@@ -1213,7 +1238,7 @@ WITH read AS (
        AND l.concurrency IS NULL AND l.rate_limit IS NULL AND l.rate IS NULL
        AND l.refilled_at <= $1::timestamptz - make_interval(
                secs => greatest(1, 3600 * (1 - least(coalesce(l.tokens, 1), 1))))
-       AND pg_try_advisory_xact_lock({_KEY_STRIPE_LOCK}, abs(hashtext(l.kind || ':' || l.key) % 128))
+       AND pg_try_advisory_xact_lock({_KEY_GROUP_LOCK}, {_S}fastjobs_key_group(l.kind, l.key))
     RETURNING 1
 )
 SELECT (SELECT count(*) FROM read), (SELECT count(*) FROM deleted), last.kind, last.key

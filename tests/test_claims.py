@@ -6,6 +6,7 @@ import threading
 import time
 
 import psycopg
+import pytest
 from psycopg.types.json import Jsonb
 
 from fastjobs import App
@@ -14,7 +15,7 @@ from fastjobs.executor import Executor
 from fastjobs.impl import core
 from fastjobs.worker import Worker, WorkerConfig
 
-from .helpers import OVERLAP, WorkerThread, batch_loop, by_state, handler_event, query, wait_for
+from .helpers import OVERLAP, WorkerThread, batch_loop, by_state, handler_event, query, wait_for, warm
 
 
 def test_a_job_committed_late_behind_the_mark_is_claimed_after_it(app: App, dsn) -> None:
@@ -119,3 +120,58 @@ def test_an_empty_queue_does_not_shrink_a_busy_ones_claims(app: App) -> None:
             sizes.append(ran)
     assert sum(sizes) == 200
     assert sizes[:7] == [1, 2, 4, 8, 16, 32, 64], sizes
+
+
+# (n, priority, seconds before now its run_at is): enqueued in n's order, so id order is n's.
+_MIXED = [(0, 0, 10), (1, 5, 1), (2, 5, 3), (3, -2, 30), (4, 5, 3), (5, 10, 0), (6, 0, 20), (7, 5, 2)]
+# Claim order: the highest priority first, then the earliest run_at, then the lowest id.
+_IN_CLAIM_ORDER = [n for n, *_ in sorted(_MIXED, key=lambda job: (-job[1], -job[2], job[0]))]
+
+
+@OVERLAP
+@pytest.mark.parametrize("lane", ["fast", "state"])
+def test_a_batch_runs_in_claim_order_whatever_the_ids(app: App, dsn, overlap, lane) -> None:
+    """Jobs of mixed priorities and run_at, claimed in one batch, run highest priority first, then
+    earliest run_at, then id, on both lanes. The state lane's UPDATE returned them by id."""
+    app.job(kind="warm")(lambda: None)
+    _, seen = handler_event(app, "mixed")
+    with batch_loop(app, 100, overlap=overlap, fast_lane=lane == "fast") as loop:
+        warm(app, loop)
+        for n, priority, _ in _MIXED:
+            app.enqueue("mixed", {"n": n}, priority=priority)
+        query(
+            dsn,
+            "UPDATE fastjobs_jobs_all j SET run_at = now() - make_interval(secs => m.ago)"
+            "  FROM unnest(%s::int[], %s::float8[]) AS m(n, ago) WHERE (j.args->>'n')::int = m.n",
+            ([n for n, *_ in _MIXED], [float(ago) for *_, ago in _MIXED]),
+        )
+        assert loop.step() == len(_MIXED)
+        assert loop.fast == (len(_MIXED) if lane == "fast" else 0)
+        loop.stopping = True
+        loop.finish()
+    assert _IN_CLAIM_ORDER == [5, 2, 4, 7, 1, 6, 0, 3]
+    assert seen == _IN_CLAIM_ORDER
+
+
+@pytest.mark.parametrize("lane", ["fast", "state"])
+def test_a_fair_batch_runs_in_claim_order_across_its_keys(app: App, dsn, lane) -> None:
+    """A fair claim takes its share of each key (all of one priority); the batch runs by run_at,
+    then id, across the keys, as any batch does: here B's jobs are older than A's, enqueued after."""
+    app.job(kind="warm")(lambda: None)
+    seen: list[int] = []
+    app.job(kind="keyed", fair_key="tenant")(lambda tenant, n: seen.append(n))
+    with batch_loop(app, 8, overlap=False, fast_lane=lane == "fast") as loop:
+        warm(app, loop)
+        app.enqueue_many("keyed", ({"tenant": "A", "n": n} for n in range(4)))
+        app.enqueue_many("keyed", ({"tenant": "B", "n": n} for n in range(4, 8)))
+        query(
+            dsn,
+            "UPDATE fastjobs_jobs_all SET run_at = now() - make_interval(secs =>"
+            " CASE WHEN (args->>'n')::int < 4 THEN 8 - 2 * (args->>'n')::int"
+            " ELSE 9 - 2 * ((args->>'n')::int - 4) END) WHERE kind = 'keyed'",
+        )
+        assert loop.step() == 8
+        assert loop.fast == (8 if lane == "fast" else 0)
+        loop.stopping = True
+        loop.finish()
+    assert seen == [4, 0, 5, 1, 6, 2, 7, 3]

@@ -355,3 +355,17 @@ def test_a_short_password_is_masked_without_garbling_the_message() -> None:
     assert database._scrub("Servname not supported, password p", "postgresql://u:p@h/db") == (
         "Servname not supported, password ***"
     )
+
+
+def test_a_database_that_does_not_exist_says_to_create_it_first(
+    no_env: pytest.MonkeyPatch, dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A new user's first `fastjobs migrate`, before any `createdb`: the step it lacks, named."""
+    missing = psycopg.conninfo.make_conninfo(dsn, dbname="fastjobs_no_such_database")
+    no_env.setenv("FASTJOBS_DSN", missing)
+    assert main(["migrate"]) == EXIT_BOOT_ERROR
+    err = capsys.readouterr().err
+    assert 'database "fastjobs_no_such_database" does not exist' in err
+    assert "create the database first (`createdb fastjobs_no_such_database` with the DSN's host" in err
+    with pytest.raises(DatabaseUnavailable, match="createdb fastjobs_no_such_database"):
+        App(missing).enqueue("k")

@@ -91,17 +91,24 @@ def calls(conn: psycopg.Connection[tuple[object, ...]]) -> None:
 """
 
 
-def test_mypy_checks_enqueue_calls_against_the_handler_of_an_installed_fastjobs(tmp_path: Path) -> None:
+# Neither the wheel's install nor the checks may see this checkout through PYTHONPATH (a developer's
+# shell sets it to their tree): pip would take fastjobs for installed already and install nothing.
+CLEAN_ENV = {k: v for k, v in os.environ.items() if k not in ("MYPYPATH", "PYTHONPATH")}
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`pip install ./fastjobs`, as the install page says (a regular install: an editable one hides
-    the package from type checkers behind an import hook), into a fresh virtual environment, then
-    `mypy --strict` on a user's module run against that environment. The wheel is built here with
-    `--no-build-isolation`, reusing this checkout's C build; the environment takes fastjobs'
-    dependencies (psycopg's types among them) from this one through a .pth file, so fastjobs
-    itself is found only where the documented install put it."""
+    the package from type checkers behind an import hook), into a fresh virtual environment: its
+    interpreter. The wheel is built here with `--no-build-isolation`, reusing this checkout's C
+    build; the environment takes fastjobs' dependencies (psycopg's types among them) from this one
+    through a .pth file, so fastjobs itself is found only where the documented install put it."""
+    tmp_path = tmp_path_factory.mktemp("install")
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--quiet"]
     wheels = tmp_path / "wheels"
     built = subprocess.run(
         [*pip, "wheel", "--no-deps", "--no-build-isolation", "--wheel-dir", str(wheels), str(ROOT)],
+        env=CLEAN_ENV,
         capture_output=True,
         text=True,
         timeout=600,
@@ -113,6 +120,7 @@ def test_mypy_checks_enqueue_calls_against_the_handler_of_an_installed_fastjobs(
     [wheel] = wheels.glob("fastjobs-*.whl")
     installed = subprocess.run(
         [*pip, "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)],
+        env=CLEAN_ENV,
         capture_output=True,
         text=True,
         timeout=300,
@@ -121,6 +129,7 @@ def test_mypy_checks_enqueue_calls_against_the_handler_of_an_installed_fastjobs(
     site = Path(
         subprocess.run(
             [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            env=CLEAN_ENV,
             capture_output=True,
             text=True,
             check=True,
@@ -132,7 +141,14 @@ def test_mypy_checks_enqueue_calls_against_the_handler_of_an_installed_fastjobs(
     assert (django_app / "migrations" / "0001_schema.py").is_file()
     assert (django_app / "management" / "commands" / "fastjobs_run.py").is_file()
     (site / "_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return python
 
+
+def test_mypy_checks_enqueue_calls_against_the_handler_of_an_installed_fastjobs(
+    tmp_path: Path, installed: Path
+) -> None:
+    """`mypy --strict` on a user's module, run against the environment of the documented install."""
+    python = installed
     user = tmp_path / "user"
     user.mkdir()
     code = textwrap.dedent(SAMPLE).lstrip()
@@ -152,7 +168,7 @@ def test_mypy_checks_enqueue_calls_against_the_handler_of_an_installed_fastjobs(
             "sample.py",
         ],
         cwd=user,
-        env={k: v for k, v in os.environ.items() if k not in ("MYPYPATH", "PYTHONPATH")},
+        env=CLEAN_ENV,
         capture_output=True,
         text=True,
         timeout=300,
@@ -172,3 +188,33 @@ def test_mypy_checks_enqueue_calls_against_the_handler_of_an_installed_fastjobs(
     assert 'Missing positional argument "when" in call to "enqueue" of "Job"' in done.stdout
     assert 'Unexpected keyword argument "nope" for "args" of "Job"' in done.stdout
     assert 'Argument "to" to "enqueue" of "Job" has incompatible type "dict[str, str]"' in done.stdout
+
+
+def test_pyright_checks_enqueue_calls_against_the_handler_of_an_installed_fastjobs(
+    tmp_path: Path, installed: Path
+) -> None:
+    """pyright on the same module, against the same environment: the four mistakes, each on its line."""
+    pyright = Path(sys.executable).parent / "pyright"  # the test extra's, which runs its own Node.js
+    user = tmp_path / "user"
+    user.mkdir()
+    code = textwrap.dedent(SAMPLE).lstrip()
+    (user / "sample.py").write_text(code + "reveal_type(send)\n")
+    expected = [n for n, line in enumerate(code.splitlines(), 1) if "# error" in line]
+    done = subprocess.run(
+        [str(pyright), "--pythonpath", str(installed), "sample.py"],
+        cwd=user,
+        env=CLEAN_ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    output = done.stdout + done.stderr
+    revealed = 'Type of "send" is "Job[(user_id: int, when: datetime, to: Address | None = None'
+    assert revealed in done.stdout, output  # fastjobs found, its types whole
+    errors = sorted({int(line.split(":")[1]) for line in done.stdout.splitlines() if " - error: " in line})
+    assert len(expected) == 4
+    assert errors == expected, output
+    assert '"Literal[\'1\']" is not assignable to "int"' in done.stdout, output
+    assert 'Argument missing for parameter "when"' in done.stdout, output
+    assert 'No parameter named "nope"' in done.stdout, output
+    assert 'Type "dict[str, str]" is not assignable to type "Address | None"' in done.stdout, output

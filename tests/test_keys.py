@@ -209,6 +209,32 @@ def test_a_rate_limit_per_kind_and_per_key_starts_at_most_a_bucket_of_one_second
     assert [(r["kind"], r["key"]) for r in rows] == [("paced", ""), ("per_key", "a"), ("per_key", "b")]
 
 
+def test_claims_of_keys_in_other_groups_do_not_wait_for_a_claim_in_progress(app: App, dsn: str) -> None:
+    """A claim that holds keys a and c (its transaction still open) leaves their remaining jobs to
+    no one, but a second claim meanwhile takes key b's at once, without waiting for the first to
+    commit, and passes over a's and c's; once the first commits, a third sees its jobs running."""
+    group = "abs(hashtext('k:' || %s) %% 16)"  # migration 011's fastjobs_key_group, spelled out
+    keys = ["a", "b", "c"]
+    groups = [query(dsn, f"SELECT {group} AS g", (k,))[0]["g"] for k in keys]
+    assert len(set(groups)) == 3  # three keys, three groups
+    app.job(kind="k", concurrency_key="tenant", concurrency_limit=2)(lambda tenant, n: None)
+    app.enqueue_many("k", ({"tenant": t, "n": n} for n in range(4) for t in ("a", "c")))
+    app.enqueue_many("k", ({"tenant": "b", "n": n} for n in range(4)))
+    with psycopg.connect(dsn) as first, psycopg.connect(dsn, autocommit=True) as second:
+        claimed = psycopg.RawCursor(first).execute(sql.job_claim_many, ("default", 4, "w1")).fetchall()
+        assert Counter(row[2]["tenant"] for row in claimed) == {"a": 2, "c": 2}
+        second.execute("SET lock_timeout = '2s'")
+        cur = psycopg.RawCursor(second)
+        claimed = cur.execute(sql.job_claim_many, ("default", 100, "w2")).fetchall()
+        assert Counter(row[2]["tenant"] for row in claimed) == {"b": 2}
+        first.commit()
+        assert cur.execute(sql.job_claim_many, ("default", 100, "w3")).fetchall() == []  # all at 2
+    assert Counter(
+        r["tenant"]
+        for r in query(dsn, "SELECT args->>'tenant' AS tenant FROM fastjobs_jobs_all WHERE state = 'running'")
+    ) == {"a": 2, "b": 2, "c": 2}
+
+
 def test_a_limit_of_its_own_for_some_keys_from_code_and_the_command_line(app: App, dsn: str) -> None:
     app.job(kind="k", concurrency_key="tenant", concurrency_limit=3)(lambda tenant, n: None)
     app.enqueue_many("k", ({"tenant": t, "n": n} for n in range(4) for t in ("vip", "std")))
@@ -372,11 +398,20 @@ def test_the_cleaner_removes_the_buckets_of_keys_idle_until_full_in_batches_and_
             " VALUES ('k', 'rate-set', '1/h', 1 / 3600.0, 0, %s)",
             (now - dt.timedelta(days=1),),
         )
-        with psycopg.connect(dsn) as claim:  # a claim of key many-00 holds its stripe
-            claim.execute("SELECT pg_advisory_xact_lock(1718382455, abs(hashtext('k:many-00') % 128))")
+        # The full buckets in many-00's group of keys, whose turn a claim of many-00 holds.
+        full = ["whole-token-2s", "empty-61min", "half-31min", "never-took-2s"]
+        full += [f"many-{n:02}" for n in range(25)]
+        [row] = conn.execute(
+            "SELECT count(*) FROM fastjobs_limits WHERE key = ANY(%s)"
+            " AND fastjobs_key_group(kind, key) = fastjobs_key_group('k', 'many-00')",
+            (full,),
+        ).fetchall()
+        held = row[0]
+        with psycopg.connect(dsn) as claim:
+            claim.execute("SELECT pg_advisory_xact_lock(1718382456, fastjobs_key_group('k', 'many-00'))")
             counts = maintenance.clean_once(conn, now, maintenance.CleanerConfig(batch=4))
-        assert counts["buckets"] == 4 + 24
-        assert maintenance.clean_once(conn, now)["buckets"] == 1  # many-00, its claim gone
+        assert counts["buckets"] == len(full) - held
+        assert maintenance.clean_once(conn, now)["buckets"] == held  # their claim gone
         assert maintenance.clean_once(conn, now)["buckets"] == 0
     left = [r["key"] for r in query(dsn, "SELECT key FROM fastjobs_limits ORDER BY key")]
     assert left == ["empty-30min", "rate-set", "set-by-an-operator", "whole-token-0.5s"]

@@ -286,3 +286,14 @@ def test_counts_agree_with_their_nouns() -> None:
     ]
     assert plural(1, "process", "processes") == "1 process"
     assert plural(3, "process", "processes") == "3 processes"
+
+
+def test_the_cluster_view_of_one_host_says_one_host(capsys: pytest.CaptureFixture[str]) -> None:
+    """The tutorial's `fastjobs stats` on one machine: "1 host", not "1 host(s)"."""
+    from fastjobs.cli import stats as stats_command
+    from fastjobs.report import ClusterHost, ClusterWorker
+
+    worker = ClusterWorker("vm:4811:9f3c1a2b7d0e4c55", 4811, ["emails"], 60.0, 0.4, False, 1.0, {})
+    host = ClusterHost("vm", [worker], ["emails"], 0, 0.4, 1, {"completed": 1, "failed": 0}, [])
+    stats_command._print_cluster([host])
+    assert "\ncluster: 1 host with workers registered in this database\n" in capsys.readouterr().out

@@ -336,6 +336,13 @@ def test_process_titles_and_the_printed_plan(masters: procs.Masters) -> None:
     assert master.stop() == 0, master.stderr()
 
 
+def test_the_title_of_a_master_of_one_worker_reads_one_worker(masters: procs.Masters) -> None:
+    """The quick start's master, as ps and top show it: "[1 worker]", not "[1 workers]"."""
+    master = masters.start("--processes", "1")
+    wait_for(lambda: procs.title(master.pid).startswith("fastjobs: master [1 worker] "), "the master's title")
+    assert master.stop() == 0, master.stderr()
+
+
 @pytest.mark.parametrize("kind", ["record", "record_timeout", "record_async"])
 def test_a_second_signal_stops_now_and_records_the_running_job(
     masters: procs.Masters, app: App, db: psycopg.Connection[Any], kind: str

@@ -246,8 +246,20 @@ CREATE TABLE IF NOT EXISTS u (x int);
 # --- migrations on a live system -----------------------------------------------------------------
 
 
+def roll_back_011(dsn: str) -> None:
+    """Undo what 011 creates and its record: no groups of keys, 009's fastjobs_take again (its first
+    step, which creates it, runs again harmlessly)."""
+    keys = next(m for m in schema.migrations() if m.version == 9)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(keys.steps()[0].sql)
+        conn.execute("DROP FUNCTION fastjobs_in_turn(text, text), fastjobs_key_group(text, text)")
+        conn.execute("DELETE FROM fastjobs_migrations WHERE version >= 11")
+
+
 def roll_back_010(dsn: str) -> None:
-    """Undo what 010 creates and its record: no fair claim, no fair_key column (nor its indexes)."""
+    """Undo what 010 and 011 create and their records: no fair claim, no fair_key column (nor its
+    indexes)."""
+    roll_back_011(dsn)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("DROP FUNCTION fastjobs_fair(text, bigint), fastjobs_fair_keyed(text)")
         conn.execute("ALTER TABLE fastjobs_jobs_all DROP COLUMN fair_key")
@@ -588,6 +600,7 @@ def test_005_applies_live_under_workers_and_producers_of_004_which_keep_working(
             "008_samples",
             "009_keys",
             "010_fair",
+            "011_key_groups",
         ]
         after, produced = len(completed), inserted["plain"]
         wait_for(lambda: len(completed) > after + 200, "the old worker to go on draining on 005")

@@ -232,7 +232,7 @@ def test_two_hosts_are_both_seen_with_their_counts_and_a_silent_one_is_flagged_s
         assert hosts["beta"]["workers"][0]["heartbeat_age"] > report.STALE_AFTER
         table = procs.cli(app.dsn, "stats")
         assert table.returncode == 0, table.stderr
-        assert "cluster: 2 host(s)" in table.stdout
+        assert "cluster: 2 hosts" in table.stdout
         [line] = [line for line in table.stdout.splitlines() if line.strip().startswith("beta:")]
         assert line.endswith("STALE")
         found = samples(scrape(ports[leader]))

@@ -177,6 +177,22 @@ def test_a_variants_name_says_what_it_is(name):
         assert [ctes[cte].startswith(expected) for cte in ("completed", "completed_later")] == [True, True]
 
 
+@pytest.mark.parametrize("name", ["job_claim_many", *FINISHES, *FINISHES_RESULTS, *LOCKS])
+def test_every_claim_returns_its_batch_in_claim_order(name):
+    """A claim takes its jobs in claim order and returns them in it, the order a loop runs its batch
+    in: the claimed CTE's rows sorted (an UPDATE returns its rows by id), or the locked ones (a fair
+    claim's come by key)."""
+    text = _words(sql.STATEMENTS[name])
+    assert text.count("ORDER BY priority DESC, run_at, id") == 2
+    returned = {
+        "job_claim_many": text.endswith(" FROM claimed ORDER BY priority DESC, run_at, id"),
+        "finish": " FROM claimed ORDER BY priority DESC, run_at, id) UNION ALL " in text,
+        "lock": text.endswith(") AS locked ORDER BY priority DESC, run_at, id"),
+    }
+    kind = name if name == "job_claim_many" else "lock" if name in LOCKS else "finish"
+    assert [k for k, holds in returned.items() if holds] == [kind]
+
+
 def test_keep_the_mark_and_context_leave_the_outcomes_alone():
     """Every state-lane finish statement writes outcomes with the same CTE; the fast lane's differs only
     in the attempt it ends (the outcome's own, f.attempt: its rows were never claimed), the worker it
@@ -225,13 +241,19 @@ def test_the_finish_statements_claim_as_job_claim_many_does(name):
     queue's room, and the count of a key's running jobs, leave out the jobs the statement itself
     ends (its worker, ids and records)."""
     moved = {"1": "3", "2": "4", "3": "5"}
-    claim = re.sub(r"\$(\d)", lambda m: "$" + moved[m[1]], " ".join(sql.job_claim_many.split()))
+    ctes, returned = _parts(sql.job_claim_many)
+    assert list(ctes) == ["claimed"]
+    claim = re.sub(r"\$(\d)", lambda m: "$" + moved[m[1]], ctes["claimed"])
     claim = claim.replace("fastjobs_room($3, $4)", "fastjobs_room($3, $4, $5, $1, $2)")
     claim = claim.replace(
         "coalesce(NULL::bigint[], '{}'), coalesce(NULL::jsonb, '[]')",
         "coalesce($1::bigint[], '{}'), coalesce($2::jsonb, '[]')",
     )
-    assert _parts(sql.STATEMENTS[name])[0]["claimed"] == claim
+    finish_ctes, finish_returned = _parts(sql.STATEMENTS[name])
+    assert finish_ctes["claimed"] == claim
+    # The claimed rows come first, in claim order, as job_claim_many returns them.
+    assert returned.endswith(" FROM claimed ORDER BY priority DESC, run_at, id")
+    assert finish_returned.startswith(f"({returned}) UNION ALL ")
 
 
 def _channels(text: str) -> set[str]:
@@ -380,6 +402,34 @@ def _plan_nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from _plan_nodes(child)
 
 
+def _reads_the_backlog(node: dict[str, Any]) -> bool:
+    """Whether the rows `node` returns are read from a jobs table other than under a Limit (the
+    claimed CTE is the rows a claim took, under its own; an InitPlan or a CTE's plan is not a
+    node's input but a value or a CTE it reads)."""
+    if node["Node Type"] == "Limit" or node.get("CTE Name") == "claimed":
+        return False
+    if node.get("Relation Name", "").startswith("fastjobs_jobs"):
+        return True
+    inputs = [child for child in node.get("Plans", []) if child["Parent Relationship"] != "InitPlan"]
+    return any(_reads_the_backlog(child) for child in inputs)
+
+
+def _sorts(nodes: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """A claim's Sort nodes that put its rows in claim order (their input a batch: the claimed CTE,
+    or the locked rows under their LIMIT), and the node types of any other Sort (one of the backlog)."""
+    batch, other = [], []
+    for node in nodes:
+        if node["Node Type"] != "Sort":
+            continue
+        alias = node["Sort Key"][0].split(".")[0]
+        in_claim_order = node["Sort Key"] == [f"{alias}.priority DESC", f"{alias}.run_at", f"{alias}.id"]
+        if in_claim_order and not _reads_the_backlog(node):
+            batch.append(node)
+        else:
+            other.append(f"Sort {node['Sort Key']}")
+    return batch, other
+
+
 @pytest.fixture(scope="module")
 def seeded(template_db: str) -> Iterator[str]:
     """A database shaped like a busy queue, analyzed: 50,000 available jobs over 4
@@ -430,7 +480,8 @@ def _claim_arguments(name: str, batch: int) -> str:
 # A worker executes its claim as a prepared statement for its whole life, so
 # PostgreSQL may switch to the generic plan: both plans must take the jobs
 # from the claim index, for a small batch and a large one, and touch no row
-# beyond those the batch names (no Seq Scan of the table, no Sort of the backlog).
+# beyond those the batch names (no Seq Scan of the table, no Sort of the backlog);
+# their one Sort is of the claimed rows, into claim order.
 CLAIM_PLANS = [
     pytest.param(
         name,
@@ -465,7 +516,9 @@ def test_claim_uses_the_partial_claim_index(seeded, name, batch, plan_cache_mode
         (n["Node Type"], n.get("Index Name")) for n in nodes if n.get("Relation Name") == "fastjobs_jobs"
     ]
     assert ("Index Scan", "fastjobs_jobs_claim_idx") in scans, scans
-    assert not [n for n in nodes if n["Node Type"] in ("Seq Scan", "Sort")], scans
+    assert not [n for n in nodes if n["Node Type"] == "Seq Scan"], scans
+    batch, other = _sorts(nodes)
+    assert (len(batch), other) == (1, []), scans
 
 
 # The claims as a worker's connection runs them, against a backlog in a
@@ -498,7 +551,8 @@ def backlog(template_db: str) -> Iterator[str]:
 def test_a_claim_reads_a_backlog_in_index_order_and_stops_at_its_limit(backlog, name, plan_cache_mode):
     """The slots' claim indexes are read in order (a Merge Append), so a claim stops at
     its limit: an Append + Sort would read and sort the whole backlog for every claim
-    (seen without worker_session's enable_seqscan off: 175 ms behind 226,000 jobs)."""
+    (seen without worker_session's enable_seqscan off: 175 ms behind 226,000 jobs). The one
+    Sort is of the rows claimed, into claim order."""
     arguments = {
         "job_lock_many": "'q1', 1000",
         "job_lock_after": "'q1', 1000, 0, 0",
@@ -511,9 +565,12 @@ def test_a_claim_reads_a_backlog_in_index_order_and_stops_at_its_limit(backlog, 
         conn.rollback()
     assert row is not None
     nodes = list(_plan_nodes(row[0][0]["Plan"]))
-    assert not [n for n in nodes if n["Node Type"] in ("Seq Scan", "Sort")], [n["Node Type"] for n in nodes]
+    assert not [n for n in nodes if n["Node Type"] == "Seq Scan"], [n["Node Type"] for n in nodes]
     [scan] = [n for n in nodes if n.get("Index Name") == "fastjobs_jobs_1_claim_idx"]
     assert scan["Node Type"] == "Index Scan" and scan["Actual Rows"] <= 1000, scan
+    batch, other = _sorts(nodes)
+    assert (len(batch), other) == (1, []), [n["Node Type"] for n in nodes]
+    assert batch[0]["Actual Rows"] == 1000
 
 
 @pytest.mark.parametrize("plan_cache_mode", ["force_custom_plan", "force_generic_plan"])

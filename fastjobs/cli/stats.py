@@ -207,7 +207,7 @@ def _print_kinds(kinds: list[dict[str, Any]]) -> None:
 
 def _print_cluster(hosts: list[report.ClusterHost]) -> None:
     """Every host's workers against this database, from their heartbeats (stale ones flagged)."""
-    echo(f"\ncluster: {len(hosts)} host(s) with workers registered in this database")
+    echo(f"\ncluster: {logs.plural(len(hosts), 'host')} with workers registered in this database")
     if not hosts:
         return
     table(_HOST_COLUMNS, hosts)
