@@ -15,6 +15,7 @@ from .scoreboard import Histogram, KindCounts, Scoreboard
 from .stats import LEADER, ROLES, WORKER, Card
 
 if TYPE_CHECKING:
+    from .keys import KeyUsage
     from .queues import QueueState
 
 
@@ -24,9 +25,10 @@ def prometheus(
     health: Health | None = None,
     hosts: list[ClusterHost] | None = None,
     steered: Sequence[QueueState] = (),
+    keyed: Sequence[KeyUsage] = (),
 ) -> str:
     """Prometheus text exposition of the counters (and queue depths with the queues an operator
-    `steered`, MVCC health and the cluster's hosts when given)."""
+    `steered` and the kinds limited per key, MVCC health and the cluster's hosts when given)."""
     lines = []
     counters = (
         ("claimed", "jobs claimed"),
@@ -121,6 +123,7 @@ def prometheus(
             for q in steered
             if q.max_backlog is not None or q.held_back
         )
+        lines.extend(_key_metrics(keyed))
     lines.extend(kind_metrics(board.kinds()))
     if health is not None:
         lines.extend(_health_metrics(health))
@@ -170,6 +173,35 @@ def _upkeep_metrics(leaders: list[tuple[str, dict[str, float]]], now: float) -> 
 
 
 _LE = [*(repr(b) for b in BUCKETS), "+Inf"]
+
+
+def _key_metrics(keyed: Sequence[KeyUsage]) -> list[str]:
+    """The kinds limited per key (fastjobs.keys.usage): a series each, labelled by kind only (a key
+    label would make a series per tenant)."""
+    lines = []
+    families: tuple[tuple[str, str, Callable[[KeyUsage], float | None]], ...] = (
+        ("fastjobs_key_keys_running", "keys with jobs of the kind running", lambda k: k.keys_running),
+        ("fastjobs_key_jobs_running", "jobs of the kind limited per key running", lambda k: k.running),
+        (
+            "fastjobs_key_keys_at_limit",
+            "keys running as many jobs of the kind as their concurrency limit lets",
+            lambda k: k.keys_at_limit,
+        ),
+        (
+            "fastjobs_key_longest_wait_seconds",
+            "how long the kind's job due the longest has waited (of each queue's first 1,000 due)",
+            lambda k: k.longest_waiting_seconds,
+        ),
+    )
+    for name, help_text, value in families:
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} gauge")
+        for k in keyed:
+            v = value(k)
+            if v is not None:
+                number = f"{v:.3f}" if isinstance(v, float) else str(v)
+                lines.append(f'{name}{{kind="{_escape(k.kind)}"}} {number}')
+    return lines
 
 
 def kind_metrics(kinds: list[KindCounts]) -> list[str]:

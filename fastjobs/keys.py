@@ -26,7 +26,7 @@ from .enqueue import MAX_LIMIT_KEY, check_kind
 from .queues import UNCHANGED, per_second
 from .types import KeyLimit
 
-__all__ = ["KeyInfo", "declared", "limit", "list_limits"]
+__all__ = ["KeyInfo", "KeyUsage", "declared", "limit", "list_limits", "usage"]
 
 
 def declared(
@@ -114,3 +114,21 @@ def list_limits(conn: psycopg.Connection[Any], sql: ModuleType = sql) -> list[Ke
     """The limits set per kind and key, by kind and key."""
     with psycopg.RawCursor(conn, row_factory=tuple_row) as cur:
         return [KeyInfo(*row) for row in cur.execute(sql.key_limits)]
+
+
+@dataclass(frozen=True, slots=True)
+class KeyUsage:
+    """A kind limited per key, as `fastjobs stats` and the metrics show it (sql.key_usage)."""
+
+    kind: str
+    keys_running: int  # keys with jobs of the kind running
+    running: int  # those jobs
+    keys_at_limit: int  # keys running as many as their concurrency limit lets: their next jobs wait
+    longest_waiting_key: str | None  # the key of its job due the longest (of each queue's first 1,000)
+    longest_waiting_seconds: float | None  # how long that job has been due
+
+
+def usage(conn: psycopg.Connection[Any], sql: ModuleType = sql) -> list[KeyUsage]:
+    """The kinds with jobs limited per key running or due, by kind; bounded reads (sql.key_usage)."""
+    with psycopg.RawCursor(conn, row_factory=tuple_row) as cur:
+        return [KeyUsage(*row) for row in cur.execute(sql.key_usage)]

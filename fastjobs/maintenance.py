@@ -96,7 +96,9 @@ class RescuerConfig:
 @dataclass(frozen=True, slots=True)
 class CleanerConfig:
     """Finished jobs are deleted after their retention, in batches; kept results (fastjobs_results)
-    once they expire (each row carries its own expiry, its job's keep_result); silent workers' rows pruned.
+    once they expire (each row carries its own expiry, its job's keep_result); the token buckets of
+    keys (fastjobs_limits) once left alone long enough to be full again (sql.key_bucket_clean_many),
+    `batch` rows read a statement; silent workers' rows pruned.
 
     A backlog (a million finished jobs, say) is deleted in turns of at most
     `budget` seconds, and the leader rests between turns so the cleaner
@@ -410,13 +412,14 @@ def clean_once(
     config: CleanerConfig = CleanerConfig(),
     sql: ModuleType = sql,
 ) -> dict[str, int]:
-    """Delete finished jobs past their retention, expired results, and prune silent workers; counts of each.
+    """Delete finished jobs past their retention, expired results, full buckets of idle keys, and prune
+    silent workers; counts of each.
 
     Works in batches until one comes back short or `config.budget` seconds
     are spent (then the caller comes back after `config.rest`).
     """
     now = now or _db_now(conn)
-    counts = {"completed": 0, "discarded": 0, "results": 0, "workers": 0}
+    counts = {"completed": 0, "discarded": 0, "results": 0, "buckets": 0, "workers": 0}
     passes = (
         ("completed", sql.job_clean_completed_many, config.completed_retention),
         ("discarded", sql.job_clean_discarded_many, config.discarded_retention),
@@ -431,6 +434,15 @@ def clean_once(
                 counts[name] += deleted
                 if deleted < config.batch:
                     break
+        after: tuple[str, str] = ("", "")  # kinds are not empty: before every row
+        while time.monotonic() - began < config.budget:
+            row = cur.execute(sql.key_bucket_clean_many, (now, *after, config.batch)).fetchone()
+            assert row is not None
+            read, deleted, *last = row
+            counts["buckets"] += deleted
+            if read < config.batch:
+                break
+            after = (last[0], last[1])
         before = now - dt.timedelta(seconds=config.worker_retention)
         counts["workers"] = cur.execute(sql.worker_prune_many, (before,)).rowcount
     return counts

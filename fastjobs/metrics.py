@@ -40,7 +40,7 @@ from typing import Any
 
 import psycopg
 
-from . import database, queues, sql
+from . import database, keys, queues, sql
 from .children import EXIT_BOOT_ERROR, EXIT_CRASH, Backoff, die_with, fork, how_it_ended
 from .errors import FastjobsError
 from .exposition import prometheus
@@ -58,7 +58,9 @@ STATEMENT_TIMEOUT = 2.0
 CONNECT_TIMEOUT = 2  # libpq's least
 # What a scrape reads of the database: queue depths, MVCC health, the hosts
 # (the leader's process only) and the paused queues.
-Reading = tuple[list[QueueDepth], Health, list[ClusterHost] | None, list[queues.QueueState]]
+Reading = tuple[
+    list[QueueDepth], Health, list[ClusterHost] | None, list[queues.QueueState], list[keys.KeyUsage]
+]
 FRESH = 1.0  # a burst of scrapes within this many seconds costs one read of the database
 RETRY_AFTER = 2.0  # after a failed read, scrapes answer without the database this long
 READY_TIMEOUT = 30.0  # the master's wait for the first metrics process to listen
@@ -216,6 +218,7 @@ class DatabaseReader:
                 health(self.conn, sql),
                 cluster(self.conn, sql=sql) if hosts else None,
                 queues.states(self.conn, sql),
+                keys.usage(self.conn, sql),
             )
         except (FastjobsError, psycopg.Error) as exc:
             slow = isinstance(exc, psycopg.errors.QueryCanceled | psycopg.errors.LockNotAvailable)

@@ -67,6 +67,7 @@ class QueueInfo:
     rate_limit: str | None = None  # at most this many of its jobs start per period ("200/s"), cluster-wide
     max_backlog: int | None = None  # enqueues are held back while this many jobs wait
     held_back: int = 0  # enqueues held back by max_backlog so far (reported once a second)
+    fair: bool = False  # marked fair: given jobs with a fairness key, its claims take them round-robin
 
     @property
     def paused(self) -> bool:

@@ -468,19 +468,17 @@ class _Choice:
     def where(self, *, queue: str, limit: str, first: int, fast: bool = False, ending: str = "") -> str:
         """Up to `limit` available jobs of `queue` due now, in claim order, skipping rows others hold;
         none while the queue is paused, or is marked fair and has keyed jobs available (then
-        select's fastjobs_fair takes them); with a concurrency or rate limit, no more than fastjobs_room
-        allows on the state lane (`fast`: none, since a job in flight there is not counted as running),
-        whose count leaves out the jobs a finish statement ends (`ending`: its worker, completed ids
-        and outcome records, which the count cannot see: they are this statement's own writes).
-        Each test is one lookup per statement (a one-time filter: its parameter is the
-        statement's). This choice's parameters are $`first` and on."""
+        select's fastjobs_fair takes them); with a concurrency or rate limit, none on the fast lane
+        (`fast`: a job in flight there is not counted as running), and on the state lane `limit` is
+        select's room. Each test is one lookup per statement (a one-time filter: its parameter is
+        the statement's). This choice's parameters are $`first` and on."""
         after = ""
         if self.after:
             after = (
                 f" AND priority = ${first}\n   AND run_at >= timestamptz '2000-01-01 00:00:00+00'"
                 f" + (${first + 1}::int8 - {CLAIM_MARK_MARGIN}) * interval '1 microsecond'"
             )
-        stopped, limit = _stopped_and_room(queue=queue, limit=limit, fast=fast, ending=ending)
+        stopped = _stopped(fast=fast)
         # The fast lane takes no keyed job (one in flight there would not be counted); the state
         # lane only those of the groups of keys whose turn its claim holds (_IN_TURN), and the
         # test of a job without a key stops at its first operand.
@@ -500,9 +498,26 @@ class _Choice:
         keys, the mark aside (a fair claim starts at each key's front). Which, the queue's row says
         (each branch's one-time filter, the lookup of the paused test): a queue never given a keyed
         job (queue_fair marks it) claims as before; one marked asks fastjobs_fair_keyed too, a probe
-        of the index of keyed jobs, planned once per session (a function)."""
-        plain = self.where(queue=queue, limit=limit, first=first, fast=fast, ending=ending)
-        stopped, limit = _stopped_and_room(queue=queue, limit=limit, fast=fast, ending=ending)
+        of the index of keyed jobs, planned once per session (a function).
+
+        On the state lane both branches take the room, how many of `limit` the queue's limits let
+        start: fastjobs_room under a concurrency or rate limit, whose count leaves out the jobs a
+        finish statement ends (`ending`: its worker, completed ids and outcome records, which the
+        count cannot see: they are this statement's own writes). It is asked once, in the CTE
+        `room`, which both read: the queue-order branch's LIMIT is computed even when its one-time
+        filter is off, and a second call would take a rate-limited queue's tokens twice."""
+        if not fast:
+            room = _room(queue=queue, limit=limit, ending=ending)
+            return f"""WITH room AS MATERIALIZED (
+  SELECT {_indent(room, 9)} AS n
+)
+{self._either(columns, queue=queue, limit="(SELECT n FROM room)", first=first, fast=fast)}"""
+        return self._either(columns, queue=queue, limit=limit, first=first, fast=fast)
+
+    def _either(self, columns: str, *, queue: str, limit: str, first: int, fast: bool) -> str:
+        """select's two branches, each taking up to `limit`."""
+        plain = self.where(queue=queue, limit=limit, first=first, fast=fast)
+        stopped = _stopped(fast=fast)
         keyless = (
             "\n   AND limit_key IS NULL" if fast else ""
         )  # as in where: limits per key are counted on the state lane
@@ -515,15 +530,21 @@ SELECT {columns} FROM {_S}fastjobs_fair({queue}, {limit})
                 WHERE name = {queue} AND fair AND NOT {stopped} AND {_S}fastjobs_fair_keyed(name)){keyless}"""
 
 
-def _stopped_and_room(*, queue: str, limit: str, fast: bool, ending: str) -> tuple[str, str]:
-    """What stops every claim of `queue` (a condition on its fastjobs_queues row) and how many it may
-    take (`limit`, or fastjobs_room's figure under a limit): see _Choice.where."""
-    limits = "concurrency IS NOT NULL OR rate IS NOT NULL"
+def _stopped(*, fast: bool) -> str:
+    """What stops every claim of a queue, a condition on its fastjobs_queues row: its pause, and on
+    the fast lane any limit too (see _Choice.where)."""
     if fast:
-        return f"(paused_at IS NOT NULL OR {limits})", limit
+        return "(paused_at IS NOT NULL OR concurrency IS NOT NULL OR rate IS NOT NULL)"
+    return "paused_at IS NOT NULL"
+
+
+def _room(*, queue: str, limit: str, ending: str) -> str:
+    """How many of `limit` a state-lane claim of `queue` may take: `limit`, or fastjobs_room's
+    figure under a concurrency or rate limit (see _Choice.select)."""
+    limits = "concurrency IS NOT NULL OR rate IS NOT NULL"
     limited = f"SELECT FROM {_S}fastjobs_queues WHERE name = {queue} AND ({limits})"
     room = f"{_S}fastjobs_room({queue}, {limit}{ending})"
-    return "paused_at IS NOT NULL", f"CASE WHEN EXISTS ({limited})\n            THEN {room} ELSE {limit} END"
+    return f"CASE WHEN EXISTS ({limited})\n     THEN {room} ELSE {limit} END"
 
 
 _FROM_THE_FRONT: Final = _Choice()
@@ -1189,6 +1210,42 @@ DELETE FROM {_S}fastjobs_results WHERE id IN (
      ORDER BY expires_at
      LIMIT $2)"""
 
+# The class of the advisory locks a claim holds, one per group of the keys it takes from
+# (fastjobs_key_group), to its commit (fastjobs_in_turn, migrations/011_key_groups.sql).
+_KEY_GROUP_LOCK: Final = "1718382456"
+
+
+# key_bucket_clean_many: of the next $4 rows of fastjobs_limits after kind $2 and key $3 (in key
+# order: a batch reads at most $4 rows by the primary key, and the next goes on after its last),
+# delete those that hold no operator's limit and whose bucket is full again at $1. It returns the rows
+# read, the rows deleted, and the last kind and key read. A bucket holds at most max(rate, 1) tokens
+# and refills at its rate, which only the claiming jobs carry; the slowest rate fastjobs takes (1/h)
+# refills one token in an hour, a rate of at least 1/s a bucket in a second. So a bucket left alone
+# for at least a second is full when it held a whole token, and after 3,600 s per token it lacked of
+# one otherwise, whatever its rate. A key's next claim makes its row again, its bucket full: nothing a
+# claim could take is lost. A row is deleted only under its key group's lock (pg_try_advisory_xact_lock,
+# skipped when a claim holds it): fastjobs_take makes a key's row, then takes its tokens, and a row
+# deleted between the two would let that claim take the key's jobs without counting any.
+key_bucket_clean_many: Final = f"""
+WITH read AS (
+    SELECT kind, key FROM {_S}fastjobs_limits
+     WHERE (kind, key) > ($2::text, $3::text)
+     ORDER BY kind, key
+     LIMIT $4
+), deleted AS (
+    DELETE FROM {_S}fastjobs_limits l
+     USING read r
+     WHERE l.kind = r.kind AND l.key = r.key
+       AND l.concurrency IS NULL AND l.rate_limit IS NULL AND l.rate IS NULL
+       AND l.refilled_at <= $1::timestamptz - make_interval(
+               secs => greatest(1, 3600 * (1 - least(coalesce(l.tokens, 1), 1))))
+       AND pg_try_advisory_xact_lock({_KEY_GROUP_LOCK}, {_S}fastjobs_key_group(l.kind, l.key))
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM read), (SELECT count(*) FROM deleted), last.kind, last.key
+  FROM (SELECT NULL) AS one
+  LEFT JOIN (SELECT kind, key FROM read ORDER BY kind DESC, key DESC LIMIT 1) AS last ON true"""
+
 # worker_prune_many: rows of workers silent since before $1 that hold no running job.
 worker_prune_many: Final = f"""
 DELETE FROM {_S}fastjobs_workers w
@@ -1354,17 +1411,18 @@ VALUES ($1, $2, $4, $6, $7::float8, coalesce(greatest($7::float8, 1.0), 0.0))
 # queue_list: every queue fastjobs knows of (acted on by an operator, or
 # holding jobs) with when it was paused (NULL: running), its jobs waiting
 # (available, scheduled, retryable) and running, its concurrency and
-# max_backlog, and the enqueues held back by it.
+# max_backlog, the enqueues held back by it, and its fair mark (queue_fair).
 queue_list: Final = f"""
 SELECT name, max(paused_at), coalesce(sum(waiting), 0)::int8, coalesce(sum(running), 0)::int8,
-       max(concurrency), max(rate_limit), max(max_backlog), coalesce(max(held_back), 0)
+       max(concurrency), max(rate_limit), max(max_backlog), coalesce(max(held_back), 0),
+       coalesce(bool_or(fair), false)
   FROM (SELECT name, paused_at, NULL::int8 AS waiting, NULL::int8 AS running, concurrency, rate_limit,
-               max_backlog, held_back
+               max_backlog, held_back, fair
           FROM {_S}fastjobs_queues
         UNION ALL
         SELECT queue, NULL,
                count(*) FILTER (WHERE state IN ('available', 'scheduled', 'retryable')),
-               count(*) FILTER (WHERE state = 'running'), NULL, NULL, NULL, NULL
+               count(*) FILTER (WHERE state = 'running'), NULL, NULL, NULL, NULL, NULL
           FROM {_S}fastjobs_jobs_all
          WHERE state IN ('available', 'scheduled', 'retryable', 'running')
          GROUP BY queue) AS known
@@ -1414,6 +1472,48 @@ SELECT l.kind, l.key, l.concurrency, l.rate_limit,
   FROM {_S}fastjobs_limits l
  WHERE l.concurrency IS NOT NULL OR l.rate_limit IS NOT NULL
  ORDER BY l.kind, l.key"""
+
+# key_usage: per kind with jobs limited per key (limit_key) running or due, for `fastjobs stats` and
+# the metrics (fastjobs.keys.usage): its keys with jobs running, those jobs, the keys at their
+# concurrency limit (an operator's, else the one their jobs were enqueued with), and the key of its
+# job due the longest among the first KEY_FRONT of each queue in claim order, with how long it has
+# waited. Every read is bounded, none a scan of the table: the running keyed jobs (the index
+# fastjobs_jobs_limit_idx: at most the workers' concurrency), one fastjobs_limits probe per key
+# running, and, in slot 0 (where keyed jobs live), one descent of the claim index per queue with
+# available jobs and at most KEY_FRONT entries of its front. A kind whose keys are held back has its
+# due jobs at that front: the claims take the jobs behind them.
+KEY_FRONT: Final = 1000
+key_usage: Final = f"""
+WITH RECURSIVE queues AS (
+    (SELECT queue FROM {_S}fastjobs_jobs WHERE state = 'available' ORDER BY queue LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.queue FROM {_S}fastjobs_jobs j
+             WHERE j.state = 'available' AND j.queue > q.queue ORDER BY j.queue LIMIT 1)
+      FROM queues q WHERE q.queue IS NOT NULL
+), waiting AS (
+    SELECT DISTINCT ON (f.kind) f.kind, f.limit_key AS key, f.run_at
+      FROM queues q CROSS JOIN LATERAL (
+           SELECT j.kind, j.limit_key, j.run_at FROM {_S}fastjobs_jobs j
+            WHERE j.queue = q.queue AND j.state = 'available' AND j.run_at <= now()
+            ORDER BY j.priority DESC, j.run_at, j.id
+            LIMIT {KEY_FRONT}) AS f
+     WHERE f.limit_key IS NOT NULL
+     ORDER BY f.kind, f.run_at
+), running AS (
+    SELECT j.kind, j.limit_key AS key, count(*) AS running, min(j.limit_concurrency) AS declared
+      FROM {_S}fastjobs_jobs j
+     WHERE j.state = 'running' AND j.limit_key IS NOT NULL
+     GROUP BY j.kind, j.limit_key
+), keyed AS (
+    SELECT r.kind, count(*) AS keys, sum(r.running)::int8 AS running,
+           count(*) FILTER (WHERE r.running >= coalesce(l.concurrency, r.declared)) AS full
+      FROM running r LEFT JOIN {_S}fastjobs_limits l ON l.kind = r.kind AND l.key = r.key
+     GROUP BY r.kind
+)
+SELECT coalesce(k.kind, w.kind), coalesce(k.keys, 0), coalesce(k.running, 0), coalesce(k.full, 0),
+       w.key, extract(epoch FROM now() - w.run_at)::float8
+  FROM keyed k FULL JOIN waiting w ON w.kind = k.kind
+ ORDER BY 1"""
 
 # queue_full: the queues whose backlog the leader found at their max_backlog
 # in the last $1 seconds (a count older than that, say with no leader, holds

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
+import time
 from typing import Any
 
 import psycopg
@@ -14,6 +16,14 @@ from fastjobs import App, sql
 
 from . import procs
 from .helpers import batch_loop, by_state, drain, query, warm
+
+_AVAILABLE = "SELECT count(*) FROM fastjobs_jobs_all WHERE state = 'available'"
+_BUCKET = "SELECT extract(epoch FROM refilled_at)::float8 AS at, tokens FROM fastjobs_queues"
+
+
+def _db_clock(dsn: str) -> float:
+    """The database's clock, in seconds: what fastjobs_room's buckets refill by."""
+    return float(query(dsn, "SELECT extract(epoch FROM clock_timestamp())::float8 AS now")[0]["now"])
 
 
 def _keys(dsn: str) -> dict[int, str | None]:
@@ -246,3 +256,50 @@ def test_the_fair_key_column_is_written_by_every_insert_path(app: App, dsn: str)
     assert _keys(dsn) == {1: "a"}
     drain(app)
     assert by_state(dsn) == {}
+
+
+@pytest.mark.parametrize("fast_lane", [True, False])
+def test_a_fair_rate_limited_queue_starts_jobs_at_its_rate_not_at_half_of_it(
+    app: App, dsn: str, fast_lane: bool
+) -> None:
+    """20 a second, keyed jobs of two tenants: the first claim takes the full bucket (20), and the
+    claims of the next second take about 20 more, shared by the tenants. A claim that took its
+    tokens twice (once for the queue-order branch it does not use) would start a fraction of that."""
+    ran: list[str] = []
+    app.job(kind="k", fair_key="tenant")(lambda tenant, n: ran.append(tenant))
+    app.enqueue_many("k", ({"tenant": "AB"[n % 2], "n": n} for n in range(200)))
+    app.limit_queue("default", rate_limit="20/s")
+    with batch_loop(app, 100, fast_lane=fast_lane, overlap=False) as loop:
+        before = _db_clock(dsn)
+        assert loop.step() == 20  # a full bucket: one second's worth
+        after = _db_clock(dsn)
+        while _db_clock(dsn) - after < 1.0:
+            loop.step()
+            time.sleep(0.05)
+        end = _db_clock(dsn)
+        # Started: claimed, run or not (a step's finish statement claims the next batch).
+        started = 200 - query(dsn, _AVAILABLE)[0]["count"]
+        [bucket] = query(dsn, _BUCKET)
+        loop.finish()
+        assert loop.fast == 0
+    # The bucket refilled from the first claim (between `before` and `after`) to the last (when it
+    # last took tokens, as the queue's row says), by the database's clock; what it holds was not spent.
+    # A fair claim may start fewer than it took tokens for: fastjobs_fair drops the remainder of
+    # its share when it asks for fewer than two jobs a key (3 asked of 2 keys: 2 taken), hence 0.85.
+    at, left = bucket["at"], bucket["tokens"]
+    assert at - after >= 0.5 and left < 20  # claims went on through the window
+    assert started <= 20 + 20 * (end - before) + 1, (started, end - before)  # never ahead of the rate
+    spent = 20 + 20 * (at - after) - left
+    assert started >= 0.85 * spent - 1, (started, spent)  # nor behind it
+    assert min(ran.count("A"), ran.count("B")) >= len(ran) // 3, ran  # both tenants ran
+
+
+def test_queues_list_shows_which_queues_are_marked_fair(app: App, dsn: str) -> None:
+    app.enqueue("k", {"n": 1}, queue="shared", fair_key="A")
+    app.enqueue("k", {"n": 2}, queue="plain")
+    assert {q.name: q.fair for q in app.queues()} == {"plain": False, "shared": True}
+    listed = procs.cli(dsn, "queues", "list").stdout.splitlines()
+    assert listed[0].split()[-1] == "fair"
+    assert {line.split()[0]: line.split()[-1] for line in listed[1:]} == {"plain": "0", "shared": "fair"}
+    found = json.loads(procs.cli(dsn, "queues", "list", "--json").stdout)
+    assert {q["name"]: q["fair"] for q in found} == {"plain": False, "shared": True}

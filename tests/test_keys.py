@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import random
@@ -15,11 +16,13 @@ from typing import Any
 import psycopg
 import pytest
 
-from fastjobs import App, Cancel, Snooze, sql
+from fastjobs import App, Cancel, Snooze, maintenance, metrics, sql
+from fastjobs.scoreboard import Scoreboard
 
 from . import procs
 from .helpers import batch_loop, by_state, query, warm
 from .procs import cli
+from .test_stats import samples
 
 KEYED = '''
 """Keyed handlers for the property test: each execution is one row of `runs`, then a short sleep."""
@@ -365,3 +368,117 @@ def test_a_kind_limited_per_key_and_shared_fairly_keeps_both(app: App, dsn: str,
     assert [n for t, n in ran if t == "A"] == list(range(300))
     assert [n for t, n in ran if t == "B"] == list(range(5))
     assert by_state(dsn) == {}
+
+
+def test_the_cleaner_removes_the_buckets_of_keys_idle_until_full_in_batches_and_keeps_set_limits(
+    app: App, dsn: str
+) -> None:
+    """A bucket left alone a second is full if it held a token, else after an hour per token it
+    lacked (the slowest rate, 1/h); a row an operator set stays; a key a claim holds is skipped."""
+    now = dt.datetime(2030, 6, 3, 12, 0, tzinfo=dt.UTC)
+    rows = [  # key, tokens, seconds since its last claim, concurrency set
+        ("whole-token-2s", 1.0, 2, None),
+        ("whole-token-0.5s", 3.0, 0.5, None),  # a rate of 10/s may still be refilling
+        ("empty-30min", 0.0, 1800, None),  # a rate of 1/h is still refilling
+        ("empty-61min", 0.0, 3660, None),
+        ("half-31min", 0.5, 1860, None),
+        ("never-took-2s", None, 2, None),
+        ("set-by-an-operator", 0.0, 86400, 3),
+    ]
+    rows += [(f"many-{n:02}", 1.0, 60, None) for n in range(25)]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for key, tokens, idle, concurrency in rows:
+            conn.execute(
+                "INSERT INTO fastjobs_limits (kind, key, tokens, refilled_at, concurrency)"
+                " VALUES ('k', %s, %s, %s, %s)",
+                (key, tokens, now - dt.timedelta(seconds=idle), concurrency),
+            )
+        conn.execute(
+            "INSERT INTO fastjobs_limits (kind, key, rate_limit, rate, tokens, refilled_at)"
+            " VALUES ('k', 'rate-set', '1/h', 1 / 3600.0, 0, %s)",
+            (now - dt.timedelta(days=1),),
+        )
+        # The full buckets in many-00's group of keys, whose turn a claim of many-00 holds.
+        full = ["whole-token-2s", "empty-61min", "half-31min", "never-took-2s"]
+        full += [f"many-{n:02}" for n in range(25)]
+        [row] = conn.execute(
+            "SELECT count(*) FROM fastjobs_limits WHERE key = ANY(%s)"
+            " AND fastjobs_key_group(kind, key) = fastjobs_key_group('k', 'many-00')",
+            (full,),
+        ).fetchall()
+        held = row[0]
+        with psycopg.connect(dsn) as claim:
+            claim.execute("SELECT pg_advisory_xact_lock(1718382456, fastjobs_key_group('k', 'many-00'))")
+            counts = maintenance.clean_once(conn, now, maintenance.CleanerConfig(batch=4))
+        assert counts["buckets"] == len(full) - held
+        assert maintenance.clean_once(conn, now)["buckets"] == held  # their claim gone
+        assert maintenance.clean_once(conn, now)["buckets"] == 0
+    left = [r["key"] for r in query(dsn, "SELECT key FROM fastjobs_limits ORDER BY key")]
+    assert left == ["empty-30min", "rate-set", "set-by-an-operator", "whole-token-0.5s"]
+
+
+@pytest.mark.parametrize("fast_lane", [True, False])
+def test_a_key_s_bucket_removed_by_the_cleaner_comes_back_full_at_its_next_claim(
+    app: App, dsn: str, fast_lane: bool
+) -> None:
+    app.job(kind="warm")(lambda: None)
+    app.job(kind="per_key", concurrency_key="tenant", rate_limit="3/s")(lambda tenant, n: None)
+    with batch_loop(app, 100, fast_lane=fast_lane, overlap=False) as loop:
+        warm(app, loop)
+        app.enqueue_many("per_key", ({"tenant": "a", "n": n} for n in range(3)))
+        assert loop.step() == 3  # the bucket is now empty
+        query(dsn, "UPDATE fastjobs_limits SET refilled_at = refilled_at - interval '2 hours'")
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            assert maintenance.clean_once(conn)["buckets"] == 1
+        app.enqueue_many("per_key", ({"tenant": "a", "n": n} for n in range(5)))
+        assert loop.step() == 3  # a full bucket again, no more
+        loop.finish()
+        assert loop.fast == 0
+    assert query(dsn, "SELECT key FROM fastjobs_limits") == [{"key": "a"}]
+
+
+def test_stats_and_the_metrics_show_keys_running_at_their_limit_and_the_longest_waiting(
+    app: App, dsn: str
+) -> None:
+    """Tenant a runs 2 of its limit of 2 and has 3 due, the oldest an hour; b runs 1 of 2; c runs 1
+    of the 1 an operator set; d has 1 due, not a minute."""
+    app.job(kind="k", concurrency_key="tenant", concurrency_limit=2)(lambda tenant, n: None)
+    app.job(kind="free")(lambda n: None)
+    jobs = [("a", n) for n in range(5)] + [("b", 5), ("c", 6), ("d", 7)]
+    app.enqueue_many("k", ({"tenant": t, "n": n} for t, n in jobs))
+    app.enqueue_many("free", ({"n": n} for n in range(3)))
+    app.limit_key("k", "c", concurrency=1)
+    running = "UPDATE fastjobs_jobs_all SET state = 'running' WHERE kind = 'k' AND args->>'n' = ANY(%s)"
+    query(dsn, running, (["0", "1", "5", "6"],))
+    query(dsn, "UPDATE fastjobs_jobs_all SET run_at = now() - interval '1 hour' WHERE args @> '{\"n\": 2}'")
+    query(dsn, "UPDATE fastjobs_jobs_all SET run_at = now() - interval '1 minute' WHERE args @> '{\"n\": 3}'")
+    done = cli(dsn, "stats", "--json")
+    assert done.returncode == 0, done.stderr
+    [found] = json.loads(done.stdout)["keys"]
+    waited = found.pop("longest_waiting_seconds")
+    assert found == {
+        "kind": "k",
+        "keys_running": 3,
+        "running": 4,
+        "keys_at_limit": 2,
+        "longest_waiting_key": "a",
+    }
+    assert 3600 <= waited < 3700
+    text = cli(dsn, "stats").stdout
+    assert (
+        "keys: kind 'k' runs 4 jobs of 3 keys, 2 at their concurrency limit; longest waiting: key 'a', due 3,"
+        in text
+    )
+    board = Scoreboard.create(1)
+    reader = metrics.DatabaseReader(dsn)
+    try:
+        scraped = samples(metrics.scrape(board, reader).decode())
+    finally:
+        board.close(unlink=True)
+        if reader.conn is not None:
+            reader.conn.close()
+    assert scraped['fastjobs_key_keys_running{kind="k"}'] == 3
+    assert scraped['fastjobs_key_jobs_running{kind="k"}'] == 4
+    assert scraped['fastjobs_key_keys_at_limit{kind="k"}'] == 2
+    assert 3600 <= scraped['fastjobs_key_longest_wait_seconds{kind="k"}'] < 3700
+    assert not [name for name in scraped if name.startswith("fastjobs_key_") and 'kind="free"' in name]

@@ -567,8 +567,14 @@ def test_clean_once_deletes_finished_jobs_past_their_retention(dsn: str) -> None
     ]
     with psycopg.connect(dsn, autocommit=True) as conn:
         counts = clean_once(conn, NOW)
-        assert counts == {"completed": 2, "discarded": 1, "results": 0, "workers": 0}
-        assert clean_once(conn, NOW) == {"completed": 0, "discarded": 0, "results": 0, "workers": 0}
+        assert counts == {"completed": 2, "discarded": 1, "results": 0, "buckets": 0, "workers": 0}
+        assert clean_once(conn, NOW) == {
+            "completed": 0,
+            "discarded": 0,
+            "results": 0,
+            "buckets": 0,
+            "workers": 0,
+        }
     assert ids(dsn) == sorted([new_completed, new_cancelled, discarded_2d, *unfinished])
     assert {old_completed, old_cancelled, discarded_8d}.isdisjoint(ids(dsn))
 
@@ -578,9 +584,21 @@ def test_clean_once_retentions_are_settings(dsn: str) -> None:
     discarded = add_job(dsn, state="discarded", finalized_at=ago(120))
     config = CleanerConfig(completed_retention=60, discarded_retention=180)
     with psycopg.connect(dsn, autocommit=True) as conn:
-        assert clean_once(conn, NOW, config) == {"completed": 1, "discarded": 0, "results": 0, "workers": 0}
+        assert clean_once(conn, NOW, config) == {
+            "completed": 1,
+            "discarded": 0,
+            "results": 0,
+            "buckets": 0,
+            "workers": 0,
+        }
         later = NOW + dt.timedelta(minutes=2)
-        assert clean_once(conn, later, config) == {"completed": 0, "discarded": 1, "results": 0, "workers": 0}
+        assert clean_once(conn, later, config) == {
+            "completed": 0,
+            "discarded": 1,
+            "results": 0,
+            "buckets": 0,
+            "workers": 0,
+        }
     assert completed not in ids(dsn) and discarded not in ids(dsn)
 
 
@@ -590,7 +608,7 @@ def test_clean_once_works_in_batches_until_one_comes_back_short(dsn: str) -> Non
     add_jobs(dsn, 5, state="completed", finalized_at=ago(60))  # kept
     with psycopg.connect(dsn, autocommit=True) as conn:
         counts = clean_once(conn, NOW, CleanerConfig(batch=10))
-    assert counts == {"completed": 35, "discarded": 20, "results": 0, "workers": 0}
+    assert counts == {"completed": 35, "discarded": 20, "results": 0, "buckets": 0, "workers": 0}
     assert len(ids(dsn)) == 5
 
 

@@ -129,6 +129,7 @@ def test_pause_and_resume_from_the_command_line_and_what_stats_says(app: App, ds
         "max_backlog",
         "held",
         "back",
+        "fair",
     ]
     assert row.split()[:3] == ["emails", "paused", "since"] and row.split()[-3:] == ["3", "0", "0"]
     listed_json = json.loads(cli(dsn, "queues", "list", "--json").stdout)
@@ -306,7 +307,7 @@ def test_the_leader_counts_a_limited_backlog_and_stats_and_metrics_show_it(
     report = cli(app.dsn, "stats").stdout
     assert "max_backlog: queue 'held' 3 (at least 3 waiting: FULL, enqueues held back;" in report
     listed = cli(app.dsn, "queues", "list").stdout.splitlines()
-    assert listed[0].split()[4:] == ["concurrency", "rate_limit", "max_backlog", "held", "back"]
+    assert listed[0].split()[4:] == ["concurrency", "rate_limit", "max_backlog", "held", "back", "fair"]
     assert master.stop() == 0, master.stderr()
 
 

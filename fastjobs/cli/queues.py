@@ -20,6 +20,7 @@ _QUEUES_COLUMNS: list[Column[queues.QueueInfo]] = [
     Column("rate_limit", lambda q: q.rate_limit or "", ">"),
     Column("max_backlog", lambda q: "" if q.max_backlog is None else f"{q.max_backlog:,}", ">"),
     Column("held back", lambda q: f"{q.held_back:,}", ">"),
+    Column("fair", lambda q: "fair" if q.fair else ""),
 ]
 
 

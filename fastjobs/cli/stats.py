@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .. import control, database, logs, queues, report, schema, scoreboard, sql, stats
+from .. import control, database, keys, logs, queues, report, schema, scoreboard, sql, stats
 from ..abc import OUTCOMES
 from .table import Column, echo, safe, size, table, when
 
@@ -67,6 +67,7 @@ def stats_command(args: argparse.Namespace) -> int:
         schema.check(conn, statements)
         depths = report.queue_depths(conn, statements)
         steered = queues.states(conn, statements)
+        keyed = keys.usage(conn, statements)
         health = report.health(conn, statements)
         identity = scoreboard.database_identity(conn, dsn, statements)
         hosts = report.cluster(conn, sql=statements)
@@ -97,6 +98,7 @@ def stats_command(args: argparse.Namespace) -> int:
             "queues": [dataclasses.asdict(d) for d in depths],
             "paused_queues": {q.name: q.paused_at.isoformat() for q in steered if q.paused_at},
             "queue_limits": [dataclasses.asdict(q) for q in steered if q.max_backlog is not None],
+            "keys": [dataclasses.asdict(k) for k in keyed],
             "masters": masters,
             "health": dataclasses.asdict(health),
             "warnings": warnings,
@@ -132,6 +134,8 @@ def stats_command(args: argparse.Namespace) -> int:
             held = f"{q.held_back:,} held back so far"
             line = f"max_backlog: queue {q.name!r} {q.max_backlog:,} ({counted}; {held})"
             echo(safe(line))
+    for k in keyed:
+        echo(safe(_key_line(k)))
     now = time.time()
     for m in masters:
         other = "" if m["this_database"] else f" (ANOTHER DATABASE: {safe(m['database'])})"
@@ -144,6 +148,17 @@ def stats_command(args: argparse.Namespace) -> int:
     for line in warnings:
         echo(f"\n{safe(line)}")
     return 0
+
+
+def _key_line(k: keys.KeyUsage) -> str:
+    """A kind limited per key: its keys running, at their limit, and the one waiting longest."""
+    line = (
+        f"keys: kind {k.kind!r} runs {k.running:,} jobs of {k.keys_running:,} keys,"
+        f" {k.keys_at_limit:,} at their concurrency limit"
+    )
+    if k.longest_waiting_key is not None and k.longest_waiting_seconds is not None:
+        line += f"; longest waiting: key {k.longest_waiting_key!r}, due {k.longest_waiting_seconds:,.1f}s"
+    return line
 
 
 def _mean(histogram: dict[str, Any]) -> str:
