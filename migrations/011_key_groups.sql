@@ -13,6 +13,14 @@
 -- fastjobs_take counts, as before, on a snapshot taken after the turns came,
 -- and only takes candidates of the groups its claim holds.
 --
+-- And a fair claim takes as many jobs as it asks for while its keys have
+-- them: 010's fastjobs_fair gives each key it visits an equal share of
+-- `asked` (rounded down) and filled what was left from the same keys only
+-- when that share was above one, so asked for fewer than two jobs a key it
+-- dropped the remainder (19 asked of 10 keys with 3 jobs each: 10 taken),
+-- and under a rate limit had taken tokens for jobs it did not start. It is
+-- replaced below, the fill running whenever the shares fell short.
+--
 -- Live: functions only.
 
 -- The group of kind k's key y: one of 16 (an advisory lock's second key).
@@ -122,5 +130,115 @@ BEGIN
       LEFT JOIN unnest(r_kinds, r_keys, r_rooms) AS r(k, y, room) ON r.k = c.k AND r.y = c.y
      WHERE c.nth <= coalesce(r.room, g.room);
     RETURN coalesce(taken, '{}');
+END
+$$;
+
+-- fastjobs_fair as 010 describes it, its fill whenever the shares fell short of `asked`.
+CREATE OR REPLACE FUNCTION fastjobs_fair(q text, asked bigint) RETURNS SETOF fastjobs_jobs_all
+LANGUAGE plpgsql VOLATILE SET search_path FROM CURRENT SET enable_sort = off AS $$
+DECLARE
+    cursor_name text := 'fastjobs.fair_' || md5(current_schema() || '/' || q);
+    start text := current_setting(cursor_name, true);  -- NULL: none; '': the keyless; else 'k' || key
+    top smallint;
+    members text[] := '{}';
+    keyless boolean := start IS NULL;
+    wrapped boolean := start IS NULL;
+    after text := coalesce(substr(start, 2), '');  -- keys are non-empty: '' is before every key
+    next_key text;
+    last text := CASE WHEN start IS NULL THEN '' END;
+    taken bigint[] := '{}';
+    share bigint;
+    wanted bigint;
+BEGIN
+    IF asked <= 0 THEN
+        RETURN;
+    END IF;
+    SELECT priority INTO top FROM fastjobs_jobs_all
+     WHERE queue = q AND state = 'available' AND run_at <= now()
+     ORDER BY priority DESC LIMIT 1;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    WHILE cardinality(members) + keyless::int < least(asked, 256) LOOP
+        SELECT fair_key INTO next_key FROM fastjobs_jobs_all
+         WHERE queue = q AND state = 'available' AND fair_key IS NOT NULL AND priority = top
+           AND fair_key > after
+         ORDER BY fair_key LIMIT 1;
+        IF next_key IS NULL THEN
+            EXIT WHEN wrapped;
+            wrapped := true;  -- past the last key: the keyless' turn, then the keys from the first
+            after := '';
+            IF NOT keyless THEN
+                keyless := true;
+                last := '';
+            END IF;
+            CONTINUE;
+        END IF;
+        EXIT WHEN wrapped AND start IS NOT NULL AND next_key > substr(start, 2);
+        members := members || next_key;
+        after := next_key;
+        last := 'k' || next_key;
+    END LOOP;
+    share := greatest(1, asked / (cardinality(members) + keyless::int));
+    IF keyless THEN
+        taken := ARRAY(
+            SELECT j.id FROM fastjobs_jobs_all j
+             WHERE j.id = ANY(ARRAY(
+                       SELECT w.id
+                         FROM (SELECT id, fair_key FROM fastjobs_jobs_all
+                                WHERE queue = q AND state = 'available' AND priority = top AND run_at <= now()
+                                ORDER BY run_at, id LIMIT share) w
+                        WHERE w.fair_key IS NULL))
+               AND j.state = 'available'
+               FOR UPDATE SKIP LOCKED);
+    END IF;
+    wanted := asked - cardinality(taken);
+    IF cardinality(members) > wanted THEN  -- the keyless took a share: the rest wait for the next claim
+        members := members[1:wanted];
+        last := CASE WHEN wanted > 0 THEN 'k' || members[wanted] ELSE '' END;
+    END IF;
+    IF cardinality(members) > 0 THEN
+        share := greatest(1, wanted / cardinality(members));
+        taken := taken || ARRAY(
+            SELECT j.id FROM unnest(members) m(key) CROSS JOIN LATERAL (
+                SELECT id FROM fastjobs_jobs_all
+                 WHERE queue = q AND state = 'available' AND fair_key = m.key AND priority = top
+                   AND run_at <= now()
+                 ORDER BY run_at, id LIMIT share
+                   FOR UPDATE SKIP LOCKED) j);
+        wanted := asked - cardinality(taken);
+        IF wanted > 0 THEN  -- some had less than their share, or `asked` did not divide: fill in, in turn
+            taken := taken || ARRAY(
+                SELECT j.id FROM unnest(members) m(key) CROSS JOIN LATERAL (
+                    SELECT id FROM fastjobs_jobs_all
+                     WHERE queue = q AND state = 'available' AND fair_key = m.key AND priority = top
+                       AND run_at <= now() AND id <> ALL(taken)
+                     ORDER BY run_at, id LIMIT wanted
+                       FOR UPDATE SKIP LOCKED) j
+                 LIMIT wanted);
+        END IF;
+    END IF;
+    IF cardinality(taken) = 0 AND keyless THEN  -- the keyless' turn found none: the next key's instead
+        SELECT fair_key INTO next_key FROM fastjobs_jobs_all
+         WHERE queue = q AND state = 'available' AND fair_key IS NOT NULL AND priority = top
+           AND fair_key > coalesce(members[cardinality(members)], after)
+         ORDER BY fair_key LIMIT 1;
+        IF next_key IS NULL THEN
+            SELECT fair_key INTO next_key FROM fastjobs_jobs_all
+             WHERE queue = q AND state = 'available' AND fair_key IS NOT NULL AND priority = top
+             ORDER BY fair_key LIMIT 1;
+        END IF;
+        IF next_key IS NOT NULL THEN
+            taken := ARRAY(
+                SELECT id FROM fastjobs_jobs_all
+                 WHERE queue = q AND state = 'available' AND fair_key = next_key AND priority = top
+                   AND run_at <= now()
+                 ORDER BY run_at, id LIMIT asked
+                   FOR UPDATE SKIP LOCKED);
+            last := 'k' || next_key;
+        END IF;
+    END IF;
+    PERFORM set_config(cursor_name, last, false);
+    RETURN QUERY SELECT * FROM fastjobs_jobs_all WHERE id = ANY(taken);
 END
 $$;

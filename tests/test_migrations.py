@@ -247,11 +247,12 @@ CREATE TABLE IF NOT EXISTS u (x int);
 
 
 def roll_back_011(dsn: str) -> None:
-    """Undo what 011 creates and its record: no groups of keys, 009's fastjobs_take again (its first
-    step, which creates it, runs again harmlessly)."""
-    keys = next(m for m in schema.migrations() if m.version == 9)
+    """Undo what 011 creates and its record: no groups of keys, 009's fastjobs_take and 010's
+    fastjobs_fair again (their first steps, which create them, run again harmlessly)."""
+    keys, fair = (next(m for m in schema.migrations() if m.version == v) for v in (9, 10))
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(keys.steps()[0].sql)
+        conn.execute(fair.steps()[0].sql)
         conn.execute("DROP FUNCTION fastjobs_in_turn(text, text), fastjobs_key_group(text, text)")
         conn.execute("DELETE FROM fastjobs_migrations WHERE version >= 11")
 
