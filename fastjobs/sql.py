@@ -452,7 +452,7 @@ def _returned(*, context: bool, row: str = "", attempt: str = "") -> str:
 # fastjobs_in_turn (PL/pgSQL, which tries the group's lock) is called once per group, not per job.
 _GROUPS_SEEN: Final = "coalesce(nullif(current_setting('fastjobs.key_groups', true), ''), '0')::int4"
 _IN_TURN: Final = f"""CASE WHEN {_GROUPS_SEEN} & (65537 << {_S}fastjobs_key_group(kind, limit_key)) = 0
-             THEN {_S}fastjobs_in_turn(kind, limit_key)
+             THEN {_S}fastjobs_in_turn(kind, limit_key, limit_concurrency)
              ELSE {_GROUPS_SEEN} & (1 << {_S}fastjobs_key_group(kind, limit_key)) <> 0 END"""
 
 

@@ -27,26 +27,43 @@
 CREATE OR REPLACE FUNCTION fastjobs_key_group(k text, y text) RETURNS integer
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT abs(hashtext(k || ':' || y) % 16) $$;
 
--- Whether this transaction holds the turn of key y's group (kind k), taking
--- it if it can without waiting (an advisory transaction lock, tried) while it
--- holds fewer than 4: a claim takes the groups of the first keyed jobs it
--- meets, and a group another claim holds is passed over for this one's whole
--- transaction. Claims never wait on each other, so none waits behind a claim
--- that holds every group of its candidates. The groups held and passed over
--- are kept in a setting local to the transaction (bit masks), so the test of
--- a job of either reads one setting.
-CREATE OR REPLACE FUNCTION fastjobs_in_turn(k text, y text) RETURNS boolean
-LANGUAGE plpgsql VOLATILE STRICT SET search_path FROM CURRENT AS $$
+-- Whether this transaction holds the turn of key y's group (kind k, the
+-- job's limit lim), taking it if it can without waiting (an advisory
+-- transaction lock, tried) while it holds fewer than 4 groups with room: a
+-- claim takes the groups of the first keyed jobs it meets, and a group
+-- another claim holds is passed over for this one's whole transaction.
+-- Claims never wait on each other, so none waits behind a claim that holds
+-- every group of its candidates. A group whose first key met is at its
+-- limit (a look at its running jobs, before fastjobs_take counts for real)
+-- is held without counting towards the 4, so keys at their limits never
+-- keep a claim from the groups behind them. The groups held, passed over
+-- and held full are kept in settings local to the transaction (bit masks),
+-- so the test of a job of either of the first two reads one setting.
+CREATE OR REPLACE FUNCTION fastjobs_in_turn(k text, y text, lim integer) RETURNS boolean
+LANGUAGE plpgsql VOLATILE SET search_path FROM CURRENT AS $$
 DECLARE
     seen integer := coalesce(nullif(current_setting('fastjobs.key_groups', true), ''), '0')::integer;
+    full_ integer := coalesce(nullif(current_setting('fastjobs.key_groups_full', true), ''), '0')::integer;
     g integer := fastjobs_key_group(k, y);
+    room boolean;
 BEGIN
-    IF seen & (1 << g) <> 0 THEN
+    IF k IS NULL OR y IS NULL THEN
+        RETURN NULL;
+    ELSIF seen & (1 << g) <> 0 THEN
         RETURN true;
     ELSIF seen & (1 << (16 + g)) <> 0 THEN
         RETURN false;
-    ELSIF length(replace((seen & 65535)::bit(16)::text, '0', '')) < 4 AND pg_try_advisory_xact_lock(1718382456, g) THEN
+    ELSIF length(replace((seen & ~full_ & 65535)::bit(16)::text, '0', '')) < 4
+          AND pg_try_advisory_xact_lock(1718382456, g) THEN
+        SELECT coalesce(min(l.concurrency), lim) IS NULL
+               OR (SELECT count(*) FROM fastjobs_jobs j
+                    WHERE j.kind = k AND j.limit_key = y AND j.state = 'running') < coalesce(min(l.concurrency), lim)
+          INTO room
+          FROM fastjobs_limits l WHERE l.kind = k AND l.key = y;
         PERFORM set_config('fastjobs.key_groups', (seen | (1 << g))::text, true);
+        IF NOT room THEN
+            PERFORM set_config('fastjobs.key_groups_full', (full_ | (1 << g))::text, true);
+        END IF;
         RETURN true;
     END IF;
     PERFORM set_config('fastjobs.key_groups', (seen | (1 << (16 + g)))::text, true);
@@ -81,7 +98,7 @@ BEGIN
       FROM unnest(ids, kinds, keys, limits, rates) WITH ORDINALITY AS c(id, k, y, lim, rate, n)
      WHERE CASE WHEN coalesce(nullif(current_setting('fastjobs.key_groups', true), ''), '0')::int4
                      & (65537 << fastjobs_key_group(c.k, c.y)) = 0
-                THEN fastjobs_in_turn(c.k, c.y)
+                THEN fastjobs_in_turn(c.k, c.y, c.lim)
                 ELSE coalesce(nullif(current_setting('fastjobs.key_groups', true), ''), '0')::int4
                      & (1 << fastjobs_key_group(c.k, c.y)) <> 0 END;  -- sql._IN_TURN
     IF ids IS NULL THEN

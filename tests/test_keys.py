@@ -235,6 +235,29 @@ def test_claims_of_keys_in_other_groups_do_not_wait_for_a_claim_in_progress(app:
     ) == {"a": 2, "b": 2, "c": 2}
 
 
+def test_keys_at_their_limits_do_not_keep_a_claim_from_a_key_behind_them(app: App, dsn: str) -> None:
+    """Four keys of four groups at their limit of 1, with jobs waiting, ahead of a fifth key's one
+    job: a claim takes the fifth key's job (a claim holds at most 4 groups with room; holding the
+    four full ones as its 4 would pass over the fifth until their backlogs drained)."""
+    group = "abs(hashtext('k:' || %s) %% 16)"  # migration 011's fastjobs_key_group, spelled out
+    keys: list[str] = []
+    groups: set[int] = set()
+    for n in range(100):
+        g = query(dsn, f"SELECT {group} AS g", (f"t{n}",))[0]["g"]
+        if g not in groups:
+            groups.add(g)
+            keys.append(f"t{n}")
+        if len(keys) == 5:
+            break
+    app.job(kind="k", concurrency_key="tenant", concurrency_limit=1)(lambda tenant, n: None)
+    app.enqueue_many("k", ({"tenant": t, "n": n} for n in range(4) for t in keys[:4]))
+    query(dsn, "UPDATE fastjobs_jobs_all SET state = 'running' WHERE (args->>'n')::int = 0")
+    app.enqueue("k", {"tenant": keys[4], "n": 9})
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        claimed = psycopg.RawCursor(conn).execute(sql.job_claim_many, ("default", 100, "w")).fetchall()
+    assert [row[2]["tenant"] for row in claimed] == [keys[4]]
+
+
 def test_a_limit_of_its_own_for_some_keys_from_code_and_the_command_line(app: App, dsn: str) -> None:
     app.job(kind="k", concurrency_key="tenant", concurrency_limit=3)(lambda tenant, n: None)
     app.enqueue_many("k", ({"tenant": t, "n": n} for n in range(4) for t in ("vip", "std")))

@@ -253,7 +253,7 @@ def roll_back_011(dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(keys.steps()[0].sql)
         conn.execute(fair.steps()[0].sql)
-        conn.execute("DROP FUNCTION fastjobs_in_turn(text, text), fastjobs_key_group(text, text)")
+        conn.execute("DROP FUNCTION fastjobs_in_turn(text, text, integer), fastjobs_key_group(text, text)")
         conn.execute("DELETE FROM fastjobs_migrations WHERE version >= 11")
 
 
