@@ -432,7 +432,11 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = _parser().parse_args(argv)  # --help writes to stdout too
+        try:
+            args = _parser().parse_args(argv)
+        except SystemExit:
+            sys.stdout.flush()  # --help's text (argparse exits after it): a closed pipe is caught below
+            raise
         with logs.configured(args.log_level, args.log_format):
             code = _main(args)
         sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
