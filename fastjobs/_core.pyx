@@ -345,6 +345,9 @@ cdef class BatchLoop:
     # The _results variants: outcomes go by them while the planner's keeping is set.
     cdef bytes _kept_statement, _kept_after_statement
     cdef bytes _kept_sql, _kept_after_sql
+    # The job_complete_claim_ variants: outcomes go by them when all are completions at a first attempt.
+    cdef bytes _complete_statement, _complete_after_statement
+    cdef bytes _complete_sql, _complete_after_sql
     cdef public bint overlap, stopping
     cdef public Py_ssize_t claimed, completed, failed, retried, discarded, stale
     cdef bint _in_flight
@@ -454,6 +457,11 @@ cdef class BatchLoop:
         self._kept_statement, self._kept_sql = name.encode(), text.encode()
         name, text = kept[bool(keep_completed), True]
         self._kept_after_statement, self._kept_after_sql = name.encode(), text.encode()
+        complete = sql.COMPLETE_CONTEXT if whole_context else sql.COMPLETE
+        name, text = complete[bool(keep_completed), False]
+        self._complete_statement, self._complete_sql = name.encode(), text.encode()
+        name, text = complete[bool(keep_completed), True]
+        self._complete_after_statement, self._complete_after_sql = name.encode(), text.encode()
         self.planner = Planner(
             fast_queues(specs, queues, fast_lane=fast_lane, keep_completed=keep_completed),
             batch_min=batch_min, batch_max=batch_max, duty=front_claim_duty,
@@ -548,6 +556,8 @@ cdef class BatchLoop:
         self._prepare(self._after_statement, self._after_sql)
         self._prepare(self._kept_statement, self._kept_sql)
         self._prepare(self._kept_after_statement, self._kept_after_sql)
+        self._prepare(self._complete_statement, self._complete_sql)
+        self._prepare(self._complete_after_statement, self._complete_after_sql)
         if self.planner.any_fast:
             self._prepare(self._lock_statement, self._lock_sql)
             self._prepare(self._lock_after_statement, self._lock_after_sql)
@@ -773,6 +783,7 @@ cdef class BatchLoop:
         cdef int rc
         cdef int64_t *ids
         cdef Py_ssize_t cap
+        cdef bint records = bool(self._failures)
         self._literal(self._ndone, self._done)
         self._writing(self._failures)
         failures = _encode(self._failures)
@@ -799,15 +810,19 @@ cdef class BatchLoop:
         values[4] = PyBytes_AS_STRING(self._worker_id)
         keeping = self.planner.keeping
         if mark is None:
-            rc = PQsendQueryPrepared(self._pgconn, self._kept_statement if keeping else self._statement,
-                                     5, values, NULL, NULL, 1)
+            rc = PQsendQueryPrepared(
+                self._pgconn,
+                self._kept_statement if keeping else self._statement if records else self._complete_statement,
+                5, values, NULL, NULL, 1)
         else:
             snprintf(priority_text, sizeof(priority_text), "%d", <int>mark[0])
             snprintf(run_at_text, sizeof(run_at_text), "%lld", <long long>mark[1])
             values[5] = priority_text
             values[6] = run_at_text
             rc = PQsendQueryPrepared(
-                self._pgconn, self._kept_after_statement if keeping else self._after_statement,
+                self._pgconn,
+                self._kept_after_statement if keeping
+                else self._after_statement if records else self._complete_after_statement,
                 7, values, NULL, NULL, 1)
         if not rc:
             raise LoopError(_conn_error(self._pgconn))

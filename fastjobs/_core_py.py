@@ -138,11 +138,20 @@ class BatchLoop:
         self._whole_context = whole_context
         finish = sql.FINISH_CONTEXT if whole_context else sql.FINISH
         kept = sql.FINISH_CONTEXT_RESULTS if whole_context else sql.FINISH_RESULTS
-        pairs = [table[keep_completed, after] for table in (finish, kept) for after in (False, True)]
+        # A batch whose outcomes are all completions at a first attempt sends the COMPLETE variant.
+        complete = sql.COMPLETE_CONTEXT if whole_context else sql.COMPLETE
+        pairs = [
+            table[keep_completed, after] for table in (finish, kept, complete) for after in (False, True)
+        ]
         self._statements = {name: (name.encode(), text) for name, text in pairs}
-        self._full_name, self._after_name, self._full_kept, self._after_kept = (
-            name.encode() for name, _ in pairs
-        )
+        (
+            self._full_name,
+            self._after_name,
+            self._full_kept,
+            self._after_kept,
+            self._full_complete,
+            self._after_complete,
+        ) = (name.encode() for name, _ in pairs)
         # A batch that runs long on the fast lane (sql.job_lock_many) or finds
         # a job that may not run on it (async, timeout, pooled) moves its queue
         # to the state lane for FAST_LANE_DEMOTE seconds.
@@ -251,6 +260,7 @@ class BatchLoop:
     def _send(self, index: int = 0, limit: int = 0, mark: tuple[int, int] | None = None) -> None:
         """Send the outcomes gathered so far and a claim: the planner's next (none by default)."""
         done = ("{" + ",".join(map(str, self._done)) + "}").encode()
+        records = bool(self._failures)
         self._writing(self._failures)
         failures = outcomes.encode(self._failures)
         self.completed += len(self._done)
@@ -265,10 +275,22 @@ class BatchLoop:
         self._failures = []
         params = [done, failures, self._queues[index], str(limit).encode(), self._worker_id]
         if mark is None:
-            name = self._full_kept if self.planner.keeping else self._full_name
+            name = (
+                self._full_kept
+                if self.planner.keeping
+                else self._full_name
+                if records
+                else self._full_complete
+            )
         else:
             params += [str(mark[0]).encode(), str(mark[1]).encode()]
-            name = self._after_kept if self.planner.keeping else self._after_name
+            name = (
+                self._after_kept
+                if self.planner.keeping
+                else self._after_name
+                if records
+                else self._after_complete
+            )
         self._send_prepared(name, params)
         self._in_flight = True
         self._limit = limit

@@ -56,6 +56,11 @@ def test_the_registry_lists_every_statement_under_its_own_name():
             key: f"{name}_results" for key, (name, _) in plain.items()
         }
         assert [name for name, text in kept.values() if sql.STATEMENTS[name] is not text] == []
+    for plain, complete in ((sql.FINISH, sql.COMPLETE), (sql.FINISH_CONTEXT, sql.COMPLETE_CONTEXT)):
+        assert {key: name for key, (name, _) in complete.items()} == {
+            key: name.replace("job_finish_claim", "job_complete_claim") for key, (name, _) in plain.items()
+        }
+        assert [name for name, text in complete.values() if sql.STATEMENTS[name] is not text] == []
 
 
 def test_every_statement_is_bound_once_and_nothing_derives_one_text_from_another():
@@ -154,30 +159,35 @@ FINISHES_RESULTS = sorted(
     name for table in (sql.FINISH_RESULTS, sql.FINISH_CONTEXT_RESULTS) for name, _ in table.values()
 )
 LOCKS = sorted(name for name, _ in sql.LOCK.values())
+COMPLETES = sorted(name for table in (sql.COMPLETE, sql.COMPLETE_CONTEXT) for name, _ in table.values())
 
 
-@pytest.mark.parametrize("name", FINISHES + FINISHES_RESULTS + LOCKS)
+@pytest.mark.parametrize("name", FINISHES + FINISHES_RESULTS + COMPLETES + LOCKS)
 def test_a_variants_name_says_what_it_is(name):
     """A variant is one line, its name and its family's parameters: each part of the name shows in
     its text, and only then. _after claims after the mark, _keep keeps completed jobs (their
     completion CTEs update instead of deleting), _context returns meta and created_at (after
-    keep_result, which every claim returns), _results keeps the outcomes of jobs with keep_result."""
+    keep_result, which every claim returns), _results keeps the outcomes of jobs with keep_result;
+    job_complete_claim_ writes completions at a first attempt only (no outcome records)."""
     text = _words(sql.STATEMENTS[name])
     mark = _mark("$3", "$4") if name in LOCKS else _mark("$6", "$7")
     assert (text.count(mark), text.count("AND priority = $")) == ((1, 1) if "_after" in name else (0, 0))
     assert ("run_at, keep_result, meta, created_at" in text) == ("_context" in name)
     assert ("fastjobs_results" in text) == ("_results" in name)
-    if name in FINISHES + FINISHES_RESULTS:
+    if name in FINISHES + FINISHES_RESULTS + COMPLETES:
         ctes, _ = _parts(sql.STATEMENTS[name])
         results = ["kept"] if "_results" in name else []
-        assert list(ctes) == ["completed", "completed_later", "failed", *results, "claimed"]
+        records = [] if name in COMPLETES else ["completed_later", "failed"]
+        assert list(ctes) == ["completed", *records, *results, "claimed"]
+        assert ("jsonb_to_recordset($2::jsonb)" in text) == (name not in COMPLETES)
         kept = "UPDATE fastjobs_jobs_all j SET state = 'completed', finalized_at = now() "
         deleted = "DELETE FROM fastjobs_jobs_all j "
         expected = kept if "_keep" in name else deleted
-        assert [ctes[cte].startswith(expected) for cte in ("completed", "completed_later")] == [True, True]
+        completions = ["completed", *records[:1]]  # completed_later: a later attempt's completions
+        assert [ctes[cte].startswith(expected) for cte in completions] == [True] * len(completions)
 
 
-@pytest.mark.parametrize("name", ["job_claim_many", *FINISHES, *FINISHES_RESULTS, *LOCKS])
+@pytest.mark.parametrize("name", ["job_claim_many", *FINISHES, *FINISHES_RESULTS, *COMPLETES, *LOCKS])
 def test_every_claim_returns_its_batch_in_claim_order(name):
     """A claim takes its jobs in claim order and returns them in it, the order a loop runs its batch
     in: the claimed CTE's rows sorted (an UPDATE returns its rows by id), or the locked ones (a fair
@@ -235,7 +245,9 @@ def test_an_outcome_is_finalized_by_the_state_it_is_given(name):
     assert finalized in failed
 
 
-@pytest.mark.parametrize("name", ["job_finish_claim_many", "job_finish_claim_many_keep"])
+@pytest.mark.parametrize(
+    "name", ["job_finish_claim_many", "job_finish_claim_many_keep", "job_complete_claim_many"]
+)
 def test_the_finish_statements_claim_as_job_claim_many_does(name):
     """Their claim is job_claim_many's, its parameters $1, $2, $3 moved to $3, $4, $5; a limited
     queue's room, and the count of a key's running jobs, leave out the jobs the statement itself
@@ -314,6 +326,7 @@ def test_every_limit_a_statement_carries_is_its_constant():
         "job_finish_claim_after_keep",
         *(name for name, _ in sql.FINISH_CONTEXT.values()),
         *FINISHES_RESULTS,
+        *COMPLETES,
         "job_finish_locked_many_results",
         "job_retry",
         # The fast lane: the attempt its run makes, counted when its outcome (or its crash) is written.
@@ -330,10 +343,10 @@ def test_every_limit_a_statement_carries_is_its_constant():
     text = "\n".join(sql.STATEMENTS.values())
     assert text.count(str(sql.ATTEMPT_CAP)) == sum(len(found) for found in counting.values())
     margins = re.findall(r"\$[47]::int8 - (\d+)\)", text)
-    # The _after ones, with context or not, with _results or not: eight finish statements and two
-    # fast-lane claims.
-    assert [int(m) for m in margins] == [sql.CLAIM_MARK_MARGIN] * 10
-    assert text.count(str(sql.CLAIM_MARK_MARGIN)) == 10
+    # The _after ones, with context or not, with _results or not: eight finish statements, four
+    # job_complete_claim_ ones and two fast-lane claims.
+    assert [int(m) for m in margins] == [sql.CLAIM_MARK_MARGIN] * 14
+    assert text.count(str(sql.CLAIM_MARK_MARGIN)) == 14
 
 
 def test_every_unique_key_predicate_is_the_unique_index_predicate():
@@ -471,6 +484,8 @@ def _claim_arguments(name: str, batch: int) -> str:
         {"id": i, "attempt": 1, "state": "retryable", "delay": 1.0, "uncount": 0, "error": {"error": "boom"}}
         for i in range(51_001, 51_101)
     ] + [{"id": i, "attempt": 2, "state": "completed"} for i in range(51_101, 51_201)]
+    if name.startswith("job_complete_claim"):
+        failed = []  # its batches hold completions at a first attempt only
     arguments = f"{completed}, '{json.dumps(failed)}', {claim}"
     if "_after" in name:
         arguments += ", 0, 0"  # the mark: priority 0, run_at 2000-01-01
@@ -495,6 +510,8 @@ CLAIM_PLANS = [
         "job_finish_claim_many_keep",
         "job_finish_claim_after",
         "job_finish_claim_after_keep",
+        "job_complete_claim_many",
+        "job_complete_claim_after",
     )
     for batch in (100, 2000)
     for mode in ("force_custom_plan", "force_generic_plan")
@@ -526,8 +543,8 @@ def test_claim_uses_the_partial_claim_index(seeded, name, batch, plan_cache_mode
 # few seconds): the planner guesses one row per partition.
 BACKLOG_CLAIMS = [
     pytest.param(name, mode, id=f"{name}-{mode}")
-    for name in ("job_claim_many", "job_finish_claim_many", "job_finish_claim_after", "job_lock_many",
-                 "job_lock_after")
+    for name in ("job_claim_many", "job_finish_claim_many", "job_finish_claim_after",
+                 "job_complete_claim_many", "job_complete_claim_after", "job_lock_many", "job_lock_after")
     for mode in ("force_custom_plan", "force_generic_plan")
 ]  # fmt: skip
 
@@ -574,7 +591,7 @@ def test_a_claim_reads_a_backlog_in_index_order_and_stops_at_its_limit(backlog, 
 
 
 @pytest.mark.parametrize("plan_cache_mode", ["force_custom_plan", "force_generic_plan"])
-@pytest.mark.parametrize("name", ["job_finish_claim_after", "job_lock_after"])
+@pytest.mark.parametrize("name", ["job_finish_claim_after", "job_complete_claim_after", "job_lock_after"])
 def test_the_claim_after_the_mark_starts_its_index_scan_there(seeded, plan_cache_mode, name):
     arguments = "'q1', 100, 0, 0" if name == "job_lock_after" else _claim_arguments(name, 100)
     with psycopg.connect(seeded) as conn, psycopg.RawCursor(conn) as cur:
@@ -632,7 +649,9 @@ def test_the_claim_after_the_mark_skips_the_dead_entries_a_held_snapshot_keeps(d
     assert fast_from_mark * 5 < fast_from_front, (fast_from_mark, fast_from_front)
 
 
-@pytest.mark.parametrize("name", ["job_finish_claim_many", "job_finish_claim_many_keep"])
+@pytest.mark.parametrize(
+    "name", ["job_finish_claim_many", "job_finish_claim_many_keep", "job_complete_claim_many"]
+)
 @pytest.mark.parametrize("plan_cache_mode", ["force_custom_plan", "force_generic_plan"])
 def test_outcomes_find_their_jobs_by_primary_key_whatever_the_statistics(dsn, name, plan_cache_mode):
     """Statistics taken while the queue was empty must not send the completion
