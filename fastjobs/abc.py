@@ -11,6 +11,52 @@ from collections.abc import Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol
 
+__all__ = [
+    "BATCH_SECONDS",
+    "BUCKETS",
+    "BUCKETS_NS",
+    "CANCELLED",
+    "CLAIMED_COLUMNS",
+    "COL_ARGS",
+    "COL_ATTEMPT",
+    "COL_CREATED_AT",
+    "COL_ID",
+    "COL_KEEP_RESULT",
+    "COL_KIND",
+    "COL_MAX_ATTEMPTS",
+    "COL_META",
+    "COL_PRIORITY",
+    "COL_RUN_AT",
+    "COMPLETED",
+    "CONTEXT_COLUMNS",
+    "DEEP_CLAIM",
+    "DISCARDED",
+    "FAST_LANE_DEMOTE",
+    "FRONT_CLAIM_DUTY",
+    "FRONT_CLAIM_MAX_WAIT",
+    "GUARD_TICK",
+    "HAND_BACK_AFTER",
+    "INT64_MAX",
+    "KEEPING_CLAIMS",
+    "MARK_RUN_AT_MAX",
+    "MARK_RUN_AT_MIN",
+    "MAX_KINDS",
+    "OBSERVED_MAX_NS",
+    "OUTCOMES",
+    "PG_EPOCH_US",
+    "PICKUP",
+    "PICKUP_SUM",
+    "RETRIED",
+    "ROW",
+    "RUN",
+    "RUN_SUM",
+    "SIZE_DECAY",
+    "SNOOZED",
+    "BatchLoop",
+    "Core",
+    "NewBatchLoop",
+]
+
 if TYPE_CHECKING:
     import psycopg
 

@@ -17,6 +17,8 @@ from . import schema, sql
 from .enqueue import Options, fair_key_for, limit_key_for, unique_key_for
 from .impl import core
 
+__all__ = ["COPY_CHUNK", "COPY_HEADER", "COPY_TRAILER", "copy_layout", "copy_many", "copy_many_async"]
+
 # Rows encoded per write to the COPY stream: bounded memory for any iterable,
 # large enough that the per-write cost vanishes.
 COPY_CHUNK = 8192

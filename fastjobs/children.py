@@ -14,6 +14,18 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 
+__all__ = [
+    "EXIT_BOOT_ERROR",
+    "EXIT_CRASH",
+    "EXIT_OK",
+    "RESTART_BACKOFF_MAX",
+    "STABLE_AFTER",
+    "Backoff",
+    "die_with",
+    "fork",
+    "how_it_ended",
+]
+
 EXIT_OK = 0
 EXIT_CRASH = 1
 # A child that could not start (bad configuration, schema missing): restarting

@@ -8,6 +8,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+__all__ = ["JobContext", "bind", "current_job"]
+
 if TYPE_CHECKING:
     from .executor import Executor
 
