@@ -7,6 +7,7 @@ the C module there), and tests/test_twins.py runs both on the same batches.
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol
@@ -43,6 +44,7 @@ __all__ = [
     "MAX_KINDS",
     "OBSERVED_MAX_NS",
     "OUTCOMES",
+    "PG_EPOCH",
     "PG_EPOCH_US",
     "PICKUP",
     "PICKUP_SUM",
@@ -162,8 +164,9 @@ PICKUP = PICKUP_SUM + 1
 ROW = PICKUP + len(BUCKETS) + 1
 # The row of kinds beyond MAX_KINDS, and of kinds with no handler, is the last of each queue's.
 MAX_KINDS = 255
-# Microseconds from the Unix epoch to PostgreSQL's (2000-01-01), for run_at.
-PG_EPOCH_US = 946_684_800_000_000
+# PostgreSQL's epoch: timestamps travel in binary as microseconds since it (run_at, COPY's rows).
+PG_EPOCH = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
+PG_EPOCH_US = int(PG_EPOCH.timestamp()) * 1_000_000  # from the Unix epoch
 
 
 class BatchLoop(Protocol):
