@@ -115,10 +115,10 @@ KEEPING_CLAIMS = 3
 # for its result: a claim sent ahead (overlap) is in flight while the
 # handlers run, and counting that time made the next claim from the front
 # due ~49 batches later on a clean index. At most this long between two.
-# 2%, not 10%: at 80% load a fast-lane claim from the front walked the dead
-# entries of its slots for 50-170 ms, a stall of its worker that set the
-# pickup p99 (from the commit, two alternating 1-minute runs each: p99 27-36
-# ms at 10%, 14-17 ms at 2%; p50 2.4-3.7 ms against 0.8-2.1 ms).
+# 2%, not 10%: a fast-lane claim from the front walking its slots' dead
+# entries stalls its worker and set the pickup p99 (bench/RESULTS.md, issue
+# 13 session 4). The cap holds that ration at the rotation's interval
+# (tests/test_upkeep.py pins the two).
 FRONT_CLAIM_DUTY = 0.02
 FRONT_CLAIM_MAX_WAIT = 10.0
 # A mark is kept only for a run_at a second or more inside timestamptz's range
