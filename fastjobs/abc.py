@@ -7,9 +7,57 @@ the C module there), and tests/test_twins.py runs both on the same batches.
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol
+
+__all__ = [
+    "BATCH_SECONDS",
+    "BUCKETS",
+    "BUCKETS_NS",
+    "CANCELLED",
+    "CLAIMED_COLUMNS",
+    "COL_ARGS",
+    "COL_ATTEMPT",
+    "COL_CREATED_AT",
+    "COL_ID",
+    "COL_KEEP_RESULT",
+    "COL_KIND",
+    "COL_MAX_ATTEMPTS",
+    "COL_META",
+    "COL_PRIORITY",
+    "COL_RUN_AT",
+    "COMPLETED",
+    "CONTEXT_COLUMNS",
+    "DEEP_CLAIM",
+    "DISCARDED",
+    "FAST_LANE_DEMOTE",
+    "FRONT_CLAIM_DUTY",
+    "FRONT_CLAIM_MAX_WAIT",
+    "GUARD_TICK",
+    "HAND_BACK_AFTER",
+    "INT64_MAX",
+    "KEEPING_CLAIMS",
+    "MARK_RUN_AT_MAX",
+    "MARK_RUN_AT_MIN",
+    "MAX_KINDS",
+    "OBSERVED_MAX_NS",
+    "OUTCOMES",
+    "PG_EPOCH",
+    "PG_EPOCH_US",
+    "PICKUP",
+    "PICKUP_SUM",
+    "RETRIED",
+    "ROW",
+    "RUN",
+    "RUN_SUM",
+    "SIZE_DECAY",
+    "SNOOZED",
+    "BatchLoop",
+    "Core",
+    "NewBatchLoop",
+]
 
 if TYPE_CHECKING:
     import psycopg
@@ -67,10 +115,10 @@ KEEPING_CLAIMS = 3
 # for its result: a claim sent ahead (overlap) is in flight while the
 # handlers run, and counting that time made the next claim from the front
 # due ~49 batches later on a clean index. At most this long between two.
-# 2%, not 10%: at 80% load a fast-lane claim from the front walked the dead
-# entries of its slots for 50-170 ms, a stall of its worker that set the
-# pickup p99 (from the commit, two alternating 1-minute runs each: p99 27-36
-# ms at 10%, 14-17 ms at 2%; p50 2.4-3.7 ms against 0.8-2.1 ms).
+# 2%, not 10%: a fast-lane claim from the front walking its slots' dead
+# entries stalls its worker and set the pickup p99 (bench/RESULTS.md, issue
+# 13 session 4). The cap holds that ration at the rotation's interval
+# (tests/test_upkeep.py pins the two).
 FRONT_CLAIM_DUTY = 0.02
 FRONT_CLAIM_MAX_WAIT = 10.0
 # A mark is kept only for a run_at a second or more inside timestamptz's range
@@ -116,8 +164,9 @@ PICKUP = PICKUP_SUM + 1
 ROW = PICKUP + len(BUCKETS) + 1
 # The row of kinds beyond MAX_KINDS, and of kinds with no handler, is the last of each queue's.
 MAX_KINDS = 255
-# Microseconds from the Unix epoch to PostgreSQL's (2000-01-01), for run_at.
-PG_EPOCH_US = 946_684_800_000_000
+# PostgreSQL's epoch: timestamps travel in binary as microseconds since it (run_at, COPY's rows).
+PG_EPOCH = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
+PG_EPOCH_US = int(PG_EPOCH.timestamp()) * 1_000_000  # from the Unix epoch
 
 
 class BatchLoop(Protocol):

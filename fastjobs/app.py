@@ -28,6 +28,8 @@ from .results import JobHandle, JobResults
 from .retry import RetryPolicy
 from .types import DEFAULT_MAX_ATTEMPTS, DEFAULT_PRIORITY, DEFAULT_QUEUE, JobSpec
 
+__all__ = ["App"]
+
 if TYPE_CHECKING:
     from .testing import Mode, Testing
 

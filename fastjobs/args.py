@@ -11,6 +11,8 @@ from typing import Any
 
 import orjson
 
+__all__ = ["dump_args", "encode_copy_rows"]
+
 
 def dump_args(kind: str, args: Any, params: frozenset[str] | None, required: frozenset[str]) -> bytes:
     """Check one job's arguments against its handler and serialise them with orjson."""

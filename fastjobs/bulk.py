@@ -14,8 +14,11 @@ import psycopg
 from psycopg import pq
 
 from . import schema, sql
+from .abc import PG_EPOCH
 from .enqueue import Options, fair_key_for, limit_key_for, unique_key_for
 from .impl import core
+
+__all__ = ["COPY_CHUNK", "COPY_HEADER", "COPY_TRAILER", "copy_layout", "copy_many", "copy_many_async"]
 
 # Rows encoded per write to the COPY stream: bounded memory for any iterable,
 # large enough that the per-write cost vanishes.
@@ -23,7 +26,6 @@ COPY_CHUNK = 8192
 
 COPY_HEADER = b"PGCOPY\n\xff\r\n\x00" + bytes(8)  # signature, flags, extension length
 COPY_TRAILER = b"\xff\xff"
-_PG_EPOCH = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
 
 
 def _field(data: bytes) -> bytes:
@@ -57,7 +59,7 @@ def _layout(opts: Options, now: dt.datetime, sql: ModuleType = sql) -> tuple[str
     if run_at is None:
         return sql.job_copy, prefix, suffix
     state = b"scheduled" if run_at > now else b"available"
-    micros = (run_at - _PG_EPOCH) // dt.timedelta(microseconds=1)
+    micros = (run_at - PG_EPOCH) // dt.timedelta(microseconds=1)
     suffix += _field(state) + _field(micros.to_bytes(8, "big", signed=True))
     return sql.job_copy_at, prefix, suffix
 

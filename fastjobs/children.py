@@ -14,6 +14,18 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 
+__all__ = [
+    "EXIT_BOOT_ERROR",
+    "EXIT_CRASH",
+    "EXIT_OK",
+    "RESTART_BACKOFF_MAX",
+    "STABLE_AFTER",
+    "Backoff",
+    "die_with",
+    "fork",
+    "how_it_ended",
+]
+
 EXIT_OK = 0
 EXIT_CRASH = 1
 # A child that could not start (bad configuration, schema missing): restarting
@@ -63,8 +75,8 @@ def die_with(parent: int, sig: signal.Signals) -> None:
 
 
 class Backoff:
-    """When to restart a child that exited: at once the first time, then 0.5 s doubling up to 30 s,
-    reset by a run of STABLE_AFTER seconds."""
+    """When to restart a child that exited: at once after a run of STABLE_AFTER seconds or more,
+    else 0.5 s after its start, doubling with each quick exit up to RESTART_BACKOFF_MAX."""
 
     def __init__(self) -> None:
         self.started = 0.0

@@ -16,6 +16,8 @@ import psycopg
 
 from . import database, enqueue, sql
 
+__all__ = ["Connected", "IdleAsyncConnections", "IdleConnections", "finish"]
+
 if TYPE_CHECKING:
     from .job import AsyncConn, Conn
 

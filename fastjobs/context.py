@@ -8,15 +8,16 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from .abc import PG_EPOCH
+
+__all__ = ["JobContext", "bind", "current_job"]
+
 if TYPE_CHECKING:
     from .executor import Executor
 
 
-_PG_EPOCH = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
-
-
 def _pg_time(micros: int | None) -> dt.datetime | None:
-    return None if micros is None else _PG_EPOCH + dt.timedelta(microseconds=micros)
+    return None if micros is None else PG_EPOCH + dt.timedelta(microseconds=micros)
 
 
 class JobContext:

@@ -20,6 +20,33 @@ from psycopg.types.json import Jsonb
 from . import sql
 from .errors import FastjobsError, JobNotFound
 
+__all__ = [
+    "ACTS_ON",
+    "CANCELLABLE",
+    "COUNT_PAGE",
+    "DELETABLE",
+    "DISCARDABLE",
+    "MOVED_RETRIES",
+    "RETRIABLE",
+    "SELECT_PAGE",
+    "Acted",
+    "Retried",
+    "Selection",
+    "act",
+    "act_by_filter",
+    "cancel",
+    "count",
+    "delete",
+    "discard",
+    "inspecting",
+    "kinds",
+    "list_jobs",
+    "pages",
+    "retry",
+    "select",
+    "show",
+]
+
 
 class _LenientTimestamptzLoader(Loader):
     """A timestamptz as a datetime, or as PostgreSQL's text when a datetime cannot hold it.

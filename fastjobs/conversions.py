@@ -12,6 +12,26 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
+__all__ = [
+    "ANY",
+    "RICH",
+    "SCALARS",
+    "SUPPORTED",
+    "Invalid",
+    "Node",
+    "NoneType",
+    "Unsupported",
+    "fixed_tuple",
+    "literal",
+    "mapping",
+    "of_enum",
+    "of_msgspec",
+    "of_pydantic",
+    "record",
+    "sequence",
+    "union",
+]
+
 if TYPE_CHECKING:
     from .typed import Compiler
 

@@ -25,6 +25,8 @@ from typing import Any
 
 from .errors import ConfigurationError
 
+__all__ = ["MISSING", "SHORTHANDS", "Cron", "schedule"]
+
 # Vixie cron's shorthands (cronsim reads the five fields only).
 SHORTHANDS = {
     "@yearly": "0 0 1 1 *",

@@ -17,6 +17,23 @@ from psycopg.conninfo import conninfo_to_dict
 from . import sql
 from .errors import ConfigurationError, DatabaseUnavailable
 
+__all__ = [
+    "DSN_FORMS",
+    "EMBEDDED",
+    "NO_DSN",
+    "check_dsn",
+    "connect",
+    "connect_async",
+    "data_dir",
+    "describe",
+    "embedded_dsn",
+    "invalid_dsn_message",
+    "resolve_dsn",
+    "resolve_schema",
+    "start_embedded",
+    "unavailable_message",
+]
+
 logger = logging.getLogger(__name__)
 
 _embedded_dsn: str | None = None

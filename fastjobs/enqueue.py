@@ -32,6 +32,36 @@ from .types import (
     KeyLimit,
 )
 
+__all__ = [
+    "FAIR_KEY_MAX",
+    "MAX_DELAY",
+    "MAX_KEEP_RESULT",
+    "MAX_LIMIT_KEY",
+    "InsertParams",
+    "Options",
+    "adapt",
+    "adapt_async",
+    "check_conn",
+    "check_keep_result",
+    "check_kind",
+    "check_max_attempts",
+    "check_priority",
+    "check_queue",
+    "conn_type_error",
+    "dump_meta",
+    "fair_key_for",
+    "fair_key_of",
+    "foreign_conn",
+    "insert",
+    "insert_async",
+    "insert_own",
+    "insert_params",
+    "is_sqlalchemy",
+    "limit_key_for",
+    "options",
+    "unique_key_for",
+]
+
 # The longest delay an enqueue takes: a run_at within Python's datetime (year
 # 9999) for the next 6,000 years.
 MAX_DELAY = 1000 * 365.25 * 86400

@@ -18,6 +18,8 @@ from .errors import Cancel, JobTimeout
 from .outcomes import SlowJob, cancelled, failure, kept, release, returned_coroutine
 from .types import JobSpec, Outcome
 
+__all__ = ["Executor"]
+
 logger = logging.getLogger("fastjobs.handlers")  # as fastjobs.outcomes: one name for what handlers did
 
 if TYPE_CHECKING:

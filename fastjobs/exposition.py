@@ -14,6 +14,8 @@ from .report import ROTATION_PROBLEMS, STALE_AFTER, ClusterHost, Health, QueueDe
 from .scoreboard import Histogram, KindCounts, Scoreboard
 from .stats import LEADER, ROLES, WORKER, Card
 
+__all__ = ["cluster_metrics", "kind_metrics", "prometheus"]
+
 if TYPE_CHECKING:
     from .keys import KeyUsage
     from .queues import QueueState

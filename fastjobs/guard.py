@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 
 from .abc import GUARD_TICK
 
+__all__ = ["suspended", "watch"]
+
 if TYPE_CHECKING:
     from .abc import BatchLoop
 

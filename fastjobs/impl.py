@@ -19,6 +19,8 @@ import psycopg
 from .abc import Core
 from .errors import ConfigurationError
 
+__all__ = ["FALLBACK", "IMPLEMENTATION", "core"]
+
 # Why the Python reference runs though nobody asked for it (None otherwise). Not
 # logged here, at import, before anyone could configure logging: `fastjobs` logs it.
 FALLBACK: str | None = None

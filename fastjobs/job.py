@@ -16,6 +16,8 @@ from .results import JobHandle
 from .retry import RetryPolicy
 from .types import JobSpec, KeyLimit
 
+__all__ = ["AsyncConn", "BulkOptions", "Conn", "EnqueueOptions", "Job", "close_kinds", "signature", "spec_of"]
+
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection as SAConnection
     from sqlalchemy.ext.asyncio import AsyncConnection as SAAsyncConnection

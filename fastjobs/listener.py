@@ -43,8 +43,8 @@ class Listener:
     reconnected, and while it is down the worker simply polls.
 
     Every change of its state is written to the worker's `card` when it
-    happens, so `fastjobs stats` shows the connection as it is, busy or idle
-    (it once showed the value of the worker's last sleep). While the worker
+    happens, so `fastjobs stats` shows the connection as it is, busy or idle,
+    not as the worker's last sleep left it. While the worker
     is busy, `poll` reads the connection once a second: a lost listener shows
     at once, and the server's notifications never pile up unread.
     """

@@ -17,6 +17,19 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+__all__ = [
+    "FORMATS",
+    "JOB_FIELDS",
+    "LEVELS",
+    "TEXT_FORMAT",
+    "JsonFormatter",
+    "TextFormatter",
+    "configured",
+    "duration",
+    "job_fields",
+    "plural",
+]
+
 FORMATS = ("text", "json")
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 TEXT_FORMAT = "fastjobs: %(message)s"

@@ -138,6 +138,8 @@ class RotationConfig:
 
     # Off, nothing cleans the rotating slots (autovacuum is off on them): for tests and tools only.
     enabled: bool = True
+    # How long a dead index entry lives (SLOTS intervals) sets what a claim from the front walks:
+    # test_upkeep pins it against FRONT_CLAIM_DUTY and FRONT_CLAIM_MAX_WAIT.
     interval: float = 2.0
     # Longer than a fast-lane batch's transaction lives, or it mostly gives way (test_upkeep pins it).
     lock_timeout: float = 0.15

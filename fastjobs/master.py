@@ -38,6 +38,8 @@ from .sharding import shard
 from .stats import LEADER, WORKER, Card
 from .worker import Supervision, Worker, WorkerConfig
 
+__all__ = ["DEFAULT_WORKER_TIMEOUT", "RELEASE_TIMEOUT", "RELEASE_WAIT", "SAME_STOP_WINDOW", "Child", "Master"]
+
 # A child whose card has not been beaten this long is hung or stopped (it
 # beats every second, whatever length of job it runs): killed and replaced.
 DEFAULT_WORKER_TIMEOUT = 60.0

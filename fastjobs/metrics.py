@@ -48,6 +48,25 @@ from .report import ClusterHost, Health, QueueDepth, cluster, health, queue_dept
 from .scoreboard import Scoreboard
 from .stats import LEADER
 
+__all__ = [
+    "CONNECT_TIMEOUT",
+    "CONTENT_TYPE",
+    "FRESH",
+    "LOCK_TIMEOUT",
+    "MAX_CONNECTIONS",
+    "MAX_REQUEST",
+    "READY_TIMEOUT",
+    "REQUEST_TIMEOUT",
+    "RETRY_AFTER",
+    "STATEMENT_TIMEOUT",
+    "DatabaseReader",
+    "MetricsProcess",
+    "Reading",
+    "listen",
+    "scrape",
+    "serve",
+]
+
 logger = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 32

@@ -23,6 +23,31 @@ from .logs import duration, job_fields
 from .retry import default_backoff
 from .types import JobSpec, Outcome, OutcomeKind
 
+__all__ = [
+    "ERROR_CHARS",
+    "MAX_DELAY",
+    "OUTCOME_ERROR_CLASSES",
+    "STALE_LINES",
+    "SlowJob",
+    "Write",
+    "cancelled",
+    "clean",
+    "completed",
+    "discard",
+    "encode",
+    "failure",
+    "isolate",
+    "kept",
+    "release",
+    "returned_coroutine",
+    "say_rolled_back",
+    "say_stale",
+    "started",
+    "tally",
+    "unknown_kind",
+    "unrecorded",
+]
+
 if TYPE_CHECKING:
     pass
 

@@ -31,6 +31,8 @@ from .errors import JobTimeout
 from .outcomes import SlowJob, cancelled, release
 from .types import Outcome
 
+__all__ = ["Pool", "Wave"]
+
 if TYPE_CHECKING:
     from .executor import Executor
 

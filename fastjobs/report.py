@@ -16,6 +16,28 @@ from .abc import (
 )
 from .stats import LEADER, ROTATION_DEFERRED, ROTATION_FAILED, ROTATION_GAVE_WAY, ROTATION_PRIVILEGES
 
+__all__ = [
+    "HORIZON_WARNING",
+    "NOTIFY_WARNING",
+    "ROTATION_PROBLEMS",
+    "STALE_AFTER",
+    "CarefulWorker",
+    "ClusterHost",
+    "ClusterWorker",
+    "Health",
+    "Horizon",
+    "QueueDepth",
+    "SlowEvents",
+    "TableHealth",
+    "UnhandledKind",
+    "cluster",
+    "engine_events",
+    "health",
+    "queue_depths",
+    "unhandled_kinds",
+    "upkeep_warnings",
+]
+
 ROTATION_PROBLEMS = {
     ROTATION_PRIVILEGES: (
         "privileges",

@@ -12,6 +12,8 @@ import psycopg
 from . import sql
 from .report import cluster
 
+__all__ = ["FAILED", "SamplesConfig", "run_once", "turn"]
+
 # The outcomes a sample counts as failed: attempts that raised (retried) or ended the job (discarded).
 FAILED = ("retried", "discarded")
 

@@ -49,6 +49,20 @@ from psycopg import sql as pgsql
 from . import database, sql
 from .errors import FastjobsError, SchemaMissing, SchemaTooNew
 
+__all__ = [
+    "APPLICATION",
+    "COMPATIBLE_AHEAD",
+    "LOCK_RETRIES",
+    "LOCK_TIMEOUT",
+    "Migration",
+    "Step",
+    "check",
+    "migrate",
+    "migrations",
+    "required",
+    "script",
+]
+
 logger = logging.getLogger(__name__)
 
 _FILE = re.compile(r"^(\d{3})_([a-z0-9_]+)\.sql$")

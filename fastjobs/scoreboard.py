@@ -45,6 +45,30 @@ from .abc import (
 )
 from .stats import CARD_FLOATS, FIELDS, SLOW_CAPACITY_MAX, WORKER, Card, card_size
 
+__all__ = [
+    "HEADER",
+    "MAGIC",
+    "MAX_CARDS",
+    "MAX_FILE",
+    "MAX_LABELS",
+    "MAX_ROWS",
+    "OTHER",
+    "VERSION",
+    "Histogram",
+    "KindCounts",
+    "Labels",
+    "MasterFile",
+    "Scoreboard",
+    "Skipped",
+    "database_identity",
+    "find",
+    "kind_counts",
+    "live_masters",
+    "read_master",
+    "shm_dir",
+    "sweep_stale",
+]
+
 MAGIC = 0x66_6A_73_74  # "fjst"
 VERSION = 7
 # magic, version, cards, master pid, started, slow-job capacity per card, rows of

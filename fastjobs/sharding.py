@@ -8,6 +8,8 @@ import logging
 from .errors import ConfigurationError
 from .types import DEFAULT_QUEUE
 
+__all__ = ["DEFAULT_CONCURRENCY", "parse_queues", "shard", "threaded_queues"]
+
 logger = logging.getLogger("fastjobs.master")  # the name users filter on: the master plans
 
 

@@ -2257,3 +2257,34 @@ LOCK: Final[Mapping[tuple[bool, bool], tuple[str, str]]] = MappingProxyType(
         (True, True): ("job_lock_after_context", job_lock_after_context),
     }
 )
+
+# The statements, and the names the code reads besides them.
+__all__ = [
+    *STATEMENTS,
+    "ATTEMPT_CAP",
+    "CANCEL_CHANNEL",
+    "CHANNELS",
+    "CLAIM_MARK_MARGIN",
+    "DEPTH_GROUPS",
+    "FINISH",
+    "FINISH_CONTEXT",
+    "FINISH_CONTEXT_RESULTS",
+    "FINISH_RESULTS",
+    "KEY_FRONT",
+    "LEADER_LOCK_KEY",
+    "LOCK",
+    "MIGRATION_LOCK_KEY",
+    "NOTIFY_CHANNEL",
+    "NOT_PREPARABLE",
+    "PING_CHANNEL",
+    "RESULT_CHANNEL",
+    "RESULT_PAYLOAD_MAX",
+    "SCHEMA",
+    "SCHEMA_MAX",
+    "SECTIONS",
+    "STATEMENTS",
+    "UNIQUE_STATES",
+    "of",
+    "relation",
+    "schema_name",
+]

@@ -32,6 +32,34 @@ from .abc import (
 )
 from .types import Outcome
 
+__all__ = [
+    "CARD_FLOATS",
+    "FIELDS",
+    "INTEGER_FIELDS",
+    "INT_FIELDS",
+    "LEADER",
+    "ROLES",
+    "ROTATION_DEFERRED",
+    "ROTATION_FAILED",
+    "ROTATION_GAVE_WAY",
+    "ROTATION_OK",
+    "ROTATION_PRIVILEGES",
+    "RUNNING_JOB",
+    "RUNNING_SUSPECT",
+    "RUNNING_WRITING",
+    "SLOW_CAPACITY_MAX",
+    "WORKER",
+    "Card",
+    "F",
+    "SlowJobs",
+    "card_size",
+    "count_slow",
+    "kind_rows",
+    "observe",
+    "outcome_column",
+    "worker_counters",
+]
+
 FIELDS = (
     "pid",
     "role",  # 0 empty, 1 worker, 2 leader

@@ -42,6 +42,8 @@ from .conversions import (
 )
 from .errors import InvalidArguments
 
+__all__ = ["Compiler", "Schema", "converter", "schema"]
+
 # The compiler -------------------------------------------------------------
 
 

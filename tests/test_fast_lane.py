@@ -521,7 +521,9 @@ def test_a_job_that_kills_its_worker_on_the_fast_lane_is_quarantined(
     masters: procs.Masters, tmp_path: Path, app: App, db: psycopg.Connection[Any]
 ) -> None:
     """Its batch rolls back (no attempt counted by the claim): the master counts each crash, and
-    after max_crashes (3) the job is discarded; its batch-mates run once each."""
+    after max_crashes (3) the job is discarded; its batch-mates run once each. A replacement worker
+    runs the state lane until the queue proves quick again, so a later crash can be the rescuer's to
+    count: --rescue-after 5, not the default 15 s."""
     (tmp_path / "crashjobs.py").write_text(CRASHER)
     # (The queue of its own: fjjobs's default queue has async and timeout= kinds, the state lane's.)
     app.declare("mate", queue="fastq")
@@ -529,7 +531,7 @@ def test_a_job_that_kills_its_worker_on_the_fast_lane_is_quarantined(
     app.enqueue_many("mate", ({"n": n} for n in range(100, 110)), queue="fastq")
     crash = app.enqueue("crash", {"n": 0}, max_attempts=10, queue="fastq")
     app.enqueue_many("mate", ({"n": n} for n in range(110, 120)), queue="fastq")
-    master = masters.start("--processes", "1", "--queues", "fastq", module="crashjobs")
+    master = masters.start("--processes", "1", "--queues", "fastq", "--rescue-after", "5", module="crashjobs")
     try:
         procs.wait_for(
             lambda: procs.count(db, "SELECT count(*) FROM fastjobs_jobs_all WHERE state = 'discarded'") == 1,

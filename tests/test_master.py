@@ -217,13 +217,13 @@ def test_a_killed_worker_is_replaced_and_the_jobs_keep_draining(
 
     master.wait_stderr(rf"worker 1 \(pid {victim}\) was killed by signal 9; restarting")
     heir = master.wait_child("fastjobs: worker 1 ", exclude=(victim,))
-    # The master's shared memory shows the new process in worker 1's slot.
+    # The master's shared memory shows the new process in worker 1's card.
     mine = wait_for(
         lambda: [m for m in procs.stats_json(app.dsn)["masters"] if m["master_pid"] == master.pid],
         "this master in `fastjobs stats --json`",
     )
-    slots = {int(p["index"]): p for p in mine[0]["processes"]}
-    assert int(slots[0]["pid"]) == heir and slots[0]["role"] == 1
+    cards = {int(p["index"]): p for p in mine[0]["processes"]}
+    assert int(cards[0]["pid"]) == heir and cards[0]["role"] == 1
 
     # The master gives back at once what the victim had claimed and not started (and what it
     # ran but had not recorded yet): everything finishes but the job it was running, which

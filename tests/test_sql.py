@@ -17,6 +17,7 @@ import psycopg
 import pytest
 
 from fastjobs import App, leader, schema, sql, types
+from fastjobs.abc import PG_EPOCH
 from fastjobs.bench import queries as bench_queries
 
 from .conftest import _create_database, _drop_database
@@ -618,7 +619,7 @@ def test_the_claim_after_the_mark_skips_the_dead_entries_a_held_snapshot_keeps(d
             claimed = [r for r in cur.execute(sql.job_claim_many, ("default", 90_000, "w"))]
             cur.execute(bench_queries.bench_raw_complete, ([r[0] for r in claimed],))
             priority, run_at = claimed[-1][5], max(r[6] for r in claimed)
-            micros = (run_at - dt.datetime(2000, 1, 1, tzinfo=dt.UTC)) // dt.timedelta(microseconds=1)
+            micros = (run_at - PG_EPOCH) // dt.timedelta(microseconds=1)
 
             def buffers(name: str, *extra: object) -> int:
                 cur.execute(f"PREPARE {name} AS {sql.STATEMENTS[name]}")

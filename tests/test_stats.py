@@ -379,7 +379,7 @@ def _kill_a_master_and_read_stats(
     assert procs.alive(worker)  # an orphan holds what it inherited: not the master's lock
     # Its pid is taken by a live process now: this test's own.
     with path.open("r+b") as fh:
-        fh.seek(12)  # magic, version, slots, then the master's pid
+        fh.seek(12)  # magic, version, cards, then the master's pid
         fh.write(struct.pack("<I", os.getpid()))
     return path, procs.cli(app.dsn, "stats", "--json")
 
@@ -420,7 +420,7 @@ shm = scoreboard.shm_dir()
 header = struct.pack("<IIII", scoreboard.MAGIC, scoreboard.VERSION, 3, 1)
 valid_header = header.ljust(scoreboard.HEADER.size, b"\\0")
 planted = {
-    "fastjobs-1-truncated.stats": valid_header,  # a header for 3 slots, and no slots
+    "fastjobs-1-truncated.stats": valid_header,  # a header for 3 cards, and no cards
     "fastjobs-1.stats": valid_header,
     "fastjobs-2-foreign.stats": b"not ours",
 }
@@ -502,13 +502,13 @@ def test_truncated_and_foreign_files_in_dev_shm_are_skipped_with_a_note(tmp_path
 
 
 def test_the_stats_file_is_new_owner_only_and_never_opened_through_a_planted_link(tmp_path: Path) -> None:
-    slots = Scoreboard.create(1)
+    board = Scoreboard.create(1)
     try:
-        info = os.stat(slots.path)
+        info = os.stat(board.path)
         assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.geteuid()
-        assert stat.S_ISREG(os.lstat(slots.path).st_mode)
+        assert stat.S_ISREG(os.lstat(board.path).st_mode)
     finally:
-        slots.close(unlink=True)
+        board.close(unlink=True)
     victim = tmp_path / "victim"
     victim.write_bytes(b"precious")
     ready_r, ready_w = os.pipe()
@@ -584,11 +584,11 @@ def test_the_leaders_vacuums_are_exported_when_autovacuum_is_off(db: psycopg.Con
         return found if jobs.last_vacuum is not None else None
 
     found_health = wait_for(vacuumed, "the VACUUM in the statistics")
-    slots = Scoreboard.create(1)
+    board = Scoreboard.create(1)
     try:
-        text = exposition.prometheus(slots, report.queue_depths(db), found_health)
+        text = exposition.prometheus(board, report.queue_depths(db), found_health)
     finally:
-        slots.close(unlink=True)
+        board.close(unlink=True)
     found = samples(text)
     assert "# TYPE fastjobs_table_last_vacuum_timestamp_seconds gauge" in text
     last = found['fastjobs_table_last_vacuum_timestamp_seconds{table="fastjobs_jobs"}']
@@ -596,7 +596,7 @@ def test_the_leaders_vacuums_are_exported_when_autovacuum_is_off(db: psycopg.Con
     assert found['fastjobs_table_last_autovacuum_timestamp_seconds{table="fastjobs_jobs"}'] == 0
 
 
-def worker_slot(dsn: str, master_pid: int) -> dict[str, Any] | None:
+def worker_card(dsn: str, master_pid: int) -> dict[str, Any] | None:
     """The first worker of master `master_pid` as `stats --json` shows it (None: not listed yet)."""
     for m in procs.stats_json(dsn)["masters"]:
         if m["master_pid"] == master_pid:
@@ -612,7 +612,7 @@ def test_the_listener_state_is_true_while_the_worker_is_busy(
     app.enqueue_many("record", ({"n": n, "sleep": 0.05} for n in range(600)))
     master = masters.start("--processes", "1", "--batch-max", "4")
     wait_for(lambda: count(db, "SELECT count(*) FROM runs") >= 1, "the drain to start")
-    busy = wait_for(lambda: worker_slot(app.dsn, master.pid), "the worker in `fastjobs stats`")
+    busy = wait_for(lambda: worker_card(app.dsn, master.pid), "the worker in `fastjobs stats`")
     assert count(db, "SELECT count(*) FROM fastjobs_jobs_all WHERE state = 'available'") > 0, "no longer busy"
     assert (busy["listening"], busy["listener_reconnects"]) == (1, 0)
     assert busy["listener_ok"] > 0
@@ -624,7 +624,7 @@ def test_the_listener_state_is_true_while_the_worker_is_busy(
     ).fetchall()
     db.execute("SELECT pg_terminate_backend(%s)", listener)
     down = wait_for(
-        lambda: (w := worker_slot(app.dsn, master.pid)) and w["listening"] == 0 and w, "the listener down"
+        lambda: (w := worker_card(app.dsn, master.pid)) and w["listening"] == 0 and w, "the listener down"
     )
     assert down["listener_reconnects"] == 1
     human = procs.cli(app.dsn, "stats").stdout
@@ -633,7 +633,7 @@ def test_the_listener_state_is_true_while_the_worker_is_busy(
     # Idle, it makes its listener again.
     db.execute("DELETE FROM fastjobs_jobs_all WHERE state = 'available'")
     back = wait_for(
-        lambda: (w := worker_slot(app.dsn, master.pid)) and w["listening"] == 1 and w, "the listener back"
+        lambda: (w := worker_card(app.dsn, master.pid)) and w["listening"] == 1 and w, "the listener back"
     )
     assert back["listener_reconnects"] == 1 and back["listener_ok"] > busy["listener_ok"]
     assert master.stop() == 0, master.stderr()
@@ -645,7 +645,7 @@ def test_stats_json_gives_whole_numbers_as_integers_and_tables_keep_wide_values_
     wide = "q" * 60
     app.enqueue_many("record", ({"n": n} for n in range(3)), queue=wide)
     master = masters.start("--processes", "1", "--queues", "default")
-    slot = wait_for(lambda: worker_slot(app.dsn, master.pid), "the worker in `fastjobs stats`")
+    card = wait_for(lambda: worker_card(app.dsn, master.pid), "the worker in `fastjobs stats`")
     raw = procs.cli(app.dsn, "stats", "--json").stdout
     assert not re.search(r'"(pid|role|index|completed|listener_reconnects)": -?\d+\.\d', raw), raw
     doc = json.loads(raw)
@@ -655,7 +655,7 @@ def test_stats_json_gives_whole_numbers_as_integers_and_tables_keep_wide_values_
         for name in stats.INTEGER_FIELDS:
             assert type(p[name]) is int, (name, p)
         assert type(p["heartbeat"]) is float and type(p["rate"]) is float
-    assert slot["pid"] in master.children()
+    assert card["pid"] in master.children()
 
     # Wide values: a 60-character queue, and table sizes past 1,000 kB beside a dead-row count.
     db.execute("ALTER TABLE fastjobs_jobs SET (autovacuum_enabled = off)")

@@ -444,44 +444,44 @@ def test_a_standalone_worker_stops_gracefully_then_now_on_a_second_signal(
     assert state in ("available", "retryable") and attempt == 1 and crashes == 0 and errors
 
 
-def test_the_slot_records_the_slow_jobs_running_and_says_when_it_cannot() -> None:
-    """More slow jobs running than the slot has room for: no exact report (the master then leaves the
+def test_the_card_records_the_slow_jobs_running_and_says_when_it_cannot() -> None:
+    """More slow jobs running than the card has room for: no exact report (the master then leaves the
     worker's jobs to the rescuer, as before), until the extra ones end."""
-    slots = Scoreboard.create(1, capacity=2)
+    board = Scoreboard.create(1, capacity=2)
     try:
-        slot = slots[0]
-        slot.claim(WORKER, 0)
-        running = slot.slow_jobs()
+        card = board[0]
+        card.claim(WORKER, 0)
+        running = card.slow_jobs()
         for job_id in (11, 12):
             running.add(job_id)
-        assert slot.crash_report() == ([11, 12], 0)
+        assert card.crash_report() == ([11, 12], 0)
         running.add(13)
-        assert slot.crash_report() == (None, 0)
+        assert card.crash_report() == (None, 0)
         running.discard(13)
         running.discard(11)
         running.add(14)  # takes the entry 11 left
-        assert slot.crash_report() == ([14, 12], 0)
-        slot.running_view()[0] = 7  # the fast path's job counts too
-        assert slot.crash_report() == ([14, 12, 7], 0)
+        assert card.crash_report() == ([14, 12], 0)
+        card.running_view()[0] = 7  # the fast path's job counts too
+        assert card.crash_report() == ([14, 12, 7], 0)
         for job_id in (12, 14):
             running.discard(job_id)
-        # No counts per kind in this slot: nothing takes the run times, so none is kept.
+        # No counts per kind in this card: nothing takes the run times, so none is kept.
         assert running.took == {}
     finally:
-        slots.close(unlink=True)
+        board.close(unlink=True)
 
 
-def test_the_run_times_of_slow_jobs_are_kept_for_the_counts_of_the_slot_alone() -> None:
-    slots = Scoreboard.create(1, capacity=2, labels=Labels(["k"], [["default"]]))
+def test_the_run_times_of_slow_jobs_are_kept_for_the_counts_of_the_card_alone() -> None:
+    board = Scoreboard.create(1, capacity=2, labels=Labels(["k"], [["default"]]))
     try:
-        slot = slots[0]
-        slot.claim(WORKER, 0)
-        running = slot.slow_jobs()
+        card = board[0]
+        card.claim(WORKER, 0)
+        running = card.slow_jobs()
         running.add(21)
         running.discard(21)
         assert list(running.took) == [21] and running.took[21] >= 0
     finally:
-        slots.close(unlink=True)
+        board.close(unlink=True)
 
 
 def test_the_master_supervises_with_one_thread_and_no_socket(

@@ -319,7 +319,7 @@ def test_the_twins_leave_the_same_rows_and_counters(twin_dsns: tuple[str, str], 
     counters = dict(claimed=27, completed=4, failed=20, retried=11, discarded=2, stale=1)
     assert first[1:4] == (27, None, counters)
     # Per kind (completed, retried, discarded, cancelled, snoozed, runs timed, picked up): slow
-    # jobs are timed by the slot's SlowJobs alone (none here); the stale completion stays counted.
+    # jobs are timed by the card's SlowJobs alone (none here); the stale completion stays counted.
     counted = first[5]
     assert counted["ok"] == (1, 0, 2, 1, 0, 1, 4)  # three odd jobs of kind ok: bad args twice, cancelled
     assert counted["boom"] == counted["retry"] == counted["retry_now"] == (0, 1, 0, 0, 0, 1, 1)
@@ -490,8 +490,8 @@ def test_the_c_module_imports_no_python_twin() -> None:
 
 
 @pytest.mark.parametrize("core", TWINS, ids=lambda core: core.IMPLEMENTATION)
-def test_the_slot_views_come_together_or_not_at_all(core: Core, app: App) -> None:
-    """The hot loop writes the job it runs beside the count it bumps: half a slot is refused."""
+def test_the_card_views_come_together_or_not_at_all(core: Core, app: App) -> None:
+    """The hot loop writes the job it runs beside the count it bumps: half a card is refused."""
     progress: Any = memoryview(bytearray(8)).cast("d")
     refused = pytest.raises(ValueError, match="both or neither")
     with psycopg.connect(app.dsn, autocommit=True) as conn, refused:

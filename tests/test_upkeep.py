@@ -20,7 +20,7 @@ import pytest
 from psycopg.conninfo import make_conninfo
 
 from fastjobs import App
-from fastjobs.abc import BATCH_SECONDS, GUARD_TICK
+from fastjobs.abc import BATCH_SECONDS, FRONT_CLAIM_DUTY, FRONT_CLAIM_MAX_WAIT, GUARD_TICK
 from fastjobs.exposition import prometheus
 from fastjobs.leader import Leader, LeaderConfig
 from fastjobs.maintenance import SLOTS, RotationConfig, Rotator, SchedulerConfig, rotate_once
@@ -381,3 +381,20 @@ def test_the_rotation_waits_out_a_fast_batch() -> None:
     tick (its deadline, then the hand-over of a job still running): the rotation's lock waits
     longer than that, or it would give way to every batch in flight."""
     assert RotationConfig().lock_timeout > BATCH_SECONDS + GUARD_TICK
+
+
+# The slowest claim from the front measured: 170 ms walking the dead entries of the rotating slots
+# (bench/RESULTS.md, issue 13 session 4), rotated every 2 s, so entries that lived 4 * 2 s at most.
+FRONT_WALK = 0.17
+FRONT_WALK_LIFE = 8.0
+
+
+def test_the_front_claims_duty_holds_at_the_rotation_interval() -> None:
+    """A claim from the front walks every dead entry its rotating slots hold, and an entry lives
+    SLOTS rotation intervals (its slot is emptied SLOTS turns after it became current): the walk
+    grows with the interval. The planner waits that walk's time * (1 - duty) / duty before the next
+    claim from the front, at most FRONT_CLAIM_MAX_WAIT; a rotation slow enough that the slowest walk
+    needs a longer wait makes claims from the front cost more than FRONT_CLAIM_DUTY of the loop.
+    Lengthen the interval, and the duty or the cap must be measured again."""
+    walk = FRONT_WALK * SLOTS * RotationConfig().interval / FRONT_WALK_LIFE
+    assert walk * (1 - FRONT_CLAIM_DUTY) / FRONT_CLAIM_DUTY <= FRONT_CLAIM_MAX_WAIT

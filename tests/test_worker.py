@@ -622,7 +622,7 @@ def test_listener_check_on_a_healthy_connection(app: App, listener):
     assert listener.wait(0) is True
 
 
-def test_the_listener_writes_each_change_of_its_state_to_the_slot(app: App, dsn):
+def test_the_listener_writes_each_change_of_its_state_to_the_card(app: App, dsn):
     """What `fastjobs stats` shows: written when it changes, not when the worker next sleeps."""
     cards = Scoreboard.create(1)
     card = cards[0]

@@ -29,6 +29,8 @@ from .stats import stats_command
 from .tools import bench_command, migrate_command, sql_show_command
 from .web import add_web_arguments, web_command
 
+__all__ = ["add_log_arguments", "add_run_arguments", "guarded", "main"]
+
 # By name: run as `python -m fastjobs.cli`, __name__ is "__main__", outside the "fastjobs" logger.
 logger = logging.getLogger("fastjobs.cli")
 

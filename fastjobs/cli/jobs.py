@@ -20,6 +20,8 @@ from ..types import JobSpec
 from .run import load_app
 from .table import Column, echo, iso, minute, safe, table, when
 
+__all__ = ["ACTS_ON", "did_you_mean", "jobs_command", "no_such_names", "periodic_command"]
+
 logger = logging.getLogger("fastjobs.cli")
 
 # The states each of `fastjobs jobs retry|cancel|discard` acts on.

@@ -11,6 +11,8 @@ from .. import database, keys, queues, schema, sql
 from .jobs import no_such_names
 from .table import Column, echo, safe, table, when
 
+__all__ = ["backlog", "queues_command", "rate"]
+
 _QUEUES_COLUMNS: list[Column[queues.QueueInfo]] = [
     Column("queue", lambda q: safe(q.name)),
     Column("state", lambda q: f"paused since {when(q.paused_at)}" if q.paused_at else "running"),

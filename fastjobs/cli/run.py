@@ -19,6 +19,8 @@ from ..master import Master
 from ..sharding import parse_queues, threaded_queues
 from ..worker import WorkerConfig
 
+__all__ = ["load_app", "run", "run_command"]
+
 logger = logging.getLogger("fastjobs.cli")
 
 

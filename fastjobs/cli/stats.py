@@ -14,6 +14,8 @@ from .. import control, database, keys, logs, queues, report, schema, scoreboard
 from ..abc import OUTCOMES
 from .table import Column, echo, safe, size, table, when
 
+__all__ = ["stats_command"]
+
 logger = logging.getLogger("fastjobs.cli")
 
 _QUEUE_COLUMNS: list[Column[report.QueueDepth]] = [

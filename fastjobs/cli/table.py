@@ -8,6 +8,8 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Generic, TypeVar
 
+__all__ = ["Column", "echo", "iso", "minute", "safe", "size", "table", "when"]
+
 logger = logging.getLogger("fastjobs.cli")
 
 

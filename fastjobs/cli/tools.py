@@ -11,6 +11,8 @@ from ..impl import IMPLEMENTATION
 from .jobs import did_you_mean
 from .table import echo
 
+__all__ = ["bench_command", "migrate_command", "sql_show_command"]
+
 logger = logging.getLogger("fastjobs.cli")
 
 

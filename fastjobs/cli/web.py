@@ -9,6 +9,8 @@ from ..app import App
 from ..errors import ConfigurationError
 from .run import load_app
 
+__all__ = ["add_web_arguments", "web_command"]
+
 
 def add_web_arguments(web: argparse.ArgumentParser) -> None:
     """The options of `fastjobs web` (fastjobs.web.serve)."""

@@ -25,6 +25,8 @@ import psycopg
 from .. import control
 from .reads import Filters
 
+__all__ = ["MAX_ERRORS", "MAX_OPERATIONS", "Connect", "Operation", "Operations"]
+
 logger = logging.getLogger(__name__)
 
 # The messages of jobs that could not be acted on, kept per operation (the rest are counted).

@@ -26,6 +26,8 @@ from . import reads
 from .bulk import Operations
 from .security import CSRF_FIELD, Credentials, Guard, csrf_ok, csrf_token
 
+__all__ = ["BIGINT_MAX", "HERE", "REFRESH", "Dashboard", "asgi_app"]
+
 if TYPE_CHECKING:
     from ..app import App
 

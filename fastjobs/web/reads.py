@@ -16,6 +16,30 @@ from ..maintenance import PeriodicStatus, periodic_status
 from ..planner import fast_queues
 from ..types import JobState
 
+__all__ = [
+    "BOUND",
+    "EXACT_BELOW",
+    "PAGE",
+    "SAMPLE_ROWS",
+    "STATES",
+    "WINDOW",
+    "Engine",
+    "Filters",
+    "JobsPage",
+    "Lane",
+    "Overview",
+    "QueueRow",
+    "depths",
+    "engine",
+    "estimate",
+    "job",
+    "jobs_page",
+    "lanes",
+    "overview",
+    "periodic",
+    "queue_rows",
+]
+
 if TYPE_CHECKING:
     from ..app import App
 

@@ -16,6 +16,18 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import ConfigurationError
 
+__all__ = [
+    "CSRF_COOKIE",
+    "CSRF_FIELD",
+    "HEADERS",
+    "Credentials",
+    "Guard",
+    "check_bind",
+    "csrf_ok",
+    "csrf_token",
+    "is_loopback",
+]
+
 CSRF_COOKIE = "fastjobs_csrf"
 CSRF_FIELD = "csrf"
 # No script but the vendored htmx, no inline script or style, no frame, no form posted elsewhere:

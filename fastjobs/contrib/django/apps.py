@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from django.apps import AppConfig
 
+__all__ = ["FastjobsConfig"]
+
 
 class FastjobsConfig(AppConfig):  # type: ignore[misc]  # django has no type information
     name = "fastjobs.contrib.django"

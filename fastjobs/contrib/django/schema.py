@@ -20,6 +20,8 @@ from django.core.exceptions import ImproperlyConfigured
 
 from fastjobs import schema
 
+__all__ = ["migrate_to"]
+
 
 def _schemas(alias: str) -> list[str | None]:
     """The schemas of the fastjobs task backends whose database is `alias`, in settings order;

@@ -15,6 +15,8 @@ from fastjobs.cli.run import run
 
 from ...backend import FastjobsBackend
 
+__all__ = ["Command"]
+
 
 class Command(BaseCommand):  # type: ignore[misc]  # django has no type information
     help = (
