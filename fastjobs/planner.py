@@ -53,19 +53,15 @@ Claim = tuple[int, int, "tuple[int, int] | None"]
 def fast_queues(
     specs: Mapping[str, JobSpec], queues: Sequence[str], *, fast_lane: bool, keep_completed: bool
 ) -> list[bool]:
-    """Per queue, whether it may take the fast lane at all: every kind on it sync without a timeout
-    and without limits per key (fastjobs.keys: the fast lane takes no job that carries a key).
+    """Per queue, whether it may take the fast lane at all: every kind on it sync without a timeout.
+    Limits per key do not keep a queue off it (its lock counts keys as the state lane's claim does).
 
     Kept completed rows stay on the state lane, whose finish statement keeps them.
     """
     return [
         fast_lane
         and not keep_completed
-        and all(
-            not spec.is_async and spec.timeout is None and spec.limit is None
-            for spec in specs.values()
-            if spec.queue == queue
-        )
+        and all(not spec.is_async and spec.timeout is None for spec in specs.values() if spec.queue == queue)
         for queue in queues
     ]
 

@@ -180,14 +180,14 @@ def test_a_variants_name_says_what_it_is(name):
 @pytest.mark.parametrize("name", ["job_claim_many", *FINISHES, *FINISHES_RESULTS, *LOCKS])
 def test_every_claim_returns_its_batch_in_claim_order(name):
     """A claim takes its jobs in claim order and returns them in it, the order a loop runs its batch
-    in: the claimed CTE's rows sorted (an UPDATE returns its rows by id), or the locked ones (a fair
-    claim's come by key)."""
+    in: the claimed CTE's rows sorted (an UPDATE returns its rows by id), or the locked ones, those
+    without a key and those fastjobs_take lets it take together (a fair claim's come by key)."""
     text = _words(sql.STATEMENTS[name])
     assert text.count("ORDER BY priority DESC, run_at, id") == 2
     returned = {
         "job_claim_many": text.endswith(" FROM claimed ORDER BY priority DESC, run_at, id"),
         "finish": " FROM claimed ORDER BY priority DESC, run_at, id) UNION ALL " in text,
-        "lock": text.endswith(") AS locked ORDER BY priority DESC, run_at, id"),
+        "lock": text.endswith(" FROM c WHERE limit_key IS NOT NULL) ORDER BY priority DESC, run_at, id"),
     }
     kind = name if name == "job_claim_many" else "lock" if name in LOCKS else "finish"
     assert [k for k, holds in returned.items() if holds] == [kind]
