@@ -43,7 +43,7 @@ from .abc import (
 if TYPE_CHECKING:
     from .types import JobSpec
 
-__all__ = ["Claim", "Planner", "fast_queues", "widths"]
+__all__ = ["Claim", "Planner", "fast_queues", "takes_keys", "widths"]
 
 # A claim to send: the queue's index, how many jobs, and the mark to claim
 # after ((priority, run_at as binary timestamptz); None: from the front).
@@ -64,6 +64,13 @@ def fast_queues(
         and all(not spec.is_async and spec.timeout is None for spec in specs.values() if spec.queue == queue)
         for queue in queues
     ]
+
+
+def takes_keys(specs: Mapping[str, JobSpec]) -> bool:
+    """Whether a loop's fast lane takes keyed jobs (sql.LOCK's keyed statements): when its app has a
+    kind limited per key or as a whole. A loop without one takes none there (its state lane does,
+    at the limits they carry), and its lock costs nothing for them."""
+    return any(spec.limit is not None for spec in specs.values())
 
 
 def widths(

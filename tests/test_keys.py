@@ -202,12 +202,34 @@ def test_a_claim_takes_no_more_of_a_key_than_its_limit_leaves(app: App, dsn: str
     assert by_state(dsn) == {"running": 1}  # b's job 0, set running by hand
 
 
+def test_the_fast_lane_takes_no_keyed_job_from_a_worker_that_does_not_know_the_key(
+    app: App, dsn: str
+) -> None:
+    """A worker whose app declares the kind without its key (another version of the code) may
+    take the queue's fast lane: its lock (planner.takes_keys: none) skips every job that carries a
+    key, and the state lane's claim, whatever it knows, enforces the limit the job was enqueued with."""
+    producer = App(dsn)
+    producer.job(kind="k", concurrency_key="tenant", concurrency_limit=1)(lambda tenant, n: None)
+    producer.enqueue_many("k", ({"tenant": "a", "n": n} for n in range(3)))
+    producer.declare("plain")
+    producer.enqueue_many("plain", ({"n": n} for n in range(2)))
+    producer.close()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        cur = psycopg.RawCursor(conn)
+        with conn.transaction():
+            locked = cur.execute(sql.job_lock_many, ("default", 100)).fetchall()
+        assert sorted(row[1] for row in locked) == ["plain", "plain"]
+        claimed = cur.execute(sql.job_claim_many, ("default", 100, "w")).fetchall()
+        assert sorted(row[1] for row in claimed) == ["k", "plain", "plain"]  # one of tenant a's
+        assert cur.execute(sql.job_claim_many, ("default", 100, "w2")).fetchall() == []
+
+
 def test_the_fast_lane_holds_its_keyed_jobs_places_to_its_batch_s_commit(app: App, dsn: str) -> None:
-    """A fast-lane lock takes a keyed job in its group's turn, up to the limit the job was enqueued
-    with (whatever the worker's app declares: here nothing of the key), and holds the group to its
-    transaction's end: its jobs in flight are not `running` in the table, so a state-lane claim
-    meanwhile takes none of the key's jobs; once the batch commits (its jobs left available, as
-    a fast batch stopped at its deadline leaves them), the next claim takes one of them."""
+    """The lock of a worker with keyed kinds (job_lock_keyed_*) takes a keyed job in its group's
+    turn, up to the limit the job was enqueued with, and holds the group to its transaction's end:
+    its jobs in flight are not `running` in the table, so a state-lane claim meanwhile takes none
+    of the key's jobs; once the batch commits (its jobs left available, as a fast batch stopped
+    at its deadline leaves them), the next claim takes one of them."""
     producer = App(dsn)
     producer.job(kind="k", concurrency_key="tenant", concurrency_limit=1)(lambda tenant, n: None)
     producer.enqueue_many("k", ({"tenant": "a", "n": n} for n in range(3)))
@@ -217,13 +239,13 @@ def test_the_fast_lane_holds_its_keyed_jobs_places_to_its_batch_s_commit(app: Ap
     with psycopg.connect(dsn, autocommit=True) as conn, psycopg.connect(dsn, autocommit=True) as other:
         cur, claims = psycopg.RawCursor(conn), psycopg.RawCursor(other)
         with conn.transaction():
-            locked = cur.execute(sql.job_lock_many, ("default", 100)).fetchall()
+            locked = cur.execute(sql.job_lock_keyed_many, ("default", 100)).fetchall()
             assert sorted(row[1] for row in locked) == ["k", "plain", "plain"]  # one of tenant a's
             assert claims.execute(sql.job_claim_many, ("default", 100, "w")).fetchall() == []
         claimed = claims.execute(sql.job_claim_many, ("default", 100, "w")).fetchall()
         assert sorted(row[1] for row in claimed) == ["k", "plain", "plain"]
         with conn.transaction():  # a's place is taken, now by a running job
-            assert cur.execute(sql.job_lock_many, ("default", 100)).fetchall() == []
+            assert cur.execute(sql.job_lock_keyed_many, ("default", 100)).fetchall() == []
 
 
 @pytest.mark.parametrize("fast_lane", [True, False])
@@ -373,12 +395,14 @@ def test_keys_are_json_for_values_that_are_not_strings_and_bulk_enqueues_carry_t
 
 
 def test_a_queue_with_a_keyed_or_rated_kind_may_take_the_fast_lane(app: App) -> None:
-    from fastjobs.planner import fast_queues
+    from fastjobs.planner import fast_queues, takes_keys
 
     app.job(kind="plain", queue="a")(lambda: None)
     app.job(kind="keyed", queue="b", concurrency_key="n", concurrency_limit=1)(lambda n: None)
     app.job(kind="rated", queue="c", rate_limit="1/s")(lambda: None)
     assert fast_queues(app.jobs, ["a", "b", "c"], fast_lane=True, keep_completed=False) == [True] * 3
+    assert takes_keys(app.jobs)  # its lock takes keyed jobs (job_lock_keyed_*)
+    assert not takes_keys({"plain": app.jobs["plain"]})
 
 
 @pytest.mark.parametrize("fast_lane", [True, False])
