@@ -202,18 +202,23 @@ def test_a_claim_takes_no_more_of_a_key_than_its_limit_leaves(app: App, dsn: str
     assert by_state(dsn) == {"running": 1}  # b's job 0, set running by hand
 
 
-def test_the_fast_lane_takes_no_keyed_job_from_a_worker_that_does_not_know_the_key(
-    app: App, dsn: str
-) -> None:
-    """A worker whose app declares the kind without its key (another version of the code) may
-    take the queue's fast lane: its lock (planner.takes_keys: none) skips every job that carries a
-    key, and the state lane's claim, whatever it knows, enforces the limit the job was enqueued with."""
+def _three_of_a_limited_to_1_and_two_plain(dsn: str) -> None:
+    """Enqueue, as a producer that declares the kind's key: 3 jobs of key a (limit 1), 2 plain."""
     producer = App(dsn)
     producer.job(kind="k", concurrency_key="tenant", concurrency_limit=1)(lambda tenant, n: None)
     producer.enqueue_many("k", ({"tenant": "a", "n": n} for n in range(3)))
     producer.declare("plain")
     producer.enqueue_many("plain", ({"n": n} for n in range(2)))
     producer.close()
+
+
+def test_the_fast_lane_takes_no_keyed_job_from_a_worker_that_does_not_know_the_key(
+    app: App, dsn: str
+) -> None:
+    """A worker whose app declares the kind without its key (another version of the code) may
+    take the queue's fast lane: its lock (planner.takes_keys: none) skips every job that carries a
+    key, and the state lane's claim, whatever it knows, enforces the limit the job was enqueued with."""
+    _three_of_a_limited_to_1_and_two_plain(dsn)
     with psycopg.connect(dsn, autocommit=True) as conn:
         cur = psycopg.RawCursor(conn)
         with conn.transaction():
@@ -230,12 +235,7 @@ def test_the_fast_lane_holds_its_keyed_jobs_places_to_its_batch_s_commit(app: Ap
     its jobs in flight are not `running` in the table, so a state-lane claim meanwhile takes none
     of the key's jobs; once the batch commits (its jobs left available, as a fast batch stopped
     at its deadline leaves them), the next claim takes one of them."""
-    producer = App(dsn)
-    producer.job(kind="k", concurrency_key="tenant", concurrency_limit=1)(lambda tenant, n: None)
-    producer.enqueue_many("k", ({"tenant": "a", "n": n} for n in range(3)))
-    producer.declare("plain")
-    producer.enqueue_many("plain", ({"n": n} for n in range(2)))
-    producer.close()
+    _three_of_a_limited_to_1_and_two_plain(dsn)
     with psycopg.connect(dsn, autocommit=True) as conn, psycopg.connect(dsn, autocommit=True) as other:
         cur, claims = psycopg.RawCursor(conn), psycopg.RawCursor(other)
         with conn.transaction():
