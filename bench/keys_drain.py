@@ -8,7 +8,9 @@ JOBS no-op jobs drained by PROCESSES forked Worker processes (the hot loop alone
   keyed            the kind declared with concurrency_key="tenant", concurrency_limit=LIMIT, the
                    jobs spread over KEYS tenants (enqueued round-robin).
 The keyed drain also samples, from the database every few milliseconds, the most jobs of one
-key running at once. Prints jobs/s (median, min-max) and the ratios. Run it against a database
+key running at once: `running` rows, so the state lane's; a fast-lane batch's jobs in flight stay
+`available` in the table and are not seen (tests/test_keys.py's property test counts them from
+the handlers' own records). Prints jobs/s (median, min-max) and the ratios. Run it against a database
 of its own (its jobs are deleted):
     python bench/keys_drain.py postgresql://.../db [JOBS] [PROCESSES] [REPEAT] [KEYS] [LIMIT]
 """

@@ -30,7 +30,7 @@ from fastjobs.abc import (BUCKETS_NS, COL_ARGS, COL_ATTEMPT, COL_CREATED_AT, COL
                           PICKUP_SUM, ROW, RUN_SUM)
 from fastjobs.args import dump_args as _dump_args_checked
 from fastjobs.errors import LoopError
-from fastjobs.planner import Planner, fast_queues, widths
+from fastjobs.planner import Planner, fast_queues, takes_keys, widths
 
 
 cdef extern from "libpq-fe.h" nogil:
@@ -467,9 +467,10 @@ cdef class BatchLoop:
             batch_min=batch_min, batch_max=batch_max, duty=front_claim_duty,
             pooled=lambda index: bool(executor.threads) and executor.pooled(self._queues[index]),
             widths=widths(specs, queues, executor.concurrency, executor.threads))
-        name, text = sql.LOCK[bool(whole_context), False]
+        keys = takes_keys(specs)
+        name, text = sql.LOCK[bool(whole_context), False, keys]
         self._lock_statement, self._lock_sql = name.encode(), text.encode()
-        name, text = sql.LOCK[bool(whole_context), True]
+        name, text = sql.LOCK[bool(whole_context), True, keys]
         self._lock_after_statement, self._lock_after_sql = name.encode(), text.encode()
         self._tx = False
         self._deadline = 0.0

@@ -36,7 +36,7 @@ from .args import dump_args as dump_args
 from .args import encode_copy_rows as encode_copy_rows
 from .errors import LoopError
 from .executor import Executor
-from .planner import Planner, fast_queues, widths
+from .planner import Planner, fast_queues, takes_keys, widths
 from .stats import RUNNING_JOB, RUNNING_SUSPECT, RUNNING_WRITING
 from .types import JobSpec, Outcome
 
@@ -164,7 +164,8 @@ class BatchLoop:
             widths=widths(specs, queues, executor.concurrency, executor.threads),
         )
         # The fast lane's claims, from the front and after the mark (as the state lane's).
-        locks = [sql.LOCK[whole_context, after] for after in (False, True)]
+        keys = takes_keys(specs)
+        locks = [sql.LOCK[whole_context, after, keys] for after in (False, True)]
         self._lock_names = tuple(name.encode() for name, _ in locks)
         if self.planner.any_fast:
             for name, text in locks:

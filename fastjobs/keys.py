@@ -4,9 +4,11 @@ A kind declared with `concurrency_key` (an argument's name, or a callable of
 the args) and `concurrency_limit` / `rate_limit` stores, on each of its jobs
 at enqueue, its key and those limits (sql._LIMIT_COLUMNS); without a key,
 `concurrency_limit` / `rate_limit` limit the kind as a whole (key ''). Every
-state-lane claim hands its candidates that carry a key to fastjobs_take,
+claim, of either lane, hands its candidates that carry a key to fastjobs_take,
 which lets it take, per kind and key, no more than the limit less the jobs
-running and no more than the key's tokens; the fast lane takes none of them.
+running and no more than the key's tokens; a fast-lane batch holds its keys'
+groups to its commit, so its jobs in flight, not `running`, are never counted
+by another claim.
 An operator may set other limits for some keys (`limit`, stored in
 fastjobs_limits), read by the next claim.
 """

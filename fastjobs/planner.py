@@ -43,7 +43,7 @@ from .abc import (
 if TYPE_CHECKING:
     from .types import JobSpec
 
-__all__ = ["Claim", "Planner", "fast_queues", "widths"]
+__all__ = ["Claim", "Planner", "fast_queues", "takes_keys", "widths"]
 
 # A claim to send: the queue's index, how many jobs, and the mark to claim
 # after ((priority, run_at as binary timestamptz); None: from the front).
@@ -53,21 +53,24 @@ Claim = tuple[int, int, "tuple[int, int] | None"]
 def fast_queues(
     specs: Mapping[str, JobSpec], queues: Sequence[str], *, fast_lane: bool, keep_completed: bool
 ) -> list[bool]:
-    """Per queue, whether it may take the fast lane at all: every kind on it sync without a timeout
-    and without limits per key (fastjobs.keys: the fast lane takes no job that carries a key).
+    """Per queue, whether it may take the fast lane at all: every kind on it sync without a timeout.
+    Limits per key do not keep a queue off it (its lock counts keys as the state lane's claim does).
 
     Kept completed rows stay on the state lane, whose finish statement keeps them.
     """
     return [
         fast_lane
         and not keep_completed
-        and all(
-            not spec.is_async and spec.timeout is None and spec.limit is None
-            for spec in specs.values()
-            if spec.queue == queue
-        )
+        and all(not spec.is_async and spec.timeout is None for spec in specs.values() if spec.queue == queue)
         for queue in queues
     ]
+
+
+def takes_keys(specs: Mapping[str, JobSpec]) -> bool:
+    """Whether a loop's fast lane takes keyed jobs (sql.LOCK's keyed statements): when its app has a
+    kind limited per key or as a whole. A loop without one takes none there (its state lane does,
+    at the limits they carry), and its lock costs nothing for them."""
+    return any(spec.limit is not None for spec in specs.values())
 
 
 def widths(

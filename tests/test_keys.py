@@ -25,7 +25,8 @@ from .procs import cli
 from .test_stats import samples
 
 KEYED = '''
-"""Keyed handlers for the property test: each execution is one row of `runs`, then a short sleep."""
+"""Keyed handlers for the property test: each execution is one row of `runs`, a short sleep, then
+one row of `ends`."""
 
 import os
 import random
@@ -39,24 +40,48 @@ app = fastjobs.App()
 _conn = {}
 
 
-def _record(n):
+def _record(n, table="runs"):
     if os.getpid() not in _conn:
         _conn.clear()
         _conn[os.getpid()] = psycopg.connect(os.environ["FJ_TEST_RUNS_DSN"], autocommit=True)
-    _conn[os.getpid()].execute("INSERT INTO runs (n, pid) VALUES (%s, %s)", (n, os.getpid()))
+    _conn[os.getpid()].execute(f"INSERT INTO {table} (n, pid) VALUES (%s, %s)", (n, os.getpid()))
 
 
 @app.job("tenant_job", queue="keyed", concurrency_key="tenant", concurrency_limit=3)
 def tenant_job(n, tenant, sleep):
     _record(n)
     time.sleep(sleep)
+    _record(n, "ends")
 
 
 @app.job("team_job", queue="keyed", concurrency_key=lambda args: args["team"] % 3, concurrency_limit=2)
 def team_job(n, team, sleep):
     _record(n)
     time.sleep(sleep)
+    _record(n, "ends")
 '''
+
+
+def _most_at_once(
+    db: psycopg.Connection[Any], key_of: dict[int, tuple[str, str]], victim: int, killed: Any
+) -> Counter[tuple[str, str]]:
+    """Per key, the most of its handlers that ran at once, from their runs' start and end rows (a
+    fast-lane job in flight is not `running` in the table: the handlers' own record counts it). A
+    run's start row is written after it starts and its end row before it returns, so two runs
+    one after the other never look overlapping. A run of the killed worker without an end ended
+    at the kill (`killed`, read just before it)."""
+    rows = db.execute(
+        "SELECT r.n, r.at, coalesce((SELECT min(e.at) FROM ends e WHERE e.n = r.n AND e.pid = r.pid"
+        " AND e.at >= r.at), CASE WHEN r.pid = %s THEN greatest(r.at, %s) END) FROM runs r",
+        (victim, killed),
+    ).fetchall()
+    assert all(end is not None for _, _, end in rows), rows  # every run ended, or was killed
+    most: Counter[tuple[str, str]] = Counter()
+    for n, start, _ in rows:
+        key = key_of[n]
+        at_once = sum(1 for m, s, e in rows if key_of[m] == key and s <= start <= e)
+        most[key] = max(most[key], at_once)
+    return most
 
 
 def _running_by_key(conn: psycopg.Connection[Any]) -> list[tuple[str, str, int]]:
@@ -72,7 +97,9 @@ def test_no_key_ever_runs_more_than_its_limit_across_processes_with_a_worker_kil
     """Randomized: jobs of two keyed kinds (an argument's key, a callable's) over random keys, one
     key with a limit of its own (limit_key), drained by two masters of three worker processes,
     one worker SIGKILLed mid-run. Sampled from the database while they run, no key ever has more
-    jobs running than its limit, the limit binds (some key reaches it), and every job runs."""
+    jobs running than its limit; from the handlers' own records (which count the fast lane's jobs
+    in flight too), no key ever ran more at once; the limit binds (some key reaches it), and every
+    job runs."""
     seed = random.randrange(2**32)
     rng = random.Random(seed)
     (masters.cwd / "fjkeys.py").write_text(textwrap.dedent(KEYED))
@@ -84,7 +111,7 @@ def test_no_key_ever_runs_more_than_its_limit_across_processes_with_a_worker_kil
         lambda n, team, sleep: None
     )
     tenants = [f"t{i}" for i in range(rng.randint(3, 8))]
-    jobs = []
+    jobs: list[tuple[str, dict[str, Any]]] = []
     for n in range(rng.randint(150, 250)):
         sleep = rng.choice([0.0, 0.01, 0.03, 0.08])
         if rng.random() < 0.6:
@@ -93,6 +120,13 @@ def test_no_key_ever_runs_more_than_its_limit_across_processes_with_a_worker_kil
             jobs.append(("team_job", {"n": n, "team": rng.randrange(9), "sleep": sleep}))
     for kind, args in jobs:
         app.enqueue(kind, args)
+    db.execute(
+        "CREATE TABLE ends (n int NOT NULL, pid int NOT NULL, at timestamptz DEFAULT clock_timestamp())"
+    )
+    key_of = {
+        n: (kind, str(args["tenant"])) if kind == "tenant_job" else (kind, str(args["team"] % 3))
+        for n, (kind, args) in enumerate(jobs)
+    }
     app.limit_key("tenant_job", tenants[0], concurrency=1)
     limits = {("tenant_job", t): 3 for t in tenants} | {("tenant_job", tenants[0]): 1}
     limits |= {("team_job", str(t)): 2 for t in range(3)}
@@ -116,6 +150,7 @@ def test_no_key_ever_runs_more_than_its_limit_across_processes_with_a_worker_kil
         second = masters.start(*options, module="fjkeys")
         victim = first.wait_child("fastjobs: worker 1 ")
         procs.wait_for(lambda: procs.count(db, "SELECT count(*) FROM runs") > 20 or None, "jobs to run")
+        killed = db.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index]
         os.kill(victim, signal.SIGKILL)
         procs.wait_for(lambda: set(procs.runs(db)) == set(range(len(jobs))) or None, "every job", timeout=90)
         procs.wait_for(lambda: not by_state(app.dsn) or None, "every job to end", timeout=30)
@@ -125,7 +160,13 @@ def test_no_key_ever_runs_more_than_its_limit_across_processes_with_a_worker_kil
         done.set()
         sampler.join()
     assert not over, (seed, over[:5])
-    assert any(seen[key] == limit for key, limit in limits.items() if limit > 1), (seed, seen)
+    at_once = _most_at_once(db, key_of, victim, killed)
+    assert all(at_once[key] <= limits[key] for key in at_once), (seed, at_once)
+    assert any(seen[key] == limit or at_once[key] == limit for key, limit in limits.items() if limit > 1), (
+        seed,
+        seen,
+        at_once,
+    )
     assert set(seen) <= set(limits), seed
     assert max(procs.runs(db).values()) <= 2, seed  # at least once: the killed worker's jobs again
 
@@ -133,8 +174,8 @@ def test_no_key_ever_runs_more_than_its_limit_across_processes_with_a_worker_kil
 @pytest.mark.parametrize("fast_lane", [True, False])
 def test_a_claim_takes_no_more_of_a_key_than_its_limit_leaves(app: App, dsn: str, fast_lane: bool) -> None:
     """Per key, a claim takes at most the limit less the key's jobs running, in claim order; jobs
-    without a key alongside are taken as before; completed jobs free their places. The queue keeps
-    to the state lane (a keyed job in flight on the fast lane would not be counted)."""
+    without a key alongside are taken as before; completed jobs free their places. On either lane:
+    the fast lane's lock counts keys as the state lane's claim does."""
     app.job(kind="warm")(lambda: None)
     ran: list[tuple[str, int]] = []
     keyed = app.job(kind="k", concurrency_key="tenant", concurrency_limit=2)(
@@ -157,22 +198,27 @@ def test_a_claim_takes_no_more_of_a_key_than_its_limit_leaves(app: App, dsn: str
         assert loop.step() == 1  # b's last: b never had more than 2 running
         assert loop.step() == 0
         loop.finish()
-        assert loop.fast == 0
+        assert (loop.fast == 2 + 1 + 3 + 3 + 2 + 1) == fast_lane
     assert by_state(dsn) == {"running": 1}  # b's job 0, set running by hand
 
 
-def test_the_fast_lane_takes_no_keyed_job_even_from_a_worker_that_does_not_know_the_key(
-    app: App, dsn: str
-) -> None:
-    """A worker whose app declares the kind without its key (another version of the code) may
-    take the queue's fast lane: its lock skips every job that carries a key, and the state lane's
-    claim, whatever it knows, enforces the limit the job was enqueued with."""
+def _three_of_a_limited_to_1_and_two_plain(dsn: str) -> None:
+    """Enqueue, as a producer that declares the kind's key: 3 jobs of key a (limit 1), 2 plain."""
     producer = App(dsn)
     producer.job(kind="k", concurrency_key="tenant", concurrency_limit=1)(lambda tenant, n: None)
     producer.enqueue_many("k", ({"tenant": "a", "n": n} for n in range(3)))
     producer.declare("plain")
     producer.enqueue_many("plain", ({"n": n} for n in range(2)))
     producer.close()
+
+
+def test_the_fast_lane_takes_no_keyed_job_from_a_worker_that_does_not_know_the_key(
+    app: App, dsn: str
+) -> None:
+    """A worker whose app declares the kind without its key (another version of the code) may
+    take the queue's fast lane: its lock (planner.takes_keys: none) skips every job that carries a
+    key, and the state lane's claim, whatever it knows, enforces the limit the job was enqueued with."""
+    _three_of_a_limited_to_1_and_two_plain(dsn)
     with psycopg.connect(dsn, autocommit=True) as conn:
         cur = psycopg.RawCursor(conn)
         with conn.transaction():
@@ -181,6 +227,25 @@ def test_the_fast_lane_takes_no_keyed_job_even_from_a_worker_that_does_not_know_
         claimed = cur.execute(sql.job_claim_many, ("default", 100, "w")).fetchall()
         assert sorted(row[1] for row in claimed) == ["k", "plain", "plain"]  # one of tenant a's
         assert cur.execute(sql.job_claim_many, ("default", 100, "w2")).fetchall() == []
+
+
+def test_the_fast_lane_holds_its_keyed_jobs_places_to_its_batch_s_commit(app: App, dsn: str) -> None:
+    """The lock of a worker with keyed kinds (job_lock_keyed_*) takes a keyed job in its group's
+    turn, up to the limit the job was enqueued with, and holds the group to its transaction's end:
+    its jobs in flight are not `running` in the table, so a state-lane claim meanwhile takes none
+    of the key's jobs; once the batch commits (its jobs left available, as a fast batch stopped
+    at its deadline leaves them), the next claim takes one of them."""
+    _three_of_a_limited_to_1_and_two_plain(dsn)
+    with psycopg.connect(dsn, autocommit=True) as conn, psycopg.connect(dsn, autocommit=True) as other:
+        cur, claims = psycopg.RawCursor(conn), psycopg.RawCursor(other)
+        with conn.transaction():
+            locked = cur.execute(sql.job_lock_keyed_many, ("default", 100)).fetchall()
+            assert sorted(row[1] for row in locked) == ["k", "plain", "plain"]  # one of tenant a's
+            assert claims.execute(sql.job_claim_many, ("default", 100, "w")).fetchall() == []
+        claimed = claims.execute(sql.job_claim_many, ("default", 100, "w")).fetchall()
+        assert sorted(row[1] for row in claimed) == ["k", "plain", "plain"]
+        with conn.transaction():  # a's place is taken, now by a running job
+            assert cur.execute(sql.job_lock_keyed_many, ("default", 100)).fetchall() == []
 
 
 @pytest.mark.parametrize("fast_lane", [True, False])
@@ -204,7 +269,7 @@ def test_a_rate_limit_per_kind_and_per_key_starts_at_most_a_bucket_of_one_second
             assert ran <= 18 + 18 * (time.monotonic() - began) + 2  # never ahead of the rates
         assert time.monotonic() - began >= 1.4  # 15 more of the kind at 10 a second
         loop.finish()
-        assert loop.fast == 0
+        assert (loop.fast > 0) == fast_lane
     rows = query(dsn, "SELECT kind, key, rate_limit FROM fastjobs_limits ORDER BY kind, key")
     assert [(r["kind"], r["key"]) for r in rows] == [("paced", ""), ("per_key", "a"), ("per_key", "b")]
 
@@ -329,17 +394,15 @@ def test_keys_are_json_for_values_that_are_not_strings_and_bulk_enqueues_carry_t
     assert rows[-1]["limit_rate"] == pytest.approx(5 / 60)
 
 
-def test_a_queue_with_a_keyed_kind_never_takes_the_fast_lane(app: App) -> None:
-    from fastjobs.planner import fast_queues
+def test_a_queue_with_a_keyed_or_rated_kind_may_take_the_fast_lane(app: App) -> None:
+    from fastjobs.planner import fast_queues, takes_keys
 
     app.job(kind="plain", queue="a")(lambda: None)
     app.job(kind="keyed", queue="b", concurrency_key="n", concurrency_limit=1)(lambda n: None)
     app.job(kind="rated", queue="c", rate_limit="1/s")(lambda: None)
-    assert fast_queues(app.jobs, ["a", "b", "c"], fast_lane=True, keep_completed=False) == [
-        True,
-        False,
-        False,
-    ]
+    assert fast_queues(app.jobs, ["a", "b", "c"], fast_lane=True, keep_completed=False) == [True] * 3
+    assert takes_keys(app.jobs)  # its lock takes keyed jobs (job_lock_keyed_*)
+    assert not takes_keys({"plain": app.jobs["plain"]})
 
 
 @pytest.mark.parametrize("fast_lane", [True, False])
@@ -456,7 +519,7 @@ def test_a_key_s_bucket_removed_by_the_cleaner_comes_back_full_at_its_next_claim
         app.enqueue_many("per_key", ({"tenant": "a", "n": n} for n in range(5)))
         assert loop.step() == 3  # a full bucket again, no more
         loop.finish()
-        assert loop.fast == 0
+        assert (loop.fast == 6) == fast_lane
     assert query(dsn, "SELECT key FROM fastjobs_limits") == [{"key": "a"}]
 
 

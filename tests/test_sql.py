@@ -191,14 +191,18 @@ def test_a_variants_name_says_what_it_is(name):
 @pytest.mark.parametrize("name", ["job_claim_many", *FINISHES, *FINISHES_RESULTS, *COMPLETES, *LOCKS])
 def test_every_claim_returns_its_batch_in_claim_order(name):
     """A claim takes its jobs in claim order and returns them in it, the order a loop runs its batch
-    in: the claimed CTE's rows sorted (an UPDATE returns its rows by id), or the locked ones (a fair
-    claim's come by key)."""
+    in: the claimed CTE's rows sorted (an UPDATE returns its rows by id), or the locked ones, those
+    without a key and those fastjobs_take lets it take together (a fair claim's come by key)."""
     text = _words(sql.STATEMENTS[name])
     assert text.count("ORDER BY priority DESC, run_at, id") == 2
     returned = {
         "job_claim_many": text.endswith(" FROM claimed ORDER BY priority DESC, run_at, id"),
         "finish": " FROM claimed ORDER BY priority DESC, run_at, id) UNION ALL " in text,
-        "lock": text.endswith(") AS locked ORDER BY priority DESC, run_at, id"),
+        "lock": text.endswith(") AS locked ORDER BY priority DESC, run_at, id")
+        or (
+            "_keyed_" in name
+            and text.endswith(" FROM c WHERE limit_key IS NOT NULL) ORDER BY priority DESC, run_at, id")
+        ),
     }
     kind = name if name == "job_claim_many" else "lock" if name in LOCKS else "finish"
     assert [k for k, holds in returned.items() if holds] == [kind]
@@ -331,10 +335,7 @@ def test_every_limit_a_statement_carries_is_its_constant():
         "job_finish_locked_many_results",
         "job_retry",
         # The fast lane: the attempt its run makes, counted when its outcome (or its crash) is written.
-        "job_lock_many",
-        "job_lock_many_context",
-        "job_lock_after",
-        "job_lock_after_context",
+        *LOCKS,
         "job_finish_locked_many",
         "job_crash_fast",
         "job_hand_over",
@@ -345,9 +346,9 @@ def test_every_limit_a_statement_carries_is_its_constant():
     assert text.count(str(sql.ATTEMPT_CAP)) == sum(len(found) for found in counting.values())
     margins = re.findall(r"\$[47]::int8 - (\d+)\)", text)
     # The _after ones, with context or not, with _results or not: eight finish statements, four
-    # job_complete_claim_ ones and two fast-lane claims.
-    assert [int(m) for m in margins] == [sql.CLAIM_MARK_MARGIN] * 14
-    assert text.count(str(sql.CLAIM_MARK_MARGIN)) == 14
+    # job_complete_claim_ ones and four fast-lane claims (keyed jobs too or not).
+    assert [int(m) for m in margins] == [sql.CLAIM_MARK_MARGIN] * 16
+    assert text.count(str(sql.CLAIM_MARK_MARGIN)) == 16
 
 
 def test_every_unique_key_predicate_is_the_unique_index_predicate():
