@@ -103,10 +103,12 @@ def test_list_filters(
     filters: list[str],
     expected: list[str],
 ) -> None:
-    rows = jobs_json(dsn, capsys, "list", *filters)
-    assert [r["id"] for r in rows] == [seeded[name] for name in expected]
+    exit_code = 1 if "nope" in filters else 0  # a queue that names nothing: "not found", empty all the same
+    code, out, _ = jobs_cli(dsn, capsys, "list", *filters, "--json")
+    assert code == exit_code
+    assert [r["id"] for r in json.loads(out)] == [seeded[name] for name in expected]
     code, out, _ = jobs_cli(dsn, capsys, "list", *filters)
-    assert code == 0
+    assert code == exit_code
     assert [int(line.split()[0]) for line in out.splitlines()[1:]] == [seeded[name] for name in expected]
 
 
@@ -141,7 +143,7 @@ def test_a_short_kind_that_lists_nothing_says_kinds_are_matched_whole(
 ) -> None:
     app.enqueue("shop.jobs.make_invoice", {"n": 1})
     code, out, err = jobs_cli(dsn, capsys, "list", "--kind", "make_invoice")
-    assert code == 0 and out.splitlines()[1:] == []
+    assert code == 1 and out.splitlines()[1:] == []
     assert err == (
         "fastjobs: no kind 'make_invoice': no job has it and no live worker handles it; a kind is"
         " matched whole: 'shop.jobs.make_invoice'?\n"
@@ -153,13 +155,15 @@ def test_a_short_kind_that_lists_nothing_says_kinds_are_matched_whole(
 def test_a_typo_in_a_queue_or_kind_filter_says_no_such_name_and_suggests_close_ones(
     dsn: str, capsys: pytest.CaptureFixture[str], seeded: dict[str, int]
 ) -> None:
+    # Exit 1, as every "not found" of the CLI (a job id, a periodic job, a statement's name).
     code, out, err = jobs_cli(dsn, capsys, "list", "--queue", "mial")
-    assert (code, out.splitlines()[1:]) == (0, [])
+    assert (code, out.splitlines()[1:]) == (1, [])
     assert (
         err
         == "fastjobs: no queue 'mial': no job is on it and no live worker serves it; did you mean 'mail'?\n"
     )
     code, out, err = jobs_cli(dsn, capsys, "list", "--kind", "betta", "--queue", "mail")
+    assert code == 1
     assert (
         err
         == "fastjobs: no kind 'betta': no job has it and no live worker handles it; did you mean 'beta'?\n"
@@ -168,7 +172,13 @@ def test_a_typo_in_a_queue_or_kind_filter_says_no_such_name_and_suggests_close_o
     code, out, err = jobs_cli(dsn, capsys, "list", "--queue", "mail", "--state", "scheduled")
     assert (code, err) == (0, "")
     code, out, err = jobs_cli(dsn, capsys, "list", "--kind", "zzz")
-    assert err == "fastjobs: no kind 'zzz': no job has it and no live worker handles it\n"
+    assert (code, err) == (1, "fastjobs: no kind 'zzz': no job has it and no live worker handles it\n")
+    # Acting by a filter that names nothing: the same answer, nothing done.
+    code, out, err = jobs_cli(dsn, capsys, "retry", "--kind", "betta", "--yes")
+    assert code == 1
+    assert err.endswith(
+        "fastjobs: no kind 'betta': no job has it and no live worker handles it; did you mean 'beta'?\n"
+    )
 
 
 # --- show ----------------------------------------------------------------------------------------

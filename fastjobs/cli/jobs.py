@@ -47,7 +47,8 @@ def jobs_command(args: argparse.Namespace) -> int:
             if more:
                 logger.info("the newest %d shown, and there are more: --limit N for more", args.limit)
             elif not rows and (args.kind or args.queue):
-                no_such_names(conn, args.queue, args.kind, statements)
+                # A name that names nothing exits 1, as any other "not found" of the CLI does.
+                return 1 if no_such_names(conn, args.queue, args.kind, statements) else 0
             return 0
         if command == "show":
             job = control.show(conn, args.id, statements)
@@ -101,8 +102,9 @@ def did_you_mean(name: str, known: Iterable[str]) -> str:
     return f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
 
 
-def no_such_names(conn: Any, queue: str | None, kind: str | None, statements: ModuleType = sql) -> None:
-    """After a listing came back empty: warn about a --queue or --kind that names nothing known.
+def no_such_names(conn: Any, queue: str | None, kind: str | None, statements: ModuleType = sql) -> bool:
+    """After a listing came back empty: warn about a --queue or --kind that names nothing known;
+    whether one did.
 
     Known are the queues and kinds of the jobs table and those live workers
     serve and handle (their heartbeats).
@@ -111,7 +113,9 @@ def no_such_names(conn: Any, queue: str | None, kind: str | None, statements: Mo
     workers = [w for h in report.cluster(conn, sql=statements) for w in h.workers if not w.stale]
     queues = {q for q, _, _ in rows} | {q for w in workers for q in w.queues}
     kinds = {k for _, k, _ in rows} | {k for w in workers for k in w.counters.get("handles", [])}
+    unknown = False
     if queue is not None and queue not in queues:
+        unknown = True
         logger.warning(
             "no queue %r: no job is on it and no live worker serves it%s", queue, did_you_mean(queue, queues)
         )
@@ -124,6 +128,8 @@ def no_such_names(conn: Any, queue: str | None, kind: str | None, statements: Mo
             else did_you_mean(kind, kinds)
         )
         logger.warning("no kind %r: no job has it and no live worker handles it%s", kind, hint)
+        unknown = True
+    return unknown
 
 
 def _act_on_filtered(conn: Any, args: argparse.Namespace, statements: ModuleType = sql) -> int:
@@ -156,7 +162,7 @@ def _act_on_filtered(conn: Any, args: argparse.Namespace, statements: ModuleType
     if not matched:
         logger.info("no job matches (%s): nothing to %s", what, command)
         if args.queue or args.kind:
-            no_such_names(conn, args.queue, args.kind, statements)
+            return 1 if no_such_names(conn, args.queue, args.kind, statements) else 0
         return 0
     if not args.yes and not _confirm(f"{command} {logs.plural(matched, 'job')} ({what})? [y/N] "):
         logger.info("nothing done")
