@@ -136,22 +136,18 @@ class BatchLoop:
         # job's meta and created_at too, and each job's JobContext is filled
         # whole; without, neither costs a job anything.
         self._whole_context = whole_context
-        finish = sql.FINISH_CONTEXT if whole_context else sql.FINISH
-        kept = sql.FINISH_CONTEXT_RESULTS if whole_context else sql.FINISH_RESULTS
-        # A batch whose outcomes are all completions at a first attempt sends the COMPLETE variant.
-        complete = sql.COMPLETE_CONTEXT if whole_context else sql.COMPLETE
-        pairs = [
-            table[keep_completed, after] for table in (finish, kept, complete) for after in (False, True)
-        ]
-        self._statements = {name: (name.encode(), text) for name, text in pairs}
-        (
-            self._full_name,
-            self._after_name,
-            self._full_kept,
-            self._after_kept,
-            self._full_complete,
-            self._after_complete,
-        ) = (name.encode() for name, _ in pairs)
+        # By (the outcomes' statement, claim after the mark): "kept" while the planner's keeping is
+        # set, "complete" for a batch of completions at a first attempt only, else "finish".
+        tables = {
+            "finish": sql.FINISH_CONTEXT if whole_context else sql.FINISH,
+            "kept": sql.FINISH_CONTEXT_RESULTS if whole_context else sql.FINISH_RESULTS,
+            "complete": sql.COMPLETE_CONTEXT if whole_context else sql.COMPLETE,
+        }
+        chosen = {
+            (key, after): table[keep_completed, after] for key, table in tables.items() for after in (0, 1)
+        }
+        self._statements = {name: (name.encode(), text) for name, text in chosen.values()}
+        self._finish_names = {key: name.encode() for key, (name, _) in chosen.items()}
         # A batch that runs long on the fast lane (sql.job_lock_many) or finds
         # a job that may not run on it (async, timeout, pooled) moves its queue
         # to the state lane for FAST_LANE_DEMOTE seconds.
@@ -261,7 +257,7 @@ class BatchLoop:
     def _send(self, index: int = 0, limit: int = 0, mark: tuple[int, int] | None = None) -> None:
         """Send the outcomes gathered so far and a claim: the planner's next (none by default)."""
         done = ("{" + ",".join(map(str, self._done)) + "}").encode()
-        records = bool(self._failures)
+        variant = "kept" if self.planner.keeping else "finish" if self._failures else "complete"
         self._writing(self._failures)
         failures = outcomes.encode(self._failures)
         self.completed += len(self._done)
@@ -275,24 +271,9 @@ class BatchLoop:
         self._done = []
         self._failures = []
         params = [done, failures, self._queues[index], str(limit).encode(), self._worker_id]
-        if mark is None:
-            name = (
-                self._full_kept
-                if self.planner.keeping
-                else self._full_name
-                if records
-                else self._full_complete
-            )
-        else:
+        if mark is not None:
             params += [str(mark[0]).encode(), str(mark[1]).encode()]
-            name = (
-                self._after_kept
-                if self.planner.keeping
-                else self._after_name
-                if records
-                else self._after_complete
-            )
-        self._send_prepared(name, params)
+        self._send_prepared(self._finish_names[variant, mark is not None], params)
         self._in_flight = True
         self._limit = limit
 
@@ -315,7 +296,9 @@ class BatchLoop:
         """Write outcomes alone, claiming nothing; the error if one of them is rejected."""
         ids = ("{" + ",".join(map(str, done)) + "}").encode()
         params = [ids, outcomes.encode(failures), self._queues[0], b"0", self._worker_id]
-        self._send_prepared(self._full_kept, params)  # a hand-back's, or isolation's: rare, never unkept
+        self._send_prepared(
+            self._finish_names["kept", 0], params
+        )  # a hand-back's, or isolation's: rare, never unkept
         res, error, isolatable = self._results()
         if error is None:
             self._claimed(res)
