@@ -44,6 +44,7 @@ from .abc import (
     RUN_SUM,
 )
 from .stats import CARD_FLOATS, FIELDS, SLOW_CAPACITY_MAX, WORKER, Card, card_size
+from .errors import FastjobsError
 
 __all__ = [
     "HEADER",
@@ -81,6 +82,13 @@ MAX_LABELS = 16 << 20
 
 
 def shm_dir() -> Path:
+    """Where the stats files live: $FASTJOBS_STATS_DIR, else /dev/shm, else the temporary directory.
+
+    A directory of one's own keeps a master and its `fastjobs stats` apart from the host's others
+    (a container's sidecar sharing a volume; a test beside others).
+    """
+    if chosen := os.environ.get("FASTJOBS_STATS_DIR"):
+        return Path(chosen)
     return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 
 
@@ -185,7 +193,13 @@ class Scoreboard:
         end = HEADER.size + count * card_size(capacity, labels.rows)
         size = end + _LABELS.size + len(names)
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(path, flags, 0o600)
+        try:
+            fd = os.open(path, flags, 0o600)
+        except (FileNotFoundError, NotADirectoryError, PermissionError) as exc:
+            raise FastjobsError(
+                f"cannot create the stats file in {path.parent} ({exc.strerror}): "
+                "FASTJOBS_STATS_DIR must name a directory this user may write"
+            ) from None
         try:
             # Locked before it has a header: a reader never sees a valid unlocked file of a live master.
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
