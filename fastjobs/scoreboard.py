@@ -43,8 +43,8 @@ from .abc import (
     ROW,
     RUN_SUM,
 )
-from .stats import CARD_FLOATS, FIELDS, SLOW_CAPACITY_MAX, WORKER, Card, card_size
 from .errors import FastjobsError
+from .stats import CARD_FLOATS, FIELDS, SLOW_CAPACITY_MAX, WORKER, Card, card_size
 
 __all__ = [
     "HEADER",

@@ -346,7 +346,11 @@ def test_a_master_that_cannot_bind_its_metrics_port_exits_and_leaves_no_stats_fi
 
 
 def test_a_killed_masters_file_is_told_from_a_live_master_with_its_pid_and_removed(
-    masters: procs.Masters, app: App, db: psycopg.Connection[Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    masters: procs.Masters,
+    app: App,
+    db: psycopg.Connection[Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A directory of the test's own: any `fastjobs stats` on the host removes a dead master's
     # file, and another test's, running beside this one (pytest -n), would come first.
