@@ -348,6 +348,9 @@ cdef class BatchLoop:
     # The job_complete_claim_ variants: outcomes go by them when all are completions at a first attempt.
     cdef bytes _complete_statement, _complete_after_statement
     cdef bytes _complete_sql, _complete_after_sql
+    # The job_claim_only_ variants: the claim goes by them when there is no outcome to send.
+    cdef bytes _claim_statement, _claim_after_statement
+    cdef bytes _claim_sql, _claim_after_sql
     cdef public bint overlap, stopping
     cdef public Py_ssize_t claimed, completed, failed, retried, discarded, stale
     cdef bint _in_flight
@@ -462,6 +465,11 @@ cdef class BatchLoop:
         self._complete_statement, self._complete_sql = name.encode(), text.encode()
         name, text = complete[bool(keep_completed), True]
         self._complete_after_statement, self._complete_after_sql = name.encode(), text.encode()
+        claim = sql.CLAIM_ONLY_CONTEXT if whole_context else sql.CLAIM_ONLY
+        name, text = claim[bool(keep_completed), False]
+        self._claim_statement, self._claim_sql = name.encode(), text.encode()
+        name, text = claim[bool(keep_completed), True]
+        self._claim_after_statement, self._claim_after_sql = name.encode(), text.encode()
         self.planner = Planner(
             fast_queues(specs, queues, fast_lane=fast_lane, keep_completed=keep_completed),
             batch_min=batch_min, batch_max=batch_max, duty=front_claim_duty,
@@ -559,6 +567,8 @@ cdef class BatchLoop:
         self._prepare(self._kept_after_statement, self._kept_after_sql)
         self._prepare(self._complete_statement, self._complete_sql)
         self._prepare(self._complete_after_statement, self._complete_after_sql)
+        self._prepare(self._claim_statement, self._claim_sql)
+        self._prepare(self._claim_after_statement, self._claim_after_sql)
         if self.planner.any_fast:
             self._prepare(self._lock_statement, self._lock_sql)
             self._prepare(self._lock_after_statement, self._lock_after_sql)
@@ -785,6 +795,7 @@ cdef class BatchLoop:
         cdef int64_t *ids
         cdef Py_ssize_t cap
         cdef bint records = bool(self._failures)
+        cdef bint outcomes = records or self._ndone > 0
         self._literal(self._ndone, self._done)
         self._writing(self._failures)
         failures = _encode(self._failures)
@@ -813,7 +824,8 @@ cdef class BatchLoop:
         if mark is None:
             rc = PQsendQueryPrepared(
                 self._pgconn,
-                self._kept_statement if keeping else self._statement if records else self._complete_statement,
+                self._claim_statement if not outcomes else self._kept_statement if keeping
+                else self._statement if records else self._complete_statement,
                 5, values, NULL, NULL, 1)
         else:
             snprintf(priority_text, sizeof(priority_text), "%d", <int>mark[0])
@@ -822,7 +834,7 @@ cdef class BatchLoop:
             values[6] = run_at_text
             rc = PQsendQueryPrepared(
                 self._pgconn,
-                self._kept_after_statement if keeping
+                self._claim_after_statement if not outcomes else self._kept_after_statement if keeping
                 else self._after_statement if records else self._complete_after_statement,
                 7, values, NULL, NULL, 1)
         if not rc:

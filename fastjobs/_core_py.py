@@ -136,12 +136,13 @@ class BatchLoop:
         # job's meta and created_at too, and each job's JobContext is filled
         # whole; without, neither costs a job anything.
         self._whole_context = whole_context
-        # By (the outcomes' statement, claim after the mark): "kept" while the planner's keeping is
-        # set, "complete" for a batch of completions at a first attempt only, else "finish".
+        # By (the outcomes' statement, claim after the mark): "claim" with no outcome to send, else
+        # "kept" while the planner's keeping is set, "complete" for completions at a first attempt.
         tables = {
             "finish": sql.FINISH_CONTEXT if whole_context else sql.FINISH,
             "kept": sql.FINISH_CONTEXT_RESULTS if whole_context else sql.FINISH_RESULTS,
             "complete": sql.COMPLETE_CONTEXT if whole_context else sql.COMPLETE,
+            "claim": sql.CLAIM_ONLY_CONTEXT if whole_context else sql.CLAIM_ONLY,
         }
         chosen = {
             (key, after): table[keep_completed, after] for key, table in tables.items() for after in (0, 1)
@@ -257,7 +258,8 @@ class BatchLoop:
     def _send(self, index: int = 0, limit: int = 0, mark: tuple[int, int] | None = None) -> None:
         """Send the outcomes gathered so far and a claim: the planner's next (none by default)."""
         done = ("{" + ",".join(map(str, self._done)) + "}").encode()
-        variant = "kept" if self.planner.keeping else "finish" if self._failures else "complete"
+        variant = "finish" if self._failures else "complete" if self._done else "claim"
+        variant = "kept" if self.planner.keeping and variant != "claim" else variant
         self._writing(self._failures)
         failures = outcomes.encode(self._failures)
         self.completed += len(self._done)

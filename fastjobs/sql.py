@@ -6,7 +6,8 @@ STATEMENTS lists them all (collected from this module, so writing one lists
 it; tests/test_sql.py prepares each). `fastjobs sql show NAME` prints one as
 it is sent. Placeholders are PostgreSQL's own `$n`: the statements run
 unchanged through psycopg's RawCursor and through libpq in the Cython hot
-loop. FINISH, FINISH_CONTEXT (and their _RESULTS) and LOCK pick the hot loops' statements.
+loop. FINISH, COMPLETE, CLAIM_ONLY (and their _CONTEXT, _RESULTS) and LOCK pick the hot loops'
+statements.
 
 Most statements are written out whole, as one literal. A family of statements
 that differ in a part has one source instead: a function whose keyword-only
@@ -45,7 +46,7 @@ statements, as `fastjobs sql show` does):
   Listening and migrations   listen_*, migration_*, schema_* (and SCHEMA, of: a schema's catalogue)
   Inserts (family)           job_insert*, job_copy*, the staging table
   Claims (family)            job_claim_many, job_lock_*
-  Finishes (family)          job_finish_claim_*, job_finish_locked_many*
+  Finishes (family)          job_finish_claim_*, job_complete_claim_*, job_claim_only_*, job_finish_locked_*
   The fast lane              its transaction, hand-over, wake-up, crash
   Leader                     the leader's lock and keepalives, the scheduler
   Workers                    a worker's session, registration, heartbeat, sleep
@@ -56,7 +57,7 @@ statements, as `fastjobs sql show` does):
   Monitoring                 MVCC horizon, table health, NOTIFY queue
   Dashboard                  the leader's samples, the dashboard's bounded reads (fastjobs.web)
   Testing kit                fastjobs.testing's own statements
-  Registry                   STATEMENTS, NOT_PREPARABLE, SECTIONS, FINISH*, LOCK
+  Registry                   STATEMENTS, NOT_PREPARABLE, SECTIONS, FINISH*, COMPLETE*, CLAIM_ONLY*, LOCK
 """
 
 from __future__ import annotations
@@ -854,7 +855,13 @@ _WAKE: Final = f"""  FROM (SELECT DISTINCT queue FROM failed WHERE state = 'avai
 
 
 def _finish_claim(
-    *, keep: bool, choice: _Choice, context: bool, results: bool = False, records: bool = True
+    *,
+    keep: bool,
+    choice: _Choice,
+    context: bool,
+    results: bool = False,
+    records: bool = True,
+    outcomes: bool = True,
 ) -> str:
     """Finish a batch and claim the next: the outcomes, then job_claim_many's claim of up to $4 jobs of
     queue $3 for worker $5 (LIMIT 0: none), the choice's parameters from $6. It returns the claimed
@@ -863,7 +870,9 @@ def _finish_claim(
     one-time filter: nothing to do in the usual batch). Claimed rows come first, in claim order: an
     Append runs its branches in order. Without `records` (the job_complete_claim_ variants), the
     batch's outcomes are completions at a first attempt only ($1; $2 is '[]'): a third of the
-    statement's start-up less, which a shallow queue pays once per job."""
+    statement's start-up less, which a shallow queue pays once per job. Without `outcomes` (the
+    job_claim_only_ variants), nothing to finish ($1 '{}', $2 '[]'): the claim alone, without the
+    DELETE over every partition that a loop woken from its sleep would start up for no row."""
     claim = _claim(
         queue="$3",
         limit="$4",
@@ -874,6 +883,12 @@ def _finish_claim(
         ending=", $5, $1, $2",
         ended=("$1", "$2"),
     )
+    if not outcomes:
+        return f"""
+WITH claimed AS (
+    {_indent(claim, 4)}
+)
+{_in_claim_order("claimed", context=context)}"""
     width = len(_CLAIMED) + (len(_CONTEXT) if context else 0)
     rest = ", NULL" * (width - 4)  # the columns after id, kind, args and attempt
     notify = f"\nUNION ALL\nSELECT {', '.join(['NULL'] * width)}\n{_NOTIFY_KEPT}" if results else ""
@@ -940,6 +955,16 @@ job_complete_claim_many_keep_context: Final = _finish_claim(
 )
 job_complete_claim_after_keep_context: Final = _finish_claim(
     keep=True, choice=_AFTER_THE_MARK, context=True, records=False
+)
+# job_claim_only_many, _after and their _context variants: the claim of a loop with nothing to
+# finish ($1 '{}', $2 '[]'; CLAIM_ONLY), as from its sleep.
+job_claim_only_many: Final = _finish_claim(keep=False, choice=_FROM_THE_FRONT, context=False, outcomes=False)
+job_claim_only_after: Final = _finish_claim(keep=False, choice=_AFTER_THE_MARK, context=False, outcomes=False)
+job_claim_only_many_context: Final = _finish_claim(
+    keep=False, choice=_FROM_THE_FRONT, context=True, outcomes=False
+)
+job_claim_only_after_context: Final = _finish_claim(
+    keep=False, choice=_AFTER_THE_MARK, context=True, outcomes=False
 )
 # The eight finish statements with the outcomes of jobs that keep their result (keep_result): the _results
 # variants (FINISH_RESULTS, FINISH_CONTEXT_RESULTS), which a loop sends only for outcomes of a
@@ -2238,6 +2263,12 @@ COMPLETE: Final[Mapping[tuple[bool, bool], tuple[str, str]]] = MappingProxyType(
     }
 )
 
+# The same with nothing to finish (kept or not: none is): the job_claim_only_ variants.
+CLAIM_ONLY: Final[Mapping[tuple[bool, bool], tuple[str, str]]] = MappingProxyType(
+    {(keep, False): ("job_claim_only_many", job_claim_only_many) for keep in (False, True)}
+    | {(keep, True): ("job_claim_only_after", job_claim_only_after) for keep in (False, True)}
+)
+
 # The same for the outcomes of a batch that held a job with keep_result: the _results variants.
 FINISH_RESULTS: Final[Mapping[tuple[bool, bool], tuple[str, str]]] = MappingProxyType(
     {
@@ -2266,6 +2297,12 @@ COMPLETE_CONTEXT: Final[Mapping[tuple[bool, bool], tuple[str, str]]] = MappingPr
         (True, False): ("job_complete_claim_many_keep_context", job_complete_claim_many_keep_context),
         (True, True): ("job_complete_claim_after_keep_context", job_complete_claim_after_keep_context),
     }
+)
+
+# And their job_claim_only_ variants.
+CLAIM_ONLY_CONTEXT: Final[Mapping[tuple[bool, bool], tuple[str, str]]] = MappingProxyType(
+    {(keep, False): ("job_claim_only_many_context", job_claim_only_many_context) for keep in (False, True)}
+    | {(keep, True): ("job_claim_only_after_context", job_claim_only_after_context) for keep in (False, True)}
 )
 
 # And their _results variants.
@@ -2307,6 +2344,8 @@ __all__ = [
     "CHANNELS",
     "CLAIM_MARK_MARGIN",
     "DEPTH_GROUPS",
+    "CLAIM_ONLY",
+    "CLAIM_ONLY_CONTEXT",
     "COMPLETE",
     "COMPLETE_CONTEXT",
     "FINISH",

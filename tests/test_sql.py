@@ -161,15 +161,19 @@ FINISHES_RESULTS = sorted(
 )
 LOCKS = sorted(name for name, _ in sql.LOCK.values())
 COMPLETES = sorted(name for table in (sql.COMPLETE, sql.COMPLETE_CONTEXT) for name, _ in table.values())
+CLAIMS_ONLY = sorted(
+    {name for table in (sql.CLAIM_ONLY, sql.CLAIM_ONLY_CONTEXT) for name, _ in table.values()}
+)
 
 
-@pytest.mark.parametrize("name", FINISHES + FINISHES_RESULTS + COMPLETES + LOCKS)
+@pytest.mark.parametrize("name", FINISHES + FINISHES_RESULTS + COMPLETES + CLAIMS_ONLY + LOCKS)
 def test_a_variants_name_says_what_it_is(name):
     """A variant is one line, its name and its family's parameters: each part of the name shows in
     its text, and only then. _after claims after the mark, _keep keeps completed jobs (their
     completion CTEs update instead of deleting), _context returns meta and created_at (after
     keep_result, which every claim returns), _results keeps the outcomes of jobs with keep_result;
-    job_complete_claim_ writes completions at a first attempt only (no outcome records)."""
+    job_complete_claim_ writes completions at a first attempt only (no outcome records), and
+    job_claim_only_ claims alone (nothing to finish, whatever the loop keeps)."""
     text = _words(sql.STATEMENTS[name])
     mark = _mark("$3", "$4") if name in LOCKS else _mark("$6", "$7")
     assert (text.count(mark), text.count("AND priority = $")) == ((1, 1) if "_after" in name else (0, 0))
@@ -186,9 +190,18 @@ def test_a_variants_name_says_what_it_is(name):
         expected = kept if "_keep" in name else deleted
         completions = ["completed", *records[:1]]  # completed_later: a later attempt's completions
         assert [ctes[cte].startswith(expected) for cte in completions] == [True] * len(completions)
+    if name in CLAIMS_ONLY:
+        ctes, _ = _parts(sql.STATEMENTS[name])
+        assert list(ctes) == ["claimed"] and "_keep" not in name
+        assert "DELETE" not in text and "jsonb_to_recordset" not in text
+        # The claim is the finish statements' own, word for word, the outcomes it counts aside.
+        finish = name.replace("job_claim_only_", "job_complete_claim_")
+        assert ctes["claimed"] == _parts(sql.STATEMENTS[finish])[0]["claimed"]
 
 
-@pytest.mark.parametrize("name", ["job_claim_many", *FINISHES, *FINISHES_RESULTS, *COMPLETES, *LOCKS])
+@pytest.mark.parametrize(
+    "name", ["job_claim_many", *FINISHES, *FINISHES_RESULTS, *COMPLETES, *CLAIMS_ONLY, *LOCKS]
+)
 def test_every_claim_returns_its_batch_in_claim_order(name):
     """A claim takes its jobs in claim order and returns them in it, the order a loop runs its batch
     in: the claimed CTE's rows sorted (an UPDATE returns its rows by id), or the locked ones, those
@@ -204,7 +217,13 @@ def test_every_claim_returns_its_batch_in_claim_order(name):
             and text.endswith(" FROM c WHERE limit_key IS NOT NULL) ORDER BY priority DESC, run_at, id")
         ),
     }
-    kind = name if name == "job_claim_many" else "lock" if name in LOCKS else "finish"
+    kind = (
+        "job_claim_many"
+        if name in ["job_claim_many", *CLAIMS_ONLY]
+        else "lock"
+        if name in LOCKS
+        else "finish"
+    )
     assert [k for k, holds in returned.items() if holds] == [kind]
 
 
@@ -332,6 +351,7 @@ def test_every_limit_a_statement_carries_is_its_constant():
         *(name for name, _ in sql.FINISH_CONTEXT.values()),
         *FINISHES_RESULTS,
         *COMPLETES,
+        *CLAIMS_ONLY,
         "job_finish_locked_many_results",
         "job_retry",
         # The fast lane: the attempt its run makes, counted when its outcome (or its crash) is written.
@@ -346,9 +366,10 @@ def test_every_limit_a_statement_carries_is_its_constant():
     assert text.count(str(sql.ATTEMPT_CAP)) == sum(len(found) for found in counting.values())
     margins = re.findall(r"\$[47]::int8 - (\d+)\)", text)
     # The _after ones, with context or not, with _results or not: eight finish statements, four
-    # job_complete_claim_ ones and four fast-lane claims (keyed jobs too or not).
-    assert [int(m) for m in margins] == [sql.CLAIM_MARK_MARGIN] * 16
-    assert text.count(str(sql.CLAIM_MARK_MARGIN)) == 16
+    # job_complete_claim_ ones, two job_claim_only_ ones and four fast-lane claims (keyed jobs
+    # too or not).
+    assert [int(m) for m in margins] == [sql.CLAIM_MARK_MARGIN] * 18
+    assert text.count(str(sql.CLAIM_MARK_MARGIN)) == 18
 
 
 def test_every_unique_key_predicate_is_the_unique_index_predicate():
