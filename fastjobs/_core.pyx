@@ -345,10 +345,11 @@ cdef class BatchLoop:
     # The _results variants: outcomes go by them while the planner's keeping is set.
     cdef bytes _kept_statement, _kept_after_statement
     cdef bytes _kept_sql, _kept_after_sql
-    # The job_complete_claim_ variants: outcomes go by them when all are completions at a first attempt.
+    # In a queue without keyed jobs (planner.keyless), the job_complete_claim_ variants: outcomes
+    # go by them when all are completions at a first attempt; the job_claim_only_ ones: the claim
+    # goes by them when there is no outcome to send.
     cdef bytes _complete_statement, _complete_after_statement
     cdef bytes _complete_sql, _complete_after_sql
-    # The job_claim_only_ variants: the claim goes by them when there is no outcome to send.
     cdef bytes _claim_statement, _claim_after_statement
     cdef bytes _claim_sql, _claim_after_sql
     cdef public bint overlap, stopping
@@ -794,7 +795,8 @@ cdef class BatchLoop:
         cdef int rc
         cdef int64_t *ids
         cdef Py_ssize_t cap
-        cdef bint records = bool(self._failures)
+        # A queue's claims that must take keyed jobs go by the statements that write records too.
+        cdef bint records = bool(self._failures) or not self.planner.keyless(index)
         cdef bint outcomes = records or self._ndone > 0
         self._literal(self._ndone, self._done)
         self._writing(self._failures)

@@ -136,8 +136,9 @@ class BatchLoop:
         # job's meta and created_at too, and each job's JobContext is filled
         # whole; without, neither costs a job anything.
         self._whole_context = whole_context
-        # By (the outcomes' statement, claim after the mark): "claim" with no outcome to send, else
-        # "kept" while the planner's keeping is set, "complete" for completions at a first attempt.
+        # By (the outcomes' statement, claim after the mark): in a queue without keyed jobs "claim"
+        # with no outcome to send, "complete" for completions at a first attempt; "kept" while the
+        # planner's keeping is set.
         tables = {
             "finish": sql.FINISH_CONTEXT if whole_context else sql.FINISH,
             "kept": sql.FINISH_CONTEXT_RESULTS if whole_context else sql.FINISH_RESULTS,
@@ -258,7 +259,8 @@ class BatchLoop:
     def _send(self, index: int = 0, limit: int = 0, mark: tuple[int, int] | None = None) -> None:
         """Send the outcomes gathered so far and a claim: the planner's next (none by default)."""
         done = ("{" + ",".join(map(str, self._done)) + "}").encode()
-        variant = "finish" if self._failures else "complete" if self._done else "claim"
+        keyed = not self.planner.keyless(index)  # its claim must take keyed jobs: by "finish" then
+        variant = "finish" if self._failures or keyed else "complete" if self._done else "claim"
         variant = "kept" if self.planner.keeping and variant != "claim" else variant
         self._writing(self._failures)
         failures = outcomes.encode(self._failures)

@@ -11,7 +11,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
 
@@ -74,7 +74,7 @@ class Heartbeat(threading.Thread):
         names: list[tuple[int, str, str]] | None = None,
         rotator: leader.Rotator | None = None,
         handles: list[str] | None = None,
-        limited: Callable[[frozenset[str]], None] | None = None,
+        limited: Callable[[Iterable[tuple[str, bool, bool]]], None] | None = None,
         sql: ModuleType = sql,
         events: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
@@ -82,7 +82,7 @@ class Heartbeat(threading.Thread):
         self.sql = sql  # the statements of the app's schema
         # The engine's events the heartbeat carries (Worker.events): slow jobs, demotions, careful mode.
         self.events = events
-        # Told at each heartbeat which queues have a concurrency limit (sql.queue_limited).
+        # Told at each heartbeat which queues have a concurrency limit or keyed jobs (sql.queue_limited).
         self.limited = limited
         # The kinds this worker has handlers for: the heartbeat carries them, so that `fastjobs
         # stats` can flag pending kinds that no live worker handles.
@@ -183,7 +183,7 @@ class Heartbeat(threading.Thread):
             cur.execute(self.sql.worker_heartbeat, (*self.register, self._counters()))
             requested = {row[0] for row in cur.execute(self.sql.job_cancel_requested, (self.worker_id,))}
             if self.limited is not None:
-                self.limited(frozenset(row[0] for row in cur.execute(self.sql.queue_limited)))
+                self.limited(cur.execute(self.sql.queue_limited).fetchall())
         # The poll covers whatever was announced; ids no longer running here
         # are dropped (in place: the hot loop holds this set).
         self._heard.clear()

@@ -116,6 +116,7 @@ class Planner:
         "full",
         "index",
         "keeping",
+        "keyed",
         "limited",
         "recheck",
         "size",
@@ -146,6 +147,9 @@ class Planner:
         # holding every place would run them one after the other while other workers wait.
         self._widths = widths if widths is not None else [1] * n
         self.limited: frozenset[int] = frozenset()
+        # The queues ever given a keyed job (migration 012's mark, set by the worker at its start
+        # and heartbeat, sql.queue_limited); None until told: every queue may have them.
+        self.keyed: frozenset[int] | None = None
         self._turn = 0
         self.batch_min = batch_min
         self.batch_max = batch_max
@@ -200,6 +204,11 @@ class Planner:
         ):
             return False
         return not self._pooled(index)
+
+    def keyless(self, index: int) -> bool:
+        """Whether queue `index` was never given a keyed job: its state-lane claims and completions may
+        go by the statements that take keyless jobs only (sql.COMPLETE, sql.CLAIM_ONLY)."""
+        return self.keyed is not None and index not in self.keyed
 
     def lane(self) -> bool:
         """The next claim's lane (of the queue whose turn it is): True for the fast lane.

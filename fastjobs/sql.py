@@ -468,8 +468,9 @@ class _Choice:
     numbered after the statement's own."""
 
     after: bool = False  # from the mark on: the priority and run_at where the last claim ended
-    # On the fast lane, keyed jobs too (in their groups' turns, counted by fastjobs_take: _lock);
-    # without, its lock takes none, as before keyed jobs took that lane, and costs nothing more.
+    # Keyed jobs too (in their groups' turns, counted by fastjobs_take: _claim, _lock); without,
+    # the claim takes none and costs nothing more: the state lane's for a queue never given a
+    # keyed job (migration 012 marks one), the fast lane's for a loop whose app limits no kind.
     keys: bool = False
 
     def where(self, *, queue: str, limit: str, first: int, fast: bool = False, ending: str = "") -> str:
@@ -490,11 +491,7 @@ class _Choice:
         # to its transaction's end: on the fast lane (with `keys`), to the batch's commit, so no
         # other claim counts the group's keys while its jobs are in flight there unseen (not
         # `running` in the table). The test of a job without a key stops at its first operand.
-        keyless = (
-            "\n   AND limit_key IS NULL"
-            if fast and not self.keys
-            else f"\n   AND (limit_key IS NULL OR {_IN_TURN})"
-        )
+        keyless = f"\n   AND (limit_key IS NULL OR {_IN_TURN})" if self.keys else "\n   AND limit_key IS NULL"
         fair = f"fair AND {_S}fastjobs_fair_keyed(name)"  # of the row: asked only when it is marked
         return f""" WHERE state = 'available' AND queue = {queue} AND run_at <= now(){after}{keyless}
    AND NOT EXISTS (SELECT FROM {_S}fastjobs_queues WHERE name = {queue} AND ({stopped} OR {fair}))
@@ -532,8 +529,8 @@ class _Choice:
         stopped = _stopped(fast=fast)
         # A fair claim's keyed jobs are not filtered by their groups' turns (fastjobs_take drops
         # those of groups it does not hold): on the fast lane they would stay locked to its
-        # batch's commit, so it takes only the keyless.
-        keyless = "\n   AND limit_key IS NULL" if fast else ""
+        # batch's commit, so it takes only the keyless, as a claim without `keys` does.
+        keyless = "\n   AND limit_key IS NULL" if fast or not self.keys else ""
         return f"""SELECT * FROM (
   SELECT {columns} FROM {_S}fastjobs_jobs_all
   {_indent(plain, 2)}) AS queued
@@ -585,7 +582,16 @@ def _claim(
     """The state lane's claim: the jobs `choice` takes become running for `worker`, their attempt
     counted; an UPDATE, the CTE `claimed` of a statement that returns it _in_claim_order. The ids
     go through ARRAY(...): joined as a subquery instead, a large batch makes the planner hash-join
-    it against a Seq Scan of the whole table."""
+    it against a Seq Scan of the whole table. Without the choice's `keys`, the candidates' ids."""
+    update = f"""UPDATE {_S}fastjobs_jobs_all j
+   SET state = 'running', attempt = {_next_attempt("j")},
+       attempted_at = now(), attempted_by = {worker}"""
+    if not choice.keys:
+        candidates = choice.select("id", queue=queue, limit=limit, first=first, ending=ending)
+        return f"""{update}
+ WHERE j.id = ANY(ARRAY(
+           {_indent(candidates, 11)}))
+RETURNING {_returned(context=context, row="j")}"""
     candidates = choice.select(
         f"id, kind, {_LIMIT_COLUMNS}", queue=queue, limit=limit, first=first, ending=ending
     )
@@ -641,9 +647,12 @@ SELECT {returned} FROM c
 # job_claim_many: take up to $2 available jobs of queue $1 for worker $3, in
 # claim order, skipping rows other workers hold; the attempt is counted here.
 # Priority and run_at come back so the hot loop knows where the claim ended.
+_CLAIM_MANY: Final = _claim(
+    queue="$1", limit="$2", worker="$3", choice=_KEYS_FROM_THE_FRONT, first=4, context=False
+)
 job_claim_many: Final = f"""
 WITH claimed AS (
-    {_indent(_claim(queue="$1", limit="$2", worker="$3", choice=_FROM_THE_FRONT, first=4, context=False), 4)}
+    {_indent(_CLAIM_MANY, 4)}
 )
 {_in_claim_order("claimed", context=False)}"""
 
@@ -919,19 +928,25 @@ SELECT {", ".join(["NULL"] * width)}
 
 
 # job_finish_claim_many: finish a batch (completed jobs deleted) and claim the next from the front.
-job_finish_claim_many: Final = _finish_claim(keep=False, choice=_FROM_THE_FRONT, context=False)
+job_finish_claim_many: Final = _finish_claim(keep=False, choice=_KEYS_FROM_THE_FRONT, context=False)
 # job_finish_claim_after: the same, claiming after the mark ($6, $7).
-job_finish_claim_after: Final = _finish_claim(keep=False, choice=_AFTER_THE_MARK, context=False)
+job_finish_claim_after: Final = _finish_claim(keep=False, choice=_KEYS_AFTER_THE_MARK, context=False)
 # job_finish_claim_many_keep, job_finish_claim_after_keep: the same two, keeping completed jobs.
-job_finish_claim_many_keep: Final = _finish_claim(keep=True, choice=_FROM_THE_FRONT, context=False)
-job_finish_claim_after_keep: Final = _finish_claim(keep=True, choice=_AFTER_THE_MARK, context=False)
+job_finish_claim_many_keep: Final = _finish_claim(keep=True, choice=_KEYS_FROM_THE_FRONT, context=False)
+job_finish_claim_after_keep: Final = _finish_claim(keep=True, choice=_KEYS_AFTER_THE_MARK, context=False)
 # The four above, returning meta and created_at too (FINISH_CONTEXT).
-job_finish_claim_many_context: Final = _finish_claim(keep=False, choice=_FROM_THE_FRONT, context=True)
-job_finish_claim_after_context: Final = _finish_claim(keep=False, choice=_AFTER_THE_MARK, context=True)
-job_finish_claim_many_keep_context: Final = _finish_claim(keep=True, choice=_FROM_THE_FRONT, context=True)
-job_finish_claim_after_keep_context: Final = _finish_claim(keep=True, choice=_AFTER_THE_MARK, context=True)
+job_finish_claim_many_context: Final = _finish_claim(keep=False, choice=_KEYS_FROM_THE_FRONT, context=True)
+job_finish_claim_after_context: Final = _finish_claim(keep=False, choice=_KEYS_AFTER_THE_MARK, context=True)
+job_finish_claim_many_keep_context: Final = _finish_claim(
+    keep=True, choice=_KEYS_FROM_THE_FRONT, context=True
+)
+job_finish_claim_after_keep_context: Final = _finish_claim(
+    keep=True, choice=_KEYS_AFTER_THE_MARK, context=True
+)
 # job_complete_claim_many, _after, _many_keep, _after_keep and their _context variants: the eight
-# above for a batch whose outcomes are all completions at a first attempt ($2 is '[]'; COMPLETE).
+# above for a batch whose outcomes are all completions at a first attempt ($2 is '[]'; COMPLETE),
+# claiming in a queue never given a keyed job (migration 012's mark): keyless jobs only, so no
+# key, turn or count is read. A keyed queue's outcomes and claims go by the eight above.
 job_complete_claim_many: Final = _finish_claim(
     keep=False, choice=_FROM_THE_FRONT, context=False, records=False
 )
@@ -957,7 +972,7 @@ job_complete_claim_after_keep_context: Final = _finish_claim(
     keep=True, choice=_AFTER_THE_MARK, context=True, records=False
 )
 # job_claim_only_many, _after and their _context variants: the claim of a loop with nothing to
-# finish ($1 '{}', $2 '[]'; CLAIM_ONLY), as from its sleep.
+# finish ($1 '{}', $2 '[]'; CLAIM_ONLY), as from its sleep, in a queue never given a keyed job.
 job_claim_only_many: Final = _finish_claim(keep=False, choice=_FROM_THE_FRONT, context=False, outcomes=False)
 job_claim_only_after: Final = _finish_claim(keep=False, choice=_AFTER_THE_MARK, context=False, outcomes=False)
 job_claim_only_many_context: Final = _finish_claim(
@@ -970,28 +985,28 @@ job_claim_only_after_context: Final = _finish_claim(
 # variants (FINISH_RESULTS, FINISH_CONTEXT_RESULTS), which a loop sends only for outcomes of a
 # batch that held such a job, so a batch without one sends the statement it sent before results.
 job_finish_claim_many_results: Final = _finish_claim(
-    keep=False, choice=_FROM_THE_FRONT, context=False, results=True
+    keep=False, choice=_KEYS_FROM_THE_FRONT, context=False, results=True
 )
 job_finish_claim_after_results: Final = _finish_claim(
-    keep=False, choice=_AFTER_THE_MARK, context=False, results=True
+    keep=False, choice=_KEYS_AFTER_THE_MARK, context=False, results=True
 )
 job_finish_claim_many_keep_results: Final = _finish_claim(
-    keep=True, choice=_FROM_THE_FRONT, context=False, results=True
+    keep=True, choice=_KEYS_FROM_THE_FRONT, context=False, results=True
 )
 job_finish_claim_after_keep_results: Final = _finish_claim(
-    keep=True, choice=_AFTER_THE_MARK, context=False, results=True
+    keep=True, choice=_KEYS_AFTER_THE_MARK, context=False, results=True
 )
 job_finish_claim_many_context_results: Final = _finish_claim(
-    keep=False, choice=_FROM_THE_FRONT, context=True, results=True
+    keep=False, choice=_KEYS_FROM_THE_FRONT, context=True, results=True
 )
 job_finish_claim_after_context_results: Final = _finish_claim(
-    keep=False, choice=_AFTER_THE_MARK, context=True, results=True
+    keep=False, choice=_KEYS_AFTER_THE_MARK, context=True, results=True
 )
 job_finish_claim_many_keep_context_results: Final = _finish_claim(
-    keep=True, choice=_FROM_THE_FRONT, context=True, results=True
+    keep=True, choice=_KEYS_FROM_THE_FRONT, context=True, results=True
 )
 job_finish_claim_after_keep_context_results: Final = _finish_claim(
-    keep=True, choice=_AFTER_THE_MARK, context=True, results=True
+    keep=True, choice=_KEYS_AFTER_THE_MARK, context=True, results=True
 )
 
 # job_finish_locked_many: the fast lane's outcomes, in the transaction that
@@ -1544,9 +1559,11 @@ queue_fair: Final = f"""
 INSERT INTO {_S}fastjobs_queues AS q (name, fair) VALUES ($1, true)
 ON CONFLICT (name) DO UPDATE SET fair = true, updated_at = now() WHERE NOT q.fair"""
 
-# queue_limited: the queues with a concurrency limit, which a worker's
-# heartbeat reads so its loop claims them a wave at a time (fastjobs.planner).
-queue_limited: Final = f"SELECT name FROM {_S}fastjobs_queues WHERE concurrency IS NOT NULL"
+# queue_limited: the queues with a concurrency limit, which a worker's loop claims a wave at a
+# time, and those ever given a keyed job, which it claims with the statements that take keyed
+# jobs (fastjobs.planner): read at its start and at each heartbeat.
+queue_limited: Final = f"""
+SELECT name, concurrency IS NOT NULL, keyed FROM {_S}fastjobs_queues WHERE concurrency IS NOT NULL OR keyed"""
 
 # key_limit: set kind $1's limits for key $2 ('': the kind as a whole; fastjobs.keys): its
 # concurrency to $3 when $4, its rate limit to $5 ("10/s") at $6 jobs a second when $7 (NULL: the

@@ -9,7 +9,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -316,8 +316,15 @@ class Worker:
             )
             planner, queues = self.loop.planner, self.queues
 
-            def limited(names: frozenset[str]) -> None:
-                planner.limited = frozenset(i for i, queue in enumerate(queues) if queue in names)
+            def limited(rows: Iterable[tuple[str, bool, bool]]) -> None:
+                told = {name: (concurrency, keyed) for name, concurrency, keyed in rows}
+                marks = [told.get(queue, (False, False)) for queue in queues]
+                planner.limited = frozenset(i for i, (concurrency, _) in enumerate(marks) if concurrency)
+                planner.keyed = frozenset(i for i, (_, keyed) in enumerate(marks) if keyed)
+
+            # Before the first claim, so it takes the statements its queues call for.
+            with psycopg.RawCursor(conn) as cur:
+                limited(cur.execute(sql.queue_limited).fetchall())
 
             control = Heartbeat(
                 dsn,

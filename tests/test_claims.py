@@ -217,6 +217,7 @@ def test_a_batch_of_completions_goes_by_the_complete_statements(app: App, dsn, k
 
     try:
         loop.prepare()
+        loop.planner.keyed = frozenset()  # as a Worker's start finds the queue: never given a keyed job
         work.enqueue_many({"n": n} for n in range(20))
         drain()
         # The first claim had nothing to finish, nor had the try after the last batch's empty claim
@@ -238,4 +239,55 @@ def test_a_batch_of_completions_goes_by_the_complete_statements(app: App, dsn, k
         assert sum(executed().values()) > sum(before.values())
     finally:
         loop.finish()
+        conn.close()
+
+
+def test_a_queues_first_keyed_job_marks_it_and_its_claims_take_keyed_jobs_from_then_on(app: App, dsn) -> None:
+    """A queue never given a keyed job claims by the statements that take keyless jobs only
+    (migration 012: no key, turn or count read); its first keyed job marks it, whatever inserted it
+    (a trigger on slot 0, where keyed jobs land), a running worker's heartbeat reads the mark, and
+    its claims take keyed jobs from then on."""
+    ran: list[tuple[str, int]] = []
+
+    @app.job(kind="plain")
+    def plain(n: int) -> None:
+        ran.append(("plain", n))
+
+    @app.job(kind="keyed", concurrency_key="tenant", concurrency_limit=1)
+    def keyed(tenant: str, n: int) -> None:
+        ran.append(("keyed", n))
+
+    conn = psycopg.connect(dsn, autocommit=True)
+
+    def marked() -> list[str]:
+        return [r[0] for r in conn.execute("SELECT name FROM fastjobs_queues WHERE keyed ORDER BY name")]
+
+    try:
+        # The state lane's claims only (a fast-lane lock of an app limiting a kind takes keyed jobs).
+        config = WorkerConfig(poll_interval=0.1, fast_lane=False)
+        with WorkerThread(Worker(app, config=config)) as thread:
+            app.enqueue("plain", {"n": 1})
+            assert wait_for(lambda: ("plain", 1) in ran), "the plain job did not run"
+            planner = thread.worker.loop.planner
+            assert marked() == [] and planner.keyed == frozenset() and planner.keyless(0)
+            app.enqueue("keyed", {"tenant": "a", "n": 2})
+            assert marked() == ["default"]
+            # Within a heartbeat (HEARTBEAT_INTERVAL, 2 s), once it told the loop.
+            assert wait_for(lambda: ("keyed", 2) in ran, timeout=10), "the keyed job did not run"
+            assert planner.keyed == frozenset({0})
+        # A producer of any version: a keyed row inserted by hand marks its queue too.
+        conn.execute(
+            "INSERT INTO fastjobs_jobs (queue, kind, args, limit_key, limit_concurrency)"
+            " VALUES ('other', 'keyed', '{\"tenant\": \"b\", \"n\": 3}', 'b', 1)"
+        )
+        assert marked() == ["default", "other"]
+        # A loop told its queue has no keyed job passes the job over; told it has, it takes it.
+        loop = core.BatchLoop(conn, dict(app.jobs), Executor(10), "w", ["other"], fast_lane=False)
+        loop.prepare()
+        loop.planner.keyed = frozenset()
+        assert loop.step() == 0
+        loop.planner.keyed = frozenset({0})
+        assert loop.step() == 1 and ("keyed", 3) in ran
+        loop.finish()
+    finally:
         conn.close()

@@ -335,6 +335,7 @@ def test_fastjobs_migrate_first_then_manage_py_migrate_does_nothing_to_it(empty_
         "0005_keys",
         "0006_fair",
         "0007_key_groups",
+        "0008_keyed_queues",
     ]
 
 

@@ -246,9 +246,19 @@ CREATE TABLE IF NOT EXISTS u (x int);
 # --- migrations on a live system -----------------------------------------------------------------
 
 
+def roll_back_012(dsn: str) -> None:
+    """Undo what 012 creates and its record: no queue marked keyed, no trigger marking them."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DROP TRIGGER fastjobs_mark_keyed ON fastjobs_jobs")
+        conn.execute("DROP FUNCTION fastjobs_mark_keyed()")
+        conn.execute("ALTER TABLE fastjobs_queues DROP COLUMN keyed")
+        conn.execute("DELETE FROM fastjobs_migrations WHERE version >= 12")
+
+
 def roll_back_011(dsn: str) -> None:
-    """Undo what 011 creates and its record: no groups of keys, 009's fastjobs_take and 010's
-    fastjobs_fair again (their first steps, which create them, run again harmlessly)."""
+    """Undo what 011 and 012 create and their records: no groups of keys, 009's fastjobs_take and
+    010's fastjobs_fair again (their first steps, which create them, run again harmlessly)."""
+    roll_back_012(dsn)
     keys, fair = (next(m for m in schema.migrations() if m.version == v) for v in (9, 10))
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(keys.steps()[0].sql)
@@ -602,6 +612,7 @@ def test_005_applies_live_under_workers_and_producers_of_004_which_keep_working(
             "009_keys",
             "010_fair",
             "011_key_groups",
+            "012_keyed_queues",
         ]
         after, produced = len(completed), inserted["plain"]
         wait_for(lambda: len(completed) > after + 200, "the old worker to go on draining on 005")

@@ -85,7 +85,10 @@ def test_a_new_variant_is_one_line(monkeypatch):
     its family's section, expanded as its siblings are."""
     source = Path(sql.__file__).read_text(encoding="utf-8")
     before, section, after = source.partition('\n_section("The fast lane")')
-    line = "job_finish_claim_again: Final = _finish_claim(keep=False, choice=_AFTER_THE_MARK, context=False)"
+    line = (
+        "job_finish_claim_again: Final = "
+        "_finish_claim(keep=False, choice=_KEYS_AFTER_THE_MARK, context=False)"
+    )
     module = ModuleType("fastjobs_sql_with_a_variant")
     module.__package__ = "fastjobs"  # its imports are the catalogue's
     monkeypatch.setitem(sys.modules, module.__name__, module)
@@ -269,9 +272,7 @@ def test_an_outcome_is_finalized_by_the_state_it_is_given(name):
     assert finalized in failed
 
 
-@pytest.mark.parametrize(
-    "name", ["job_finish_claim_many", "job_finish_claim_many_keep", "job_complete_claim_many"]
-)
+@pytest.mark.parametrize("name", ["job_finish_claim_many", "job_finish_claim_many_keep"])
 def test_the_finish_statements_claim_as_job_claim_many_does(name):
     """Their claim is job_claim_many's, its parameters $1, $2, $3 moved to $3, $4, $5; a limited
     queue's room, and the count of a key's running jobs, leave out the jobs the statement itself
@@ -290,6 +291,18 @@ def test_the_finish_statements_claim_as_job_claim_many_does(name):
     # The claimed rows come first, in claim order, as job_claim_many returns them.
     assert returned.endswith(" FROM claimed ORDER BY priority DESC, run_at, id")
     assert finish_returned.startswith(f"({returned}) UNION ALL ")
+
+
+@pytest.mark.parametrize("name", [*FINISHES, *FINISHES_RESULTS, *COMPLETES, *CLAIMS_ONLY])
+def test_only_the_statements_for_queues_without_keyed_jobs_pass_them_over(name):
+    """The job_complete_claim_ and job_claim_only_ statements (a queue never given a keyed job:
+    migration 012) take keyless jobs only, in either branch, and read no key, turn or count; the
+    finish statements take keyed jobs in their turns, counted."""
+    text = _words(sql.STATEMENTS[name])
+    keyless = name in COMPLETES + CLAIMS_ONLY
+    assert ("fastjobs_take(" in text, "fastjobs_in_turn(" in text) == (not keyless, not keyless)
+    assert text.count("AND limit_key IS NULL") == (2 if keyless else 0)
+    assert ("limit_concurrency" in text) == (not keyless)
 
 
 def _channels(text: str) -> set[str]:
