@@ -171,6 +171,8 @@ class Worker:
         self.careful = supervision is not None and supervision.careful
         self.host = (supervision.host if supervision is not None else "") or host_id()
         self.loop: BatchLoop | None = None
+        # Tells the loop's planner the queues limited and keyed (sql.queue_limited's rows; set in run).
+        self._limited: Callable[[Iterable[tuple[str, bool, bool]]], None] = lambda rows: None
         self._stop = False
         self._stopping_now = False
         self._orphaned_at: float | None = None
@@ -316,11 +318,19 @@ class Worker:
             )
             planner, queues = self.loop.planner, self.queues
 
+            # A queue that one of this app's kinds limits per key is keyed from the start, marked or
+            # not: its first keyed jobs may come before the mark is read.
+            own = {spec.queue for spec in specs.values() if spec.limit is not None}
+
             def limited(rows: Iterable[tuple[str, bool, bool]]) -> None:
                 told = {name: (concurrency, keyed) for name, concurrency, keyed in rows}
                 marks = [told.get(queue, (False, False)) for queue in queues]
                 planner.limited = frozenset(i for i, (concurrency, _) in enumerate(marks) if concurrency)
-                planner.keyed = frozenset(i for i, (_, keyed) in enumerate(marks) if keyed)
+                planner.keyed = frozenset(
+                    i for i, (_, keyed) in enumerate(marks) if keyed or queues[i] in own
+                )
+
+            self._limited = limited
 
             # Before the first claim, so it takes the statements its queues call for.
             with psycopg.RawCursor(conn) as cur:
@@ -410,7 +420,13 @@ class Worker:
                     if leader.schedule_once(conn, sql=sql):
                         continue
                 if self.exit_when_empty and loop.recheck == float("inf"):
-                    break
+                    # A queue marked keyed since the last heartbeat holds jobs its claims passed over.
+                    keyed = loop.planner.keyed
+                    with psycopg.RawCursor(conn) as cur:
+                        self._limited(cur.execute(sql.queue_limited).fetchall())
+                    if loop.planner.keyed == keyed:
+                        break
+                    continue
                 # A claim that started after the last one's end found nothing:
                 # look from the front of the queue when the loop next may.
                 sleep = min(config.poll_interval, loop.recheck)

@@ -253,10 +253,15 @@ def test_a_queues_first_keyed_job_marks_it_and_its_claims_take_keyed_jobs_from_t
     def plain(n: int) -> None:
         ran.append(("plain", n))
 
-    @app.job(kind="keyed", concurrency_key="tenant", concurrency_limit=1)
+    # The worker's version of the kind knows no limit (a rolling deploy adding one); the producer's
+    # does, and its jobs carry it (a worker whose own app limits a kind of a queue claims that
+    # queue's keyed jobs from its start: Worker.run).
+    @app.job(kind="keyed")
     def keyed(tenant: str, n: int) -> None:
         ran.append(("keyed", n))
 
+    producer = App(dsn)
+    producer.job(kind="keyed", concurrency_key="tenant", concurrency_limit=1)(keyed)
     conn = psycopg.connect(dsn, autocommit=True)
 
     def marked() -> list[str]:
@@ -268,9 +273,10 @@ def test_a_queues_first_keyed_job_marks_it_and_its_claims_take_keyed_jobs_from_t
         with WorkerThread(Worker(app, config=config)) as thread:
             app.enqueue("plain", {"n": 1})
             assert wait_for(lambda: ("plain", 1) in ran), "the plain job did not run"
+            assert thread.worker.loop is not None
             planner = thread.worker.loop.planner
             assert marked() == [] and planner.keyed == frozenset() and planner.keyless(0)
-            app.enqueue("keyed", {"tenant": "a", "n": 2})
+            producer.enqueue("keyed", {"tenant": "a", "n": 2})
             assert marked() == ["default"]
             # Within a heartbeat (HEARTBEAT_INTERVAL, 2 s), once it told the loop.
             assert wait_for(lambda: ("keyed", 2) in ran, timeout=10), "the keyed job did not run"
@@ -290,4 +296,5 @@ def test_a_queues_first_keyed_job_marks_it_and_its_claims_take_keyed_jobs_from_t
         assert loop.step() == 1 and ("keyed", 3) in ran
         loop.finish()
     finally:
+        producer.close()
         conn.close()
