@@ -797,7 +797,7 @@ cdef class BatchLoop:
         cdef Py_ssize_t cap
         # A queue's claims that must take keyed jobs go by the statements that write records too.
         cdef bint records = bool(self._failures) or not self.planner.keyless(index)
-        cdef bint outcomes = records or self._ndone > 0
+        cdef bint sending = records or self._ndone > 0
         self._literal(self._ndone, self._done)
         self._writing(self._failures)
         failures = _encode(self._failures)
@@ -826,7 +826,7 @@ cdef class BatchLoop:
         if mark is None:
             rc = PQsendQueryPrepared(
                 self._pgconn,
-                self._claim_statement if not outcomes else self._kept_statement if keeping
+                self._claim_statement if not sending else self._kept_statement if keeping
                 else self._statement if records else self._complete_statement,
                 5, values, NULL, NULL, 1)
         else:
@@ -836,7 +836,7 @@ cdef class BatchLoop:
             values[6] = run_at_text
             rc = PQsendQueryPrepared(
                 self._pgconn,
-                self._claim_after_statement if not outcomes else self._kept_after_statement if keeping
+                self._claim_after_statement if not sending else self._kept_after_statement if keeping
                 else self._after_statement if records else self._complete_after_statement,
                 7, values, NULL, NULL, 1)
         if not rc:
