@@ -218,7 +218,13 @@ def test_the_wait_is_woken_by_the_notification_and_issues_no_query(app: App, dsn
         while [row[0] for row in _waiter_activity(dsn)] != ["idle"] and time.monotonic() < deadline:
             time.sleep(0.01)
         first = _waiter_activity(dsn)
-        assert len(first) == 1 and first[0][0] == "idle"
+        seen = query(
+            dsn,
+            "SELECT state, query, wait_event_type, wait_event FROM pg_stat_activity"
+            " WHERE application_name = %s",
+            (WAITER,),
+        )
+        assert len(first) == 1 and first[0][0] == "idle", seen  # what holds it, if anything
         time.sleep(0.5)  # what a polling waiter would have queried in
         assert _waiter_activity(dsn) == first
     waiter.join(10)
