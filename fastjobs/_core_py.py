@@ -132,13 +132,11 @@ class BatchLoop:
         self._executor = executor
         self._worker_id = worker_id.encode()
         self._queues = [q.encode() for q in queues]
-        # With `whole_context` (the app has middleware) the claim returns each
-        # job's meta and created_at too, and each job's JobContext is filled
-        # whole; without, neither costs a job anything.
+        # With `whole_context` (the app has middleware) the claim returns each job's meta and
+        # created_at too, and each JobContext is filled whole; without, neither costs a job anything.
         self._whole_context = whole_context
-        # By (the outcomes' statement, claim after the mark): in a queue without keyed jobs "claim"
-        # with no outcome to send, "complete" for completions at a first attempt; "kept" while the
-        # planner's keeping is set.
+        # By (the outcomes' statement, claim after the mark): in a queue without keyed jobs, "claim" with
+        # nothing to send, "complete" for first-attempt completions; "kept" while the planner keeps.
         tables = {
             "finish": sql.FINISH_CONTEXT if whole_context else sql.FINISH,
             "kept": sql.FINISH_CONTEXT_RESULTS if whole_context else sql.FINISH_RESULTS,
@@ -259,7 +257,7 @@ class BatchLoop:
     def _send(self, index: int = 0, limit: int = 0, mark: tuple[int, int] | None = None) -> None:
         """Send the outcomes gathered so far and a claim: the planner's next (none by default)."""
         done = ("{" + ",".join(map(str, self._done)) + "}").encode()
-        keyed = not self.planner.keyless(index)  # its claim must take keyed jobs: by "finish" then
+        keyed = not self.planner.keyless(index)  # a claim that must take keyed jobs goes by "finish"
         variant = "finish" if self._failures or keyed else "complete" if self._done else "claim"
         variant = "kept" if self.planner.keeping and variant != "claim" else variant
         self._writing(self._failures)
@@ -300,9 +298,7 @@ class BatchLoop:
         """Write outcomes alone, claiming nothing; the error if one of them is rejected."""
         ids = ("{" + ",".join(map(str, done)) + "}").encode()
         params = [ids, outcomes.encode(failures), self._queues[0], b"0", self._worker_id]
-        self._send_prepared(
-            self._finish_names["kept", 0], params
-        )  # a hand-back's, or isolation's: rare, never unkept
+        self._send_prepared(self._finish_names["kept", 0], params)  # a hand-back's, or isolation's: rare
         res, error, isolatable = self._results()
         if error is None:
             self._claimed(res)

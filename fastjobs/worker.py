@@ -171,8 +171,6 @@ class Worker:
         self.careful = supervision is not None and supervision.careful
         self.host = (supervision.host if supervision is not None else "") or host_id()
         self.loop: BatchLoop | None = None
-        # Tells the loop's planner the queues limited and keyed (sql.queue_limited's rows; set in run).
-        self._limited: Callable[[Iterable[tuple[str, bool, bool]]], None] = lambda rows: None
         self._stop = False
         self._stopping_now = False
         self._orphaned_at: float | None = None
@@ -316,25 +314,9 @@ class Worker:
                 if self.parent is None and self.config.rotate and self.config.rotation.enabled
                 else None
             )
-            planner, queues = self.loop.planner, self.queues
-
-            # A queue that one of this app's kinds limits per key is keyed from the start, marked or
-            # not: its first keyed jobs may come before the mark is read.
-            own = {spec.queue for spec in specs.values() if spec.limit is not None}
-
-            def limited(rows: Iterable[tuple[str, bool, bool]]) -> None:
-                told = {name: (concurrency, keyed) for name, concurrency, keyed in rows}
-                marks = [told.get(queue, (False, False)) for queue in queues]
-                planner.limited = frozenset(i for i, (concurrency, _) in enumerate(marks) if concurrency)
-                planner.keyed = frozenset(
-                    i for i, (_, keyed) in enumerate(marks) if keyed or queues[i] in own
-                )
-
-            self._limited = limited
-
             # Before the first claim, so it takes the statements its queues call for.
             with psycopg.RawCursor(conn) as cur:
-                limited(cur.execute(sql.queue_limited).fetchall())
+                self._tell(cur.execute(sql.queue_limited).fetchall())
 
             control = Heartbeat(
                 dsn,
@@ -346,7 +328,7 @@ class Worker:
                 names,
                 rotator,
                 sorted(specs),
-                limited,
+                self._tell,
                 sql,
                 self.events,
             )
@@ -374,6 +356,17 @@ class Worker:
             self._wake_r = self._wake_w = -1
             os.close(wake_r)
             os.close(wake_w)
+
+    def _tell(self, rows: Iterable[tuple[str, bool, bool]]) -> None:
+        """Tell the loop's planner its queues limited and keyed (sql.queue_limited's rows). A queue
+        that one of this app's kinds limits per key is keyed, marked or not: its first keyed jobs
+        may come before the mark is read."""
+        assert self.loop is not None
+        planner, told = self.loop.planner, {name: (limit, keyed) for name, limit, keyed in rows}
+        own = {spec.queue for spec in self.app.jobs.values() if spec.limit is not None}
+        marks = [(*told.get(queue, (False, False)), queue in own) for queue in self.queues]
+        planner.limited = frozenset(i for i, (limit, _, _) in enumerate(marks) if limit)
+        planner.keyed = frozenset(i for i, (_, keyed, limits) in enumerate(marks) if keyed or limits)
 
     def _loop(self, conn: psycopg.Connection[Any], listener: Listener) -> None:
         sql = self.app.sql
@@ -423,7 +416,7 @@ class Worker:
                     # A queue marked keyed since the last heartbeat holds jobs its claims passed over.
                     keyed = loop.planner.keyed
                     with psycopg.RawCursor(conn) as cur:
-                        self._limited(cur.execute(sql.queue_limited).fetchall())
+                        self._tell(cur.execute(sql.queue_limited).fetchall())
                     if loop.planner.keyed == keyed:
                         break
                     continue
