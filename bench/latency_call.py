@@ -219,13 +219,18 @@ def main() -> int:
         sampler.start()
     total = int(args.rate * args.seconds)
     sent: dict[int, tuple[float, float, float]] = {}  # i: (before the call, INSERT done, commit returned)
-    began = time.perf_counter()
+    # The rate's clock starts once every producer is connected: producers that connect after it
+    # would first offer a burst of the jobs they are late with, not the rate.
+    connected, go = threading.Barrier(args.producers + 1), threading.Event()
+    began = 0.0
 
     def produce(index: int) -> None:
         app = fastjobs.App(target)
         with psycopg.connect(
             target, autocommit=not args.stages, application_name="latency_call producer"
         ) as conn:
+            connected.wait()
+            go.wait()
             for i in range(index, total, args.producers):
                 pause = began + i / args.rate - time.perf_counter()
                 if pause > 0:
@@ -243,6 +248,9 @@ def main() -> int:
     threads = [threading.Thread(target=produce, args=(i,)) for i in range(args.producers)]
     for thread in threads:
         thread.start()
+    connected.wait()
+    began = time.perf_counter()
+    go.set()
     for thread in threads:
         thread.join()
     achieved = total / (time.perf_counter() - began)

@@ -561,26 +561,30 @@ cdef class BatchLoop:
     def recheck(self):
         return self.planner.recheck
 
-    def prepare(self):
-        self._prepare(self._statement, self._sql)
-        self._prepare(self._after_statement, self._after_sql)
-        self._prepare(self._kept_statement, self._kept_sql)
-        self._prepare(self._kept_after_statement, self._kept_after_sql)
-        self._prepare(self._complete_statement, self._complete_sql)
-        self._prepare(self._complete_after_statement, self._complete_after_sql)
-        self._prepare(self._claim_statement, self._claim_sql)
-        self._prepare(self._claim_after_statement, self._claim_after_sql)
+    def prepare(self, bint plan_ahead=False):
+        statements = [
+            (self._statement, self._sql), (self._after_statement, self._after_sql),
+            (self._kept_statement, self._kept_sql), (self._kept_after_statement, self._kept_after_sql),
+            (self._complete_statement, self._complete_sql),
+            (self._complete_after_statement, self._complete_after_sql),
+            (self._claim_statement, self._claim_sql), (self._claim_after_statement, self._claim_after_sql),
+        ]
         if self.planner.any_fast:
-            self._prepare(self._lock_statement, self._lock_sql)
-            self._prepare(self._lock_after_statement, self._lock_after_sql)
-            for name in ("job_finish_locked_many", "job_finish_locked_many_results", "job_hand_over",
-                         "queue_wake"):
-                self._prepare(name.encode(), self._catalogue.STATEMENTS[name].encode())
+            statements += [(self._lock_statement, self._lock_sql),
+                           (self._lock_after_statement, self._lock_after_sql)]
+            statements += [(name.encode(), self._catalogue.STATEMENTS[name].encode()) for name in (
+                "job_finish_locked_many", "job_finish_locked_many_results", "job_hand_over", "queue_wake")]
+        for name, text in statements:
+            self._prepare(name, text)
+        if plan_ahead:
+            ahead = self._catalogue.plan_ahead([(n.decode(), text.decode()) for n, text in statements])
+            self._simple(ahead.encode())
         guard.watch(self)
 
     cdef int _simple(self, bytes text) except -1:
-        """Run a statement without parameters or rows (the fast lane's BEGIN, COMMIT, ROLLBACK)."""
+        """Run statements without parameters (the fast lane's BEGIN, COMMIT, ROLLBACK; sql.plan_ahead's)."""
         cdef PGresult *res
+        cdef ExecStatusType status
         cdef str error = None
         if not PQsendQuery(self._pgconn, text):
             raise LoopError(_conn_error(self._pgconn))
@@ -595,7 +599,8 @@ cdef class BatchLoop:
             res = PQgetResult(self._pgconn)
             if res == NULL:
                 break
-            if PQresultStatus(res) != PGRES_COMMAND_OK and error is None:
+            status = PQresultStatus(res)
+            if status != PGRES_COMMAND_OK and status != PGRES_TUPLES_OK and error is None:
                 error = PQresultErrorMessage(res).decode("utf-8", "replace")
             PQclear(res)
         if error is not None:

@@ -233,7 +233,7 @@ class BatchLoop:
     def recheck(self) -> float:
         return self.planner.recheck
 
-    def prepare(self) -> None:
+    def prepare(self, plan_ahead: bool = False) -> None:
         for name, text in self._statements.values():
             try:
                 res = self._pgconn.prepare(name, text.encode())
@@ -241,6 +241,8 @@ class BatchLoop:
                 raise self._lost() from None
             if res.status != pq.ExecStatus.COMMAND_OK:
                 raise LoopError(res.error_message.decode(errors="replace"))
+        if plan_ahead:
+            self._simple(sql.plan_ahead([(name.decode(), text) for name, text in self._statements.values()]))
         guard.watch(self)
 
     def _writing(self, failures: Sequence[Outcome]) -> None:

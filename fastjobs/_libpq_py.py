@@ -40,8 +40,11 @@ def _send_prepared(self: BatchLoop, name: bytes, params: list[bytes]) -> None:
         raise self._lost() from None
 
 
+_DONE = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
+
+
 def _simple(self: BatchLoop, text: str) -> None:
-    """Run a statement without parameters or rows (the fast lane's BEGIN, COMMIT, ROLLBACK)."""
+    """Run statements without parameters (the fast lane's BEGIN, COMMIT, ROLLBACK; sql.plan_ahead's)."""
     try:
         self._pgconn.send_query(text.encode())
         while self._pgconn.flush():
@@ -56,7 +59,7 @@ def _simple(self: BatchLoop, text: str) -> None:
             res = self._pgconn.get_result()
             if res is None:
                 break
-            if res.status != pq.ExecStatus.COMMAND_OK and error is None:
+            if res.status not in _DONE and error is None:
                 error = res.error_message.decode(errors="replace")
     except psycopg.OperationalError:
         raise self._lost() from None

@@ -201,8 +201,9 @@ class BatchLoop(Protocol):
     def recheck(self) -> float:
         """After an empty step: seconds until a claim from the front is due (inf: none)."""
 
-    def prepare(self) -> None:
-        """Prepare the loop's statements on its connection."""
+    def prepare(self, plan_ahead: bool = False) -> None:
+        """Prepare the loop's statements on its connection; with `plan_ahead`, plan them too
+        (sql.plan_ahead: on sql.worker_session's generic plans, before the first job)."""
 
     def step(self) -> int:
         """Run one batch; 0 when there was nothing to claim (outcomes are flushed then)."""

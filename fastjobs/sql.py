@@ -1200,10 +1200,30 @@ _section("Workers")
 # transaction, and a worker host cut off or paused mid-batch would otherwise
 # hold them, and every rotating slot against the rotation, until the
 # kernel's keepalive (two hours); the server now ends its session in ~11 s.
+# plan_cache_mode force_generic_plan: its statements run on generic plans
+# from the first execution, which plan_ahead then plans before the first job;
+# in auto mode each would first plan 5 custom ones (2-7 ms each over the five
+# slots), on the loop's thread, during the worker's first jobs (bench/RESULTS.md,
+# issue 22 §5, sixth sitting). Its generic plans are those auto mode settles on.
 worker_session: Final = """
 SELECT set_config('synchronous_commit', 'off', false), set_config('enable_seqscan', 'off', false),
+       set_config('plan_cache_mode', 'force_generic_plan', false),
        set_config('tcp_keepalives_idle', '5', false), set_config('tcp_keepalives_interval', '2', false),
        set_config('tcp_keepalives_count', '3', false)"""
+
+_PARAMETER = re.compile(r"\$(\d+)")
+
+
+def plan_ahead(statements: list[tuple[str, str]]) -> str:
+    """One query that plans the prepared (name, text) statements without running them: an EXPLAIN
+    EXECUTE of each, its parameters NULL, caches its generic plan (worker_session forces those)."""
+    explains = []
+    for name, text in statements:
+        count = max((int(n) for n in _PARAMETER.findall(text)), default=0)
+        nulls = f"({', '.join(['NULL'] * count)})" if count else ""
+        explains.append(f"EXPLAIN (COSTS OFF) EXECUTE {name}{nulls}")
+    return ";\n".join(explains)
+
 
 # worker_register: a worker process announces itself (or re-announces after a reconnect).
 worker_register: Final = f"""

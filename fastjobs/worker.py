@@ -303,7 +303,7 @@ class Worker:
             if self.card is not None:
                 self.executor.running = self.card.slow_jobs()
             self.loop.stopping = self._stop
-            self.loop.prepare()
+            self.loop.prepare(plan_ahead=True)  # the first jobs wait for no planning
             self.executor.worker = self.worker_id  # for the records of its jobs' failures
             self.executor.bind()
             watch = (lambda: self._check_parent(escalate=True)) if self.parent is not None else None

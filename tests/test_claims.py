@@ -298,3 +298,37 @@ def test_a_queues_first_keyed_job_marks_it_and_its_claims_take_keyed_jobs_from_t
     finally:
         producer.close()
         conn.close()
+
+
+@pytest.mark.parametrize("lane", ["fast", "state"])
+def test_a_workers_loop_plans_its_statements_before_its_first_job_and_never_again(app: App, dsn, lane) -> None:
+    """A worker's loop plans each of its statements once, at prepare(plan_ahead=True), on the generic
+    plan its session asks for: its first jobs' claims wait for no planning (in auto mode each statement
+    planned five custom plans first, 2-7 ms each, during the first jobs: issue 22 §5)."""
+    app.job(kind="warm")(lambda: None)
+    _, seen = handler_event(app, "work")
+    conn = psycopg.connect(dsn, autocommit=True)
+
+    def plans() -> dict[str, tuple[int, int]]:
+        rows = conn.execute("SELECT name, generic_plans, custom_plans FROM pg_prepared_statements").fetchall()
+        return {name: (generic, custom) for name, generic, custom in rows}
+
+    try:
+        conn.execute(app.sql.worker_session)
+        loop = core.BatchLoop(conn, dict(app.jobs), Executor(10), "w", ["default"], batch_min=20, batch_max=20,
+                              overlap=False, fast_lane=lane == "fast")  # fmt: skip
+        loop.prepare(plan_ahead=True)
+        planned = plans()
+        assert len(planned) >= (14 if lane == "fast" else 8), planned
+        assert set(planned.values()) == {(1, 0)}, planned  # each planned once, generic, none run
+        warm(app, loop)
+        app.enqueue_many("work", ({"n": n} for n in range(20)))
+        assert loop.step() == 20 and loop.fast == (20 if lane == "fast" else 0)
+        loop.stopping = True
+        loop.finish()
+        ran = plans()
+        assert all(custom == 0 for _, custom in ran.values()), ran
+        assert sum(generic for generic, _ in ran.values()) > sum(generic for generic, _ in planned.values())
+        assert sorted(seen) == list(range(20))
+    finally:
+        conn.close()

@@ -726,23 +726,42 @@ def run_latency(
     # Each enqueue is a commit (about a millisecond with fsync): several
     # producers, each offering its share of the rate, keep the rate offered.
     producers = 4
-    began = time.perf_counter()
+    # The rate's clock starts once every producer is connected: producers that connect after it
+    # would first offer a burst of the jobs they are late with, not the rate.
+    connected, go = threading.Barrier(producers + 1), threading.Event()
+    began = 0.0
 
     sent: dict[int, tuple[float, float]] = {}
 
     def produce(index: int) -> None:
-        with contextlib.closing(App(target)) as app, psycopg.connect(target, autocommit=True) as conn:
-            for i in range(index, total, producers):
-                pause = began + i / rate - time.perf_counter()
-                if pause > 0:
-                    time.sleep(pause)
-                before = time.time()
-                job_id = app.enqueue(BENCH_KIND, {"i": i}, conn=conn)
-                sent[job_id] = (before, time.time())
+        try:
+            with contextlib.closing(App(target)) as app, psycopg.connect(target, autocommit=True) as conn:
+                connected.wait()
+                go.wait()
+                for i in range(index, total, producers):
+                    pause = began + i / rate - time.perf_counter()
+                    if pause > 0:
+                        time.sleep(pause)
+                    before = time.time()
+                    job_id = app.enqueue(BENCH_KIND, {"i": i}, conn=conn)
+                    sent[job_id] = (before, time.time())
+        except threading.BrokenBarrierError:
+            pass  # another producer could not connect: the run stops with its error
+        except BaseException:
+            connected.abort()
+            raise
 
     threads = [threading.Thread(target=produce, args=(i,)) for i in range(producers)]
     for thread in threads:
         thread.start()
+    try:
+        connected.wait()
+    except threading.BrokenBarrierError:
+        for thread in threads:
+            thread.join()
+        raise FastjobsError("a producer of the latency run could not connect (its error is above)") from None
+    began = time.perf_counter()
+    go.set()
     for thread in threads:
         thread.join()
     achieved = total / (time.perf_counter() - began)
