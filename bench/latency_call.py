@@ -124,11 +124,11 @@ def worker_main(
     def handler(i: int) -> None:
         started[i] = time.time()
         if write:
-            if not rows:
-                rows.append(psycopg.connect(target, autocommit=True, application_name="latency_call handler"))
             rows[0].execute(INSERT_ROW, (i,))
 
     def on_ready() -> None:
+        if write:  # before the first job: an application's handler finds its connection open
+            rows.append(psycopg.connect(target, autocommit=True, application_name="latency_call handler"))
         ready.wait()
         start.wait()
 

@@ -673,11 +673,11 @@ def _latency_worker(dsn: str, batch: int, write: bool, out: Any, ready: Any, sta
         assert job is not None
         started[job.id] = time.time()
         if write:
-            if not rows:
-                rows.append(psycopg.connect(dsn, autocommit=True))
             psycopg.RawCursor(rows[0]).execute(queries.bench_row, (job.id,))
 
     def on_ready() -> None:
+        if write:  # before the first job: an application's handler finds its connection open
+            rows.append(psycopg.connect(dsn, autocommit=True))
         ready.wait()
         start.wait()
 
