@@ -301,7 +301,9 @@ def test_a_queues_first_keyed_job_marks_it_and_its_claims_take_keyed_jobs_from_t
 
 
 @pytest.mark.parametrize("lane", ["fast", "state"])
-def test_a_workers_loop_plans_its_statements_before_its_first_job_and_never_again(app: App, dsn, lane) -> None:
+def test_a_workers_loop_plans_its_statements_before_its_first_job_and_never_again(
+    app: App, dsn, lane
+) -> None:
     """A worker's loop plans each of its statements once, at prepare(plan_ahead=True), on the generic
     plan its session asks for: its first jobs' claims wait for no planning (in auto mode each statement
     planned five custom plans first, 2-7 ms each, during the first jobs: issue 22 §5)."""
@@ -315,8 +317,8 @@ def test_a_workers_loop_plans_its_statements_before_its_first_job_and_never_agai
 
     try:
         conn.execute(app.sql.worker_session)
-        loop = core.BatchLoop(conn, dict(app.jobs), Executor(10), "w", ["default"], batch_min=20, batch_max=20,
-                              overlap=False, fast_lane=lane == "fast")  # fmt: skip
+        loop = core.BatchLoop(conn, dict(app.jobs), Executor(10), "w", ["default"], batch_min=20,
+                              batch_max=20, overlap=False, fast_lane=lane == "fast")  # fmt: skip
         loop.prepare(plan_ahead=True)
         planned = plans()
         assert len(planned) >= (14 if lane == "fast" else 8), planned
