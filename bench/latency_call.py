@@ -221,8 +221,13 @@ def main() -> int:
     sent: dict[int, tuple[float, float, float]] = {}  # i: (before the call, INSERT done, commit returned)
     # The rate's clock starts once every producer is connected: producers that connect after it
     # would first offer a burst of the jobs they are late with, not the rate.
-    connected, go = threading.Barrier(args.producers + 1), threading.Event()
     began = 0.0
+
+    def start_clock() -> None:
+        nonlocal began
+        began = time.perf_counter()
+
+    connected = threading.Barrier(args.producers + 1, action=start_clock)
 
     def produce(index: int) -> None:
         app = fastjobs.App(target)
@@ -230,7 +235,6 @@ def main() -> int:
             target, autocommit=not args.stages, application_name="latency_call producer"
         ) as conn:
             connected.wait()
-            go.wait()
             for i in range(index, total, args.producers):
                 pause = began + i / args.rate - time.perf_counter()
                 if pause > 0:
@@ -249,8 +253,6 @@ def main() -> int:
     for thread in threads:
         thread.start()
     connected.wait()
-    began = time.perf_counter()
-    go.set()
     for thread in threads:
         thread.join()
     achieved = total / (time.perf_counter() - began)

@@ -11,7 +11,6 @@ from typing import Any
 
 import orjson
 import psycopg
-from psycopg import pq
 
 from . import _fast_lane_py, _hand_back_py, _libpq_py, guard, outcomes, sql, stats
 from .abc import (
@@ -70,6 +69,7 @@ class BatchLoop:
     # become its methods under the C class's names: the libpq calls, the fast lane's transaction
     # and the hand-back.
     _lost = _libpq_py._lost
+    _prepare = _libpq_py._prepare
     _send_prepared = _libpq_py._send_prepared
     _simple = _libpq_py._simple
     _results = _libpq_py._results
@@ -235,12 +235,7 @@ class BatchLoop:
 
     def prepare(self, plan_ahead: bool = False) -> None:
         for name, text in self._statements.values():
-            try:
-                res = self._pgconn.prepare(name, text.encode())
-            except psycopg.OperationalError:
-                raise self._lost() from None
-            if res.status != pq.ExecStatus.COMMAND_OK:
-                raise LoopError(res.error_message.decode(errors="replace"))
+            self._prepare(name, text)
         if plan_ahead:
             self._simple(sql.plan_ahead([(name.decode(), text) for name, text in self._statements.values()]))
         guard.watch(self)

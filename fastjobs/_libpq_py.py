@@ -30,6 +30,15 @@ def _lost(self: BatchLoop) -> LoopError:
     return LoopError(self._pgconn.error_message.decode(errors="replace"))
 
 
+def _prepare(self: BatchLoop, name: bytes, text: str) -> None:
+    try:
+        res = self._pgconn.prepare(name, text.encode())
+    except psycopg.OperationalError:
+        raise self._lost() from None
+    if res.status != pq.ExecStatus.COMMAND_OK:
+        raise LoopError(res.error_message.decode(errors="replace"))
+
+
 def _send_prepared(self: BatchLoop, name: bytes, params: list[bytes]) -> None:
     try:
         self._pgconn.send_query_prepared(name, params, result_format=1)

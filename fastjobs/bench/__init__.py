@@ -728,8 +728,13 @@ def run_latency(
     producers = 4
     # The rate's clock starts once every producer is connected: producers that connect after it
     # would first offer a burst of the jobs they are late with, not the rate.
-    connected, go = threading.Barrier(producers + 1), threading.Event()
     began = 0.0
+
+    def start_clock() -> None:
+        nonlocal began
+        began = time.perf_counter()
+
+    connected = threading.Barrier(producers + 1, action=start_clock)
 
     sent: dict[int, tuple[float, float]] = {}
 
@@ -737,7 +742,6 @@ def run_latency(
         try:
             with contextlib.closing(App(target)) as app, psycopg.connect(target, autocommit=True) as conn:
                 connected.wait()
-                go.wait()
                 for i in range(index, total, producers):
                     pause = began + i / rate - time.perf_counter()
                     if pause > 0:
@@ -760,8 +764,6 @@ def run_latency(
         for thread in threads:
             thread.join()
         raise FastjobsError("a producer of the latency run could not connect (its error is above)") from None
-    began = time.perf_counter()
-    go.set()
     for thread in threads:
         thread.join()
     achieved = total / (time.perf_counter() - began)
