@@ -118,13 +118,16 @@ def worker_main(
         )
     app = fastjobs.App(target)
     started: dict[int, float] = {}
+    writes: list[float] = []  # each handler's write, its round trip and commit
     rows: list[psycopg.Connection[Any]] = []
 
     @app.job(kind=KIND)
     def handler(i: int) -> None:
         started[i] = time.time()
         if write:
+            began = time.perf_counter()
             rows[0].execute(INSERT_ROW, (i,))
+            writes.append(time.perf_counter() - began)
 
     def on_ready() -> None:
         if write:  # before the first job: an application's handler finds its connection open
@@ -136,7 +139,7 @@ def worker_main(
     worker.install_signals()
     worker.run()
     cpu = os.times()
-    out.put((started, cpu.user + cpu.system))
+    out.put((started, cpu.user + cpu.system, writes))
 
 
 class Sampler(threading.Thread):
@@ -165,6 +168,29 @@ class Sampler(threading.Thread):
                             else who
                         )
                     self.counts[f"{who} | {wtype or 'CPU'}:{wevent or '-'}"] += 1
+
+
+def server_cpu() -> float:
+    """CPU seconds of this machine's PostgreSQL processes so far (their backends, walwriter...): /proc."""
+    tick, total = os.sysconf("SC_CLK_TCK"), 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if not f.read(9).startswith(b"postgres"):
+                    continue
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+        except OSError:
+            continue
+    return total / tick
+
+
+def machine_busy() -> float:
+    """CPU seconds every core spent busy so far (/proc/stat: all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        values = [int(v) for v in f.readline().split()[1:]]
+    return (sum(values) - values[3] - values[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def pct(samples: list[float], q: float) -> float | None:
@@ -223,9 +249,12 @@ def main() -> int:
     # would first offer a burst of the jobs they are late with, not the rate.
     began = 0.0
 
+    cpu_at: list[float] = []  # the server's and the machine's CPU when the clock started
+
     def start_clock() -> None:
         nonlocal began
         began = time.perf_counter()
+        cpu_at.extend((server_cpu(), machine_busy()))
 
     connected = threading.Barrier(args.producers + 1, action=start_clock)
 
@@ -263,6 +292,7 @@ def main() -> int:
         deadline = time.monotonic() + 60
         while conn.execute(pending).fetchone()[0] and time.monotonic() < deadline:  # type: ignore[index]
             time.sleep(0.05)
+    server_seconds, busy_seconds = server_cpu() - cpu_at[0], machine_busy() - cpu_at[1]
     if sampler:
         sampler.stop.set()
         sampler.join()
@@ -270,10 +300,12 @@ def main() -> int:
         os.kill(p.pid, signal.SIGTERM)  # the graceful stop
     started: dict[int, float] = {}
     cpu = 0.0  # the worker processes' CPU seconds (loop, handlers, control threads)
+    writes: list[float] = []
     for _ in procs:
-        got, seconds = out.get(timeout=60)
+        got, seconds, wrote = out.get(timeout=60)
         started.update(got)
         cpu += seconds
+        writes += wrote
     for p in procs:
         p.join()
     keys = [i for i in started if i in sent]
@@ -292,8 +324,17 @@ def main() -> int:
         "stages": args.stages,
         "loadavg": round(os.getloadavg()[0], 2),
         "worker_cpu_ms_per_job": round(cpu * 1000 / max(1, len(keys)), 3),
+        # The processes of the machine's PostgreSQL, and the whole machine, from the clock's start
+        # to the last job's end (a server elsewhere reads 0).
+        "server_cpu_ms_per_job": round(server_seconds * 1000 / max(1, len(keys)), 3),
+        "machine_cpu_ms_per_job": round(busy_seconds * 1000 / max(1, len(keys)), 3),
     }
-    for name, samples in (("call", from_call), ("commit", from_commit), ("enqueue", call)):
+    for name, samples in (
+        ("call", from_call),
+        ("commit", from_commit),
+        ("enqueue", call),
+        ("write", sorted(writes)),
+    ):
         for q, tag in ((0.5, "p50"), (0.9, "p90"), (0.99, "p99"), (1.0, "max")):
             record[f"{name}_{tag}"] = pct(samples, q)
     if args.stages:
