@@ -85,7 +85,9 @@ def echo(text: str) -> None:
     sys.stdout.flush()
 
 
-def prepare(dsn: str, db: str) -> str:
+def prepare(dsn: str, db: str, tree: str | None = None) -> str:
+    """Database `db` of `dsn`'s server, created if missing and migrated by the build on PYTHONPATH
+    (or in `tree`); its jobs and rows emptied. Its DSN."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (db,)).fetchone():
             conn.execute(f'CREATE DATABASE "{db}"')
@@ -101,6 +103,7 @@ def prepare(dsn: str, db: str) -> str:
         ],
         check=True,
         stdout=subprocess.DEVNULL,
+        env=None if tree is None else {**os.environ, "PYTHONPATH": tree},
     )
     with psycopg.connect(target, autocommit=True) as conn:
         conn.execute(CREATE_ROWS)

@@ -1,0 +1,109 @@
+"""The round trip of a worker's claim on an idle queue, two builds side by side (issue 22 §5).
+
+    python bench/claim_rt.py OLD_TREE NEW_TREE [--dsn DSN] [--rounds 40] [--per-round 50]
+
+What an idle worker pays for each wake-up and each job's completion: the
+statement that claims with nothing to finish, and the one that completes a
+job and claims (the id given is nobody's, so the same state serves every
+call), on an empty queue, each prepared and run on a generic plan with the
+worker's session settings (`sql.worker_session`). Beside them, on the new
+build's database: a no-op statement with the same parameters (the round trip
+itself) and the new claim's text on one slot (`fastjobs_jobs_1`, not every
+partition: what the five partitions' executor start-up costs, which
+pg_stat_statements does not count). Each build's statements come from its
+own tree (OLD_TREE, NEW_TREE: checkouts built in place), each on its own
+database migrated by that build (bench/latency_call.py's `prepare`); the
+cases alternate, `--per-round` calls each per round. Prints one JSON line
+per case: p50, p90 and mean in ms over the calls after the first round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import statistics
+import sys
+import time
+from types import ModuleType
+from typing import Any
+
+import psycopg
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from latency_call import prepare
+
+NOOP = "SELECT $1::text, $2::text, $3::text, $4::int, $5::text, $6::int, $7::int8"
+
+
+def statements(tree: str) -> ModuleType:
+    """The fastjobs.sql of the build in `tree` (its own import, apart from any other build's)."""
+    for name in [m for m in sys.modules if m == "fastjobs" or m.startswith("fastjobs.")]:
+        del sys.modules[name]
+    sys.path.insert(0, tree)
+    try:
+        return importlib.import_module("fastjobs.sql")
+    finally:
+        sys.path.remove(tree)
+
+
+def text(sql: ModuleType, *names: str) -> str:
+    """The first of `names` the build has: the new build's claim-only statement, else the old one's."""
+    table: dict[str, str] = getattr(sql, "STATEMENTS", {})
+    for name in names:
+        if name in table:
+            return table[name]
+        if isinstance(getattr(sql, name, None), str):
+            return str(getattr(sql, name))
+    raise LookupError(f"none of {names} in {sql.__file__}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("old")
+    parser.add_argument("new")
+    parser.add_argument(
+        "--dsn", default=os.environ.get("FASTJOBS_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
+    )
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--per-round", type=int, default=50)
+    args = parser.parse_args()
+    cases: dict[str, tuple[psycopg.RawCursor[Any], str, list[Any]]] = {}
+    idle = ["{}", "[]", "default", 4, "bench", 0, 0]
+    one = ["{1}", *idle[1:]]  # a job to complete that is nobody's: the same empty state every call
+    for label, tree in (("old", args.old), ("new", args.new)):
+        sql = statements(tree)
+        conn = psycopg.connect(prepare(args.dsn, f"fj_claim_rt_{label}", tree), autocommit=True)
+        conn.execute(sql.worker_session)
+        claim = text(sql, "job_claim_only_after", "job_finish_claim_after")
+        complete = text(sql, "job_complete_claim_after", "job_finish_claim_after")
+        cases[f"{label} claim"] = (psycopg.RawCursor(conn), claim, idle)
+        cases[f"{label} complete and claim"] = (psycopg.RawCursor(conn), complete, one)
+        if label == "new":
+            cases["no-op"] = (psycopg.RawCursor(conn), NOOP, idle)
+            one_slot = claim.replace("fastjobs_jobs_all", "fastjobs_jobs_1")
+            cases["new claim on one slot"] = (psycopg.RawCursor(conn), one_slot, idle)
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(args.rounds):
+        for name, (cur, statement, params) in cases.items():
+            for _ in range(args.per_round):
+                began = time.perf_counter()
+                cur.execute(statement, params, prepare=True).fetchall()
+                times[name].append(time.perf_counter() - began)
+    for name, seconds in times.items():
+        kept = sorted(seconds[args.per_round :])  # the first round prepares and plans
+        record = {
+            "case": name,
+            "calls": len(kept),
+            "p50_ms": round(kept[len(kept) // 2] * 1000, 3),
+            "p90_ms": round(kept[int(len(kept) * 0.9)] * 1000, 3),
+            "mean_ms": round(statistics.mean(kept) * 1000, 3),
+            "loadavg": round(os.getloadavg()[0], 2),
+        }
+        sys.stdout.write(json.dumps(record) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
