@@ -13,7 +13,10 @@ connection (autocommit, default durability), as an application's job does.
 
 Prints one JSON line: p50/p90/p99/max in ms from the call (before
 `enqueue`) and from the commit (when `enqueue` returned) to the handler's
-start. --stages runs each enqueue in an explicit transaction to split the
+start, and of each handler's write (`write_*`); CPU per job of the worker
+processes, of the machine's PostgreSQL processes and of the whole machine
+(`server_cpu_ms_per_job`, `machine_cpu_ms_per_job`, from /proc: a server on
+another machine reads 0). --stages runs each enqueue in an explicit transaction to split the
 call into the INSERT (`insert_*`) and the COMMIT (`commit_*`); it adds a
 BEGIN round trip, so compare from-the-call figures only between runs of the
 same mode. --waits samples pg_stat_activity of the bench database every
