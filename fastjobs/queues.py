@@ -19,7 +19,7 @@ import datetime as dt
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass
 from types import ModuleType
@@ -30,7 +30,7 @@ from psycopg.rows import tuple_row
 
 from . import schema, sql
 from .enqueue import check_queue
-from .errors import ConfigurationError, QueueFull
+from .errors import ConfigurationError, DatabaseUnavailable, QueueFull
 
 __all__ = [
     "Backpressure",
@@ -53,6 +53,11 @@ COUNT_INTERVAL = 1.0
 REFRESH = 1.0
 WAIT_STEP = 0.25
 FRESH_FOR = 30.0
+# An App without a DSN of its own (ConfigurationError), or whose own connection cannot be had or
+# breaks (the server at max_connections, restarting; another DSN): a producer that passed its
+# connection reads the full queues, and marks a fair queue, through that one instead, so its
+# enqueue fails only as its own connection does.
+_OWN_UNAVAILABLE = (ConfigurationError, DatabaseUnavailable, psycopg.OperationalError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,8 +231,9 @@ class Backpressure:
     ) -> None:
         """Return once `queue` has room (at once unless it is full); QueueFull after `wait` seconds.
 
-        The read goes through fastjobs' own pool, or `conn` (the caller's)
-        when the App has no DSN of its own; so does the mark of a fair queue.
+        The read goes through fastjobs' own pool, or through `conn` (the
+        caller's) when the App has no DSN of its own or its own connection
+        cannot be had (_OWN_UNAVAILABLE); so does the mark of a fair queue.
         """
         if fair and queue not in self._fair:
             self._mark(queue, conn)
@@ -275,41 +281,55 @@ class Backpressure:
         with self._lock:
             if not force and time.monotonic() - self._read_at < REFRESH:
                 return  # another thread read meanwhile
-            with schema.required(self.sql.SCHEMA):
-                try:
-                    with self._connection() as own:
-                        self._read(own)
-                except ConfigurationError:
-                    if caller is None:
-                        raise
-                    with (
-                        caller.transaction()
-                    ):  # a savepoint: a failed read leaves the caller's transaction be
-                        self._read(caller)
+            self._through(caller, self._read)
 
     def _mark(self, queue: str, caller: psycopg.Connection[Any] | None) -> None:
-        with schema.required(self.sql.SCHEMA):
-            try:
-                with self._connection() as own, _cursor(own) as cur:
-                    cur.execute(self.sql.queue_fair, (queue,))
-            except ConfigurationError:
-                if caller is None:
-                    raise
-                with caller.transaction(), _cursor(caller) as cur:
-                    cur.execute(self.sql.queue_fair, (queue,))
+        def mark(conn: psycopg.Connection[Any]) -> None:
+            with _cursor(conn) as cur:
+                cur.execute(self.sql.queue_fair, (queue,))
+
+        self._through(caller, mark)
         self._fair.add(queue)
 
     async def _mark_async(self, queue: str, caller: psycopg.AsyncConnection[Any] | None) -> None:
+        async def mark(conn: psycopg.AsyncConnection[Any]) -> None:
+            async with psycopg.AsyncRawCursor(conn) as cur:
+                await cur.execute(self.sql.queue_fair, (queue,))
+
+        await self._through_async(caller, mark)
+        self._fair.add(queue)
+
+    def _through(
+        self, caller: psycopg.Connection[Any] | None, action: Callable[[psycopg.Connection[Any]], None]
+    ) -> None:
+        """`action` on one of the App's own connections; on the caller's instead, in a savepoint (a
+        failed one leaves its transaction be), when the App has none or cannot have one
+        (_OWN_UNAVAILABLE)."""
         with schema.required(self.sql.SCHEMA):
             try:
-                async with self._connection_async() as own, psycopg.AsyncRawCursor(own) as cur:
-                    await cur.execute(self.sql.queue_fair, (queue,))
-            except ConfigurationError:
+                with self._connection() as own:
+                    action(own)
+            except _OWN_UNAVAILABLE:
                 if caller is None:
                     raise
-                async with caller.transaction(), psycopg.AsyncRawCursor(caller) as cur:
-                    await cur.execute(self.sql.queue_fair, (queue,))
-        self._fair.add(queue)
+                with caller.transaction():
+                    action(caller)
+
+    async def _through_async(
+        self,
+        caller: psycopg.AsyncConnection[Any] | None,
+        action: Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]],
+    ) -> None:
+        """`_through` on async connections."""
+        with schema.required(self.sql.SCHEMA):
+            try:
+                async with self._connection_async() as own:
+                    await action(own)
+            except _OWN_UNAVAILABLE:
+                if caller is None:
+                    raise
+                async with caller.transaction():
+                    await action(caller)
 
     def _read(self, conn: psycopg.Connection[Any]) -> None:
         """Read the full queues, and report the enqueues held back since the last read (under the lock)."""
@@ -322,15 +342,7 @@ class Backpressure:
         self._read_at = time.monotonic()
 
     async def _refresh_async(self, caller: psycopg.AsyncConnection[Any] | None) -> None:
-        with schema.required(self.sql.SCHEMA):
-            try:
-                async with self._connection_async() as own:
-                    await self._read_async(own)
-            except ConfigurationError:
-                if caller is None:
-                    raise
-                async with caller.transaction():
-                    await self._read_async(caller)
+        await self._through_async(caller, self._read_async)
 
     async def _read_async(self, conn: psycopg.AsyncConnection[Any]) -> None:
         async with psycopg.AsyncRawCursor(conn, row_factory=tuple_row) as cur:

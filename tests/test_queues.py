@@ -238,6 +238,43 @@ def test_a_full_queue_holds_producers_back_with_queue_full_and_counts_them(app: 
     assert [q.max_backlog for q in app.queues() if q.name == "small"] == [None]
 
 
+def test_an_enqueue_on_the_caller_s_connection_does_not_need_the_app_s_own(app: App, dsn: str) -> None:
+    """The enqueue's read of the full queues (and its mark of a fair queue) goes through the App's
+    own connections; when those cannot be had (the server at max_connections, a restart, another
+    DSN), it goes through the caller's connection instead, in a savepoint: the enqueue fails only
+    as that connection does. Before, it raised DatabaseUnavailable for a connection the caller
+    never asked for (the chaos suite's producer, across a PostgreSQL restart)."""
+    app.limit_queue("small", max_backlog=2)
+    app.enqueue_many("k", ({} for _ in range(2)), queue="small")
+    _count(dsn)
+    unreachable = App("postgresql://postgres@127.0.0.1:1/nowhere?connect_timeout=2")
+    try:
+        with psycopg.connect(dsn) as conn:
+            job = unreachable.enqueue("k", queue="other", conn=conn)
+            assert unreachable.enqueue_many("k", ({} for _ in range(2)), queue="other", conn=conn) == 2
+            unreachable.enqueue("k", queue="fair", fair_key="a", conn=conn)  # marks the queue fair
+            with pytest.raises(QueueFull, match="queue 'small' is full"):
+                unreachable.enqueue("k", queue="small", conn=conn)
+            conn.commit()  # the failed enqueue's savepoint left the transaction usable
+
+        async def on_async() -> None:
+            async with await psycopg.AsyncConnection.connect(dsn) as conn:
+                await unreachable.enqueue_async("k", queue="other", conn=conn)
+                await unreachable.enqueue_async("k", queue="fair", fair_key="b", conn=conn)
+                with pytest.raises(QueueFull):
+                    await unreachable.enqueue_async("k", queue="small", conn=conn)
+                await conn.commit()
+
+        unreachable._backpressure._fair.clear()  # the async path marks again, through its caller
+        unreachable._backpressure._read_at = -1.0  # and reads again
+        asyncio.run(on_async())
+    finally:
+        unreachable.close()
+    assert query(dsn, "SELECT count(*) AS n FROM fastjobs_jobs_all WHERE queue = 'other'") == [{"n": 4}]
+    assert query(dsn, "SELECT fair FROM fastjobs_queues WHERE name = 'fair'") == [{"fair": True}]
+    assert by_state(dsn)["available"] == 2 + 4 + 2 and job > 0
+
+
 def test_a_producer_waiting_for_room_enqueues_once_the_backlog_drops(app: App, dsn: str) -> None:
     app.job(kind="k", queue="small")(lambda: None)
     app.limit_queue("small", max_backlog=2)
