@@ -197,36 +197,38 @@ class Producer(threading.Thread):
 
     def _produce(self) -> None:
         conn: psycopg.Connection[Any] | None = None
-        while not self._stop_event.is_set():
-            if conn is None or conn.closed:
+        try:
+            while not self._stop_event.is_set():
+                if conn is None or conn.closed:
+                    try:
+                        conn = psycopg.connect(self.app.dsn, connect_timeout=5)
+                    except psycopg.OperationalError:
+                        self._stop_event.wait(0.1)
+                        continue
+                ns = list(range(self._next, self._next + self.rng.randint(1, 6)))
+                self._next += len(ns)
+                roll_back = self.rng.random() < 0.5
+                args = [{"n": n, "rolled_back": True} if roll_back else {"n": n} for n in ns]
+                committing = False
                 try:
-                    conn = psycopg.connect(self.app.dsn, connect_timeout=5)
+                    self.app.enqueue("chaos", args[0], conn=conn)
+                    if args[1:]:
+                        self.app.enqueue_many("chaos", args[1:], conn=conn)
+                    if roll_back:
+                        conn.rollback()
+                        self.rolled_back.update(ns)
+                    else:
+                        committing = True
+                        conn.commit()
+                        self.committed.update(ns)
                 except psycopg.OperationalError:
-                    self._stop_event.wait(0.1)
-                    continue
-            ns = list(range(self._next, self._next + self.rng.randint(1, 6)))
-            self._next += len(ns)
-            roll_back = self.rng.random() < 0.5
-            args = [{"n": n, "rolled_back": True} if roll_back else {"n": n} for n in ns]
-            committing = False
-            try:
-                self.app.enqueue("chaos", args[0], conn=conn)
-                if args[1:]:
-                    self.app.enqueue_many("chaos", args[1:], conn=conn)
-                if roll_back:
-                    conn.rollback()
-                    self.rolled_back.update(ns)
-                else:
-                    committing = True
-                    conn.commit()
-                    self.committed.update(ns)
-            except psycopg.OperationalError:
-                self.failed_transactions += 1
-                (self.uncertain if committing else self.rolled_back).update(ns)
+                    self.failed_transactions += 1
+                    (self.uncertain if committing else self.rolled_back).update(ns)
+                    conn.close()
+                self._stop_event.wait(self.rng.uniform(0.005, 0.03))
+        finally:  # a producer that failed leaves no connection open for a later test to find
+            if conn is not None:
                 conn.close()
-            self._stop_event.wait(self.rng.uniform(0.005, 0.03))
-        if conn is not None:
-            conn.close()
 
 
 class Chaos:
