@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import logging
 import threading
 import time
 from collections import Counter
@@ -44,6 +45,8 @@ __all__ = [
     "states",
 ]
 
+logger = logging.getLogger(__name__)
+
 # How often the leader counts the backlogs of queues with a max_backlog (at
 # least: a count that takes long is paced to 10% of the leader's time).
 COUNT_INTERVAL = 1.0
@@ -58,6 +61,9 @@ FRESH_FOR = 30.0
 # connection reads the full queues, and marks a fair queue, through that one instead, so its
 # enqueue fails only as its own connection does.
 _OWN_UNAVAILABLE = (ConfigurationError, DatabaseUnavailable, psycopg.OperationalError)
+# After the own connection failed so, how long such a producer goes through its connection at once
+# (a host that does not answer would cost a connect attempt at every read).
+OWN_RETRY = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +231,7 @@ class Backpressure:
         self._held: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._fair: set[str] = set()  # the queues this process marked fair
+        self._own_down_until = 0.0  # time.monotonic() until which callers' connections go first
 
     def check(
         self, queue: str, wait: float | None, conn: psycopg.Connection[Any] | None = None, fair: bool = False
@@ -306,14 +313,17 @@ class Backpressure:
         failed one leaves its transaction be), when the App has none or cannot have one
         (_OWN_UNAVAILABLE)."""
         with schema.required(self.sql.SCHEMA):
-            try:
-                with self._connection() as own:
-                    action(own)
-            except _OWN_UNAVAILABLE:
-                if caller is None:
-                    raise
-                with caller.transaction():
-                    action(caller)
+            if caller is None or time.monotonic() >= self._own_down_until:
+                try:
+                    with self._connection() as own:
+                        action(own)
+                    return
+                except _OWN_UNAVAILABLE as exc:
+                    if caller is None:
+                        raise
+                    self._own_failed(exc)
+            with caller.transaction():
+                action(caller)
 
     async def _through_async(
         self,
@@ -322,14 +332,29 @@ class Backpressure:
     ) -> None:
         """`_through` on async connections."""
         with schema.required(self.sql.SCHEMA):
-            try:
-                async with self._connection_async() as own:
-                    await action(own)
-            except _OWN_UNAVAILABLE:
-                if caller is None:
-                    raise
-                async with caller.transaction():
-                    await action(caller)
+            if caller is None or time.monotonic() >= self._own_down_until:
+                try:
+                    async with self._connection_async() as own:
+                        await action(own)
+                    return
+                except _OWN_UNAVAILABLE as exc:
+                    if caller is None:
+                        raise
+                    self._own_failed(exc)
+            async with caller.transaction():
+                await action(caller)
+
+    def _own_failed(self, exc: Exception) -> None:
+        """Callers' connections first for OWN_RETRY seconds; said once per failure (a DSN-less App's
+        ConfigurationError is its normal way, not a failure)."""
+        self._own_down_until = time.monotonic() + OWN_RETRY
+        if not isinstance(exc, ConfigurationError):
+            logger.warning(
+                "fastjobs' own connection failed (%s): enqueues given conn= read the full queues"
+                " through it for the next %gs",
+                str(exc).strip(),
+                OWN_RETRY,
+            )
 
     def _read(self, conn: psycopg.Connection[Any]) -> None:
         """Read the full queues, and report the enqueues held back since the last read (under the lock)."""

@@ -238,7 +238,9 @@ def test_a_full_queue_holds_producers_back_with_queue_full_and_counts_them(app: 
     assert [q.max_backlog for q in app.queues() if q.name == "small"] == [None]
 
 
-def test_an_enqueue_on_the_caller_s_connection_does_not_need_the_app_s_own(app: App, dsn: str) -> None:
+def test_an_enqueue_on_the_caller_s_connection_does_not_need_the_app_s_own(
+    app: App, dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """The enqueue's read of the full queues (and its mark of a fair queue) goes through the App's
     own connections; when those cannot be had (the server at max_connections, a restart, another
     DSN), it goes through the caller's connection instead, in a savepoint: the enqueue fails only
@@ -267,9 +269,14 @@ def test_an_enqueue_on_the_caller_s_connection_does_not_need_the_app_s_own(app: 
 
         unreachable._backpressure._fair.clear()  # the async path marks again, through its caller
         unreachable._backpressure._read_at = -1.0  # and reads again
+        unreachable._backpressure._own_down_until = 0.0  # trying its own connection first again
         asyncio.run(on_async())
     finally:
         unreachable.close()
+    # Said once per failure, then the caller's connection first for OWN_RETRY seconds: no connect
+    # attempt at every read (a host that does not answer would cost each its timeout).
+    said = [r.getMessage() for r in caplog.records if "own connection failed" in r.getMessage()]
+    assert len(said) == 2 and "127.0.0.1:1/nowhere" in said[0] and "next 10s" in said[0], said
     assert query(dsn, "SELECT count(*) AS n FROM fastjobs_jobs_all WHERE queue = 'other'") == [{"n": 4}]
     assert query(dsn, "SELECT fair FROM fastjobs_queues WHERE name = 'fair'") == [{"fair": True}]
     assert by_state(dsn)["available"] == 2 + 4 + 2 and job > 0
