@@ -232,6 +232,7 @@ class Backpressure:
         self._lock = threading.Lock()
         self._fair: set[str] = set()  # the queues this process marked fair
         self._own_down_until = 0.0  # time.monotonic() until which callers' connections go first
+        self._dsnless = False  # the App has no DSN: callers' connections are its only way
 
     def check(
         self, queue: str, wait: float | None, conn: psycopg.Connection[Any] | None = None, fair: bool = False
@@ -295,60 +296,66 @@ class Backpressure:
             with _cursor(conn) as cur:
                 cur.execute(self.sql.queue_fair, (queue,))
 
-        self._through(caller, mark)
-        self._fair.add(queue)
+        if self._through(caller, mark):
+            self._fair.add(queue)
 
     async def _mark_async(self, queue: str, caller: psycopg.AsyncConnection[Any] | None) -> None:
         async def mark(conn: psycopg.AsyncConnection[Any]) -> None:
             async with psycopg.AsyncRawCursor(conn) as cur:
                 await cur.execute(self.sql.queue_fair, (queue,))
 
-        await self._through_async(caller, mark)
-        self._fair.add(queue)
+        if await self._through_async(caller, mark):
+            self._fair.add(queue)
 
     def _through(
         self, caller: psycopg.Connection[Any] | None, action: Callable[[psycopg.Connection[Any]], None]
-    ) -> None:
-        """`action` on one of the App's own connections; on the caller's instead, in a savepoint (a
-        failed one leaves its transaction be), when the App has none or cannot have one
-        (_OWN_UNAVAILABLE)."""
+    ) -> bool:
+        """`action` on one of the App's own connections; on the caller's instead when the App has
+        none or cannot have one (_OWN_UNAVAILABLE): in a savepoint of its transaction (a failed one
+        leaves it be), or a transaction of its own when none is open. Whether that is its usual
+        way: a mark made through the caller's connection while the App's own is down is made again
+        at the next enqueue (the caller's transaction may roll it back); an App without a DSN has
+        no other way."""
         with schema.required(self.sql.SCHEMA):
             if caller is None or time.monotonic() >= self._own_down_until:
                 try:
                     with self._connection() as own:
                         action(own)
-                    return
+                    return True
                 except _OWN_UNAVAILABLE as exc:
                     if caller is None:
                         raise
                     self._own_failed(exc)
             with caller.transaction():
                 action(caller)
+            return self._dsnless
 
     async def _through_async(
         self,
         caller: psycopg.AsyncConnection[Any] | None,
         action: Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]],
-    ) -> None:
+    ) -> bool:
         """`_through` on async connections."""
         with schema.required(self.sql.SCHEMA):
             if caller is None or time.monotonic() >= self._own_down_until:
                 try:
                     async with self._connection_async() as own:
                         await action(own)
-                    return
+                    return True
                 except _OWN_UNAVAILABLE as exc:
                     if caller is None:
                         raise
                     self._own_failed(exc)
             async with caller.transaction():
                 await action(caller)
+            return self._dsnless
 
     def _own_failed(self, exc: Exception) -> None:
         """Callers' connections first for OWN_RETRY seconds; said once per failure (a DSN-less App's
         ConfigurationError is its normal way, not a failure)."""
         self._own_down_until = time.monotonic() + OWN_RETRY
-        if not isinstance(exc, ConfigurationError):
+        self._dsnless = isinstance(exc, ConfigurationError)
+        if not self._dsnless:
             logger.warning(
                 "fastjobs' own connection failed (%s): enqueues given conn= read the full queues"
                 " through it for the next %gs",

@@ -258,6 +258,13 @@ def test_an_enqueue_on_the_caller_s_connection_does_not_need_the_app_s_own(
             with pytest.raises(QueueFull, match="queue 'small' is full"):
                 unreachable.enqueue("k", queue="small", conn=conn)
             conn.commit()  # the failed enqueue's savepoint left the transaction usable
+            # A mark made through the caller's connection is made again until the App's own is back:
+            # the transaction it went in may roll back (inside one, it is a savepoint of it).
+            conn.execute("SELECT 1")
+            unreachable.enqueue("k", queue="fair2", fair_key="a", conn=conn)
+            conn.rollback()
+            unreachable.enqueue("k", queue="fair2", fair_key="a", conn=conn)
+            conn.commit()
 
         async def on_async() -> None:
             async with await psycopg.AsyncConnection.connect(dsn) as conn:
@@ -278,8 +285,11 @@ def test_an_enqueue_on_the_caller_s_connection_does_not_need_the_app_s_own(
     said = [r.getMessage() for r in caplog.records if "own connection failed" in r.getMessage()]
     assert len(said) == 2 and "127.0.0.1:1/nowhere" in said[0] and "next 10s" in said[0], said
     assert query(dsn, "SELECT count(*) AS n FROM fastjobs_jobs_all WHERE queue = 'other'") == [{"n": 4}]
-    assert query(dsn, "SELECT fair FROM fastjobs_queues WHERE name = 'fair'") == [{"fair": True}]
-    assert by_state(dsn)["available"] == 2 + 4 + 2 and job > 0
+    assert query(dsn, "SELECT name, fair FROM fastjobs_queues WHERE name LIKE 'fair%' ORDER BY name") == [
+        {"name": "fair", "fair": True},
+        {"name": "fair2", "fair": True},
+    ]
+    assert by_state(dsn)["available"] == 2 + 4 + 2 + 1 and job > 0
 
 
 def test_a_producer_waiting_for_room_enqueues_once_the_backlog_drops(app: App, dsn: str) -> None:
