@@ -352,6 +352,10 @@ cdef class BatchLoop:
     cdef bytes _complete_sql, _complete_after_sql
     cdef bytes _claim_statement, _claim_after_statement
     cdef bytes _claim_sql, _claim_after_sql
+    # The complete and claim-only statements after the mark in slot 0 and one rotating slot alone
+    # (sql.IN_SLOT), and the slot the claim in flight reads so (0: every slot).
+    cdef bytes _complete_slot_statement, _complete_slot_sql, _claim_slot_statement, _claim_slot_sql
+    cdef long _sent_slot
     cdef public bint overlap, stopping
     cdef public Py_ssize_t claimed, completed, failed, retried, discarded, stale
     cdef bint _in_flight
@@ -471,6 +475,11 @@ cdef class BatchLoop:
         self._claim_statement, self._claim_sql = name.encode(), text.encode()
         name, text = claim[bool(keep_completed), True]
         self._claim_after_statement, self._claim_after_sql = name.encode(), text.encode()
+        name, text = complete[bool(keep_completed), sql.IN_SLOT]
+        self._complete_slot_statement, self._complete_slot_sql = name.encode(), text.encode()
+        name, text = claim[bool(keep_completed), sql.IN_SLOT]
+        self._claim_slot_statement, self._claim_slot_sql = name.encode(), text.encode()
+        self._sent_slot = 0
         self.planner = Planner(
             fast_queues(specs, queues, fast_lane=fast_lane, keep_completed=keep_completed),
             batch_min=batch_min, batch_max=batch_max, duty=front_claim_duty,
@@ -568,6 +577,8 @@ cdef class BatchLoop:
             (self._complete_statement, self._complete_sql),
             (self._complete_after_statement, self._complete_after_sql),
             (self._claim_statement, self._claim_sql), (self._claim_after_statement, self._claim_after_sql),
+            (self._complete_slot_statement, self._complete_slot_sql),
+            (self._claim_slot_statement, self._claim_slot_sql),
         ]
         if self.planner.any_fast:
             statements += [(self._lock_statement, self._lock_sql),
@@ -795,7 +806,8 @@ cdef class BatchLoop:
         cdef char limit_text[24]
         cdef char priority_text[8]
         cdef char run_at_text[24]
-        cdef const char *values[7]
+        cdef char slot_text[8]
+        cdef const char *values[8]
         cdef bytes failures
         cdef int rc
         cdef int64_t *ids
@@ -828,6 +840,7 @@ cdef class BatchLoop:
         values[3] = limit_text
         values[4] = PyBytes_AS_STRING(self._worker_id)
         keeping = self.planner.keeping
+        self._sent_slot = 0
         if mark is None:
             rc = PQsendQueryPrepared(
                 self._pgconn,
@@ -839,11 +852,20 @@ cdef class BatchLoop:
             snprintf(run_at_text, sizeof(run_at_text), "%lld", <long long>mark[1])
             values[5] = priority_text
             values[6] = run_at_text
-            rc = PQsendQueryPrepared(
-                self._pgconn,
-                self._claim_after_statement if not sending else self._kept_after_statement if keeping
-                else self._after_statement if records else self._complete_after_statement,
-                7, values, NULL, NULL, 1)
+            if mark[2] and (not sending or not (keeping or records)):  # the claim and complete ones
+                self._sent_slot = mark[2]
+                snprintf(slot_text, sizeof(slot_text), "%ld", self._sent_slot)
+                values[7] = slot_text
+                rc = PQsendQueryPrepared(
+                    self._pgconn,
+                    self._claim_slot_statement if not sending else self._complete_slot_statement,
+                    8, values, NULL, NULL, 1)
+            else:
+                rc = PQsendQueryPrepared(
+                    self._pgconn,
+                    self._claim_after_statement if not sending else self._kept_after_statement if keeping
+                    else self._after_statement if records else self._complete_after_statement,
+                    7, values, NULL, NULL, 1)
         if not rc:
             raise LoopError(_conn_error(self._pgconn))
         self._flush()
@@ -903,10 +925,15 @@ cdef class BatchLoop:
         return rows
 
     cdef int _claimed(self, PGresult *res) except -1:
-        """How many rows of `res` are claimed jobs; the stale outcomes after them are counted and logged."""
+        """How many rows of `res` are claimed jobs; the stale outcomes after them are counted and logged,
+        and the slot row a claim after the mark ends with goes to the planner (see the reference)."""
         cdef int n = PQntuples(res)
         cdef list stale
         cdef str state
+        if n and PQgetisnull(res, n - 1, _COL_KIND) and PQgetisnull(res, n - 1, _COL_ARGS):
+            n -= 1  # the slot row a claim after the mark ends with (sql._slot_row)
+            self.planner.slots(_int2(PQgetvalue(res, n, _COL_ATTEMPT)), _int8(PQgetvalue(res, n, _COL_RUN_AT)),
+                               self._sent_slot)
         if n and PQgetisnull(res, n - 1, _COL_KIND):
             stale = []
             while n and PQgetisnull(res, n - 1, _COL_KIND):

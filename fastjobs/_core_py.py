@@ -144,7 +144,10 @@ class BatchLoop:
             "claim": sql.CLAIM_ONLY_CONTEXT if whole_context else sql.CLAIM_ONLY,
         }
         chosen = {
-            (key, after): table[keep_completed, after] for key, table in tables.items() for after in (0, 1)
+            (key, after): table[keep_completed, after]
+            for key, table in tables.items()
+            for after in (0, 1, sql.IN_SLOT)
+            if (keep_completed, after) in table
         }
         self._statements = {name: (name.encode(), text) for name, text in chosen.values()}
         self._finish_names = {key: name.encode() for key, (name, _) in chosen.items()}
@@ -207,6 +210,7 @@ class BatchLoop:
         self._failures: list[Outcome] = []
         # The outcomes of the statement in flight, isolated if PostgreSQL rejects it.
         self._sent_outcomes: tuple[list[int], list[Outcome]] = ([], [])
+        self._sent_slot = 0  # the rotating slot the claim in flight reads alone (0: every slot)
 
     # The planner's figures the worker reads and its careful mode sets.
     @property
@@ -251,7 +255,7 @@ class BatchLoop:
         if self._running is not None and not self._write_failed:
             self._running[RUNNING_WRITING] = 0
 
-    def _send(self, index: int = 0, limit: int = 0, mark: tuple[int, int] | None = None) -> None:
+    def _send(self, index: int = 0, limit: int = 0, mark: tuple[int, int, int] | None = None) -> None:
         """Send the outcomes gathered so far and a claim: the planner's next (none by default)."""
         done = ("{" + ",".join(map(str, self._done)) + "}").encode()
         keyed = not self.planner.keyless(index)  # a claim that must take keyed jobs goes by "finish"
@@ -270,15 +274,25 @@ class BatchLoop:
         self._done = []
         self._failures = []
         params = [done, failures, self._queues[index], str(limit).encode(), self._worker_id]
+        after, self._sent_slot = 0, 0
         if mark is not None:
             params += [str(mark[0]).encode(), str(mark[1]).encode()]
-        self._send_prepared(self._finish_names[variant, mark is not None], params)
+            after = 1
+            if mark[2] and (variant, sql.IN_SLOT) in self._finish_names:  # the claim and complete ones
+                after, self._sent_slot = sql.IN_SLOT, mark[2]
+                params.append(str(mark[2]).encode())
+        self._send_prepared(self._finish_names[variant, after], params)
         self._in_flight = True
         self._limit = limit
 
     def _claimed(self, res: Any) -> int:
-        """How many rows of `res` are claimed jobs; the stale outcomes after them are counted and logged."""
+        """How many rows of `res` are claimed jobs; the stale outcomes after them are counted and
+        logged, and the slot row a claim after the mark ends with (sql._slot_row) goes to the planner."""
         n = res.ntuples
+        if n and res.get_value(n - 1, COL_KIND) is None and res.get_value(n - 1, COL_ARGS) is None:
+            n -= 1
+            slot, at = _int(res.get_value(n, COL_ATTEMPT)), _int(res.get_value(n, COL_RUN_AT))
+            self.planner.slots(slot, at, self._sent_slot)
         if n and res.get_value(n - 1, COL_KIND) is None:
             stale = []
             while n and res.get_value(n - 1, COL_KIND) is None:

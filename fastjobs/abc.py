@@ -53,6 +53,7 @@ __all__ = [
     "RUN",
     "RUN_SUM",
     "SIZE_DECAY",
+    "SLOT_FRESH",
     "SNOOZED",
     "BatchLoop",
     "Core",
@@ -121,6 +122,11 @@ KEEPING_CLAIMS = 3
 # (tests/test_upkeep.py pins the two).
 FRONT_CLAIM_DUTY = 0.02
 FRONT_CLAIM_MAX_WAIT = 10.0
+# How long (seconds) a loop goes by the rotating slot its last claim after the mark saw current
+# (fastjobs.planner.Planner.slots): less than three rotation intervals (RotationConfig.interval, 2 s;
+# 0.1 s in the tests that rotate fastest), so that four rotations, back to the same slot, cannot
+# pass between two of its claims unseen (tests/test_upkeep.py pins it).
+SLOT_FRESH = 0.25
 # A mark is kept only for a run_at a second or more inside timestamptz's range
 # (microseconds since 2000): the claim after it subtracts its margin, and
 # -infinity or 4713 BC would overflow.

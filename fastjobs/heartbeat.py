@@ -74,7 +74,7 @@ class Heartbeat(threading.Thread):
         names: list[tuple[int, str, str]] | None = None,
         rotator: leader.Rotator | None = None,
         handles: list[str] | None = None,
-        limited: Callable[[Iterable[tuple[str, bool, bool]]], None] | None = None,
+        limited: Callable[[Iterable[tuple[str, bool, bool, bool]]], None] | None = None,
         sql: ModuleType = sql,
         events: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
@@ -82,7 +82,8 @@ class Heartbeat(threading.Thread):
         self.sql = sql  # the statements of the app's schema
         # The engine's events the heartbeat carries (Worker.events): slow jobs, demotions, careful mode.
         self.events = events
-        # Told at each heartbeat which queues have a concurrency limit or keyed jobs (sql.queue_limited).
+        # Told at each heartbeat which queues have a concurrency limit, keyed jobs or a fair mark
+        # (sql.queue_limited).
         self.limited = limited
         # The kinds this worker has handlers for: the heartbeat carries them, so that `fastjobs
         # stats` can flag pending kinds that no live worker handles.

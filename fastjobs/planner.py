@@ -14,7 +14,9 @@ Its decisions (see docs/internals.md for the concepts):
   FAST_LANE_DEMOTE of a demotion;
 - where a claim starts: after the queue's mark (where its last claim
   ended), or from the front of the claim index as often as costs the
-  `duty` share of the loop's time (FRONT_CLAIM_DUTY);
+  `duty` share of the loop's time (FRONT_CLAIM_DUTY); and which partitions a
+  claim after the mark reads: slot 0 and the current rotating slot alone
+  when no other slot can hold a job at or after the mark (slots);
 - the size: twice what the queue's last claim found, halving at most
   (SIZE_DECAY), between batch_min and batch_max, capped by the pace of the
   queue's last batch (BATCH_SECONDS; whole waves for async and pooled jobs);
@@ -38,7 +40,9 @@ from .abc import (
     MARK_RUN_AT_MAX,
     MARK_RUN_AT_MIN,
     SIZE_DECAY,
+    SLOT_FRESH,
 )
+from .sql import CLAIM_MARK_MARGIN
 
 if TYPE_CHECKING:
     from .types import JobSpec
@@ -46,8 +50,9 @@ if TYPE_CHECKING:
 __all__ = ["Claim", "Planner", "fast_queues", "takes_keys", "widths"]
 
 # A claim to send: the queue's index, how many jobs, and the mark to claim
-# after ((priority, run_at as binary timestamptz); None: from the front).
-Claim = tuple[int, int, "tuple[int, int] | None"]
+# after ((priority, run_at as binary timestamptz, and the rotating slot to
+# claim in beside slot 0, or 0 for every slot); None: from the front).
+Claim = tuple[int, int, "tuple[int, int, int] | None"]
 
 
 def fast_queues(
@@ -107,12 +112,16 @@ class Planner:
         "_queues",
         "_sent",
         "_sizes",
+        "_slot",
+        "_slot_seen",
+        "_slot_since",
         "_state_until",
         "_turn",
         "_widths",
         "batch_max",
         "batch_min",
         "demotions",
+        "fair",
         "full",
         "index",
         "keeping",
@@ -150,6 +159,14 @@ class Planner:
         # The queues ever given a keyed job (migration 012's mark, set by the worker at its start
         # and heartbeat, sql.queue_limited); None until told: every queue may have them.
         self.keyed: frozenset[int] | None = None
+        # The queues marked fair (set with `limited`): their claims read every slot (slots).
+        self.fair: frozenset[int] = frozenset()
+        # The current rotating slot as the last claim after the mark saw it (0: unknown), since
+        # when at the latest (the database's time, microseconds since 2000: the time of the first
+        # claim that saw it), and when (the clock) a claim last saw it (slots).
+        self._slot = 0
+        self._slot_since = 0
+        self._slot_seen = float("-inf")
         self._turn = 0
         self.batch_min = batch_min
         self.batch_max = batch_max
@@ -260,7 +277,8 @@ class Planner:
         )
 
     def next(self) -> Claim:
-        """The next claim, on the lane lane() chose: the queue whose turn it is, its size, from where."""
+        """The next claim, on the lane lane() chose: the queue whose turn it is, its size, from where
+        (and in which slots: _slot_for)."""
         index = self._turn % self._queues
         self._turn += 1
         limit = min(self._sizes[index], self.batch_max)
@@ -273,7 +291,47 @@ class Planner:
         self._sent = (index, mark is None, now)
         self._limit = limit
         self.index = index
-        return index, limit, mark
+        if mark is None:
+            return index, limit, None
+        return index, limit, (*mark, self._slot_for(index, mark[1], now))
+
+    def _slot_for(self, index: int, run_at: int, now: float) -> int:
+        """The rotating slot a claim of queue `index` after a mark at `run_at` may read alone beside
+        slot 0, or 0 for every slot.
+
+        A row goes into a rotating slot while that slot is current, with a run_at from its insert's
+        transaction (the table's default: now()), so a slot no longer current holds rows from before
+        the moment the slot after it became current, and no later than when this loop first saw
+        that one current. So once the mark, less its margin, is at or after the moment this loop
+        first saw the current slot, no other rotating slot holds a row the claim would take, unless
+        its run_at was written in place since (a Retry(0), a promoted retry): those wait for a claim
+        from the front, as jobs behind the mark do. Not for a queue marked fair (its claims start at
+        each key's front, in any slot), nor on what a claim saw more than SLOT_FRESH ago.
+        """
+        if (
+            self._slot
+            and index not in self.fair
+            and now - self._slot_seen <= SLOT_FRESH
+            and run_at - CLAIM_MARK_MARGIN >= self._slot_since
+        ):
+            return self._slot
+        return 0
+
+    def slots(self, current: int, at: int, sent: int) -> None:
+        """A claim after the mark saw rotating slot `current` current at the database's time `at`
+        (microseconds since 2000, read after the slot: at or after the moment it became current);
+        it was sent for slot `sent` alone beside slot 0 (0: every slot).
+
+        A claim sent for a slot no longer current missed the jobs inserted since into the current
+        one: an idle loop claims again at once (recheck), after the mark, which then reads every
+        slot until the mark passes the moment this loop first saw the new one.
+        """
+        now = self._clock()
+        if current != self._slot or now - self._slot_seen > SLOT_FRESH:
+            self._slot, self._slot_since = current, at
+        self._slot_seen = now
+        if sent and sent != current:
+            self.recheck = 0.0
 
     def claimed(self, n: int, lowest: int, latest: int, keeps: bool) -> None:
         """The claim sent last found `n` jobs; `lowest` priority and the `latest` run_at among those.

@@ -468,6 +468,9 @@ class _Choice:
     numbered after the statement's own."""
 
     after: bool = False  # from the mark on: the priority and run_at where the last claim ended
+    # After the mark, in slot 0 and the rotating slot given (the current one) alone: the partitions
+    # pruned at the executor's start-up (see _IN_SLOT); a third parameter after the mark's two.
+    slot: bool = False
     # Keyed jobs too (in their groups' turns, counted by fastjobs_take: _claim, _lock); without,
     # the claim takes none and costs nothing more: the state lane's for a queue never given a
     # keyed job (migration 012 marks one), the fast lane's for a loop whose app limits no kind.
@@ -486,6 +489,8 @@ class _Choice:
                 f" AND priority = ${first}\n   AND run_at >= timestamptz '2000-01-01 00:00:00+00'"
                 f" + (${first + 1}::int8 - {CLAIM_MARK_MARGIN}) * interval '1 microsecond'"
             )
+        if self.slot:
+            after += f"\n   AND {self.slots(first)}"
         stopped = _stopped(fast=fast)
         # A claim takes a keyed job only in the turn of its key's group (_IN_TURN), which it holds
         # to its transaction's end: on the fast lane (with `keys`), to the batch's commit, so no
@@ -498,6 +503,11 @@ class _Choice:
  ORDER BY {_CLAIM_ORDER}
  LIMIT {limit}
    FOR UPDATE SKIP LOCKED"""
+
+    def slots(self, first: int, row: str = "") -> str:
+        """The partitions a claim in slot $`first` + 2 reads (`row`: the table's alias), "" without `slot`."""
+        prefix = f"{row}." if row else ""
+        return f"{prefix}slot IN (0, ${first + 2}::smallint)" if self.slot else ""
 
     def select(
         self, columns: str, *, queue: str, limit: str, first: int, fast: bool = False, ending: str = ""
@@ -530,14 +540,17 @@ class _Choice:
         # A fair claim's keyed jobs are not filtered by their groups' turns (fastjobs_take drops
         # those of groups it does not hold): on the fast lane they would stay locked to its
         # batch's commit, so it takes only the keyless, as a claim without `keys` does.
-        keyless = "\n   AND limit_key IS NULL" if fast or not self.keys else ""
+        filters = "\n   AND limit_key IS NULL" if fast or not self.keys else ""
+        # A claim in one slot takes the fair jobs of its slots only: its UPDATE reads no other. (A
+        # loop sends none for a queue it was told is fair: Planner.fair.)
+        filters += f"\n   AND {self.slots(first)}" if self.slot else ""
         return f"""SELECT * FROM (
   SELECT {columns} FROM {_S}fastjobs_jobs_all
   {_indent(plain, 2)}) AS queued
 UNION ALL
 SELECT {columns} FROM {_S}fastjobs_fair({queue}, {limit})
  WHERE EXISTS (SELECT FROM {_S}fastjobs_queues
-                WHERE name = {queue} AND fair AND NOT {stopped} AND {_S}fastjobs_fair_keyed(name)){keyless}"""
+                WHERE name = {queue} AND fair AND NOT {stopped} AND {_S}fastjobs_fair_keyed(name)){filters}"""
 
 
 def _stopped(*, fast: bool) -> str:
@@ -561,6 +574,14 @@ _FROM_THE_FRONT: Final = _Choice()
 _AFTER_THE_MARK: Final = _Choice(after=True)
 _KEYS_FROM_THE_FRONT: Final = _Choice(keys=True)
 _KEYS_AFTER_THE_MARK: Final = _Choice(after=True, keys=True)
+# A claim after the mark that reads slot 0 and the current rotating slot alone, which a loop sends
+# when no other slot can hold an available job at or after its mark (fastjobs.planner.Planner.slots:
+# a row inserted into a rotating slot has a run_at from before that slot stopped being current).
+# Three partitions fewer to start up, in its scan and in its UPDATE: a claim on an idle queue took
+# 0.118 ms against 0.131 ms over the five (bench/RESULTS.md, issue 22 §5, eighth sitting). Rows
+# whose run_at is written after their slot stopped being current (a Retry(0), a promoted retry in
+# a slot no longer current) are found by the claims from the front, as rows behind the mark are.
+_IN_SLOT: Final = _Choice(after=True, slot=True)
 
 
 def _in_claim_order(rows: str, *, context: bool) -> str:
@@ -586,19 +607,20 @@ def _claim(
     update = f"""UPDATE {_S}fastjobs_jobs_all j
    SET state = 'running', attempt = {_next_attempt("j")},
        attempted_at = now(), attempted_by = {worker}"""
+    # The UPDATE reads only the partitions its candidates come from (each partition it may write
+    # costs its start-up, indexes and all, as each the candidates' scan reads does).
+    pruned = f"{choice.slots(first, 'j')} AND " if choice.slot else ""
     if not choice.keys:
         candidates = choice.select("id", queue=queue, limit=limit, first=first, ending=ending)
         return f"""{update}
- WHERE j.id = ANY(ARRAY(
+ WHERE {pruned}j.id = ANY(ARRAY(
            {_indent(candidates, 11)}))
 RETURNING {_returned(context=context, row="j")}"""
     candidates = choice.select(
         f"id, kind, {_LIMIT_COLUMNS}", queue=queue, limit=limit, first=first, ending=ending
     )
-    return f"""UPDATE {_S}fastjobs_jobs_all j
-   SET state = 'running', attempt = {_next_attempt("j")},
-       attempted_at = now(), attempted_by = {worker}
- WHERE j.id = ANY(ARRAY(
+    return f"""{update}
+ WHERE {pruned}j.id = ANY(ARRAY(
            WITH c AS (
                {_indent(candidates, 15)})
            SELECT id FROM c WHERE limit_key IS NULL
@@ -863,6 +885,17 @@ _WAKE: Final = f"""  FROM (SELECT DISTINCT queue FROM failed WHERE state = 'avai
  WHERE pg_notify('{NOTIFY_CHANNEL}', woken.queue)::text IS NULL"""
 
 
+def _slot_row(*, context: bool) -> str:
+    """The row a claim after the mark ends with, for the loop's Planner.slots: the current rotating
+    slot as its attempt and the time it was read as its run_at, the rest NULL (its args NULL sets it
+    apart from a stale outcome's row). The time is read after the slot (a target list is evaluated
+    in order), so it is at or after the moment that slot became current."""
+    values = ["NULL"] * (len(_CLAIMED) + (len(_CONTEXT) if context else 0))
+    values[_CLAIMED.index("attempt")] = f"pg_sequence_last_value('{_S}fastjobs_slot')::smallint"
+    values[_CLAIMED.index("run_at")] = "clock_timestamp()"
+    return f"SELECT {', '.join(values)}"
+
+
 def _finish_claim(
     *,
     keep: bool,
@@ -881,7 +914,8 @@ def _finish_claim(
     batch's outcomes are completions at a first attempt only ($1; $2 is '[]'): a third of the
     statement's start-up less, which a shallow queue pays once per job. Without `outcomes` (the
     job_claim_only_ variants), nothing to finish ($1 '{}', $2 '[]'): the claim alone, without the
-    DELETE over every partition that a loop woken from its sleep would start up for no row."""
+    DELETE over every partition that a loop woken from its sleep would start up for no row. A claim
+    after the mark returns _slot_row last."""
     claim = _claim(
         queue="$3",
         limit="$4",
@@ -892,12 +926,19 @@ def _finish_claim(
         ending=", $5, $1, $2",
         ended=("$1", "$2"),
     )
+    slot = f"\nUNION ALL\n{_slot_row(context=context)}" if choice.after else ""
     if not outcomes:
-        return f"""
+        if not slot:
+            return f"""
 WITH claimed AS (
     {_indent(claim, 4)}
 )
 {_in_claim_order("claimed", context=context)}"""
+        return f"""
+WITH claimed AS (
+    {_indent(claim, 4)}
+)
+({_in_claim_order("claimed", context=context)}){slot}"""
     width = len(_CLAIMED) + (len(_CONTEXT) if context else 0)
     rest = ", NULL" * (width - 4)  # the columns after id, kind, args and attempt
     notify = f"\nUNION ALL\nSELECT {', '.join(['NULL'] * width)}\n{_NOTIFY_KEPT}" if results else ""
@@ -914,7 +955,7 @@ WITH claimed AS (
 UNION ALL
 {stale_completed}"""
     if not records:
-        return head
+        return head + slot
     return f"""{head}
 UNION ALL
 SELECT f.id, NULL, to_jsonb(f.state), f.attempt{rest}
@@ -924,7 +965,7 @@ SELECT f.id, NULL, to_jsonb(f.state), f.attempt{rest}
    AND f.id NOT IN (SELECT id FROM failed UNION ALL SELECT id FROM completed_later)
 UNION ALL
 SELECT {", ".join(["NULL"] * width)}
-{_WAKE}{notify}"""
+{_WAKE}{notify}{slot}"""
 
 
 # job_finish_claim_many: finish a batch (completed jobs deleted) and claim the next from the front.
@@ -971,6 +1012,19 @@ job_complete_claim_many_keep_context: Final = _finish_claim(
 job_complete_claim_after_keep_context: Final = _finish_claim(
     keep=True, choice=_AFTER_THE_MARK, context=True, records=False
 )
+# job_complete_claim_in_slot, _in_slot_keep and their _context variants: the _after ones reading
+# slot 0 and slot $8 alone (_IN_SLOT), which a loop sends when its Planner says no other slot can
+# hold a job after the mark.
+job_complete_claim_in_slot: Final = _finish_claim(keep=False, choice=_IN_SLOT, context=False, records=False)
+job_complete_claim_in_slot_keep: Final = _finish_claim(
+    keep=True, choice=_IN_SLOT, context=False, records=False
+)
+job_complete_claim_in_slot_context: Final = _finish_claim(
+    keep=False, choice=_IN_SLOT, context=True, records=False
+)
+job_complete_claim_in_slot_keep_context: Final = _finish_claim(
+    keep=True, choice=_IN_SLOT, context=True, records=False
+)
 # job_claim_only_many, _after and their _context variants: the claim of a loop with nothing to
 # finish ($1 '{}', $2 '[]'; CLAIM_ONLY), as from its sleep, in a queue never given a keyed job.
 job_claim_only_many: Final = _finish_claim(keep=False, choice=_FROM_THE_FRONT, context=False, outcomes=False)
@@ -980,6 +1034,11 @@ job_claim_only_many_context: Final = _finish_claim(
 )
 job_claim_only_after_context: Final = _finish_claim(
     keep=False, choice=_AFTER_THE_MARK, context=True, outcomes=False
+)
+# job_claim_only_in_slot, job_claim_only_in_slot_context: the same in slot 0 and slot $8 alone.
+job_claim_only_in_slot: Final = _finish_claim(keep=False, choice=_IN_SLOT, context=False, outcomes=False)
+job_claim_only_in_slot_context: Final = _finish_claim(
+    keep=False, choice=_IN_SLOT, context=True, outcomes=False
 )
 # The eight finish statements with the outcomes of jobs that keep their result (keep_result): the _results
 # variants (FINISH_RESULTS, FINISH_CONTEXT_RESULTS), which a loop sends only for outcomes of a
@@ -1580,10 +1639,12 @@ INSERT INTO {_S}fastjobs_queues AS q (name, fair) VALUES ($1, true)
 ON CONFLICT (name) DO UPDATE SET fair = true, updated_at = now() WHERE NOT q.fair"""
 
 # queue_limited: the queues with a concurrency limit, which a worker's loop claims a wave at a
-# time, and those ever given a keyed job, which it claims with the statements that take keyed
-# jobs (fastjobs.planner): read at its start and at each heartbeat.
+# time, those ever given a keyed job, which it claims with the statements that take keyed
+# jobs, and those marked fair, which it never claims in one slot (fastjobs.planner): read at its
+# start and at each heartbeat.
 queue_limited: Final = f"""
-SELECT name, concurrency IS NOT NULL, keyed FROM {_S}fastjobs_queues WHERE concurrency IS NOT NULL OR keyed"""
+SELECT name, concurrency IS NOT NULL, keyed, fair
+  FROM {_S}fastjobs_queues WHERE concurrency IS NOT NULL OR keyed OR fair"""
 
 # key_limit: set kind $1's limits for key $2 ('': the kind as a whole; fastjobs.keys): its
 # concurrency to $3 when $4, its rate limit to $5 ("10/s") at $6 jobs a second when $7 (NULL: the
@@ -2290,20 +2351,25 @@ FINISH: Final[Mapping[tuple[bool, bool], tuple[str, str]]] = MappingProxyType(
 )
 
 # The same for a batch whose outcomes are all completions at a first attempt: the
-# job_complete_claim_ variants.
-COMPLETE: Final[Mapping[tuple[bool, bool], tuple[str, str]]] = MappingProxyType(
+# job_complete_claim_ variants; and IN_SLOT (2) for where the claim starts: after the mark, in slot 0
+# and the current rotating slot alone (_IN_SLOT).
+IN_SLOT: Final = 2
+COMPLETE: Final[Mapping[tuple[bool, int], tuple[str, str]]] = MappingProxyType(
     {
         (False, False): ("job_complete_claim_many", job_complete_claim_many),
         (False, True): ("job_complete_claim_after", job_complete_claim_after),
+        (False, IN_SLOT): ("job_complete_claim_in_slot", job_complete_claim_in_slot),
         (True, False): ("job_complete_claim_many_keep", job_complete_claim_many_keep),
         (True, True): ("job_complete_claim_after_keep", job_complete_claim_after_keep),
+        (True, IN_SLOT): ("job_complete_claim_in_slot_keep", job_complete_claim_in_slot_keep),
     }
 )
 
 # The same with nothing to finish (kept or not: none is): the job_claim_only_ variants.
-CLAIM_ONLY: Final[Mapping[tuple[bool, bool], tuple[str, str]]] = MappingProxyType(
+CLAIM_ONLY: Final[Mapping[tuple[bool, int], tuple[str, str]]] = MappingProxyType(
     {(keep, False): ("job_claim_only_many", job_claim_only_many) for keep in (False, True)}
     | {(keep, True): ("job_claim_only_after", job_claim_only_after) for keep in (False, True)}
+    | {(keep, IN_SLOT): ("job_claim_only_in_slot", job_claim_only_in_slot) for keep in (False, True)}
 )
 
 # The same for the outcomes of a batch that held a job with keep_result: the _results variants.
@@ -2327,19 +2393,25 @@ FINISH_CONTEXT: Final[Mapping[tuple[bool, bool], tuple[str, str]]] = MappingProx
 )
 
 # And their job_complete_claim_ variants.
-COMPLETE_CONTEXT: Final[Mapping[tuple[bool, bool], tuple[str, str]]] = MappingProxyType(
+COMPLETE_CONTEXT: Final[Mapping[tuple[bool, int], tuple[str, str]]] = MappingProxyType(
     {
         (False, False): ("job_complete_claim_many_context", job_complete_claim_many_context),
         (False, True): ("job_complete_claim_after_context", job_complete_claim_after_context),
+        (False, IN_SLOT): ("job_complete_claim_in_slot_context", job_complete_claim_in_slot_context),
         (True, False): ("job_complete_claim_many_keep_context", job_complete_claim_many_keep_context),
         (True, True): ("job_complete_claim_after_keep_context", job_complete_claim_after_keep_context),
+        (True, IN_SLOT): ("job_complete_claim_in_slot_keep_context", job_complete_claim_in_slot_keep_context),
     }
 )
 
 # And their job_claim_only_ variants.
-CLAIM_ONLY_CONTEXT: Final[Mapping[tuple[bool, bool], tuple[str, str]]] = MappingProxyType(
+CLAIM_ONLY_CONTEXT: Final[Mapping[tuple[bool, int], tuple[str, str]]] = MappingProxyType(
     {(keep, False): ("job_claim_only_many_context", job_claim_only_many_context) for keep in (False, True)}
     | {(keep, True): ("job_claim_only_after_context", job_claim_only_after_context) for keep in (False, True)}
+    | {
+        (keep, IN_SLOT): ("job_claim_only_in_slot_context", job_claim_only_in_slot_context)
+        for keep in (False, True)
+    }
 )
 
 # And their _results variants.
@@ -2389,6 +2461,7 @@ __all__ = [
     "FINISH_CONTEXT",
     "FINISH_CONTEXT_RESULTS",
     "FINISH_RESULTS",
+    "IN_SLOT",
     "KEY_FRONT",
     "LEADER_LOCK_KEY",
     "LOCK",

@@ -357,16 +357,18 @@ class Worker:
             os.close(wake_r)
             os.close(wake_w)
 
-    def _tell(self, rows: Iterable[tuple[str, bool, bool]]) -> None:
-        """Tell the loop's planner its queues limited and keyed (sql.queue_limited's rows). A queue
-        that one of this app's kinds limits per key is keyed, marked or not: its first keyed jobs
-        may come before the mark is read."""
+    def _tell(self, rows: Iterable[tuple[str, bool, bool, bool]]) -> None:
+        """Tell the loop's planner its queues limited, keyed and fair (sql.queue_limited's rows). A
+        queue that one of this app's kinds limits per key is keyed, marked or not: its first keyed
+        jobs may come before the mark is read."""
         assert self.loop is not None
-        planner, told = self.loop.planner, {name: (limit, keyed) for name, limit, keyed in rows}
+        planner = self.loop.planner
+        told = {name: (limit, keyed, fair) for name, limit, keyed, fair in rows}
         own = {spec.queue for spec in self.app.jobs.values() if spec.limit is not None}
-        marks = [(*told.get(queue, (False, False)), queue in own) for queue in self.queues]
-        planner.limited = frozenset(i for i, (limit, _, _) in enumerate(marks) if limit)
-        planner.keyed = frozenset(i for i, (_, keyed, limits) in enumerate(marks) if keyed or limits)
+        marks = [(*told.get(queue, (False, False, False)), queue in own) for queue in self.queues]
+        planner.limited = frozenset(i for i, (limit, _, _, _) in enumerate(marks) if limit)
+        planner.keyed = frozenset(i for i, (_, keyed, _, limits) in enumerate(marks) if keyed or limits)
+        planner.fair = frozenset(i for i, (_, _, fair, _) in enumerate(marks) if fair)
 
     def _loop(self, conn: psycopg.Connection[Any], listener: Listener) -> None:
         sql = self.app.sql

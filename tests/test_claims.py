@@ -13,6 +13,7 @@ from fastjobs import App
 from fastjobs.abc import SIZE_DECAY
 from fastjobs.executor import Executor
 from fastjobs.impl import core
+from fastjobs.maintenance import rotate_once
 from fastjobs.worker import Worker, WorkerConfig
 
 from .helpers import OVERLAP, WorkerThread, batch_loop, by_state, handler_event, query, wait_for, warm
@@ -37,6 +38,65 @@ def test_a_job_committed_late_behind_the_mark_is_claimed_after_it(app: App, dsn)
         assert loop.step() == 1 and seen == [1, 2]
         assert loop.step() == 0
     assert by_state(dsn) == {"available": 1}
+
+
+def test_a_claim_after_the_mark_reads_the_current_slot_alone_and_a_rotation_leaves_no_job_behind(
+    app: App, dsn
+) -> None:
+    """Once its mark is past the moment the loop first saw the current rotating slot, a claim after
+    the mark reads slot 0 and that slot alone (the _in_slot statements: Planner.slots). A rotation
+    then makes another slot current: the claim sent for the old one finds nothing of the jobs
+    inserted since, sees the new slot, and the loop claims again at once, in every slot; claims
+    from the front, which would find them too, come almost never here."""
+    _, seen = handler_event(app, "slotted")
+    jobs = iter(range(1, 1000))
+    with psycopg.connect(dsn, autocommit=True) as conn, psycopg.connect(dsn, autocommit=True) as leader:
+        loop = core.BatchLoop(conn, dict(app.jobs), Executor(10), "w", ["default"], batch_min=10,
+                              batch_max=10, front_claim_duty=1e-9, fast_lane=False)  # fmt: skip
+        loop.prepare()
+
+        def in_slot() -> int:
+            """How many times the loop's connection ran an _in_slot statement (between its steps)."""
+            [(count,)] = conn.execute(
+                "SELECT coalesce(sum(generic_plans + custom_plans), 0)::int FROM pg_prepared_statements"
+                " WHERE name LIKE '%%\\_in\\_slot%%'"
+            ).fetchall()
+            return int(count)
+
+        def one_slot() -> None:
+            """Jobs one at a time until a claim reads one slot: its mark, less the margin, after the
+            loop's first sight of the slot (each job 0.12 s after the last, within SLOT_FRESH)."""
+            before = in_slot()
+            for _ in range(20):
+                n = next(jobs)
+                app.enqueue("slotted", {"n": n})
+                assert loop.step() == 1 and seen[-1] == n
+                if in_slot() > before:
+                    return
+                time.sleep(0.12)
+            raise AssertionError("no claim read one slot")
+
+        loop.planner.keyed = frozenset()  # as a Worker's start finds the queue: never given a keyed job
+        again = 0  # claims made again at once for a rotation they saw
+        for _ in range(3):  # a stall of the machine past SLOT_FRESH makes the next claim read every slot
+            one_slot()
+            assert rotate_once(leader)["rotated"] == 1
+            n = next(jobs)
+            app.enqueue("slotted", {"n": n})  # into the new current slot
+            for _ in range(2):
+                if loop.step():
+                    break
+                assert loop.recheck == 0.0  # the claim sent for the old slot saw the new one
+                again += 1
+            else:
+                raise AssertionError(f"job {n} was not claimed in two steps")
+            assert seen[-1] == n
+            if again:
+                break
+        assert again
+        loop.finish()
+        assert seen == list(range(1, n + 1))
+        assert by_state(dsn) == {}
 
 
 @OVERLAP

@@ -19,8 +19,10 @@ from fastjobs.abc import (
     KEEPING_CLAIMS,
     MARK_RUN_AT_MAX,
     SIZE_DECAY,
+    SLOT_FRESH,
 )
 from fastjobs.planner import Planner, fast_queues, widths
+from fastjobs.sql import CLAIM_MARK_MARGIN
 
 HOUR_US = 3_600_000_000  # a run_at well inside timestamptz's range
 
@@ -118,9 +120,9 @@ def test_claims_go_after_the_mark_until_a_claim_from_the_front_is_due_by_its_dut
     assert mark is None
     # That one took 10 ms: the next is due 10 * 0.98 / 0.02 = 490 ms later.
     _, _, _, mark, _ = claim(p, clock, 10, spent=0.001, priority=5)
-    assert mark == (3, HOUR_US)
+    assert mark == (3, HOUR_US, 0)  # in every slot: the planner knows of none yet
     clock.now += 0.48
-    assert claim(p, clock, 10)[3] == (5, HOUR_US)  # the mark moves with each claim
+    assert claim(p, clock, 10)[3] == (5, HOUR_US, 0)  # the mark moves with each claim
     clock.now += 0.01
     assert claim(p, clock, 10)[3] is None
     # That one took 1 ms: due 49 ms later. One slow claim from the front is rationed by the lesser
@@ -137,6 +139,51 @@ def test_claims_go_after_the_mark_until_a_claim_from_the_front_is_due_by_its_dut
     assert claim(p, clock, 10)[3] is None
 
 
+def test_a_claim_after_the_mark_reads_one_slot_once_the_mark_passes_the_loop_s_first_sight_of_it() -> None:
+    """The slot row of a claim after the mark (Planner.slots) tells the current rotating slot and a time
+    at or after it became current: once the mark, less its margin, is at or after the first time this
+    loop saw that slot, the claims after it read slot 0 and that slot alone; never on an old sight, nor
+    for a queue marked fair; and a claim sent for a slot no longer current is made again at once."""
+    p, clock = planner(2, duty=0.02)
+
+    def after(index: int, run_at: int) -> int:
+        """Claim queue `index` after its mark and find a job at `run_at`; the slot the claim read alone."""
+        while p.next()[0] != index:  # its turn
+            pass
+        p._turn -= 1
+        p.lane()
+        _, _, mark = p.next()
+        assert mark is not None
+        p.claimed(1, 0, run_at, False)
+        return mark[2]
+
+    for _ in range(4):  # from the front, the first ones (cold, then rationed), for both queues
+        claim(p, clock, 10, spent=0.01)
+    assert after(0, HOUR_US) == 0  # no slot seen yet: every slot
+    p.slots(3, HOUR_US - CLAIM_MARK_MARGIN, 0)  # slot 3, current by then at the latest
+    assert after(0, HOUR_US + 1) == 3  # the mark (HOUR_US) less its margin is at the sight
+    p.slots(3, HOUR_US, 3)  # seen again later: the first sight stands
+    assert after(0, HOUR_US + 2) == 3
+    p.fair = frozenset({1})
+    assert after(1, HOUR_US) == 0  # a fair queue's claims start at each key's front, in any slot
+    clock.now += SLOT_FRESH + 0.01
+    assert after(0, HOUR_US + 3) == 0  # too long since a claim saw it: four rotations may have passed
+    p.slots(3, HOUR_US, 0)  # the first sight is now this one
+    assert after(0, HOUR_US + 4) == 0
+    assert after(0, HOUR_US + CLAIM_MARK_MARGIN) == 0
+    assert after(0, HOUR_US + CLAIM_MARK_MARGIN + 1) == 3
+    # A rotation: the claim sent for slot 3 saw slot 4 current, so it may have missed jobs there.
+    p.recheck = float("inf")
+    p.slots(4, HOUR_US + CLAIM_MARK_MARGIN + 2, 3)
+    assert p.recheck == 0.0  # an idle loop claims again at once, in every slot
+    assert after(0, HOUR_US + CLAIM_MARK_MARGIN + 3) == 0
+    p.recheck = float("inf")
+    p.slots(4, HOUR_US + 10 * CLAIM_MARK_MARGIN, 0)
+    assert p.recheck == float("inf")  # a claim in every slot missed nothing
+    assert after(0, HOUR_US + 3 * CLAIM_MARK_MARGIN) == 0  # its mark is before the first sight of 4
+    assert after(0, HOUR_US + 3 * CLAIM_MARK_MARGIN) == 4
+
+
 def test_a_mark_keeps_the_lowest_priority_and_its_latest_run_at_inside_timestamptz() -> None:
     p, clock = planner()
     p.lane()
@@ -146,9 +193,9 @@ def test_a_mark_keeps_the_lowest_priority_and_its_latest_run_at_inside_timestamp
     assert p.next()[2] is None
     clock.now += 0.001
     p.claimed(4, 2, 7, False)
-    assert p.next()[2] == (2, 7)
+    assert p.next()[2] == (2, 7, 0)
     p.claimed(0, 0, 0, False)  # an empty claim keeps the mark
-    assert p.next()[2] == (2, 7)
+    assert p.next()[2] == (2, 7, 0)
 
 
 def test_an_empty_claim_after_the_mark_asks_an_idle_loop_to_recheck_from_the_front_when_due() -> None:

@@ -58,9 +58,16 @@ def test_the_registry_lists_every_statement_under_its_own_name():
         }
         assert [name for name, text in kept.values() if sql.STATEMENTS[name] is not text] == []
     for plain, complete in ((sql.FINISH, sql.COMPLETE), (sql.FINISH_CONTEXT, sql.COMPLETE_CONTEXT)):
-        assert {key: name for key, (name, _) in complete.items()} == {
+        assert {key: name for key, (name, _) in complete.items() if key[1] != sql.IN_SLOT} == {
             key: name.replace("job_finish_claim", "job_complete_claim") for key, (name, _) in plain.items()
         }
+        # Claims in one slot: of the complete and claim-only statements after the mark alone.
+        for family in (complete, sql.CLAIM_ONLY, sql.CLAIM_ONLY_CONTEXT):
+            assert {key: name for key, (name, _) in family.items() if key[1] == sql.IN_SLOT} == {
+                (keep, sql.IN_SLOT): name.replace("_after", "_in_slot")
+                for (keep, after), (name, _) in family.items()
+                if after is True
+            }
         assert [name for name, text in complete.values() if sql.STATEMENTS[name] is not text] == []
 
 
@@ -179,7 +186,12 @@ def test_a_variants_name_says_what_it_is(name):
     job_claim_only_ claims alone (nothing to finish, whatever the loop keeps)."""
     text = _words(sql.STATEMENTS[name])
     mark = _mark("$3", "$4") if name in LOCKS else _mark("$6", "$7")
-    assert (text.count(mark), text.count("AND priority = $")) == ((1, 1) if "_after" in name else (0, 0))
+    after = "_after" in name or "_in_slot" in name
+    assert (text.count(mark), text.count("AND priority = $")) == ((1, 1) if after else (0, 0))
+    # _in_slot reads slot 0 and slot $8 alone: its scan, its fair branch and its UPDATE; and every
+    # state-lane claim after the mark ends with the slot row (sql._slot_row).
+    assert text.count("slot IN (0, $8::smallint)") == (3 if "_in_slot" in name else 0)
+    assert text.count("pg_sequence_last_value(") == (1 if after and name not in LOCKS else 0)
     assert ("run_at, keep_result, meta, created_at" in text) == ("_context" in name)
     assert ("fastjobs_results" in text) == ("_results" in name)
     if name in FINISHES + FINISHES_RESULTS + COMPLETES:
@@ -220,9 +232,11 @@ def test_every_claim_returns_its_batch_in_claim_order(name):
             and text.endswith(" FROM c WHERE limit_key IS NOT NULL) ORDER BY priority DESC, run_at, id")
         ),
     }
+    # A claim after the mark ends with the slot row, after its claimed rows.
+    after = "_after" in name or "_in_slot" in name
     kind = (
         "job_claim_many"
-        if name in ["job_claim_many", *CLAIMS_ONLY]
+        if name == "job_claim_many" or (name in CLAIMS_ONLY and not after)
         else "lock"
         if name in LOCKS
         else "finish"
@@ -380,9 +394,9 @@ def test_every_limit_a_statement_carries_is_its_constant():
     margins = re.findall(r"\$[47]::int8 - (\d+)\)", text)
     # The _after ones, with context or not, with _results or not: eight finish statements, four
     # job_complete_claim_ ones, two job_claim_only_ ones and four fast-lane claims (keyed jobs
-    # too or not).
-    assert [int(m) for m in margins] == [sql.CLAIM_MARK_MARGIN] * 18
-    assert text.count(str(sql.CLAIM_MARK_MARGIN)) == 18
+    # too or not); and the _in_slot ones: four job_complete_claim_, two job_claim_only_.
+    assert [int(m) for m in margins] == [sql.CLAIM_MARK_MARGIN] * 24
+    assert text.count(str(sql.CLAIM_MARK_MARGIN)) == 24
 
 
 def test_every_unique_key_predicate_is_the_unique_index_predicate():
