@@ -8,9 +8,11 @@ job and claims (the id given is nobody's, so the same state serves every
 call), on an empty queue, each prepared and run on a generic plan with the
 worker's session settings (`sql.worker_session`). Beside them, on the new
 build's database: a no-op statement with the same parameters (the round trip
-itself) and the new claim's text on one slot (`fastjobs_jobs_1`, not every
+itself), the new claim's text on one slot (`fastjobs_jobs_1`, not every
 partition: what the five partitions' executor start-up costs, which
-pg_stat_statements does not count). Each build's statements come from its
+pg_stat_statements does not count), and where the new build has them, its
+claims in slot 0 and the current rotating slot (`job_claim_only_in_slot`,
+`job_complete_claim_in_slot`). Each build's statements come from its
 own tree (OLD_TREE, NEW_TREE: checkouts built in place), each on its own
 database migrated by that build (bench/latency_call.py's `prepare`); the
 cases alternate, `--per-round` calls each per round. Prints one JSON line
@@ -84,6 +86,17 @@ def main() -> int:
             cases["no-op"] = (psycopg.RawCursor(conn), NOOP, idle)
             one_slot = claim.replace("fastjobs_jobs_all", "fastjobs_jobs_1")
             cases["new claim on one slot"] = (psycopg.RawCursor(conn), one_slot, idle)
+            if "job_claim_only_in_slot" in getattr(sql, "STATEMENTS", {}):  # slot 0 and the current one
+                [(slot,)] = conn.execute(sql.slot_current).fetchall()
+                for case, name, params in (
+                    ("claim", "claim_only", idle),
+                    ("complete and claim", "complete_claim", one),
+                ):
+                    cases[f"new {case} in slot 0 and the current"] = (
+                        psycopg.RawCursor(conn),
+                        sql.STATEMENTS[f"job_{name}_in_slot"],
+                        [*params, slot],
+                    )
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(args.rounds):
         for name, (cur, statement, params) in cases.items():

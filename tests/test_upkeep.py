@@ -20,7 +20,7 @@ import pytest
 from psycopg.conninfo import make_conninfo
 
 from fastjobs import App
-from fastjobs.abc import BATCH_SECONDS, FRONT_CLAIM_DUTY, FRONT_CLAIM_MAX_WAIT, GUARD_TICK
+from fastjobs.abc import BATCH_SECONDS, FRONT_CLAIM_DUTY, FRONT_CLAIM_MAX_WAIT, GUARD_TICK, SLOT_FRESH
 from fastjobs.exposition import prometheus
 from fastjobs.leader import Leader, LeaderConfig
 from fastjobs.maintenance import SLOTS, RotationConfig, Rotator, SchedulerConfig, rotate_once
@@ -381,6 +381,17 @@ def test_the_rotation_waits_out_a_fast_batch() -> None:
     tick (its deadline, then the hand-over of a job still running): the rotation's lock waits
     longer than that, or it would give way to every batch in flight."""
     assert RotationConfig().lock_timeout > BATCH_SECONDS + GUARD_TICK
+
+
+# The fastest rotation these tests run (RotationConfig(interval=0.1) above).
+FASTEST_ROTATION = 0.1
+
+
+def test_a_loop_trusts_its_sight_of_the_current_slot_for_less_than_three_rotations() -> None:
+    """A loop claims in one rotating slot on what its claims saw within SLOT_FRESH (Planner.slots):
+    four rotations bring the same slot back, and the first of them comes after the loop's sight,
+    so three intervals must not fit in SLOT_FRESH, or the loop could take an old sight for new."""
+    assert (SLOTS - 1) * min(RotationConfig().interval, FASTEST_ROTATION) > SLOT_FRESH
 
 
 # The slowest claim from the front measured: 170 ms walking the dead entries of the rotating slots
