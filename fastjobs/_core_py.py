@@ -293,6 +293,9 @@ class BatchLoop:
             n -= 1
             slot, at = _int(res.get_value(n, COL_ATTEMPT)), _int(res.get_value(n, COL_RUN_AT))
             self.planner.slots(slot, at, self._sent_slot)
+        elif self._sent_slot:  # a claim in one slot returns none while its slot is current
+            self.planner.slots(0, 0, self._sent_slot)
+        self._sent_slot = 0
         if n and res.get_value(n - 1, COL_KIND) is None:
             stale = []
             while n and res.get_value(n - 1, COL_KIND) is None:

@@ -111,6 +111,7 @@ class Planner:
         "_proven",
         "_queues",
         "_sent",
+        "_sent_at",
         "_sizes",
         "_slot",
         "_slot_seen",
@@ -199,6 +200,7 @@ class Planner:
         self._caps = [batch_max] * n
         # The claim in flight: (queue index, from the front, when sent), its lane and size.
         self._sent: tuple[int, bool, float] = (0, True, 0.0)
+        self._sent_at = float("-inf")  # when the claim in flight was sent (_sent's time is rationed)
         self._fast = False
         self._limit = 0
         self.index = 0  # the queue of the claim sent last
@@ -289,6 +291,7 @@ class Planner:
         if mark is not None and now >= self._next_front[index]:
             mark = None
         self._sent = (index, mark is None, now)
+        self._sent_at = now
         self._limit = limit
         self.index = index
         if mark is None:
@@ -320,16 +323,24 @@ class Planner:
     def slots(self, current: int, at: int, sent: int) -> None:
         """A claim after the mark saw rotating slot `current` current at the database's time `at`
         (microseconds since 2000, read after the slot: at or after the moment it became current);
-        it was sent for slot `sent` alone beside slot 0 (0: every slot).
+        it was sent for slot `sent` alone beside slot 0 (0: every slot). `current` 0: the claim
+        returned no slot row, which a claim in one slot returns only when another is current, so
+        its slot still was (the loops call this after every claim in one slot, and after every
+        claim with a slot row).
 
         A claim sent for a slot no longer current missed the jobs inserted since into the current
         one: an idle loop claims again at once (recheck), after the mark, which then reads every
-        slot until the mark passes the moment this loop first saw the new one.
+        slot until the mark passes the moment this loop first saw the new one. A sight dates from
+        when its claim was sent (a claim sent ahead comes back a batch later).
         """
-        now = self._clock()
-        if current != self._slot or now - self._slot_seen > SLOT_FRESH:
+        seen = self._sent_at
+        if not current:
+            if sent == self._slot:
+                self._slot_seen = max(self._slot_seen, seen)
+            return
+        if current != self._slot or seen - self._slot_seen > SLOT_FRESH:
             self._slot, self._slot_since = current, at
-        self._slot_seen = now
+        self._slot_seen = max(self._slot_seen, seen)
         if sent and sent != current:
             self.recheck = 0.0
 

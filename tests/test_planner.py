@@ -143,8 +143,9 @@ def test_a_claim_after_the_mark_reads_one_slot_once_the_mark_passes_the_loop_s_f
     """The slot row of a claim after the mark (Planner.slots) tells the current rotating slot and a time
     at or after it became current: once the mark, less its margin, is at or after the first time this
     loop saw that slot, the claims after it read slot 0 and that slot alone; never on an old sight, nor
-    for a queue marked fair; and a claim sent for a slot no longer current is made again at once."""
-    p, clock = planner(2, duty=0.02)
+    for a queue marked fair; and a claim sent for a slot no longer current is made again at once.
+    A claim in one slot that returns no slot row saw its slot current."""
+    p, clock = planner(2, duty=1e-9)  # claims from the front FRONT_CLAIM_MAX_WAIT apart
 
     def after(index: int, run_at: int) -> int:
         """Claim queue `index` after its mark and find a job at `run_at`; the slot the claim read alone."""
@@ -182,6 +183,13 @@ def test_a_claim_after_the_mark_reads_one_slot_once_the_mark_passes_the_loop_s_f
     assert p.recheck == float("inf")  # a claim in every slot missed nothing
     assert after(0, HOUR_US + 3 * CLAIM_MARK_MARGIN) == 0  # its mark is before the first sight of 4
     assert after(0, HOUR_US + 3 * CLAIM_MARK_MARGIN) == 4
+    # A claim in one slot returns no slot row while its slot is current: that is a sight of it too.
+    for _ in range(3):
+        p.slots(0, 0, 4)
+        clock.now += SLOT_FRESH * 0.6
+        assert after(0, HOUR_US + 4 * CLAIM_MARK_MARGIN) == 4
+    clock.now += SLOT_FRESH * 0.6
+    assert after(0, HOUR_US + 4 * CLAIM_MARK_MARGIN) == 0  # no sight since the last claim's
 
 
 def test_a_mark_keeps_the_lowest_priority_and_its_latest_run_at_inside_timestamptz() -> None:

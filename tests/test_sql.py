@@ -191,7 +191,8 @@ def test_a_variants_name_says_what_it_is(name):
     # _in_slot reads slot 0 and slot $8 alone: its scan, its fair branch and its UPDATE; and every
     # state-lane claim after the mark ends with the slot row (sql._slot_row).
     assert text.count("slot IN (0, $8::smallint)") == (3 if "_in_slot" in name else 0)
-    assert text.count("pg_sequence_last_value(") == (1 if after and name not in LOCKS else 0)
+    slot_reads = 0 if not after or name in LOCKS else 2 if "_in_slot" in name else 1  # and its WHERE
+    assert text.count("pg_sequence_last_value(") == slot_reads
     assert ("run_at, keep_result, meta, created_at" in text) == ("_context" in name)
     assert ("fastjobs_results" in text) == ("_results" in name)
     if name in FINISHES + FINISHES_RESULTS + COMPLETES:
