@@ -932,8 +932,8 @@ cdef class BatchLoop:
         cdef str state
         if n and PQgetisnull(res, n - 1, _COL_KIND) and PQgetisnull(res, n - 1, _COL_ARGS):
             n -= 1  # the slot row a claim after the mark ends with (sql._slot_row)
-            self.planner.slots(_int2(PQgetvalue(res, n, _COL_ATTEMPT)), _int8(PQgetvalue(res, n, _COL_RUN_AT)),
-                               self._sent_slot)
+            self.planner.slots(_int2(PQgetvalue(res, n, _COL_ATTEMPT)),
+                               _int8(PQgetvalue(res, n, _COL_RUN_AT)), self._sent_slot)
         elif self._sent_slot:  # a claim in one slot returns none while its slot is current
             self.planner.slots(0, 0, self._sent_slot)
         self._sent_slot = 0
