@@ -1,5 +1,5 @@
-"""The hot path in plain Python: the readable reference `_core.pyx` matches name for name (three of its
-sections in modules of their own: `_libpq_py`, `_fast_lane_py`, `_hand_back_py`)."""
+"""The hot path in plain Python: the readable reference `_core.pyx` matches name for name (four of its
+parts in modules of their own: `_libpq_py`, `_claimed_py`, `_fast_lane_py`, `_hand_back_py`)."""
 
 from __future__ import annotations
 
@@ -12,18 +12,8 @@ from typing import Any
 import orjson
 import psycopg
 
-from . import _fast_lane_py, _hand_back_py, _libpq_py, guard, outcomes, sql, stats
+from . import _claimed_py, _fast_lane_py, _hand_back_py, _libpq_py, guard, outcomes, sql, stats
 from .abc import (
-    COL_ARGS,
-    COL_ATTEMPT,
-    COL_CREATED_AT,
-    COL_ID,
-    COL_KEEP_RESULT,
-    COL_KIND,
-    COL_MAX_ATTEMPTS,
-    COL_META,
-    COL_PRIORITY,
-    COL_RUN_AT,
     COMPLETED,
     FRONT_CLAIM_DUTY,
     PG_EPOCH_US,
@@ -48,10 +38,6 @@ IMPLEMENTATION = "python"
 Row = tuple[int, str, bytes, int, int, int, "tuple[bytes | None, int, int] | None", bool]
 
 
-def _int(value: bytes) -> int:
-    return int.from_bytes(value, "big", signed=True)
-
-
 class BatchLoop:
     """Claims, runs and completes batches on one connection, one statement per batch.
 
@@ -65,14 +51,17 @@ class BatchLoop:
     (fastjobs.planner), asked once per claim and once per batch.
     """
 
-    # Three of _core.pyx's sections are modules of their own here, functions of the loop that
-    # become its methods under the C class's names: the libpq calls, the fast lane's transaction
-    # and the hand-back.
+    # Four of _core.pyx's parts are modules of their own here, functions of the loop that become
+    # its methods under the C class's names: the libpq calls, the reading of a claim's result, the
+    # fast lane's transaction and the hand-back.
     _lost = _libpq_py._lost
     _prepare = _libpq_py._prepare
     _send_prepared = _libpq_py._send_prepared
     _simple = _libpq_py._simple
     _results = _libpq_py._results
+    _claimed = _claimed_py._claimed
+    _rows_of = _claimed_py._rows_of
+    _plan = _claimed_py._plan
     _lock = _fast_lane_py._lock
     _commit = _fast_lane_py._commit
     _end = _fast_lane_py._end
@@ -285,29 +274,6 @@ class BatchLoop:
         self._in_flight = True
         self._limit = limit
 
-    def _claimed(self, res: Any) -> int:
-        """How many rows of `res` are claimed jobs; the stale outcomes after them are counted and
-        logged, and the slot row a claim after the mark ends with (sql._slot_row) goes to the planner."""
-        n = res.ntuples
-        if n and res.get_value(n - 1, COL_KIND) is None and res.get_value(n - 1, COL_ARGS) is None:
-            n -= 1
-            slot, at = _int(res.get_value(n, COL_ATTEMPT)), _int(res.get_value(n, COL_RUN_AT))
-            self.planner.slots(slot, at, self._sent_slot)
-        elif self._sent_slot:  # a claim in one slot returns none while its slot is current
-            self.planner.slots(0, 0, self._sent_slot)
-        self._sent_slot = 0
-        if n and res.get_value(n - 1, COL_KIND) is None:
-            stale = []
-            while n and res.get_value(n - 1, COL_KIND) is None:
-                n -= 1
-                state = orjson.loads(res.get_value(n, COL_ARGS)[1:])
-                stale.append((_int(res.get_value(n, COL_ID)), _int(res.get_value(n, COL_ATTEMPT)), state))
-                if state == "completed":
-                    self.completed -= 1
-            self.stale += len(stale)
-            outcomes.say_stale(stale[::-1])
-        return int(n)
-
     def _write(self, done: list[int], failures: list[Outcome]) -> str | None:
         """Write outcomes alone, claiming nothing; the error if one of them is rejected."""
         ids = ("{" + ",".join(map(str, done)) + "}").encode()
@@ -342,41 +308,6 @@ class BatchLoop:
         if self._limit > 0:
             self._plan(res, rows)
         return rows
-
-    def _rows_of(self, res: Any, n: int) -> list[Row]:
-        rows: list[Row] = []
-        for i in range(n):
-            claimed = None
-            if self._whole_context:
-                meta, created = res.get_value(i, COL_META), _int(res.get_value(i, COL_CREATED_AT))
-                claimed = (meta, created, _int(res.get_value(i, COL_RUN_AT)))
-            rows.append(
-                (
-                    _int(res.get_value(i, COL_ID)),
-                    res.get_value(i, COL_KIND).decode(),
-                    res.get_value(i, COL_ARGS),
-                    _int(res.get_value(i, COL_ATTEMPT)),
-                    _int(res.get_value(i, COL_MAX_ATTEMPTS)),
-                    _int(res.get_value(i, COL_RUN_AT)),
-                    claimed,
-                    res.get_value(i, COL_KEEP_RESULT) is not None,
-                )
-            )
-        return rows
-
-    def _plan(self, res: Any, rows: list[Row]) -> None:
-        """Tell the planner what the claim found: how many, where it ended, whether one keeps its result.
-
-        Where it ended: its lowest priority, and the latest run_at within it.
-        """
-        lowest, latest = 1 << 15, 0
-        for i in range(len(rows)):
-            priority, run_at = _int(res.get_value(i, COL_PRIORITY)), _int(res.get_value(i, COL_RUN_AT))
-            if priority < lowest:
-                lowest, latest = priority, run_at
-            elif priority == lowest and run_at > latest:
-                latest = run_at
-        self.planner.claimed(len(rows), lowest, latest, any(row[7] for row in rows))
 
     def _claim(self) -> list[Row]:
         """Claim synchronously, trying each queue once (the planner's tries) before giving up."""

@@ -505,9 +505,9 @@ class _Choice:
    FOR UPDATE SKIP LOCKED"""
 
     def slots(self, first: int, row: str = "") -> str:
-        """The partitions a claim in slot $`first` + 2 reads (`row`: the table's alias), "" without `slot`."""
+        """With `slot`: the partitions the claim reads, slot 0 and slot $`first` + 2 (`row`: the alias)."""
         prefix = f"{row}." if row else ""
-        return f"{prefix}slot IN (0, ${first + 2}::smallint)" if self.slot else ""
+        return f"{prefix}slot IN (0, ${first + 2}::smallint)"
 
     def select(
         self, columns: str, *, queue: str, limit: str, first: int, fast: bool = False, ending: str = ""
