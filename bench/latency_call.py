@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib.util
 import json
 import logging
 import multiprocessing
@@ -50,6 +51,24 @@ import psycopg
 from psycopg.conninfo import make_conninfo
 
 import fastjobs
+
+
+def own_migrations() -> None:
+    """Read `fastjobs.migrations` from the measured tree's `migrations/`. The package maps it there
+    (pyproject's package-dir), and a development install's import hook maps it to that install's
+    checkout whatever tree PYTHONPATH names: until 2026-12-03 every build here was migrated by the
+    working checkout's files (the old build ran on slot 0 of the rotating schema)."""
+    init = os.path.join(os.path.dirname(os.path.dirname(fastjobs.__file__)), "migrations", "__init__.py")
+    spec = importlib.util.spec_from_file_location(
+        "fastjobs.migrations", init, submodule_search_locations=[os.path.dirname(init)]
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fastjobs.migrations"] = module
+    spec.loader.exec_module(module)
+
+
+own_migrations()
 
 KIND = "fastjobs.bench.call"
 
@@ -96,14 +115,7 @@ def prepare(dsn: str, db: str, tree: str | None = None) -> str:
             conn.execute(f'CREATE DATABASE "{db}"')
     target = make_conninfo(dsn, dbname=db)
     subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import sys; from fastjobs.cli import main; sys.exit(main())",
-            "--dsn",
-            target,
-            "migrate",
-        ],
+        [sys.executable, os.path.abspath(__file__), "--migrate", target],
         check=True,
         stdout=subprocess.DEVNULL,
         env=None if tree is None else {**os.environ, "PYTHONPATH": tree},
@@ -206,6 +218,10 @@ def pct(samples: list[float], q: float) -> float | None:
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--migrate"]:  # prepare's subprocess: this build's CLI, its migrations
+        from fastjobs.cli import main as cli
+
+        return cli(["--dsn", sys.argv[2], "migrate"])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--dsn", default=os.environ.get("FASTJOBS_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
