@@ -570,6 +570,13 @@ cdef class BatchLoop:
     def recheck(self):
         return self.planner.recheck
 
+    def due(self):
+        if self._handed:
+            return 0.0
+        if self._tx:
+            return self._deadline
+        return self._job_began + _HAND_BACK_AFTER if self._job_began != 0.0 else 0.0
+
     def prepare(self, bint plan_ahead=False):
         statements = [
             (self._statement, self._sql), (self._after_statement, self._after_sql),
@@ -1085,6 +1092,7 @@ cdef class BatchLoop:
             try:
                 began = _monotonic()
                 self._deadline = planner.deadline()
+                guard.alert(self._deadline)
                 try:
                     self._run(batch, n)
                 finally:

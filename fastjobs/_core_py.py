@@ -16,6 +16,7 @@ from . import _claimed_py, _fast_lane_py, _hand_back_py, _libpq_py, guard, outco
 from .abc import (
     COMPLETED,
     FRONT_CLAIM_DUTY,
+    HAND_BACK_AFTER,
     PG_EPOCH_US,
     PICKUP_SUM,
     ROW,
@@ -225,6 +226,13 @@ class BatchLoop:
     @property
     def recheck(self) -> float:
         return self.planner.recheck
+
+    def due(self) -> float:
+        if self._handed:
+            return 0.0
+        if self._tx:  # between two handlers too: the next may start just before the deadline
+            return self._deadline
+        return self._job_began + HAND_BACK_AFTER if self._job_began else 0.0
 
     def prepare(self, plan_ahead: bool = False) -> None:
         for name, text in self._statements.values():

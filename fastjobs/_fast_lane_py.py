@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from . import outcomes, sql
+from . import guard, outcomes, sql
 from .errors import LoopError
 
 if TYPE_CHECKING:
@@ -116,6 +116,7 @@ def _fast(self: BatchLoop, rows: list[Row], index: int) -> int:
     """
     began = time.perf_counter()
     self._deadline = self.planner.deadline()
+    guard.alert(self._deadline)
     try:
         self._run(rows)
     finally:

@@ -35,6 +35,7 @@ __all__ = [
     "FAST_LANE_DEMOTE",
     "FRONT_CLAIM_DUTY",
     "FRONT_CLAIM_MAX_WAIT",
+    "GUARD_IDLE",
     "GUARD_TICK",
     "HAND_BACK_AFTER",
     "INT64_MAX",
@@ -81,6 +82,12 @@ BATCH_SECONDS = 0.1
 # the rest are free, so its transaction lives about a batch whatever the
 # handler does.
 HAND_BACK_AFTER = 1.0
+# The guard sleeps to the earliest moment a loop's handler may outrun its bound (BatchLoop.due),
+# and at most GUARD_IDLE: a state-lane handler is seen well inside HAND_BACK_AFTER, and a fast
+# batch's start wakes it (guard.alert). It ticked every 20 ms before: 50 wake-ups a second, each
+# taking the GIL from the loop's thread (bench/RESULTS.md, issue 22 §5, tenth sitting). GUARD_TICK:
+# how late past a deadline the guard may act (its thread's scheduling).
+GUARD_IDLE = 0.25
 GUARD_TICK = 0.02
 # The next claim's size is twice what the last one found, but at most this
 # factor below the last claim's size: a burst arriving between empty claims
@@ -216,6 +223,10 @@ class BatchLoop(Protocol):
 
     def finish(self) -> None:
         """Give back the batch claimed ahead and write every outcome still held."""
+
+    def due(self) -> float:
+        """When (time.monotonic()) a handler running may outrun its bound, for the guard: the fast
+        batch's deadline, or HAND_BACK_AFTER after the state-lane job's start; 0.0: none runs."""
 
     def hand_back(self) -> bool:
         """From the guard's thread: when a handler outran its bound, hand back what its batch holds.

@@ -20,8 +20,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from fastjobs import App, control, maintenance
-from fastjobs.abc import HAND_BACK_AFTER
+from fastjobs import App, control, guard, maintenance
+from fastjobs.abc import GUARD_IDLE, GUARD_TICK, HAND_BACK_AFTER
 from fastjobs.executor import Executor
 
 from . import procs
@@ -311,3 +311,43 @@ def test_jobs_the_executor_has_not_started_are_handed_back(app: App, dsn: str, k
         loop.finish()
     assert sorted(ran) == list(range(10))
     assert by_state(dsn) == {}
+
+
+class _Watched:
+    """What the guard reads of a loop: its due moment, set by the test; each look and hand-back noted."""
+
+    def __init__(self) -> None:
+        self.at = 0.0
+        self.looks = 0
+        self.handed: list[float] = []
+
+    def due(self) -> float:
+        self.looks += 1
+        return self.at
+
+    def hand_back(self) -> bool:
+        self.handed.append(time.monotonic())
+        self.at = 0.0
+        return True
+
+
+def test_the_guard_wakes_for_a_bound_not_on_a_tick() -> None:
+    """Quick jobs outrun no bound: the guard looks at a loop with no handler due GUARD_IDLE apart
+    (a 20-ms tick looked 50 times a second, taking the GIL from the loop's thread each time); it
+    acts at a state-lane job's bound, and a fast batch's start wakes it for that batch's deadline."""
+    watched = _Watched()
+    guard.watch(watched)  # type: ignore[arg-type]  # the two methods the guard calls
+    time.sleep(0.1)  # its first look
+    looks = watched.looks
+    time.sleep(1.0)
+    assert watched.looks - looks <= 1.0 / GUARD_IDLE + 1 and not watched.handed
+    began = time.monotonic()
+    watched.at = began + 0.4  # a job the guard finds at its next look, due at its bound
+    assert wait_until(lambda: watched.handed, timeout=5)
+    assert 0.4 <= watched.handed[0] - began < 0.4 + GUARD_TICK + 0.05
+    time.sleep(0.1)  # asleep for GUARD_IDLE again
+    began = time.monotonic()
+    watched.at = began + 0.05  # a fast batch with a deadline sooner than the guard's next look
+    guard.alert(watched.at)
+    assert wait_until(lambda: len(watched.handed) == 2, timeout=5)
+    assert 0.05 <= watched.handed[1] - began < 0.05 + GUARD_TICK + 0.05 < GUARD_IDLE
