@@ -21,7 +21,7 @@ import psycopg
 import pytest
 
 from fastjobs import App, control, guard, maintenance
-from fastjobs.abc import GUARD_IDLE, GUARD_TICK, HAND_BACK_AFTER
+from fastjobs.abc import GUARD_IDLE, HAND_BACK_AFTER
 from fastjobs.executor import Executor
 
 from . import procs
@@ -337,17 +337,23 @@ def test_the_guard_wakes_for_a_bound_not_on_a_tick() -> None:
     acts at a state-lane job's bound, and a fast batch's start wakes it for that batch's deadline."""
     watched = _Watched()
     guard.watch(watched)  # type: ignore[arg-type]  # the two methods the guard calls
-    time.sleep(0.1)  # its first look
+
+    def just_looked() -> float:
+        """Right after one of the guard's looks: the next comes GUARD_IDLE later, unless alerted."""
+        looks = watched.looks
+        assert wait_until(lambda: watched.looks > looks, timeout=5)
+        return time.monotonic()
+
+    just_looked()
     looks = watched.looks
     time.sleep(1.0)
-    assert watched.looks - looks <= 1.0 / GUARD_IDLE + 1 and not watched.handed
-    began = time.monotonic()
+    assert watched.looks - looks <= 1.0 / GUARD_IDLE + 2 and not watched.handed
+    began = just_looked()
     watched.at = began + 0.4  # a job the guard finds at its next look, due at its bound
-    assert wait_until(lambda: watched.handed, timeout=5)
-    assert 0.4 <= watched.handed[0] - began < 0.4 + GUARD_TICK + 0.05
-    time.sleep(0.1)  # asleep for GUARD_IDLE again
-    began = time.monotonic()
-    watched.at = began + 0.05  # a fast batch with a deadline sooner than the guard's next look
+    assert wait_until(lambda: bool(watched.handed), timeout=5)
+    assert 0.4 <= watched.handed[0] - began < 0.4 + GUARD_IDLE / 2
+    began = just_looked()
+    watched.at = began + 0.05  # a fast batch whose deadline comes before the guard's next look
     guard.alert(watched.at)
     assert wait_until(lambda: len(watched.handed) == 2, timeout=5)
-    assert 0.05 <= watched.handed[1] - began < 0.05 + GUARD_TICK + 0.05 < GUARD_IDLE
+    assert 0.05 <= watched.handed[1] - began < 0.05 + GUARD_IDLE / 2
