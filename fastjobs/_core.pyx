@@ -570,7 +570,7 @@ cdef class BatchLoop:
     def recheck(self):
         return self.planner.recheck
 
-    def due(self):
+    cpdef double due(self):
         if self._handed:
             return 0.0
         if self._tx:
@@ -1349,7 +1349,6 @@ cdef class BatchLoop:
 
     def hand_back(self):
         """From the guard's thread: hand back what a slow handler's batch holds (see the reference)."""
-        cdef double now
         if self._job_began == 0.0 or self._handed:
             return False
         self._guard_lock.acquire()
@@ -1357,11 +1356,7 @@ cdef class BatchLoop:
             if self._job_began == 0.0 or self._handed:
                 return False
             self._handing = True  # with the check above, before any call: see _guard_lock
-            now = _monotonic()
-            if self._tx:
-                if now <= self._deadline:
-                    return False
-            elif now - self._job_began < _HAND_BACK_AFTER or not self._holding():
+            if _monotonic() <= self.due() or not (self._tx or self._holding()):
                 return False
             self._handed = True
             self.planner.handed_back(self._batch_base // self._stride)

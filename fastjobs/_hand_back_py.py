@@ -7,7 +7,6 @@ import time
 from typing import TYPE_CHECKING
 
 from . import outcomes, sql
-from .abc import HAND_BACK_AFTER
 from .errors import LoopError
 from .types import Outcome
 
@@ -46,13 +45,10 @@ def hand_back(self: BatchLoop) -> bool:
     if not self._job_began or self._handed:
         return False
     with self._guard_lock:
-        began, now = self._job_began, time.monotonic()
-        if not began or self._handed:
+        if not self._job_began or self._handed:
             return False
-        if self._tx:
-            if now <= self._deadline:
-                return False
-        elif now - began < HAND_BACK_AFTER or not self._holding():
+        # Its bound (BatchLoop.due); the fast lane's transaction is always worth handing over.
+        if time.monotonic() <= self.due() or not (self._tx or self._holding()):
             return False
         self._handed = True
         self.planner.handed_back(self._batch_base // self._stride)
